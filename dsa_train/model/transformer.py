@@ -1,0 +1,280 @@
+"""The DeepSeek-V3 decoder with DSA attention, multi-token prediction, and the causal-LM head.
+
+Parameter names are Hugging Face's, so state dicts map 1:1 onto V3 / V3.2 checkpoints:
+`model.embed_tokens`, `model.layers.{i}.{input_layernorm,self_attn,post_attention_layernorm,mlp}`,
+`model.norm`, `lm_head`; the MTP module is `model.layers.{num_hidden_layers}` with `embed_tokens`,
+`enorm`, `hnorm`, `eh_proj`, `shared_head.{norm,head}` beside its own attention and MoE.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import dsa_kernels as K
+
+from .config import DSAConfig
+from .mla import MLA, AttentionAux, AttentionRequest
+from .moe import MLP, MoE
+from .norm import RMSNorm
+from .rope import RotaryEmbedding
+
+# Keep these in fp32 whatever the model dtype (as in the V3.2 checkpoints and inference code).
+FP32_PARAM_SUFFIXES = ("indexer.weights_proj.weight", "indexer.k_norm.weight", "indexer.k_norm.bias")
+
+
+@dataclass
+class DSAOutput:
+    logits: torch.Tensor | None = None  # [B, T, V]
+    lm_loss: torch.Tensor | None = None
+    indexer_loss: torch.Tensor | None = None  # mean over layers of (KL sum / query tokens)
+    mtp_loss: torch.Tensor | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    topk_indices: list[torch.Tensor] | None = None  # per layer [B, T, k] when return_topk
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DSAConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MLA(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MoE(config) if config.is_moe_layer(layer_idx) else MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, h, cos, sin, doc_start, request: AttentionRequest) -> tuple[torch.Tensor, AttentionAux]:
+        attn_out, aux = self.self_attn(self.input_layernorm(h), cos, sin, doc_start, request)
+        h = h + attn_out
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, aux
+
+
+class SharedHead(nn.Module):
+    def __init__(self, config: DSAConfig):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+class MTPLayer(DecoderLayer):
+    """Multi-token prediction module: predicts token t+2 from h_t and the embedding of token t+1.
+    h' = eh_proj([enorm(emb(x_{t+1})) ; hnorm(h_t)]) -> decoder block -> shared_head."""
+
+    def __init__(self, config: DSAConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.shared_head = SharedHead(config)
+
+    def predict(self, h, next_ids, cos, sin, doc_start, request) -> torch.Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(next_ids)), self.hnorm(h)], dim=-1))
+        x, _ = super().forward(x, cos, sin, doc_start, request)
+        return self.shared_head.head(self.shared_head.norm(x))
+
+
+class DSAModel(nn.Module):
+    def __init__(self, config: DSAConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        layers: list[nn.Module] = [DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        layers += [
+            MTPLayer(config, config.num_hidden_layers + j) for j in range(config.num_nextn_predict_layers or 0)
+        ]
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+class DSAForCausalLM(nn.Module):
+    """DeepSeek-V3 / V3.2 causal LM whose attention runs dense MLA or DeepSeek Sparse Attention."""
+
+    def __init__(self, config: DSAConfig):
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.model = DSAModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.init_weights()
+
+    # ------------------------------------------------------------------ init
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        std = self.config.initializer_range
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+                module.reset_parameters() if isinstance(module, nn.LayerNorm) else module.weight.fill_(1.0)
+            elif isinstance(module, MoE):
+                module.gate.weight.normal_(0.0, std)
+                module.gate.e_score_correction_bias.zero_()
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def init_indexers(self) -> None:
+        """Fresh indexers (a dense V3 checkpoint has none); see LightningIndexer's docstring."""
+        for layer in self.model.layers:
+            layer.self_attn.indexer.reset_parameters(self.config.initializer_range)
+
+    def cast(self, dtype: torch.dtype) -> "DSAForCausalLM":
+        """Cast to dtype, keeping the indexer's weights_proj / k_norm and router biases in fp32."""
+        self.to(dtype)
+        for name, p in self.named_parameters():
+            if name.endswith(FP32_PARAM_SUFFIXES):
+                p.data = p.data.float()
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.gate.e_score_correction_bias.data = module.gate.e_score_correction_bias.data.float()
+        return self
+
+    # ------------------------------------------------------------------ params
+    def indexer_parameters(self):
+        return [p for n, p in self.named_parameters() if ".indexer." in n]
+
+    def main_layers(self) -> list[DecoderLayer]:
+        return list(self.model.layers[: self.config.num_hidden_layers])
+
+    def mtp_layers(self) -> list[MTPLayer]:
+        return list(self.model.layers[self.config.num_hidden_layers :])
+
+    @torch.no_grad()
+    def update_router_bias(self, rate: float) -> None:
+        """Aux-loss-free balancing step from the last forward's expert loads."""
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.update_bias(rate)
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention: str = "dense",
+        labels: torch.Tensor | None = None,
+        indexer_loss: bool = False,
+        position_ids: torch.Tensor | None = None,
+        compute_logits: bool = True,
+        topk: int | None = None,
+        measure_topk_recall: int = 0,
+        mtp: bool = False,
+        mla_form: str = "auto",
+        return_topk: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> DSAOutput:
+        """input_ids [B, T]; position_ids [B, T] restart at 0 where a packed document starts (or
+        cu_seqlens [n_docs + 1] for a single packed row). labels [B, T] are next-token targets
+        (-100 ignored). See README "Public API"."""
+        B, T = input_ids.shape
+        cfg = self.config
+        if position_ids is None:
+            if cu_seqlens is not None:
+                if B != 1:
+                    raise ValueError("cu_seqlens describes one packed row; pass position_ids for B > 1")
+                doc_start = K.doc_starts_from_cu_seqlens(cu_seqlens.to(input_ids.device), T)
+                position_ids = torch.arange(T, device=input_ids.device)[None] - doc_start
+            else:
+                position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+                doc_start = torch.zeros_like(position_ids)
+        else:
+            if position_ids.shape != input_ids.shape:
+                position_ids = position_ids.expand(B, T)
+            doc_start = K.doc_starts_from_position_ids(position_ids)
+        if int(position_ids.max()) >= cfg.max_position_embeddings:
+            raise ValueError(
+                f"position {int(position_ids.max())} is beyond max_position_embeddings="
+                f"{cfg.max_position_embeddings}; shorten seq_len or use a model with longer context"
+            )
+        request = AttentionRequest(
+            attention=attention,
+            indexer_loss=indexer_loss,
+            topk=topk or cfg.index_topk,
+            mla_form=mla_form,
+            return_topk=return_topk,
+        )
+        if measure_topk_recall and attention == "sparse":
+            g = torch.Generator().manual_seed(T)
+            n = min(measure_topk_recall, T)
+            request.recall_queries = torch.randperm(T, generator=g)[:n].sort().values
+
+        cos, sin = self.model.rotary_emb(position_ids)
+        h = self.model.embed_tokens(input_ids)
+        auxes: list[AttentionAux] = []
+        for layer in self.main_layers():
+            h, aux = layer(h, cos, sin, doc_start, request)
+            auxes.append(aux)
+
+        out = DSAOutput()
+        if compute_logits or labels is not None:
+            out.logits = self.lm_head(self.model.norm(h))
+            if labels is not None:
+                out.lm_loss = F.cross_entropy(
+                    out.logits.float().reshape(-1, out.logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+                )
+        if mtp and labels is not None and self.mtp_layers() and T > 1:
+            out.mtp_loss = self._mtp_loss(h, input_ids, labels, cos, sin, doc_start, request)
+        if indexer_loss:
+            per_layer = [a.indexer_kl_sum / max(a.indexer_queries, 1.0) for a in auxes]
+            out.indexer_loss = torch.stack(per_layer).mean()
+            self._kl_metrics(out.metrics, auxes)
+        if request.recall_queries is not None:
+            out.metrics["topk_recall"] = float(torch.stack([a.topk_recall for a in auxes]).mean())
+        if return_topk:
+            out.topk_indices = [a.topk_indices for a in auxes]
+        self._moe_metrics(out.metrics)
+        return out
+
+    def _mtp_loss(self, h, input_ids, labels, cos, sin, doc_start, request) -> torch.Tensor:
+        # position t (< T-1) sees h_t and token t+1, and predicts labels[t+1] (= token t+2).
+        # A document end (labels[t] == -100) would leak across documents: its target is ignored.
+        mtp_request = AttentionRequest(attention=request.attention, topk=request.topk)
+        target = labels[:, 1:].masked_fill(labels[:, :-1] == -100, -100)
+        logits = self.mtp_layers()[0].predict(
+            h[:, :-1], input_ids[:, 1:], cos[:, :-1], sin[:, :-1], doc_start[:, :-1], mtp_request
+        )
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+
+    @staticmethod
+    def _kl_metrics(metrics: dict, auxes: list[AttentionAux]) -> None:
+        kls, uniforms = [], []
+        for i, a in enumerate(auxes):
+            kl = float(a.indexer_kl_sum.detach()) / max(a.indexer_queries, 1.0)
+            klu = float(a.indexer_kl_uniform_sum) / max(a.indexer_queries, 1.0)
+            metrics[f"indexer_kl/layer_{i}"] = kl
+            kls.append(kl)
+            uniforms.append(klu)
+        metrics["indexer_kl"] = sum(kls) / len(kls)
+        metrics["indexer_kl_uniform"] = sum(uniforms) / len(uniforms)
+        metrics["indexer_kl_captured"] = 1.0 - metrics["indexer_kl"] / max(metrics["indexer_kl_uniform"], 1e-12)
+
+    def _moe_metrics(self, metrics: dict) -> None:
+        loads = [m.last_expert_load for m in self.main_moe_modules() if m.last_expert_load.sum() > 0]
+        if not loads:
+            return
+        load = torch.stack(loads)  # [L_moe, E]
+        frac = load / load.sum(-1, keepdim=True)
+        metrics["moe/expert_load_min"] = float(frac.min(-1).values.mean())
+        metrics["moe/expert_load_max"] = float(frac.max(-1).values.mean())
+        metrics["moe/expert_load_cv"] = float((frac.std(-1) / frac.mean(-1)).mean())
+
+    def main_moe_modules(self) -> list[MoE]:
+        return [layer.mlp for layer in self.main_layers() if isinstance(layer.mlp, MoE)]
+
+    # ------------------------------------------------------------------ I/O
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> "DSAForCausalLM":
+        from ..checkpoint.hf import load_pretrained
+
+        return load_pretrained(path, dtype=dtype)
+
+    def save_pretrained(self, path: str | os.PathLike, **kwargs) -> None:
+        from ..checkpoint.hf import save_pretrained
+
+        save_pretrained(self, path, **kwargs)

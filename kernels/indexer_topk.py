@@ -1,0 +1,86 @@
+"""Lightning indexer scores (report eq. 1) and top-k token selection (eq. 2): PyTorch reference.
+
+    I[t, s] = sum_j w[t, j] * ReLU(q_I[t, j] . k_I[s])      for doc_start[t] <= s <= t
+
+Shapes: q_I [B, T, H_I, D_I] (roped, optionally Hadamard-rotated), k_I [B, T, D_I] (one key head
+shared by all indexer heads), w [B, T, H_I] fp32 with the H_I^-1/2 * D_I^-1/2 scale folded in,
+doc_start [B, T]. The [T, T] score matrix exists only one query chunk at a time.
+
+Top-k convention: invalid keys score -inf; a row with fewer than k valid keys returns all of
+them followed by -1 slots (score -inf). Ties are broken towards the lower key index (a stable
+sort), so the selected set is deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .masking import chunk_key_range, chunk_valid_mask, query_chunk_size
+
+
+def index_scores_block(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor
+) -> torch.Tensor:
+    """q [B, C, H, D], k [B, S, D], w [B, C, H] -> scores [B, C, S] fp32 (no masking)."""
+    logits = torch.einsum("bchd,bsd->bchs", q.float(), k.float())  # [B, C, H, S]
+    return torch.einsum("bchs,bch->bcs", torch.relu(logits), w.float())
+
+
+def index_scores_ref(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, doc_start: torch.Tensor, q0: int, q1: int
+) -> tuple[torch.Tensor, int]:
+    """Masked scores of queries [q0, q1) against their key window -> ([B, C, S] with -inf, k0)."""
+    k0, k1 = chunk_key_range(doc_start, q0, q1)
+    scores = index_scores_block(q[:, q0:q1], k[:, k0:k1], w[:, q0:q1])
+    valid = chunk_valid_mask(doc_start, q0, q1, k0, k1)
+    return scores.masked_fill(~valid, float("-inf")), k0
+
+
+def topk_from_scores(scores: torch.Tensor, topk: int, key_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [B, C, S] (-inf = invalid) -> (indices [B, C, topk] int32 with -1, values [B, C, topk])."""
+    B, C, S = scores.shape
+    kk = min(topk, S)
+    values, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    values, order = values[..., :kk], order[..., :kk]
+    indices = torch.where(torch.isfinite(values), order + key_offset, torch.full_like(order, -1))
+    if kk < topk:
+        pad = topk - kk
+        indices = torch.cat([indices, indices.new_full((B, C, pad), -1)], dim=-1)
+        values = torch.cat([values, values.new_full((B, C, pad), float("-inf"))], dim=-1)
+    return indices.to(torch.int32), values
+
+
+@torch.no_grad()
+def indexer_topk_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    doc_start: torch.Tensor,
+    topk: int,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k keys per query -> (topk_indices [B, T, topk] int32, -1 invalid; topk_scores fp32)."""
+    B, T, H, _ = q.shape
+    chunk = chunk_size or query_chunk_size(T, per_query_elems=B * H * T)
+    all_idx, all_val = [], []
+    for q0 in range(0, T, chunk):
+        q1 = min(T, q0 + chunk)
+        scores, k0 = index_scores_ref(q, k, w, doc_start, q0, q1)
+        idx, val = topk_from_scores(scores, topk, key_offset=k0)
+        all_idx.append(idx)
+        all_val.append(val)
+    return torch.cat(all_idx, dim=1), torch.cat(all_val, dim=1)
+
+
+def gather_index_scores(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, indices: torch.Tensor
+) -> torch.Tensor:
+    """Differentiable scores at selected keys: q [B,C,H,D], k [B,T,D], w [B,C,H], indices [B,C,K]
+    -> [B, C, K] fp32 with -inf at -1 slots."""
+    valid = indices >= 0
+    safe = indices.clamp(min=0).long()
+    B, C, K = safe.shape
+    k_sel = torch.gather(k, 1, safe.reshape(B, C * K, 1).expand(-1, -1, k.shape[-1])).view(B, C, K, -1)
+    logits = torch.einsum("bchd,bckd->bchk", q.float(), k_sel.float())
+    scores = torch.einsum("bchk,bch->bck", torch.relu(logits), w.float())
+    return scores.masked_fill(~valid, float("-inf"))
