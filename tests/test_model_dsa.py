@@ -1,0 +1,206 @@
+"""DSA behaviour of the model: forms, modes, gradient routing, packing and edge cases."""
+
+import pytest
+import torch
+
+import dsa_train
+from dsa_train.model.moe import MoE
+from tests.hf_tiny import randomize_
+
+
+def tiny(**kw):
+    torch.manual_seed(0)
+    cfg = dsa_train.tiny_config(**{"index_topk": 8, "index_n_heads": 8, **kw})
+    model = dsa_train.DSAForCausalLM(cfg)
+    randomize_(model, 3)
+    return model
+
+
+def ids(B=2, T=24, seed=0, vocab=4096):
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def packed_positions(lengths_per_row, T):
+    rows = []
+    for lengths in lengths_per_row:
+        assert sum(lengths) == T
+        rows.append(torch.cat([torch.arange(n) for n in lengths]))
+    return torch.stack(rows)
+
+
+@torch.no_grad()
+def test_mha_and_mqa_forms_are_the_same_function():
+    model = tiny()
+    x = ids()
+    pos = packed_positions([[10, 14], [24]], 24)
+    mha = model(x, attention="dense", mla_form="mha", position_ids=pos).logits
+    mqa = model(x, attention="dense", mla_form="mqa", position_ids=pos).logits
+    torch.testing.assert_close(mha, mqa, rtol=1e-4, atol=1e-5)
+
+
+@torch.no_grad()
+def test_sparse_with_k_at_least_seq_len_equals_dense():
+    model = tiny()
+    x = ids(T=20)
+    dense = model(x, attention="dense").logits
+    for k in (20, 64):
+        sparse = model(x, attention="sparse", topk=k).logits
+        torch.testing.assert_close(sparse, dense, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(model(x, attention="sparse", topk=4).logits, dense, atol=1e-4)
+
+
+def _grads(model):
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_sparse_gradient_routing():
+    model = tiny()
+    x = ids(T=30)
+    out = model(x, attention="sparse", labels=x, indexer_loss=True)
+    out.lm_loss.backward(retain_graph=True)
+    for n, g in _grads(model).items():
+        if ".indexer." in n:
+            assert g is None or bool((g == 0).all()), f"LM loss reached indexer parameter {n}"
+    lm_grads = {n: g.clone() for n, g in _grads(model).items() if g is not None}
+    assert any(".self_attn.q_b_proj" in n and g.abs().sum() > 0 for n, g in lm_grads.items())
+    model.zero_grad(set_to_none=True)
+    out.indexer_loss.backward()
+    touched = 0
+    for n, g in _grads(model).items():
+        if ".indexer." in n:
+            touched += int(g is not None and g.abs().sum() > 0)
+        else:
+            assert g is None or bool((g == 0).all()), f"indexer loss reached main parameter {n}"
+    assert touched > 0
+
+
+def test_dense_warmup_trains_only_the_indexer():
+    model = tiny()
+    for n, p in model.named_parameters():
+        p.requires_grad_(".indexer." in n)
+    x = ids(T=30)
+    out = model(x, attention="dense", indexer_loss=True, compute_logits=False)
+    assert out.logits is None and out.lm_loss is None
+    out.indexer_loss.backward()
+    got = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert got and all(".indexer." in n for n in got)
+    main_indexers = [n for n, _ in model.named_parameters() if ".indexer." in n and "layers.2." not in n]
+    assert set(main_indexers) <= {n for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_packed_documents_never_select_across_boundaries():
+    model = tiny()
+    T = 40
+    pos = packed_positions([[5, 20, 15], [3, 3, 34]], T)  # docs shorter than k = 8, rows differ
+    x = ids(T=T)
+    with torch.no_grad():
+        out = model(x, attention="sparse", position_ids=pos, return_topk=True)
+    doc_start = torch.arange(T) - pos
+    for layer_idx in out.topk_indices:
+        for b in range(2):
+            for t in range(T):
+                sel = layer_idx[b, t]
+                chosen = sel[sel >= 0]
+                assert bool(((chosen >= doc_start[b, t]) & (chosen <= t)).all())
+                n_valid = t - int(doc_start[b, t]) + 1
+                assert len(chosen) == min(n_valid, 8)  # t < k: every valid key, rest -1
+
+
+@torch.no_grad()
+def test_packed_rows_equal_separate_documents():
+    """A packed row gives each document the logits it gets alone (dense and sparse)."""
+    model = tiny()
+    a, b = ids(B=1, T=13, seed=1), ids(B=1, T=19, seed=2)
+    packed = torch.cat([a, b], dim=1)
+    pos = packed_positions([[13, 19]], 32)
+    for mode in ("dense", "sparse"):
+        joint = model(packed, attention=mode, position_ids=pos).logits
+        torch.testing.assert_close(joint[:, :13], model(a, attention=mode).logits, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(joint[:, 13:], model(b, attention=mode).logits, rtol=1e-4, atol=1e-5)
+    cu = torch.tensor([0, 13, 32])
+    torch.testing.assert_close(model(packed, cu_seqlens=cu).logits, model(packed, position_ids=pos).logits)
+
+
+@pytest.mark.parametrize("T", [1, 7, 33])
+def test_lengths_below_k_and_not_multiple_of_chunk(T):
+    model = tiny()
+    x = ids(T=T)
+    out = model(x, attention="sparse", labels=x, indexer_loss=True)
+    assert torch.isfinite(out.logits).all() and torch.isfinite(out.indexer_loss)
+    out.indexer_loss.backward()
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            assert torch.isfinite(p.grad).all(), n
+
+
+def test_indexer_loss_metrics_and_recall():
+    model = tiny()
+    x = ids(T=48)
+    out = model(x, attention="sparse", indexer_loss=True, measure_topk_recall=6)
+    m = out.metrics
+    assert 0.0 < m["topk_recall"] <= 1.0 + 1e-6
+    assert m["indexer_kl"] >= 0 and m["indexer_kl_uniform"] >= 0
+    assert m["indexer_kl_captured"] == pytest.approx(1 - m["indexer_kl"] / m["indexer_kl_uniform"])
+    assert {"indexer_kl/layer_0", "indexer_kl/layer_1"} <= set(m)
+    dense = model(x, attention="dense", indexer_loss=True, topk=8)
+    assert dense.metrics["indexer_kl"] != m["indexer_kl"]
+    full = model(x, attention="sparse", measure_topk_recall=6, topk=64)
+    assert full.metrics["topk_recall"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_router_group_limited_selection_and_bias_only_for_choice():
+    model = tiny(n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2)
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    router = moe.gate
+    x = torch.randn(64, model.config.hidden_size)
+    with torch.no_grad():
+        router.e_score_correction_bias.zero_()
+        router.e_score_correction_bias[0] = 100.0  # expert 0 always chosen...
+        experts, weights = router(x)
+    assert bool((experts == 0).any(dim=-1).all())
+    scores = torch.sigmoid(x @ router.weight.T)
+    picked = scores.gather(1, experts)
+    # ...but its weight comes from the unbiased score, normalized, times routed_scaling_factor
+    torch.testing.assert_close(weights, picked / picked.sum(-1, keepdim=True) * 2.5)
+    groups = experts // 2  # 4 groups of 2 experts
+    assert all(len(set(g.tolist())) <= 2 for g in groups)  # at most topk_group groups per token
+
+
+def test_aux_free_bias_update_moves_towards_balance():
+    model = tiny()
+    x = ids(T=64)
+    with torch.no_grad():
+        model(x)
+    moe = model.main_moe_modules()[0]
+    load = moe.last_expert_load.clone()
+    before = moe.gate.e_score_correction_bias.clone()
+    model.update_router_bias(0.01)
+    delta = moe.gate.e_score_correction_bias - before
+    over = load > load.mean()
+    assert bool((delta[over] < 0).all()) and bool((delta[load < load.mean()] > 0).all())
+
+
+def test_mtp_loss_when_enabled():
+    model = tiny()
+    x = ids(T=16)
+    out = model(x, labels=x, mtp=True)
+    assert out.mtp_loss is not None and torch.isfinite(out.mtp_loss)
+    out.mtp_loss.backward()
+    mtp = model.mtp_layers()[0]
+    assert mtp.eh_proj.weight.grad is not None and mtp.eh_proj.weight.grad.abs().sum() > 0
+    assert model(x, labels=x).mtp_loss is None  # off by default
+
+
+def test_positions_beyond_the_model_fail_clearly():
+    model = tiny(max_position_embeddings=16)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model(ids(T=20))
+
+
+def test_bf16_keeps_indexer_weights_proj_in_fp32():
+    model = tiny().cast(torch.bfloat16)
+    idx = model.model.layers[0].self_attn.indexer
+    assert idx.weights_proj.weight.dtype == torch.float32 and idx.k_norm.bias.dtype == torch.float32
+    assert idx.wq_b.weight.dtype == torch.bfloat16
+    out = model(ids(T=12), attention="sparse", indexer_loss=True)
+    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.indexer_loss)
