@@ -1,0 +1,35 @@
+"""Structured configs for `dsa-train` recipes (Hydra ConfigStore + `recipes/`)."""
+
+from dsa_train.config.recipes import (
+    DEFAULT_RECIPE,
+    compose_recipe,
+    load_recipe,
+    recipes_dir,
+    to_train_config,
+)
+from dsa_train.config.schema import (
+    Attention,
+    CheckpointConfig,
+    ClusterConfig,
+    DataSection,
+    Decay,
+    Device,
+    DType,
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    StageConfig,
+    Trainable,
+    TrainConfig,
+    WandbMode,
+)
+from dsa_train.config.store import register_configs
+from dsa_train.config.validate import ConfigError, validate
+
+__all__ = [
+    "Attention", "CheckpointConfig", "ClusterConfig", "ConfigError", "DEFAULT_RECIPE", "DType",
+    "DataSection", "Decay", "Device", "LoggingConfig", "ModelConfig", "OptimConfig",
+    "ParallelConfig", "StageConfig", "TrainConfig", "Trainable", "WandbMode", "compose_recipe",
+    "load_recipe", "recipes_dir", "register_configs", "to_train_config", "validate",
+]

@@ -1,0 +1,198 @@
+"""Structured configs: the schema every recipe is validated against.
+
+Each dataclass is one Hydra config group (``recipes/<group>/*.yaml``). Recipes compose them
+on top of :class:`TrainConfig`; a key that is not declared here, or a value of the wrong
+type, fails at start-up with an error naming the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from omegaconf import MISSING
+
+
+class Attention(str, Enum):
+    dense = "dense"    # full causal attention
+    sparse = "sparse"  # attention over the indexer's top-k keys (DSA)
+
+
+class Trainable(str, Enum):
+    indexer = "indexer"  # parameters with ".indexer." in their name; everything else frozen
+    all = "all"
+
+
+class Decay(str, Enum):
+    constant = "constant"
+    cosine = "cosine"
+    linear = "linear"
+
+
+class DType(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class Device(str, Enum):
+    auto = "auto"  # cuda when available, else cpu
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class WandbMode(str, Enum):
+    auto = "auto"  # online when WANDB_API_KEY is set, else offline
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
+@dataclass
+class ModelConfig:
+    # Hugging Face directory (DeepSeek-V3 / V3.1 / V3.2 layout), or null for a from-scratch
+    # model built from `arch`. Mandatory: a recipe says which one it means.
+    pretrained: str | None = MISSING
+    # Fields passed to `dsa_train.model.tiny_config(**arch)` for a from-scratch model,
+    # e.g. {num_hidden_layers: 4, hidden_size: 256, index_topk: 64}. Must be empty with
+    # `pretrained`. `vocab_size` defaults to the tokenizer's.
+    arch: dict[str, Any] = field(default_factory=dict)
+    dtype: DType = DType.float32
+
+
+@dataclass
+class StageConfig:
+    """One stage of the continued-pretraining chain (report section 2.1.1)."""
+
+    attention: Attention = Attention.dense
+    trainable: Trainable = Trainable.indexer
+    steps: int = 100
+    # Sequences per optimizer step over all data-parallel ranks. Gradient accumulation
+    # steps = global_batch_size / (data.micro_batch_size * data-parallel size).
+    global_batch_size: int = 1
+    lr: float = 1e-3
+    # Linear warm-up from 0 to `lr` over `warmup_steps`, then `decay` down to `lr * min_lr_ratio`.
+    warmup_steps: int = 0
+    decay: Decay = Decay.constant
+    min_lr_ratio: float = 0.0
+    # loss = lm_loss_coef * LM cross-entropy + indexer_loss_coef * indexer KL (eq. 3 / eq. 4).
+    # lm_loss_coef == 0 skips the final norm, LM head and cross-entropy.
+    lm_loss_coef: float = 0.0
+    indexer_loss_coef: float = 1.0
+    # Top-k of the sparse selection; None: the model's `index_topk`.
+    topk: int | None = None
+    # Aux-loss-free MoE balancing: e_score_correction_bias += rate * sign(mean load - load)
+    # after every optimizer step. 0 disables.
+    router_bias_update_rate: float = 0.0
+    # Queries sampled per layer to measure top-k recall of the dense attention mass
+    # (sparse stages only; 0 disables). Measured on logging steps.
+    topk_recall_queries: int = 0
+
+
+@dataclass
+class DataSection:
+    """Mirror of `dsa_train.data.DataConfig` (same fields, same defaults)."""
+
+    sources: list[str] = field(default_factory=lambda: ["bundled"])
+    text_field: str = "text"
+    tokenizer: str | None = None
+    seq_len: int = 512
+    micro_batch_size: int = 1
+    seed: int = 1234
+    streaming: bool = False
+    cache_dir: str | None = None
+    add_bos: bool = True
+    add_eos: bool = True
+    num_workers: int = 0
+    txt_sample_by: str = "document"  # .txt files: "document" (one per file) or "paragraph"
+    split: str = "train"  # split of hub datasets
+    shuffle_buffer: int = 10_000  # streaming only: documents in the shuffle buffer (0: none)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW; the learning rate and its schedule belong to each stage."""
+
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    # Applied to matrices only (ndim >= 2); norms, biases and router biases are not decayed.
+    weight_decay: float = 0.1
+    # Max global gradient L2 norm; 0 disables clipping (the norm is still logged).
+    grad_clip: float = 1.0
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout. The single-process engine requires every size to be 1."""
+
+    tensor_parallel: int = 1
+    context_parallel: int = 1
+    expert_parallel: int = 1
+    # -1: world size / (tensor_parallel * context_parallel).
+    data_parallel: int = -1
+    zero_stage: int = 0
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "${run_dir}/checkpoints"
+    # Save every N optimizer steps within a stage (0: only at stage ends).
+    every_n_steps: int = 100
+    # Training checkpoints kept on disk (oldest deleted first); 0 keeps all.
+    keep_last: int = 2
+    # Continue from the latest checkpoint in `dir` (fresh start if there is none).
+    resume: bool = False
+    # Write `model.save_pretrained(<run_dir>/export)` (V3.2 Hugging Face layout) at the end.
+    export: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    wandb_mode: WandbMode = WandbMode.auto
+    project: str = "dsa-train"
+    entity: str | None = None
+    run_name: str = "${run_name}"
+    # W&B writes <wandb_dir>/wandb/<run>/.
+    wandb_dir: str = "${run_dir}"
+    tags: list[str] = field(default_factory=list)
+    log_every: int = 1
+    # Rich progress bar; only shown when stdout is a terminal.
+    progress_bar: bool = True
+    # Peak FLOP/s of one device for MFU. None: a table lookup for known GPUs (dense bf16),
+    # on the CPU 96 GFLOP/s per core (fp32 FMA, 2x AVX2 units, 3 GHz).
+    peak_flops: float | None = None
+
+
+@dataclass
+class ClusterConfig:
+    """Slurm allocation (used by the launchers in `launch/`)."""
+
+    nodes: int = 1
+    gpus_per_node: int = 1
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str = "04:00:00"
+
+
+@dataclass
+class TrainConfig:
+    run_name: str = "demo"
+    # Deterministic per run (never ${now:...}: every torchrun rank would resolve its own).
+    run_dir: str = "runs/${run_name}"
+    seed: int = 1234
+    # torch.use_deterministic_algorithms(True) and deterministic cuBLAS workspace.
+    deterministic: bool = False
+    device: Device = Device.auto
+    # Batches (from a loader seeded apart from training) measured at every stage's start and
+    # end for the run summary. 0 disables.
+    probe_batches: int = 2
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataSection = field(default_factory=DataSection)
+    # Stages run in this order; keys are stage names (override with stages.<name>.<field>=...).
+    stages: dict[str, StageConfig] = field(default_factory=dict)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)

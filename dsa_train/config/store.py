@@ -1,0 +1,41 @@
+"""Registers the structured configs in Hydra's ConfigStore.
+
+`dsa_train_schema` is the root every recipe starts its defaults list with; each group also
+gets a `base` option holding the dataclass defaults (e.g. `dsa-train optim=base`).
+"""
+
+from __future__ import annotations
+
+from hydra.core.config_store import ConfigStore
+
+from dsa_train.config.schema import (
+    CheckpointConfig,
+    ClusterConfig,
+    DataSection,
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    StageConfig,
+    TrainConfig,
+)
+
+ROOT_SCHEMA = "dsa_train_schema"
+
+GROUP_SCHEMAS = {
+    "model": ModelConfig,
+    "stage": StageConfig,
+    "data": DataSection,
+    "optim": OptimConfig,
+    "parallel": ParallelConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+    "cluster": ClusterConfig,
+}
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name=ROOT_SCHEMA, node=TrainConfig)
+    for group, schema in GROUP_SCHEMAS.items():
+        cs.store(group=group, name="base", node=schema)
