@@ -1,0 +1,56 @@
+"""The end-of-run summary: probe values at each stage's start and end."""
+
+from __future__ import annotations
+
+from io import StringIO
+
+from rich.console import Console
+from rich.table import Table
+
+from dsa_train.config import TrainConfig
+
+COLUMNS = [("lm_loss", "LM loss"), ("indexer_kl_captured", "indexer KL captured"), ("topk_recall", "top-k recall")]
+
+
+def summary_metrics(summary: dict) -> dict[str, float]:
+    """Flat `summary/<stage>/<metric>_<start|end>` values for the W&B run summary."""
+    flat = {}
+    for stage, moments in summary.items():
+        for when, values in moments.items():
+            for key, value in values.items():
+                flat[f"summary/{stage}/{key}_{when}"] = value
+    return flat
+
+
+def _cell(moments: dict, key: str) -> str:
+    start = moments.get("start", {}).get(key)
+    end = moments.get("end", {}).get(key)
+    if start is None and end is None:
+        return "-"
+    fmt = lambda v: "?" if v is None else f"{v:.4f}"  # noqa: E731
+    return f"{fmt(start)} -> {fmt(end)}"
+
+
+def format_summary(cfg: TrainConfig, result) -> str:
+    table = Table(title=f"dsa-train run {cfg.run_name}: probe batches, stage start -> end")
+    table.add_column("stage")
+    table.add_column("attention")
+    table.add_column("trains")
+    table.add_column("steps", justify="right")
+    for _, label in COLUMNS:
+        table.add_column(label)
+    for name, stage in cfg.stages.items():
+        moments = result.summary.get(name, {})
+        table.add_row(
+            name, stage.attention.value, stage.trainable.value, str(stage.steps),
+            *[_cell(moments, key) for key, _ in COLUMNS],
+        )
+    buffer = StringIO()
+    console = Console(file=buffer, width=120)
+    console.print(table)
+    console.print(f"run directory: {result.run_dir}")
+    if result.export_dir is not None:
+        console.print(f"export (V3.2 Hugging Face layout): {result.export_dir}")
+    if result.wandb_run_id is not None:
+        console.print(f"W&B run id: {result.wandb_run_id}")
+    return buffer.getvalue()

@@ -1,0 +1,255 @@
+"""The single-process trainer: runs a recipe's stages in order.
+
+Per stage: set the trainable parameters, build a fresh AdamW + schedule (`Engine`), probe, then
+`steps` optimizer steps of `global_batch_size` sequences (gradient accumulation over micro-
+batches), probe again and checkpoint. The data loader is shared by all stages, so the data
+position carries on from one stage to the next. At the end: export the model in the V3.2
+Hugging Face layout and print the summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from dsa_train.config import Attention, ConfigError, Device, StageConfig, TrainConfig, Trainable, validate
+from dsa_train.engine import checkpoint as ckpt
+from dsa_train.engine.engine import Engine
+from dsa_train.engine.probe import measure, probe_batches
+from dsa_train.engine.rng import load_rng_state, rng_state, seed_everything, set_deterministic
+from dsa_train.engine.step import train_step
+from dsa_train.engine.summary import format_summary, summary_metrics
+from dsa_train.logging.perf import memory_metrics, peak_flops_per_device, throughput_metrics
+from dsa_train.logging.progress import StageProgress
+from dsa_train.logging.wandb_run import WandbRun
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    history: list[dict[str, float]] = field(default_factory=list)  # metrics of every step
+    summary: dict = field(default_factory=dict)  # {stage: {"start": probe, "end": probe}}
+    export_dir: Path | None = None
+    wandb_run_id: str | None = None
+
+
+def resolve_device(device: Device) -> torch.device:
+    if device == Device.auto:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == Device.cuda and not torch.cuda.is_available():
+        raise ConfigError("device: cuda requested but no CUDA device is available")
+    return torch.device(device.value)
+
+
+def check_single_process(cfg: TrainConfig) -> None:
+    p = cfg.parallel
+    sizes = {
+        "parallel.tensor_parallel": p.tensor_parallel,
+        "parallel.context_parallel": p.context_parallel,
+        "parallel.expert_parallel": p.expert_parallel,
+        "parallel.data_parallel": max(p.data_parallel, 1),
+    }
+    for key, size in sizes.items():
+        if size != 1:
+            raise ConfigError(f"{key}={size}: the single-process trainer runs one rank; set it to 1")
+
+
+def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
+    import dsa_train
+    from dsa_train.model import DSAForCausalLM, tiny_config
+
+    dtype = getattr(torch, cfg.model.dtype.value)
+    if cfg.model.pretrained is not None:
+        model = dsa_train.from_pretrained(cfg.model.pretrained, dtype=dtype)
+    else:
+        arch = {"vocab_size": vocab_size, **cfg.model.arch}
+        model = DSAForCausalLM(tiny_config(**arch)).to(dtype)
+    if model.config.vocab_size < vocab_size:
+        raise ConfigError(
+            f"model.arch.vocab_size: the model has {model.config.vocab_size} embeddings but the "
+            f"tokenizer {vocab_size} tokens"
+        )
+    return model
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        from dsa_train.data import DataConfig, build_dataloader
+
+        validate(cfg)
+        check_single_process(cfg)
+        self.cfg = cfg
+        self.stage_names = list(cfg.stages)
+        self.device = resolve_device(cfg.device)
+        self.run_dir = Path(cfg.run_dir)
+        set_deterministic(cfg.deterministic)
+        seed_everything(cfg.seed)
+
+        self.loader = build_dataloader(DataConfig(**dataclasses.asdict(cfg.data)), dp_rank=0, dp_size=1)
+        self.model = build_model(cfg, self.loader.tokenizer.vocab_size).to(self.device)
+        self.model.train()
+        for name, stage in cfg.stages.items():
+            topk = stage.topk or self.model.config.index_topk
+            if stage.attention == Attention.sparse and cfg.data.seq_len <= topk:
+                raise ConfigError(
+                    f"stages.{name}.topk: top-{topk} selection on {cfg.data.seq_len}-token sequences "
+                    "selects every key (sparse training degenerates to dense); raise data.seq_len"
+                )
+        self.probes = probe_batches(cfg.data, cfg.probe_batches)
+        self.peak_flops = peak_flops_per_device(self.device, cfg.logging.peak_flops)
+        self.state = ckpt.TrainerState()
+        self.engine_state: dict | None = None  # optimizer + schedule to restore on resume
+        self.resume_rng: dict | None = None
+        self.result = TrainResult(run_dir=self.run_dir)
+        if cfg.checkpoint.resume:
+            self._resume()
+        self.wandb = WandbRun(cfg.logging, self.config_dict(), run_id=self.state.wandb_run_id)
+        self.state.wandb_run_id = self.wandb.id
+        self.result.wandb_run_id = self.wandb.id
+
+    def config_dict(self) -> dict:
+        return OmegaConf.to_container(OmegaConf.structured(self.cfg), resolve=True, enum_to_str=True)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _resume(self) -> None:
+        path = ckpt.latest_checkpoint(self.cfg.checkpoint.dir)
+        if path is None:
+            log.info("resume: no checkpoint in %s, starting fresh", self.cfg.checkpoint.dir)
+            return
+        loaded = ckpt.load_checkpoint(path)
+        if loaded.state.stage_index < len(self.stage_names) and loaded.state.stage_step >= self.cfg.stages[
+            self.stage_names[loaded.state.stage_index]
+        ].steps:
+            raise ConfigError(f"checkpoint {path} is past the end of its stage in this recipe")
+        self.model.load_state_dict(loaded.model)
+        self.loader.load_state_dict(loaded.data)
+        self.state = loaded.state
+        self.engine_state = loaded.engine
+        self.resume_rng = loaded.rng
+        self.result.summary = self.state.summary
+        log.info("resumed from %s (stage %d, step %d)", path, self.state.stage_index, self.state.stage_step)
+
+    def save(self, engine: Engine | None) -> None:
+        path = ckpt.save_checkpoint(
+            self.cfg.checkpoint.dir,
+            self.state,
+            self.model,
+            engine.state_dict() if engine is not None else None,
+            self.loader.state_dict(),
+            rng_state(),
+            self.cfg.checkpoint.keep_last,
+        )
+        log.info("checkpoint %s", path)
+
+    # ------------------------------------------------------------------ training
+    def next_micro_batches(self, stage: StageConfig) -> list[dict[str, torch.Tensor]]:
+        accum = stage.global_batch_size // self.cfg.data.micro_batch_size
+        return [{k: v.to(self.device) for k, v in next(self.loader).items()} for _ in range(accum)]
+
+    def probe(self, name: str, stage: StageConfig, when: str) -> None:
+        if not self.probes:
+            return
+        values = measure(self.model, self.probes, stage, self.device)
+        self.state.summary.setdefault(name, {})[when] = values
+        self.wandb.log({f"probe/{name}/{key}": v for key, v in values.items()}, step=self.state.global_step)
+        log.info("probe %s %s: %s", name, when, "  ".join(f"{k} {v:.4f}" for k, v in values.items()))
+
+    def run_stage(self, index: int, progress: StageProgress) -> None:
+        from dsa_train.model.flops import flops_per_token
+
+        name = self.stage_names[index]
+        stage = self.cfg.stages[name]
+        engine = Engine(self.model, stage, self.cfg.optim)
+        if self.engine_state is not None:
+            engine.load_state_dict(self.engine_state)
+            self.engine_state = None
+        if self.resume_rng is not None:
+            load_rng_state(self.resume_rng)
+            self.resume_rng = None
+        log.info(
+            "stage %s: %s attention, trains %s (%d tensors), %d steps x %d sequences",
+            name, stage.attention.value, stage.trainable.value, len(engine.trainable), stage.steps,
+            stage.global_batch_size,
+        )
+        if self.state.stage_step == 0:
+            self.probe(name, stage, "start")
+        flops = flops_per_token(
+            self.model.config, self.cfg.data.seq_len, stage.attention.value,
+            stage.topk or self.model.config.index_topk, stage_trainable=stage.trainable.value,
+        )
+        tokens_per_step = stage.global_batch_size * self.cfg.data.seq_len
+        progress.start_stage(name, stage.steps, self.state.stage_step)
+        while self.state.stage_step < stage.steps:
+            logged = (self.state.stage_step + 1) % self.cfg.logging.log_every == 0
+            start = time.perf_counter()
+            micro_batches = self.next_micro_batches(stage)
+            step_metrics = train_step(
+                engine, micro_batches, stage, topk_recall_queries=stage.topk_recall_queries if logged else 0
+            )
+            if stage.router_bias_update_rate > 0:
+                self.model.update_router_bias(stage.router_bias_update_rate)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            elapsed = time.perf_counter() - start
+            self.state.stage_step += 1
+            self.state.global_step += 1
+            self.state.tokens_seen += tokens_per_step
+            metrics = self.step_metrics(index, step_metrics, tokens_per_step, elapsed, flops)
+            self.result.history.append(metrics)
+            if logged:
+                self.wandb.log(metrics, step=self.state.global_step)
+            progress.update(self.state.stage_step, stage.steps, metrics, logged)
+            every = self.cfg.checkpoint.every_n_steps
+            if every and self.state.stage_step % every == 0 and self.state.stage_step < stage.steps:
+                self.save(engine)
+        self.probe(name, stage, "end")
+        self.state.stage_index += 1
+        self.state.stage_step = 0
+        self.save(None)
+
+    def step_metrics(
+        self, stage_index: int, step: dict[str, float], tokens: int, elapsed: float, flops: float
+    ) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        for key, value in step.items():
+            if key in ("lr", "grad_norm"):
+                metrics[f"optim/{key}"] = value
+            elif key.startswith("moe/"):
+                metrics[key] = value
+            else:
+                metrics[f"train/{key}"] = value
+        metrics.update(throughput_metrics(tokens, elapsed, flops, self.peak_flops))
+        metrics.update(memory_metrics(self.device))
+        metrics["progress/stage"] = stage_index
+        metrics["progress/global_step"] = self.state.global_step
+        metrics["progress/tokens"] = self.state.tokens_seen
+        return metrics
+
+    def run(self) -> TrainResult:
+        progress = StageProgress(self.cfg.logging.progress_bar)
+        try:
+            while self.state.stage_index < len(self.stage_names):
+                self.run_stage(self.state.stage_index, progress)
+        finally:
+            progress.close()
+        if self.cfg.checkpoint.export:
+            self.result.export_dir = self.run_dir / "export"
+            self.model.save_pretrained(self.result.export_dir)
+            log.info("exported %s", self.result.export_dir)
+        self.result.summary = self.state.summary
+        self.wandb.set_summary(summary_metrics(self.state.summary))
+        self.wandb.finish()
+        print(format_summary(self.cfg, self.result))
+        return self.result
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    return Trainer(cfg).run()

@@ -1,0 +1,81 @@
+"""Weights & Biases: online when configured, offline by default without an API key, or off.
+
+- mode auto: online if WANDB_API_KEY is set (or `wandb login` stored a key), else offline.
+- A resumed training run passes the W&B run id saved in its checkpoint, so it continues the
+  same W&B run (`resume="allow"`).
+- If an online run cannot start (no network, bad key), it falls back to offline and training
+  goes on; `wandb sync <run dir>` uploads it later.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from dsa_train.config import LoggingConfig, WandbMode
+
+log = logging.getLogger(__name__)
+
+
+def resolve_mode(mode: WandbMode) -> str:
+    if mode != WandbMode.auto:
+        return mode.value
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    if os.environ.get("WANDB_MODE") in ("online", "offline", "disabled"):
+        return os.environ["WANDB_MODE"]
+    return "offline"
+
+
+class WandbRun:
+    """A W&B run, or nothing when disabled. `id` is None when disabled."""
+
+    def __init__(self, cfg: LoggingConfig, config: dict[str, Any], run_id: str | None = None):
+        self.mode = resolve_mode(cfg.wandb_mode)
+        self.run = None
+        if self.mode == "disabled":
+            return
+        import wandb
+
+        os.makedirs(cfg.wandb_dir, exist_ok=True)
+        init_kwargs = dict(
+            project=cfg.project,
+            entity=cfg.entity,
+            name=cfg.run_name,
+            tags=list(cfg.tags) or None,
+            dir=cfg.wandb_dir,
+            config=config,
+            id=run_id,
+            resume="allow" if run_id else None,
+        )
+        try:
+            self.run = wandb.init(mode=self.mode, **init_kwargs)
+        except Exception as err:  # network, auth, server: never stop training for W&B
+            if self.mode != "online":
+                raise
+            log.warning("W&B online init failed (%s); logging offline instead", err)
+            self.mode = "offline"
+            self.run = wandb.init(mode="offline", **init_kwargs)
+
+    @property
+    def id(self) -> str | None:
+        return self.run.id if self.run is not None else None
+
+    @property
+    def dir(self) -> str | None:
+        return self.run.dir if self.run is not None else None
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.run is not None:
+            self.run.log(metrics, step=step)
+
+    def set_summary(self, values: dict[str, float]) -> None:
+        if self.run is not None:
+            for key, value in values.items():
+                self.run.summary[key] = value
+
+    def finish(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
