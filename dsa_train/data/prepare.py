@@ -1,0 +1,166 @@
+"""Pre-tokenize sources into a memory-mapped token stream (``dsa-train prepare-data``).
+
+Output directory layout (opened by ``PackedDataset``)::
+
+    out_dir/
+      tokens.bin        the framed-document token stream S [n_tokens], uint16 (vocab <= 65536)
+                        or uint32, raw little-endian; documents are [bos] + tokens + [eos]
+      doc_offsets.bin   int64 [n_documents + 1]: document d is S[doc_offsets[d]:doc_offsets[d+1]]
+      index.json        metadata: token dtype, counts, vocab_size, tokenizer_hash, bos/eos ids,
+                        add_bos/add_eos, seq_len (the default; any seq_len can read the stream),
+                        the sources and read settings
+
+The stream does not depend on ``seq_len``: packing into rows is a view computed on the fly
+(see ``packing.py``), so one prepared directory serves every sequence length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from dsa_train.data.packing import frame_document, num_rows
+from dsa_train.data.sources import DocumentStats, iter_texts, load_documents
+from dsa_train.data.tokenizer import Tokenizer, load_tokenizer
+
+FORMAT_NAME = "dsa_train.pretokenized"
+FORMAT_VERSION = 1
+INDEX_FILE = "index.json"
+TOKENS_FILE = "tokens.bin"
+DOC_OFFSETS_FILE = "doc_offsets.bin"
+
+
+def token_dtype_for_vocab(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
+
+
+def prepare_data(sources: Sequence[str] | str, tokenizer: Tokenizer | str | None,
+                 out_dir: str | Path, seq_len: int, *, text_field: str = "text",
+                 txt_sample_by: str = "document", add_bos: bool = True, add_eos: bool = True,
+                 split: str = "train", hf_cache_dir: str | None = None,
+                 overwrite: bool = False, log: bool = False) -> Path:
+    """Tokenize ``sources`` and write a pre-tokenized dataset to ``out_dir``.
+
+    Args:
+        sources: source strings (see ``sources.py``): files, directories, globs, "bundled".
+        tokenizer: a loaded ``Tokenizer`` or anything ``load_tokenizer`` accepts.
+        seq_len: recorded as the default sequence length (``PackedDataset`` may use another).
+    Returns:
+        ``out_dir``. Written to a temporary sibling and renamed, so a crash never leaves a
+        half-written dataset that looks complete.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    sources = [sources] if isinstance(sources, str) else list(sources)
+    if not isinstance(tokenizer, Tokenizer):
+        tokenizer = load_tokenizer(tokenizer)
+    out_dir = Path(out_dir)
+    if (out_dir / INDEX_FILE).exists() and not overwrite:
+        raise FileExistsError(f"{out_dir} already holds a prepared dataset; pass --overwrite "
+                              f"(overwrite=True) to replace it, or choose another --out.")
+    start_time = time.time()
+    dtype = token_dtype_for_vocab(tokenizer.vocab_size)
+    dataset = load_documents(sources, text_field, streaming=False, txt_sample_by=txt_sample_by,
+                             split=split, cache_dir=hf_cache_dir)
+    # Validate framing up front (raises if add_bos but no BOS token, ...).
+    frame_document([], tokenizer.bos_id, tokenizer.eos_id, add_bos, add_eos)
+
+    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tmp_dir.mkdir(parents=True)
+    stats = DocumentStats()
+    doc_offsets = [0]
+    with open(tmp_dir / TOKENS_FILE, "wb") as tokens_file:
+        for texts in iter_texts(dataset, stats):
+            framed = [frame_document(ids, tokenizer.bos_id, tokenizer.eos_id, add_bos, add_eos)
+                      for ids in tokenizer.encode_batch(texts)]
+            for doc in framed:
+                doc_offsets.append(doc_offsets[-1] + len(doc))
+            chunk = np.concatenate([np.asarray(doc, dtype=np.int64) for doc in framed])
+            tokens_file.write(chunk.astype(dtype).tobytes())
+            if log:
+                print(f"prepare-data: {stats.n_documents} documents, {doc_offsets[-1]} tokens",
+                      file=sys.stderr, end="\r")
+    if stats.n_documents == 0:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise ValueError(f"Sources {sources} hold no non-empty documents "
+                         f"({stats.n_empty_skipped} empty ones skipped); nothing to train on.")
+    np.asarray(doc_offsets, dtype=np.int64).tofile(tmp_dir / DOC_OFFSETS_FILE)
+    n_tokens = doc_offsets[-1]
+    index = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "tokens_file": TOKENS_FILE,
+        "token_dtype": dtype.name,
+        "n_tokens": n_tokens,
+        "doc_offsets_file": DOC_OFFSETS_FILE,
+        "n_documents": stats.n_documents,
+        "n_empty_documents_skipped": stats.n_empty_skipped,
+        "vocab_size": tokenizer.vocab_size,
+        "tokenizer_hash": tokenizer.content_hash,
+        "tokenizer_path": str(tokenizer.path),
+        "bos_id": tokenizer.bos_id,
+        "eos_id": tokenizer.eos_id,
+        "add_bos": add_bos,
+        "add_eos": add_eos,
+        "seq_len": seq_len,
+        "num_sequences_at_seq_len": num_rows(n_tokens, seq_len),
+        "sources": sources,
+        "text_field": text_field,
+        "txt_sample_by": txt_sample_by,
+        "split": split,
+        "seconds": round(time.time() - start_time, 3),
+    }
+    (tmp_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp_dir, out_dir)
+    if log:
+        print(f"\rprepare-data: wrote {out_dir}: {stats.n_documents} documents "
+              f"({stats.n_empty_skipped} empty skipped), {n_tokens} tokens, "
+              f"{index['num_sequences_at_seq_len']} sequences of {seq_len}", file=sys.stderr)
+    return out_dir
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dsa-train prepare-data",
+        description="Tokenize documents into a memory-mapped dataset that training opens "
+                    "directly (data.sources=[OUT]).")
+    parser.add_argument("--source", action="append", nargs="+", required=True, metavar="SOURCE",
+                        help="file, directory, glob, hub dataset or 'bundled' (repeatable)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="checkpoint directory or tokenizer.json (default: bundled demo)")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--seq-len", type=int, required=True, help="default sequence length")
+    parser.add_argument("--text-field", default="text", help="text field of .jsonl/.parquet")
+    parser.add_argument("--txt-sample-by", choices=["document", "paragraph"], default="document",
+                        help=".txt files: one document per file, or one per blank-line paragraph")
+    parser.add_argument("--split", default="train", help="split of hub datasets")
+    parser.add_argument("--no-bos", action="store_true", help="do not prepend BOS to documents")
+    parser.add_argument("--no-eos", action="store_true", help="do not append EOS to documents")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``dsa-train prepare-data``; returns the process exit code."""
+    args = build_arg_parser().parse_args(argv)
+    sources = [s for group in args.source for s in group]
+    prepare_data(sources, args.tokenizer, args.out, args.seq_len, text_field=args.text_field,
+                 txt_sample_by=args.txt_sample_by, add_bos=not args.no_bos,
+                 add_eos=not args.no_eos, split=args.split, overwrite=args.overwrite, log=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

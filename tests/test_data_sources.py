@@ -1,0 +1,114 @@
+"""Document sources: formats, directories/globs, errors that name the path, empty documents."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dsa_train.data.sources import (BUNDLED_CORPUS, DataSourceError, DocumentStats, iter_texts,
+                                    load_documents)
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def texts_of(dataset, stats=None):
+    return [t for batch in iter_texts(dataset, stats) for t in batch]
+
+
+def test_jsonl_with_custom_field_and_empty_documents_skipped(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", [
+        {"body": "first doc", "id": 1}, {"body": "", "id": 2}, {"body": "  \n ", "id": 3},
+        {"body": None, "id": 4}, {"body": "last doc", "id": 5}])
+    dataset = load_documents([str(path)], text_field="body", cache_dir=str(tmp_path / "hf"))
+    assert dataset.column_names == ["text"]
+    stats = DocumentStats()
+    assert texts_of(dataset, stats) == ["first doc", "last doc"]
+    assert (stats.n_documents, stats.n_empty_skipped) == (2, 3)
+
+
+def test_txt_one_document_per_file_or_per_paragraph(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("Alpha line one.\nAlpha line two.\n\nAlpha para two.\n")
+    (tmp_path / "docs" / "b.txt").write_text("Beta.\n")
+    per_file = texts_of(load_documents([str(tmp_path / "docs")], cache_dir=str(tmp_path / "hf")))
+    assert len(per_file) == 2 and per_file[0].startswith("Alpha line one.\nAlpha line two.")
+    assert "Alpha para two." in per_file[0] and per_file[1].strip() == "Beta."
+    per_paragraph = texts_of(load_documents([str(tmp_path / "docs" / "a.txt")],
+                                            txt_sample_by="paragraph",
+                                            cache_dir=str(tmp_path / "hf")))
+    assert [t.strip() for t in per_paragraph] == ["Alpha line one.\nAlpha line two.",
+                                                  "Alpha para two."]
+
+
+def test_parquet_and_glob_and_mixed_sources_in_order(tmp_path):
+    for i in range(2):
+        pq.write_table(pa.table({"text": [f"pq{i}-a", f"pq{i}-b"], "n": [0, 1]}),
+                       tmp_path / f"shard{i}.parquet")
+    jsonl = write_jsonl(tmp_path / "extra.jsonl", [{"text": "js-a"}])
+    dataset = load_documents([str(tmp_path / "shard*.parquet"), str(jsonl)],
+                             cache_dir=str(tmp_path / "hf"))
+    assert texts_of(dataset) == ["pq0-a", "pq0-b", "pq1-a", "pq1-b", "js-a"]
+
+
+def test_streaming_yields_same_documents(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", [{"text": f"doc {i}"} for i in range(5)] + [{"text": ""}])
+    streamed = load_documents([str(path)], streaming=True, cache_dir=str(tmp_path / "hf"))
+    stats = DocumentStats()
+    assert texts_of(streamed, stats) == [f"doc {i}" for i in range(5)]
+    assert stats.n_empty_skipped == 1
+
+
+def test_bundled_source():
+    dataset = load_documents(["bundled"])
+    assert len(dataset) == sum(1 for _ in open(BUNDLED_CORPUS)) > 400
+
+
+def test_missing_file_error_names_path(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        load_documents([str(missing)])
+    with pytest.raises(FileNotFoundError, match="matched no"):
+        load_documents([str(tmp_path / "*.parquet")])
+    (tmp_path / "emptydir").mkdir()
+    with pytest.raises(FileNotFoundError, match="emptydir"):
+        load_documents([str(tmp_path / "emptydir")])
+
+
+@pytest.mark.parametrize("name,content", [("e.jsonl", ""), ("e.txt", "\n\n  \n")])
+def test_empty_file_error_names_path(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(DataSourceError, match=f"{path}.*empty"):
+        load_documents([str(path)], cache_dir=str(tmp_path / "hf"))
+
+
+def test_missing_text_field_error_names_path_and_fields(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", [{"content": "x"}])
+    with pytest.raises(DataSourceError, match=rf"{path}.*'text'.*\['content'\].*data.text_field"):
+        load_documents([str(path)], cache_dir=str(tmp_path / "hf"))
+    with pytest.raises(DataSourceError, match="no field 'text'"):
+        load_documents([str(path)], streaming=True)
+
+
+def test_unsupported_file_type(tmp_path):
+    path = tmp_path / "a.csv"
+    path.write_text("text\nhello\n")
+    with pytest.raises(DataSourceError, match="unsupported file type"):
+        load_documents([str(path)])
+
+
+def test_hub_dataset_without_network_gives_clear_error(tmp_path):
+    code = ("from dsa_train.data import load_documents\n"
+            f"load_documents(['no-such-owner-xyz/no-such-dataset'], cache_dir={str(tmp_path)!r})\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode != 0
+    assert "DataSourceError" in result.stderr and "not a local file" in result.stderr
