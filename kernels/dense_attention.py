@@ -19,23 +19,22 @@ from .sparse_mla import safe_softmax
 def dense_attention_logits(
     q: torch.Tensor, k: torch.Tensor, scale: float, doc_start: torch.Tensor, q0: int, q1: int
 ) -> tuple[torch.Tensor, int]:
-    """Masked fp32 logits [B, C, H, S] of queries [q0, q1) over their key window, and k0."""
+    """Masked fp32 logits [B, H, C, S] (contiguous per head) of queries [q0, q1) over their key
+    window [k0, q1), and k0."""
     k0, k1 = chunk_key_range(doc_start, q0, q1)
-    logits = torch.einsum("bchd,bshd->bchs", q[:, q0:q1].float(), _expand_heads(k[:, k0:k1], q.shape[2]).float())
+    q_heads = q[:, q0:q1].float().transpose(1, 2)  # [B, H, C, D]
+    k_heads = k[:, k0:k1].float().permute(0, 2, 3, 1)  # [B, Hk, D, S]; Hk = 1 broadcasts
+    logits = torch.matmul(q_heads * scale, k_heads)  # [B, H, C, S]
     valid = chunk_valid_mask(doc_start, q0, q1, k0, k1)  # [B, C, S]
-    return (logits * scale).masked_fill(~valid[:, :, None, :], float("-inf")), k0
-
-
-def _expand_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    return x if x.shape[2] == num_heads else x.expand(-1, -1, num_heads, -1)
+    return logits.masked_fill_(~valid[:, None], float("-inf")), k0
 
 
 def _dense_chunk(q, k, v, scale, doc_start, q0, q1):
     logits, k0 = dense_attention_logits(q, k, scale, doc_start, q0, q1)
-    probs, lse = safe_softmax(logits)  # [B, C, H, S]
-    v_win = _expand_heads(v[:, k0:q1], q.shape[2]).float()
-    out = torch.einsum("bchs,bshd->bchd", probs, v_win)
-    return out.to(q.dtype), lse
+    probs, lse = safe_softmax(logits)  # [B, H, C, S]
+    v_heads = v[:, k0:q1].float().transpose(1, 2)  # [B, Hk, S, Dv]
+    out = torch.matmul(probs, v_heads).transpose(1, 2)  # [B, C, H, Dv]
+    return out.to(q.dtype), lse.transpose(1, 2)
 
 
 def dense_attention_ref(

@@ -38,9 +38,9 @@ def kl_rows(p: torch.Tensor, index_scores: torch.Tensor, valid: torch.Tensor) ->
 
 def _dense_kl_chunk(q_idx, k_idx, w_idx, q_main, k_main, scale, doc_start, q0, q1):
     with torch.no_grad():
-        logits, k0 = dense_attention_logits(q_main, k_main, scale, doc_start, q0, q1)  # [B, C, H, S]
+        logits, k0 = dense_attention_logits(q_main, k_main, scale, doc_start, q0, q1)  # [B, H, C, S]
         probs, _ = safe_softmax(logits)
-        p = probs.sum(dim=2) / probs.shape[2]  # [B, C, S] head-summed, L1-normalized
+        p = probs.sum(dim=1) / probs.shape[1]  # [B, C, S] head-summed, L1-normalized
     scores, k0_idx = index_scores_ref(q_idx, k_idx, w_idx, doc_start, q0, q1)  # [B, C, S]
     assert k0_idx == k0
     valid = torch.isfinite(scores)
@@ -138,8 +138,8 @@ def dense_mass_recall(
     recalls = []
     for t in query_positions.tolist():
         logits, k0 = dense_attention_logits(q_main, kv_main[:, :, None, :], scale, doc_start, t, t + 1)
-        probs, _ = safe_softmax(logits)  # [B, 1, H, S]
-        p = probs.sum(dim=2)[:, 0] / H  # [B, S]
+        probs, _ = safe_softmax(logits)  # [B, H, 1, S]
+        p = probs.sum(dim=1)[:, 0] / H  # [B, S]
         sel = indices[:, t].long()  # [B, K]
         ok = sel >= 0
         hits = torch.zeros_like(p, dtype=torch.int32).scatter_add_(1, (sel - k0).clamp(min=0), ok.int())

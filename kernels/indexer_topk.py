@@ -22,8 +22,11 @@ def index_scores_block(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor
 ) -> torch.Tensor:
     """q [B, C, H, D], k [B, S, D], w [B, C, H] -> scores [B, C, S] fp32 (no masking)."""
-    logits = torch.einsum("bchd,bsd->bchs", q.float(), k.float())  # [B, C, H, S]
-    return torch.einsum("bchs,bch->bcs", torch.relu(logits), w.float())
+    B, C, H, D = q.shape
+    S = k.shape[1]
+    logits = torch.matmul(q.float().reshape(B, C * H, D), k.float().transpose(1, 2))  # [B, C*H, S]
+    relu = torch.relu(logits).view(B * C, H, S)
+    return torch.bmm(w.float().reshape(B * C, 1, H), relu).view(B, C, S)
 
 
 def index_scores_ref(
