@@ -1,0 +1,463 @@
+"""Fused indexer KL losses (report eqs. 3 and 4): Triton.
+
+Specification: `indexer_kl.sparse_indexer_kl_ref` / `dense_indexer_kl_ref`. For one query row,
+with p the head-averaged main-attention probabilities (target, no gradient) and I the indexer
+scores over the row's keys,
+
+    KL = sum_{p>0} p (log p - I) + P * logsumexp(I),     P = sum p  (= 1 up to rounding)
+    dKL/dI = P * softmax(I) - p
+
+so a row needs one streaming pass for (A = sum p log p, B = sum p I, P, online logsumexp of I)
+and, for the gradient, a second pass once logsumexp(I) is known. Because the loss is a scalar
+leaf of the graph, the gradient w.r.t. the indexer tensors (dq_I, dk_I, dw) is computed in the
+forward call (as Liger-Kernel's fused cross entropy does) and only scaled by grad_output in
+backward; nothing of size [T, T] or [heads, T, K] is kept.
+
+Sparse (eq. 4), one program per query token: the K selected slots are walked in tiles; p is
+rebuilt from the main-attention forward's lse (`exp(scale q_h . kv[s] - lse_h)` summed over head
+blocks, the 576-dim dot split into 64-channel pieces) and stored in a [B, T, K] fp32 scratch for
+the second pass; I = sum_j w_j ReLU(q_I,j . k_I[s]) with all indexer heads of the token as the
+M dimension of one dot. dk_I of the selected rows is scattered with atomic adds.
+
+Dense (eq. 3), flash-style: kernel 1 computes each main head's log-sum-exp over the row's
+causal + document window (online, never storing logits); kernel 2 (one program per block of
+BLOCK_M queries) walks key tiles, rebuilding the head-averaged target tile from those lse values
+and the indexer score tile, and keeps per-row running statistics; its second pass (gradient)
+recomputes the tiles, forms g = P softmax(I) - p and accumulates dq_I in the program's own rows
+(plain read-modify-write), dw in registers, and dk_I for the key tile over all indexer heads
+before one atomic add. Memory: O(T * heads) (the lse table and the gradients).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_common import interp_upcast, pow2
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+# ----------------------------------------------------------------------------- sparse (eq. 4)
+@triton.jit
+def _sparse_kl_kernel(
+    QI, KI, WI, IDX, QM, KVM, LSE, P_SCR,
+    KL, KLU, DQI, DKI, DWI,
+    stride_qib, stride_qit, stride_qih,
+    stride_kib, stride_kit,
+    stride_wib, stride_wit,
+    stride_ib, stride_it,
+    stride_qmb, stride_qmt, stride_qmh,
+    stride_kvb, stride_kvt,
+    stride_lb, stride_lt,
+    T, K, H, HI, scale_log2, inv_h,
+    DI: tl.constexpr, D: tl.constexpr,
+    GRAD: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    offs_j = tl.arange(0, BLOCK_HI)
+    mask_j = offs_j < HI
+    offs_di = tl.arange(0, BLOCK_DI)
+    mask_di = offs_di < DI
+    qi = tl.load(QI + b * stride_qib + t * stride_qit + offs_j[:, None] * stride_qih + offs_di[None, :],
+                 mask=mask_j[:, None] & mask_di[None, :], other=0.0)
+    wi = tl.load(WI + b * stride_wib + t * stride_wit + offs_j, mask=mask_j, other=0.0).to(tl.float32)
+    idx_base = IDX + b * stride_ib + t * stride_it
+    ki_base = KI + b * stride_kib
+    kv_base = KVM + b * stride_kvb
+    q_base = QM + b * stride_qmb + t * stride_qmt
+    lse_base = LSE + b * stride_lb + t * stride_lt
+    p_base = P_SCR + (b * T + t) * K
+
+    m_i = float("-inf")
+    l_i = 0.0
+    a_sum = 0.0
+    b_sum = 0.0
+    p_sum = 0.0
+    n_valid = 0
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        idx = tl.load(idx_base + offs_k, mask=offs_k < K, other=-1)
+        valid = idx >= 0
+        safe = tl.where(valid, idx, 0).to(tl.int64)
+        # target: head-averaged main-attention probabilities at the selected keys
+        p = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mask_h = offs_h < H
+            s = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
+            for d0 in range(0, D, BLOCK_D):
+                offs_d = d0 + tl.arange(0, BLOCK_D)
+                mask_d = offs_d < D
+                qm = tl.load(q_base + offs_h[:, None] * stride_qmh + offs_d[None, :],
+                             mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+                kv = tl.load(kv_base + safe[:, None] * stride_kvt + offs_d[None, :],
+                             mask=valid[:, None] & mask_d[None, :], other=0.0)
+                s += tl.dot(qm, tl.trans(kv))
+            lse = tl.load(lse_base + offs_h, mask=mask_h, other=float("-inf"))
+            lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)  # as the reference
+            ph = tl.exp2(s * scale_log2 - lse2[:, None])
+            ph = tl.where(mask_h[:, None] & valid[None, :], ph, 0.0)
+            p += tl.sum(ph, 0)
+        p = p * inv_h
+        # indexer scores at the selected keys
+        ki = tl.load(ki_base + safe[:, None] * stride_kit + offs_di[None, :],
+                     mask=valid[:, None] & mask_di[None, :], other=0.0)
+        a = tl.dot(qi, tl.trans(ki))  # [BLOCK_HI, BLOCK_K]
+        sc = tl.sum(wi[:, None] * tl.maximum(a, 0.0), 0)
+        sc = tl.where(valid, sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(sc - m_safe), 0)
+        m_i = m_new
+        pos = p > 0
+        a_sum += tl.sum(tl.where(pos, p * tl.log(tl.where(pos, p, 1.0)), 0.0), 0)
+        b_sum += tl.sum(tl.where(pos, p * tl.where(valid, sc, 0.0), 0.0), 0)
+        p_sum += tl.sum(p, 0)
+        n_valid += tl.sum(valid.to(tl.int32), 0)
+        if GRAD:
+            tl.store(p_base + offs_k, p, mask=offs_k < K)
+
+    has = n_valid > 0
+    lse_i = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), 0.0)
+    kl = tl.where(has, a_sum - b_sum + p_sum * lse_i, 0.0)
+    klu = a_sum + tl.log(tl.maximum(n_valid, 1).to(tl.float32))
+    tl.store(KL + b * T + t, kl)
+    tl.store(KLU + b * T + t, klu)
+
+    if GRAD:
+        dqi = tl.zeros([BLOCK_HI, BLOCK_DI], dtype=tl.float32)
+        dwi = tl.zeros([BLOCK_HI], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            idx = tl.load(idx_base + offs_k, mask=offs_k < K, other=-1)
+            valid = idx >= 0
+            safe = tl.where(valid, idx, 0).to(tl.int64)
+            p = tl.load(p_base + offs_k, mask=offs_k < K, other=0.0)
+            ki = tl.load(ki_base + safe[:, None] * stride_kit + offs_di[None, :],
+                         mask=valid[:, None] & mask_di[None, :], other=0.0)
+            a = tl.dot(qi, tl.trans(ki))
+            relu = tl.maximum(a, 0.0)
+            sc = tl.sum(wi[:, None] * relu, 0)
+            g = tl.where(valid, p_sum * tl.exp(sc - lse_i) - p, 0.0)  # dKL / dI
+            dwi += tl.sum(relu * g[None, :], 1)
+            da = tl.where(a > 0, wi[:, None] * g[None, :], 0.0)  # [BLOCK_HI, BLOCK_K]
+            dqi += tl.dot(da, ki.to(tl.float32))
+            dk = tl.dot(tl.trans(da), qi.to(tl.float32))  # [BLOCK_K, BLOCK_DI]
+            tl.atomic_add(DKI + b * T * DI + safe[:, None] * DI + offs_di[None, :], dk,
+                          mask=valid[:, None] & mask_di[None, :])
+        tl.store(DQI + ((b * T + t) * HI + offs_j[:, None]) * DI + offs_di[None, :], dqi,
+                 mask=mask_j[:, None] & mask_di[None, :])
+        tl.store(DWI + (b * T + t) * HI + offs_j, dwi, mask=mask_j)
+
+
+# ----------------------------------------------------------------------------- dense (eq. 3)
+@triton.jit
+def _dense_lse_kernel(
+    QM, KM, DS, LSE2,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_db,
+    T, H, scale_log2,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """lse2[b, h, t] = log2 sum_s exp2(scale_log2 * q[t,h] . k[s,h]) over doc_start[t] <= s <= t."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < T
+    ds = tl.load(DS + b * stride_db + offs_m, mask=mask_m, other=2147483647).to(tl.int32)
+    lo = tl.min(ds, 0)
+    hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M, T)
+    start = (lo // BLOCK_N) * BLOCK_N
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    q_base = QM + b * stride_qb + h * stride_qh
+    k_base = KM + b * stride_kb + h * stride_kh
+    for n0 in range(start, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            mask_d = offs_d < D
+            q = tl.load(q_base + offs_m[:, None].to(tl.int64) * stride_qt + offs_d[None, :],
+                        mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+            k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_kt + offs_d[None, :],
+                        mask=(offs_n < T)[:, None] & mask_d[None, :], other=0.0)
+            s += tl.dot(q, tl.trans(k))
+        valid = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= ds[:, None])
+        s = tl.where(valid, s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+        m_i = m_new
+    lse2 = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("inf"))
+    tl.store(LSE2 + bh.to(tl.int64) * T + offs_m, lse2, mask=mask_m)
+
+
+@triton.jit
+def _dense_tiles(
+    QM, KM, QI, KI, WI, LSE2,
+    b, offs_m, mask_m, offs_n, ds,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_qib, stride_qit, stride_qih,
+    stride_kib, stride_kit,
+    stride_wib, stride_wit,
+    T, H, HI, scale_log2, inv_h,
+    D: tl.constexpr, DI: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DI: tl.constexpr,
+):
+    """-> (p [M, N] head-averaged target, I [M, N] indexer scores (-inf masked), valid [M, N])."""
+    valid = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= ds[:, None]) & mask_m[:, None]
+    mask_n = offs_n < T
+    p = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for h in range(H):
+        s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            mask_d = offs_d < D
+            q = tl.load(QM + b * stride_qb + offs_m[:, None].to(tl.int64) * stride_qt + h * stride_qh + offs_d[None, :],
+                        mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+            k = tl.load(KM + b * stride_kb + offs_n[:, None].to(tl.int64) * stride_kt + h * stride_kh + offs_d[None, :],
+                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+            s += tl.dot(q, tl.trans(k))
+        lse2 = tl.load(LSE2 + (b * H + h) * T + offs_m, mask=mask_m, other=float("inf"))
+        p += tl.exp2(s * scale_log2 - lse2[:, None])
+    p = tl.where(valid, p * inv_h, 0.0)
+    offs_di = tl.arange(0, BLOCK_DI)
+    mask_di = offs_di < DI
+    ki = tl.load(KI + b * stride_kib + offs_n[:, None].to(tl.int64) * stride_kit + offs_di[None, :],
+                 mask=mask_n[:, None] & mask_di[None, :], other=0.0)
+    sc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for j in range(HI):
+        qi = tl.load(QI + b * stride_qib + offs_m[:, None].to(tl.int64) * stride_qit + j * stride_qih + offs_di[None, :],
+                     mask=mask_m[:, None] & mask_di[None, :], other=0.0)
+        wj = tl.load(WI + b * stride_wib + offs_m.to(tl.int64) * stride_wit + j, mask=mask_m, other=0.0).to(tl.float32)
+        sc += wj[:, None] * tl.maximum(tl.dot(qi, tl.trans(ki)), 0.0)
+    sc = tl.where(valid, sc, float("-inf"))
+    return p, sc, valid, ki
+
+
+@triton.jit
+def _dense_kl_kernel(
+    QM, KM, QI, KI, WI, DS, LSE2,
+    KL, KLU, DQI, DKI, DWI,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_qib, stride_qit, stride_qih,
+    stride_kib, stride_kit,
+    stride_wib, stride_wit,
+    stride_db,
+    T, H, HI, scale_log2, inv_h,
+    D: tl.constexpr, DI: tl.constexpr, GRAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < T
+    ds = tl.load(DS + b * stride_db + offs_m, mask=mask_m, other=2147483647).to(tl.int32)
+    lo = tl.min(ds, 0)
+    hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M, T)
+    start = (lo // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    a_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    p_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    n_valid = tl.zeros([BLOCK_M], dtype=tl.int32)
+    for n0 in range(start, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        p, sc, valid, ki = _dense_tiles(
+            QM, KM, QI, KI, WI, LSE2, b, offs_m, mask_m, offs_n, ds,
+            stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+            stride_qib, stride_qit, stride_qih, stride_kib, stride_kit, stride_wib, stride_wit,
+            T, H, HI, scale_log2, inv_h, D, DI, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DI)
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(sc - m_safe[:, None]), 1)
+        m_i = m_new
+        pos = p > 0
+        a_sum += tl.sum(tl.where(pos, p * tl.log(tl.where(pos, p, 1.0)), 0.0), 1)
+        b_sum += tl.sum(tl.where(pos, p * tl.where(valid, sc, 0.0), 0.0), 1)
+        p_sum += tl.sum(p, 1)
+        n_valid += tl.sum(valid.to(tl.int32), 1)
+
+    has = n_valid > 0
+    lse_i = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), 0.0)
+    kl = tl.where(has, a_sum - b_sum + p_sum * lse_i, 0.0)
+    klu = a_sum + tl.log(tl.maximum(n_valid, 1).to(tl.float32))
+    tl.store(KL + b * T + offs_m, kl, mask=mask_m)
+    tl.store(KLU + b * T + offs_m, klu, mask=mask_m)
+
+    if GRAD:
+        offs_j = tl.arange(0, BLOCK_HI)
+        offs_di = tl.arange(0, BLOCK_DI)
+        mask_di = offs_di < DI
+        dwi = tl.zeros([BLOCK_M, BLOCK_HI], dtype=tl.float32)
+        for n0 in range(start, hi, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            p, sc, valid, ki = _dense_tiles(
+                QM, KM, QI, KI, WI, LSE2, b, offs_m, mask_m, offs_n, ds,
+                stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                stride_qib, stride_qit, stride_qih, stride_kib, stride_kit, stride_wib, stride_wit,
+                T, H, HI, scale_log2, inv_h, D, DI, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DI)
+            g = tl.where(valid, p_sum[:, None] * tl.exp(sc - lse_i[:, None]) - p, 0.0)  # dKL / dI
+            kif = ki.to(tl.float32)
+            dk = tl.zeros([BLOCK_N, BLOCK_DI], dtype=tl.float32)
+            for j in range(HI):
+                qi = tl.load(QI + b * stride_qib + offs_m[:, None].to(tl.int64) * stride_qit + j * stride_qih + offs_di[None, :],
+                             mask=mask_m[:, None] & mask_di[None, :], other=0.0)
+                wj = tl.load(WI + b * stride_wib + offs_m.to(tl.int64) * stride_wit + j, mask=mask_m, other=0.0).to(tl.float32)
+                a = tl.dot(qi, tl.trans(ki))
+                dwi += tl.where(offs_j[None, :] == j, tl.sum(g * tl.maximum(a, 0.0), 1)[:, None], 0.0)
+                da = tl.where(a > 0, g * wj[:, None], 0.0)  # [BLOCK_M, BLOCK_N]
+                dq_ptrs = DQI + ((b * T + offs_m[:, None]) * HI + j) * DI + offs_di[None, :]
+                dq_mask = mask_m[:, None] & mask_di[None, :]
+                dq_old = tl.load(dq_ptrs, mask=dq_mask, other=0.0)  # rows owned by this program
+                tl.store(dq_ptrs, dq_old + tl.dot(da, kif), mask=dq_mask)
+                dk += tl.dot(tl.trans(da), qi.to(tl.float32))
+            tl.atomic_add(DKI + (b * T + offs_n[:, None].to(tl.int64)) * DI + offs_di[None, :], dk,
+                          mask=(offs_n < T)[:, None] & mask_di[None, :])
+        tl.store(DWI + (b * T + offs_m[:, None]) * HI + offs_j[None, :], dwi,
+                 mask=mask_m[:, None] & (offs_j < HI)[None, :])
+
+
+# ----------------------------------------------------------------------------- autograd + API
+class _FusedKL(torch.autograd.Function):
+    """Forward returns (kl_sum, kl_uniform_sum); the gradients w.r.t. (q_I, k_I, w) were computed
+    by the kernel and are only scaled here."""
+
+    @staticmethod
+    def forward(ctx, q_idx, k_idx, w_idx, run):
+        need = any(ctx.needs_input_grad[:3])
+        kl, klu, grads = run(need)
+        ctx.save_for_backward(*grads)
+        ctx.need = need
+        ctx.dtypes = (q_idx.dtype, k_idx.dtype, w_idx.dtype)
+        ctx.mark_non_differentiable(klu)
+        return kl, klu
+
+    @staticmethod
+    def backward(ctx, dkl, _dklu):
+        if not ctx.need:
+            return None, None, None, None
+        dq, dk, dw = ctx.saved_tensors
+        dq, dk, dw = ((g * dkl).to(dt) for g, dt in zip((dq, dk, dw), ctx.dtypes))
+        return dq, dk, dw, None
+
+
+def _stats(kl, klu, B, T):
+    return {"kl": kl.detach(), "kl_uniform": klu.detach(), "queries": torch.tensor(float(B * T))}
+
+
+def sparse_indexer_kl_triton(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale: float,
+                             chunk_size: int | None = None):
+    """Same contract as `sparse_indexer_kl_ref` (chunk_size accepted and ignored)."""
+    B, T, HI, DI = q_idx.shape
+    K = indices.shape[-1]
+    H, D = q_main.shape[2], q_main.shape[3]
+    qi, ki = interp_upcast(q_idx.detach().contiguous()), interp_upcast(k_idx.detach().contiguous())
+    wi = w_idx.detach().float().contiguous()
+    idx = indices.to(torch.int32).contiguous()
+    qm, kvm = interp_upcast(q_main.detach().contiguous()), interp_upcast(kv_main.detach().contiguous())
+    lse = lse_main.detach().float().contiguous()
+    dev = q_idx.device
+
+    def run(need: bool):
+        kl = torch.empty((B, T), dtype=torch.float32, device=dev)
+        klu = torch.empty((B, T), dtype=torch.float32, device=dev)
+        if need:
+            p_scr = torch.empty((B, T, K), dtype=torch.float32, device=dev)
+            dq = torch.empty((B, T, HI, DI), dtype=torch.float32, device=dev)
+            dk = torch.zeros((B, T, DI), dtype=torch.float32, device=dev)
+            dw = torch.empty((B, T, HI), dtype=torch.float32, device=dev)
+        else:
+            p_scr = dq = dk = dw = kl
+        if B * T > 0:
+            block_k = min(pow2(K), 32)
+            _sparse_kl_kernel[(T, B)](
+                qi, ki, wi, idx, qm, kvm, lse, p_scr, kl, klu, dq, dk, dw,
+                qi.stride(0), qi.stride(1), qi.stride(2),
+                ki.stride(0), ki.stride(1),
+                wi.stride(0), wi.stride(1),
+                idx.stride(0), idx.stride(1),
+                qm.stride(0), qm.stride(1), qm.stride(2),
+                kvm.stride(0), kvm.stride(1),
+                lse.stride(0), lse.stride(1),
+                T, K, H, HI, scale * LOG2E, 1.0 / H,
+                DI=DI, D=D, GRAD=need,
+                BLOCK_K=block_k, BLOCK_H=min(pow2(H), 64), BLOCK_D=min(pow2(D), 64),
+                BLOCK_HI=pow2(HI), BLOCK_DI=pow2(DI),
+                num_warps=4,
+            )
+        return kl.sum(), klu.sum(), ((dq, dk, dw) if need else ())
+
+    kl_sum, klu_sum = _FusedKL.apply(q_idx, k_idx, w_idx, run)
+    return kl_sum, _stats(kl_sum, klu_sum, B, T)
+
+
+def dense_indexer_kl_triton(q_idx, k_idx, w_idx, q_main, k_main, scale: float, doc_start,
+                            chunk_size: int | None = None):
+    """Same contract as `dense_indexer_kl_ref` (chunk_size accepted and ignored).
+    k_main [B, T, H or 1, D] (MHA form or the shared MQA key)."""
+    B, T, HI, DI = q_idx.shape
+    H, D = q_main.shape[2], q_main.shape[3]
+    qi, ki = interp_upcast(q_idx.detach().contiguous()), interp_upcast(k_idx.detach().contiguous())
+    wi = w_idx.detach().float().contiguous()
+    qm, km = interp_upcast(q_main.detach().contiguous()), interp_upcast(k_main.detach().contiguous())
+    stride_kh = 0 if km.shape[2] == 1 else km.stride(2)
+    ds = doc_start.contiguous()
+    dev = q_idx.device
+    block_m = min(pow2(T), 64)
+    block_n = min(pow2(T), 64)
+    block_d = min(pow2(D), 64)
+
+    def run(need: bool):
+        kl = torch.empty((B, T), dtype=torch.float32, device=dev)
+        klu = torch.empty((B, T), dtype=torch.float32, device=dev)
+        lse2 = torch.empty((B, H, T), dtype=torch.float32, device=dev)
+        if need:
+            dq = torch.zeros((B, T, HI, DI), dtype=torch.float32, device=dev)
+            dk = torch.zeros((B, T, DI), dtype=torch.float32, device=dev)
+            dw = torch.empty((B, T, HI), dtype=torch.float32, device=dev)
+        else:
+            dq = dk = dw = kl
+        if B * T > 0:
+            _dense_lse_kernel[(triton.cdiv(T, block_m), B * H)](
+                qm, km, ds, lse2,
+                qm.stride(0), qm.stride(1), qm.stride(2),
+                km.stride(0), km.stride(1), stride_kh,
+                ds.stride(0),
+                T, H, scale * LOG2E,
+                D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4,
+            )
+            _dense_kl_kernel[(triton.cdiv(T, block_m), B)](
+                qm, km, qi, ki, wi, ds, lse2, kl, klu, dq, dk, dw,
+                qm.stride(0), qm.stride(1), qm.stride(2),
+                km.stride(0), km.stride(1), stride_kh,
+                qi.stride(0), qi.stride(1), qi.stride(2),
+                ki.stride(0), ki.stride(1),
+                wi.stride(0), wi.stride(1),
+                ds.stride(0),
+                T, H, HI, scale * LOG2E, 1.0 / H,
+                D=D, DI=DI, GRAD=need,
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+                BLOCK_HI=pow2(HI), BLOCK_DI=pow2(DI),
+                num_warps=4,
+            )
+        return kl.sum(), klu.sum(), ((dq, dk, dw) if need else ())
+
+    kl_sum, klu_sum = _FusedKL.apply(q_idx, k_idx, w_idx, run)
+    return kl_sum, _stats(kl_sum, klu_sum, B, T)

@@ -1,0 +1,325 @@
+"""Triton DSA kernels against the PyTorch references: values and gradients.
+
+On the CPU the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set here before
+triton is imported); shapes are tiny so the file stays fast. Tests marked `gpu` run the kernels
+compiled, at realistic shapes, and are skipped without CUDA.
+"""
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+import dsa_kernels as K  # noqa: E402
+from dsa_kernels import (  # noqa: E402
+    dense_indexer_kl_ref,
+    doc_starts_from_position_ids,
+    indexer_topk_ref,
+    sparse_indexer_kl_ref,
+    sparse_mla_ref,
+)
+from dsa_kernels.indexer_kl_triton import dense_indexer_kl_triton, sparse_indexer_kl_triton  # noqa: E402
+from dsa_kernels.indexer_topk import index_scores_ref, topk_from_scores  # noqa: E402
+from dsa_kernels.indexer_topk_triton import (  # noqa: E402
+    _select_chunk,
+    index_scores_triton,
+    indexer_topk_triton,
+    quantize_fp8_groups,
+)
+from dsa_kernels.sparse_mla_triton import sparse_mla_triton  # noqa: E402
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (compiled Triton); run with the device tool")
+
+
+def doc_start(lengths_per_row):
+    rows = [torch.cat([torch.arange(n) for n in lengths]) for lengths in lengths_per_row]
+    return doc_starts_from_position_ids(torch.stack(rows)).to(DEV)
+
+
+def grid_values(shape, lo=-2, hi=2, denom=4, seed=0):
+    """Values on a coarse grid (multiples of 1/denom): dot products and weighted sums are exact
+    in fp32, so scores tie exactly where they tie mathematically and selections compare exactly."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(lo * denom, hi * denom + 1, shape, generator=g).float() / denom).to(DEV)
+
+
+def causal_indices(B, T, K, seed=0, drop=0.3, empty_rows=()):
+    """Random selections of keys s <= t (t < K rows are padded with -1), some slots dropped."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.full((B, T, K), -1, dtype=torch.int32)
+    for b in range(B):
+        for t in range(T):
+            n = min(K, t + 1)
+            sel = torch.randperm(t + 1, generator=g)[:n].to(torch.int32)
+            keep = torch.rand(n, generator=g) >= drop
+            idx[b, t, :n] = torch.where(keep, sel, torch.full_like(sel, -1))
+    for b, t in empty_rows:
+        idx[b, t] = -1
+    return idx.to(DEV)
+
+
+# ----------------------------------------------------------------------------- sparse MLA
+@pytest.mark.parametrize("d_v,d_r,H,K", [(32, 16, 3, 70), (64, 0, 2, 9)])
+def test_sparse_mla_values_and_grads(d_v, d_r, H, K):
+    torch.manual_seed(0)
+    B, T = 2, 23
+    D = d_v + d_r
+    q = torch.randn(B, T, H, D, device=DEV, requires_grad=True)
+    kv = torch.randn(B, T, D, device=DEV, requires_grad=True)
+    idx = causal_indices(B, T, K, empty_rows=[(0, 4), (1, 0)])
+    scale = D**-0.5
+    outs = {}
+    for name, fn in (("triton", sparse_mla_triton), ("ref", sparse_mla_ref)):
+        o, lse = fn(q, kv, idx, scale, d_v)
+        go = torch.randn(o.shape, generator=torch.Generator().manual_seed(1)).to(DEV)
+        glse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(2)).to(DEV)
+        loss = (o * go).sum() + (torch.where(torch.isfinite(lse), lse, 0) * glse).sum()
+        dq, dkv = torch.autograd.grad(loss, (q, kv))
+        outs[name] = (o, lse, dq, dkv)
+    o, lse, dq, dkv = outs["triton"]
+    ro, rlse, rdq, rdkv = outs["ref"]
+    assert torch.isfinite(o).all() and torch.isfinite(dq).all() and torch.isfinite(dkv).all()
+    torch.testing.assert_close(o, ro, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, rlse, rtol=1e-5, atol=1e-5)  # -inf on the empty rows in both
+    assert torch.isneginf(lse[0, 4]).all() and (o[0, 4] == 0).all() and (o[1, 0] == 0).all()
+    torch.testing.assert_close(dq, rdq, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dkv, rdkv, rtol=1e-4, atol=1e-5)
+
+
+def test_sparse_mla_never_reads_empty_slots_as_token_0():
+    B, T, H, D, d_v = 1, 5, 2, 48, 32
+    q = torch.randn(B, T, H, D, device=DEV)
+    kv = torch.randn(B, T, D, device=DEV, requires_grad=True)
+    kv.data[0, 0] = float("nan")  # token 0 is poison: any read of it shows
+    idx = torch.tensor([[[1, -1, -1], [1, 2, -1], [-1, -1, -1], [3, 4, -1], [4, -1, 2]]], dtype=torch.int32, device=DEV)
+    o, lse = sparse_mla_triton(q, kv, idx, 0.1, d_v)
+    assert torch.isfinite(o).all()
+    (dkv,) = torch.autograd.grad(o.sum(), (kv,))
+    assert (dkv[0, 0] == 0).all() and torch.isfinite(dkv[0, 1:]).all()
+
+
+def test_sparse_mla_bf16_576_dims():
+    torch.manual_seed(0)
+    B, T, H, K, d_v = 1, 6, 2, 16, 512
+    q = torch.randn(B, T, H, 576, device=DEV).bfloat16().requires_grad_()
+    kv = torch.randn(B, T, 576, device=DEV).bfloat16().requires_grad_()
+    idx = causal_indices(B, T, K, drop=0.0)
+    o, lse = sparse_mla_triton(q, kv, idx, 576**-0.5, d_v)
+    ro, rlse = sparse_mla_ref(q, kv, idx, 576**-0.5, d_v)
+    assert o.dtype == torch.bfloat16
+    torch.testing.assert_close(o.float(), ro.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse, rlse, rtol=1e-3, atol=1e-3)
+    dq, dkv = torch.autograd.grad(o.float().sum(), (q, kv))
+    rdq, rdkv = torch.autograd.grad(ro.float().sum(), (q, kv))
+    torch.testing.assert_close(dq.float(), rdq.float(), rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(dkv.float(), rdkv.float(), rtol=5e-2, atol=5e-2)
+
+
+# ----------------------------------------------------------------------------- indexer + top-k
+@pytest.mark.parametrize("chunk_size", [None, 16])
+def test_indexer_topk_matches_reference_docs_and_short_rows(chunk_size):
+    B, T, H, D, topk = 2, 70, 3, 24, 12  # T and D not multiples of the tiles; t < k rows
+    q, k, w = grid_values((B, T, H, D), seed=1), grid_values((B, T, D), seed=2), grid_values((B, T, H), seed=3)
+    ds = doc_start([[30, 5, 35], [70]])
+    idx, val = indexer_topk_triton(q, k, w, ds, topk, chunk_size=chunk_size)
+    ridx, rval = indexer_topk_ref(q, k, w, ds, topk)
+    assert idx.dtype == torch.int32
+    assert torch.equal(idx, ridx)
+    torch.testing.assert_close(val, rval)
+    # never across a document boundary, never in the future
+    t = torch.arange(T, device=DEV)[None, :, None]
+    sel = idx >= 0
+    assert ((idx <= t) | ~sel).all() and ((idx >= ds[..., None]) | ~sel).all()
+    assert (sel.sum(-1) == torch.clamp(t[..., 0] - ds + 1, max=topk)).all()
+
+
+def test_indexer_topk_many_ties_and_negative_zero():
+    # integer inputs in {-1, 0, 1}: most scores tie, ReLU gives exact zeros, negative weights -0.0
+    B, T, H, D, topk = 1, 40, 2, 16, 10
+    q = grid_values((B, T, H, D), lo=-1, hi=1, denom=1, seed=4)
+    k = grid_values((B, T, D), lo=-1, hi=1, denom=1, seed=5)
+    w = grid_values((B, T, H), lo=-1, hi=1, denom=1, seed=6)
+    ds = doc_start([[T]])
+    idx, val = indexer_topk_triton(q, k, w, ds, topk)
+    ridx, rval = indexer_topk_ref(q, k, w, ds, topk)
+    assert torch.equal(idx, ridx) and torch.equal(val, rval)
+
+
+def test_radix_select_low_bit_differences_and_multiple_tiles():
+    # scores that differ only in the last mantissa bits, many exact ties, -inf holes, and a row
+    # longer than the selection tile
+    base = torch.full((1, 5, 700), 1.0)
+    steps = torch.randint(0, 4, base.shape, generator=torch.Generator().manual_seed(0))
+    scores = base.clone()
+    for _ in range(3):
+        scores = torch.where(steps > 0, torch.nextafter(scores, torch.tensor(2.0)), scores)
+        steps = steps - 1
+    scores[0, 1, ::3] = float("-inf")
+    scores[0, 2] = float("-inf")  # no valid key
+    scores[0, 3, 10:] = float("-inf")  # fewer valid keys than k
+    scores[0, 4] = -0.0
+    scores[0, 4, 100:] = 0.0
+    for topk in (1, 64, 300):
+        idx, val = _select_chunk(scores.to(DEV), 5, topk, block=128)
+        ridx, rval = topk_from_scores(scores, topk, key_offset=5)
+        assert torch.equal(idx.cpu(), ridx) and torch.equal(val.cpu(), rval)
+
+
+def test_indexer_fp8_scores_match_dequantized_reference():
+    B, T, H, D = 1, 33, 4, 160  # two channel groups, the second partial
+    g = torch.Generator().manual_seed(0)
+    q, k, w = torch.randn(B, T, H, D, generator=g), torch.randn(B, T, D, generator=g), torch.rand(B, T, H, generator=g)
+    q, k, w = q.to(DEV), k.to(DEV), w.to(DEV)
+    ds = doc_start([[20, 13]])
+    q8, qs = quantize_fp8_groups(q)
+    k8, ks = quantize_fp8_groups(k)
+    assert qs.shape == (B, T, H, 2) and ks.shape == (B, T, 2)
+    deq = lambda x8, s: (x8.float().view(*x8.shape[:-1], -1) * s.repeat_interleave(128, -1)[..., :D])  # noqa: E731
+    s8, k0 = index_scores_triton(q, k, w, ds, 0, T, fp8=True)
+    ref, rk0 = index_scores_ref(deq(q8, qs), deq(k8, ks), w, ds, 0, T)
+    assert k0 == rk0
+    torch.testing.assert_close(s8, ref, rtol=1e-4, atol=1e-4)
+    exact, _ = index_scores_ref(q, k, w, ds, 0, T)
+    finite = torch.isfinite(exact)
+    assert ((s8 - exact)[finite].abs().max() / exact[finite].abs().max()) < 0.1
+
+
+# ----------------------------------------------------------------------------- indexer KL
+def _indexer_inputs(B, T, HI, DI, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qi = torch.randn(B, T, HI, DI, generator=g).to(DEV).requires_grad_()
+    ki = torch.randn(B, T, DI, generator=g).to(DEV).requires_grad_()
+    wi = torch.randn(B, T, HI, generator=g).to(DEV).requires_grad_()
+    return qi, ki, wi
+
+
+def _check_kl(res, ref, inputs):
+    (kl, st), (rkl, rst) = res, ref
+    torch.testing.assert_close(kl, rkl, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(st["kl_uniform"].to(DEV), rst["kl_uniform"].to(DEV), rtol=1e-5, atol=1e-4)
+    assert float(st["queries"]) == float(rst["queries"])
+    grads = torch.autograd.grad(kl * 0.7, inputs)
+    rgrads = torch.autograd.grad(rkl * 0.7, inputs)
+    for a, b in zip(grads, rgrads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_sparse_indexer_kl_values_and_grads():
+    B, T, HI, DI, H, D, K = 2, 21, 3, 16, 3, 40, 40  # K > T: every row has -1 slots
+    qi, ki, wi = _indexer_inputs(B, T, HI, DI)
+    g = torch.Generator().manual_seed(1)
+    qm, kv = torch.randn(B, T, H, D, generator=g).to(DEV), torch.randn(B, T, D, generator=g).to(DEV)
+    idx = causal_indices(B, T, K, empty_rows=[(0, 5)])
+    _, lse = sparse_mla_ref(qm, kv, idx, 0.2, 32)
+    res = sparse_indexer_kl_triton(qi, ki, wi, idx, qm, kv, lse, 0.2)
+    ref = sparse_indexer_kl_ref(qi, ki, wi, idx, qm, kv, lse, 0.2)
+    _check_kl(res, ref, (qi, ki, wi))
+
+
+def test_sparse_indexer_kl_without_grad():
+    qi, ki, wi = (x.detach() for x in _indexer_inputs(1, 9, 2, 16))
+    qm, kv = torch.randn(1, 9, 2, 24, device=DEV), torch.randn(1, 9, 24, device=DEV)
+    idx = causal_indices(1, 9, 4)
+    _, lse = sparse_mla_ref(qm, kv, idx, 0.3, 16)
+    kl, _ = sparse_indexer_kl_triton(qi, ki, wi, idx, qm, kv, lse, 0.3)
+    rkl, _ = sparse_indexer_kl_ref(qi, ki, wi, idx, qm, kv, lse, 0.3)
+    assert not kl.requires_grad
+    torch.testing.assert_close(kl, rkl, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("form", ["mha", "mqa"])
+def test_dense_indexer_kl_values_and_grads(form):
+    B, T, HI, DI, H = 2, 70, 2, 16, 3  # T not a multiple of the 64-row tiles; two tiles
+    D = 24 if form == "mha" else 80
+    qi, ki, wi = _indexer_inputs(B, T, HI, DI)
+    g = torch.Generator().manual_seed(1)
+    qm = torch.randn(B, T, H, D, generator=g).to(DEV)
+    km = torch.randn(B, T, H if form == "mha" else 1, D, generator=g).to(DEV)
+    ds = doc_start([[40, 30], [5, 65]])
+    res = dense_indexer_kl_triton(qi, ki, wi, qm, km, D**-0.5, ds)
+    ref = dense_indexer_kl_ref(qi, ki, wi, qm, km, D**-0.5, ds)
+    _check_kl(res, ref, (qi, ki, wi))
+
+
+# ----------------------------------------------------------------------------- dispatch + model
+def test_dispatcher_routes_by_device_and_env(monkeypatch):
+    q = torch.randn(1, 4, 2, 32)
+    kv = torch.randn(1, 4, 32)
+    idx = causal_indices(1, 4, 2).cpu()
+    calls = []
+    import dsa_kernels.sparse_mla_triton as smt
+
+    monkeypatch.setattr(smt, "sparse_mla_triton", lambda *a, **k: calls.append("triton") or sparse_mla_ref(*a))
+    monkeypatch.setenv("DSA_KERNELS", "ref")
+    K.sparse_mla(q, kv, idx, 0.1, 16)
+    monkeypatch.setenv("DSA_KERNELS", "auto")
+    K.sparse_mla(q, kv, idx, 0.1, 16)
+    assert calls == []  # CPU tensors -> reference
+    monkeypatch.setenv("DSA_KERNELS", "triton")
+    K.sparse_mla(q, kv, idx, 0.1, 16)
+    assert calls == ["triton"]
+    monkeypatch.setenv("DSA_KERNELS", "bogus")
+    with pytest.raises(ValueError):
+        K.sparse_mla(q, kv, idx, 0.1, 16)
+
+
+def test_model_sparse_step_through_triton_kernels(monkeypatch):
+    import dsa_train
+
+    def run(mode):
+        monkeypatch.setenv("DSA_KERNELS", mode)
+        torch.manual_seed(0)
+        cfg = dsa_train.tiny_config(index_topk=8, index_n_heads=4, num_hidden_layers=2, first_k_dense_replace=1)
+        model = dsa_train.DSAForCausalLM(cfg)
+        x = torch.randint(0, 4096, (1, 20), generator=torch.Generator().manual_seed(0))
+        pos = torch.cat([torch.arange(12), torch.arange(8)])[None]
+        out = model(x, attention="sparse", labels=x, indexer_loss=True, position_ids=pos)
+        (out.lm_loss + out.indexer_loss).backward()
+        return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    out_t, g_t = run("triton")
+    out_r, g_r = run("ref")
+    torch.testing.assert_close(out_t.lm_loss, out_r.lm_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out_t.indexer_loss, out_r.indexer_loss, rtol=1e-5, atol=1e-5)
+    assert g_t.keys() == g_r.keys()
+    for n in g_r:
+        torch.testing.assert_close(g_t[n], g_r[n], rtol=1e-3, atol=1e-5, msg=n)
+
+
+# ----------------------------------------------------------------------------- GPU scale
+@pytest.mark.gpu
+@gpu
+def test_gpu_sparse_mla_bf16_realistic():
+    torch.manual_seed(0)
+    B, T, H, K = 1, 4096, 128, 2048
+    q = (torch.randn(B, T, H, 576, device="cuda") * 0.5).bfloat16().requires_grad_()
+    kv = (torch.randn(B, T, 576, device="cuda") * 0.5).bfloat16().requires_grad_()
+    idx = torch.randint(0, T, (B, T, K), device="cuda", dtype=torch.int32)
+    idx = torch.where(idx <= torch.arange(T, device="cuda")[None, :, None], idx, -1)
+    o, lse = sparse_mla_triton(q, kv, idx, 576**-0.5, 512)
+    ro, rlse = sparse_mla_ref(q, kv, idx, 576**-0.5, 512)
+    torch.testing.assert_close(o.float(), ro.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse, rlse, rtol=1e-3, atol=1e-3)
+    go = torch.randn_like(o)
+    dq, dkv = torch.autograd.grad(o, (q, kv), go)
+    rdq, rdkv = torch.autograd.grad(ro, (q, kv), go)
+    torch.testing.assert_close(dq.float(), rdq.float(), rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(dkv.float(), rdkv.float(), rtol=5e-2, atol=1e-1)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_indexer_topk_and_kl_realistic():
+    B, T, HI, DI, topk = 1, 8192, 64, 128, 2048
+    q, k, w = grid_values((B, T, HI, DI), seed=1), grid_values((B, T, DI), seed=2), grid_values((B, T, HI), seed=3)
+    ds = doc_start([[3000, 5192]])
+    idx, val = indexer_topk_triton(q.bfloat16(), k.bfloat16(), w, ds, topk)
+    ridx, rval = indexer_topk_ref(q.bfloat16(), k.bfloat16(), w, ds, topk)
+    assert torch.equal(idx, ridx)
+    torch.testing.assert_close(val, rval)
