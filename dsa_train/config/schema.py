@@ -155,6 +155,8 @@ class LoggingConfig:
     # W&B writes <wandb_dir>/wandb/<run>/.
     wandb_dir: str = "${run_dir}"
     tags: list[str] = field(default_factory=list)
+    # Seconds to wait for the W&B server before falling back to offline.
+    wandb_init_timeout_s: float = 90.0
     log_every: int = 1
     # Rich progress bar; only shown when stdout is a terminal.
     progress_bar: bool = True

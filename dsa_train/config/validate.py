@@ -40,17 +40,20 @@ def validate(cfg: TrainConfig) -> None:
         _require(0.0 <= stage.min_lr_ratio <= 1.0, f"{key}.min_lr_ratio", "must be within [0, 1]")
         _require(stage.lm_loss_coef >= 0 and stage.indexer_loss_coef >= 0,
                  f"{key}.lm_loss_coef", "loss coefficients must be >= 0")
+        if stage.trainable == Trainable.indexer:
+            _require(stage.indexer_loss_coef > 0, f"{key}.indexer_loss_coef",
+                     "an indexer-only stage needs the indexer loss")
+            _require(stage.lm_loss_coef == 0, f"{key}.lm_loss_coef",
+                     "the LM loss does not reach the indexer (its input is detached); use 0")
+            _require(stage.router_bias_update_rate == 0, f"{key}.router_bias_update_rate",
+                     "the router is frozen in an indexer-only stage")
         _require(stage.lm_loss_coef > 0 or stage.indexer_loss_coef > 0,
                  f"{key}.lm_loss_coef", "lm_loss_coef and indexer_loss_coef are both 0")
+        _require(stage.global_batch_size >= 1, f"{key}.global_batch_size", "must be >= 1")
         _require(stage.global_batch_size % cfg.data.micro_batch_size == 0,
                  f"{key}.global_batch_size",
                  f"{stage.global_batch_size} is not a multiple of data.micro_batch_size="
                  f"{cfg.data.micro_batch_size}")
-        if stage.trainable == Trainable.indexer:
-            _require(stage.indexer_loss_coef > 0, f"{key}.indexer_loss_coef",
-                     "an indexer-only stage needs the indexer loss")
-            _require(stage.router_bias_update_rate == 0, f"{key}.router_bias_update_rate",
-                     "the router is frozen in an indexer-only stage")
         if stage.attention == Attention.dense:
             _require(stage.topk_recall_queries == 0, f"{key}.topk_recall_queries",
                      "top-k recall is measured in sparse stages only")

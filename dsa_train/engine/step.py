@@ -30,20 +30,19 @@ def forward_kwargs(stage: StageConfig) -> dict:
     }
 
 
-def train_step(
+def forward_backward(
     engine: Engine,
     micro_batches: list[dict[str, torch.Tensor]],
     stage: StageConfig,
     topk_recall_queries: int = 0,
 ) -> dict[str, float]:
-    """Runs one optimizer step; returns its metrics (loss terms averaged over the step,
-    model metrics averaged over micro-batches, grad norm and the lr the step used)."""
+    """Accumulates the gradients of one step; returns loss terms summed to step values and
+    model metrics averaged over micro-batches."""
     kwargs = forward_kwargs(stage)
     uses_lm = stage.lm_loss_coef > 0
     num_micro = len(micro_batches)
     valid_labels = [int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches]
     total_valid = sum(valid_labels)
-    lr = engine.lr
 
     totals: dict[str, float] = defaultdict(float)
     model_metrics: dict[str, float] = defaultdict(float)
@@ -59,12 +58,12 @@ def train_step(
         if uses_lm and valid_labels[i] > 0:
             weight = valid_labels[i] / total_valid
             loss = loss + stage.lm_loss_coef * weight * out.lm_loss
-            totals["lm_loss"] += weight * float(out.lm_loss)
+            totals["lm_loss"] += weight * float(out.lm_loss.detach())
         if kwargs["indexer_loss"]:
             loss = loss + stage.indexer_loss_coef * out.indexer_loss / num_micro
-            totals["indexer_loss"] += float(out.indexer_loss) / num_micro
+            totals["indexer_loss"] += float(out.indexer_loss.detach()) / num_micro
         engine.backward(loss)
-        totals["loss"] += float(loss)
+        totals["loss"] += float(loss.detach())
         for key, value in out.metrics.items():
             model_metrics[key] += value
     # topk_recall is measured on the first micro-batch only; everything else on all of them.
@@ -72,6 +71,18 @@ def train_step(
     if "indexer_kl" in metrics and metrics.get("indexer_kl_uniform", 0) > 0:
         metrics["indexer_kl_captured"] = 1.0 - metrics["indexer_kl"] / metrics["indexer_kl_uniform"]
     metrics.update(totals)
+    return metrics
+
+
+def train_step(
+    engine: Engine,
+    micro_batches: list[dict[str, torch.Tensor]],
+    stage: StageConfig,
+    topk_recall_queries: int = 0,
+) -> dict[str, float]:
+    """One optimizer step; its metrics plus the pre-clip grad norm and the lr it used."""
+    lr = engine.lr
+    metrics = forward_backward(engine, micro_batches, stage, topk_recall_queries)
     metrics["grad_norm"] = engine.step()
     metrics["lr"] = lr
     return metrics

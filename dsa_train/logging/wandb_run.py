@@ -48,6 +48,7 @@ class WandbRun:
             config=config,
             id=run_id,
             resume="allow" if run_id else None,
+            settings=wandb.Settings(init_timeout=cfg.wandb_init_timeout_s),
         )
         try:
             self.run = wandb.init(mode=self.mode, **init_kwargs)

@@ -1,0 +1,128 @@
+"""Stage freezing, the LR schedule and gradient-accumulation scaling."""
+
+import math
+
+import pytest
+import torch
+
+from dsa_train.config import Attention, Decay, OptimConfig, StageConfig, Trainable
+from dsa_train.engine import Engine, forward_backward, is_indexer_parameter, lr_multiplier, train_step
+from dsa_train.model import DSAForCausalLM, tiny_config
+
+VOCAB, SEQ = 256, 48
+
+WARMUP = StageConfig(attention=Attention.dense, trainable=Trainable.indexer, lm_loss_coef=0.0,
+                     indexer_loss_coef=1.0, lr=1e-2, steps=4)
+SPARSE = StageConfig(attention=Attention.sparse, trainable=Trainable.all, lm_loss_coef=1.0,
+                     indexer_loss_coef=1.0, lr=1e-3, steps=4, topk=8)
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    return DSAForCausalLM(tiny_config(vocab_size=VOCAB))
+
+
+def batch(size, seed=1):
+    """Packed rows: two documents per row (position ids restart), labels -100 at doc ends."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(2, VOCAB, (size, SEQ), generator=g)
+    split = SEQ // 3
+    position_ids = torch.cat([torch.arange(split), torch.arange(SEQ - split)]).repeat(size, 1)
+    labels = torch.cat([input_ids[:, 1:], torch.full((size, 1), -100)], dim=1)
+    labels[:, split - 1] = -100
+    labels[0, 5:9] = -100  # micro-batches with different valid-label counts
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+
+
+def split_rows(b):
+    return [{k: v[i:i + 1] for k, v in b.items()} for i in range(b["input_ids"].shape[0])]
+
+
+def test_warmup_trains_only_the_indexer():
+    model = tiny_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine = Engine(model, WARMUP, OptimConfig())
+    optimized = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
+    indexer = {id(p) for n, p in model.named_parameters() if is_indexer_parameter(n)}
+    assert indexer and optimized == indexer
+
+    forward_backward(engine, [batch(2)], WARMUP)
+    with_grad = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert with_grad and all(is_indexer_parameter(n) for n in with_grad)
+    for name, p in model.named_parameters():
+        assert p.requires_grad == is_indexer_parameter(name), name
+    engine.step()
+    assert {id(p) for p in engine.optimizer.state} <= indexer
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all(is_indexer_parameter(n) for n in changed)
+
+
+def test_sparse_stage_trains_everything_and_unfreezes():
+    model = tiny_model()
+    Engine(model, WARMUP, OptimConfig())
+    engine = Engine(model, SPARSE, OptimConfig())
+    n_params = len(list(model.parameters()))
+    assert sum(len(g["params"]) for g in engine.optimizer.param_groups) == n_params
+    metrics = train_step(engine, [batch(1)], SPARSE)
+    assert metrics["lm_loss"] > 0 and metrics["indexer_loss"] > 0 and metrics["grad_norm"] > 0
+    assert math.isclose(metrics["loss"], metrics["lm_loss"] + metrics["indexer_loss"], rel_tol=1e-5)
+
+
+def test_warmup_skips_the_lm_head():
+    model = tiny_model()
+    engine = Engine(model, WARMUP, OptimConfig())
+    metrics = forward_backward(engine, [batch(1)], WARMUP)
+    assert "lm_loss" not in metrics and model.lm_head.weight.grad is None
+    assert 0 < metrics["indexer_loss"] == metrics["loss"]
+
+
+def test_no_weight_decay_on_vectors():
+    engine = Engine(tiny_model(), SPARSE, OptimConfig(weight_decay=0.1))
+    decayed, plain = engine.optimizer.param_groups
+    assert decayed["weight_decay"] == 0.1 and all(p.ndim >= 2 for p in decayed["params"])
+    assert plain["weight_decay"] == 0.0 and all(p.ndim < 2 for p in plain["params"])
+
+
+@pytest.mark.parametrize("stage", [WARMUP, SPARSE], ids=["warmup", "sparse"])
+def test_gradient_accumulation_matches_one_big_batch(stage):
+    full = batch(2)
+    grads = []
+    losses = []
+    for micro_batches in ([full], split_rows(full)):
+        model = tiny_model()
+        engine = Engine(model, stage, OptimConfig())
+        metrics = forward_backward(engine, micro_batches, stage)
+        losses.append(metrics["loss"])
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6, msg=name)
+    assert math.isclose(losses[0], losses[1], rel_tol=1e-5)
+
+
+def schedule_stage(**kw):
+    return StageConfig(steps=10, lr=1.0, **kw)
+
+
+def test_lr_schedule_warmup_then_constant():
+    stage = schedule_stage(warmup_steps=4, decay=Decay.constant)
+    assert [lr_multiplier(s, stage) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+
+
+def test_lr_schedule_cosine_and_linear_reach_the_floor():
+    cosine = schedule_stage(warmup_steps=2, decay=Decay.cosine, min_lr_ratio=0.1)
+    values = [lr_multiplier(s, cosine) for s in range(10)]
+    assert values[2] == 1.0 and math.isclose(values[-1], 0.1)
+    assert all(a >= b for a, b in zip(values[2:], values[3:]))
+    assert math.isclose(values[2 + 7 // 2 + 1], 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 4 / 7)))
+    linear = schedule_stage(warmup_steps=0, decay=Decay.linear, min_lr_ratio=0.0)
+    assert [round(lr_multiplier(s, linear), 6) for s in (0, 9)] == [1.0, 0.0]
+    assert math.isclose(lr_multiplier(3, linear), 1 - 3 / 9)
+
+
+def test_engine_applies_the_schedule_per_step():
+    stage = StageConfig(trainable=Trainable.all, lm_loss_coef=1.0, indexer_loss_coef=0.0, lr=2e-3, steps=4,
+                        warmup_steps=2, decay=Decay.linear)
+    engine = Engine(tiny_model(), stage, OptimConfig())
+    used = [train_step(engine, [batch(1)], stage)["lr"] for _ in range(4)]
+    assert used == pytest.approx([1e-3, 2e-3, 2e-3, 0.0])
