@@ -59,6 +59,8 @@ def test_chained_warmup_then_sparse(tmp_path, capsys):
     for name, value in reloaded.state_dict().items():
         torch.testing.assert_close(value, trainer.model.state_dict()[name], msg=name)
     assert json.loads((result.export_dir / "config.json").read_text())["model_type"] == "deepseek_v32"
+    assert (result.export_dir / "tokenizer.json").is_file()
+    assert json.loads((warmup_end.path / "config.json").read_text())["vocab_size"] == trainer.model.config.vocab_size
 
     summary = result.summary
     assert set(summary) == {"warmup", "sparse"} and set(summary["sparse"]) == {"start", "end"}

@@ -2,6 +2,7 @@
 
 Layout of one checkpoint, `<checkpoint.dir>/step_<global step, 8 digits>/`:
     model.pt           model state dict
+    config.json        the model's Hugging Face config (so `dsa-train export` needs nothing else)
     engine.pt          optimizer + LR schedule state (absent at a stage boundary: the next
                        stage starts with a fresh optimizer and schedule)
     data.pt            data loader state (position in the stream)
@@ -64,6 +65,7 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
     torch.save(model.state_dict(), tmp / "model.pt")
+    (tmp / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2))
     if engine_state is not None:
         torch.save(engine_state, tmp / "engine.pt")
     torch.save(data_state, tmp / "data.pt")

@@ -115,6 +115,11 @@ class Trainer:
         self.state.wandb_run_id = self.wandb.id
         self.result.wandb_run_id = self.wandb.id
 
+    def tokenizer_dir(self) -> str:
+        from dsa_train.data import BUNDLED_TOKENIZER_DIR
+
+        return self.cfg.data.tokenizer or str(BUNDLED_TOKENIZER_DIR)
+
     def config_dict(self) -> dict:
         return OmegaConf.to_container(OmegaConf.structured(self.cfg), resolve=True, enum_to_str=True)
 
@@ -242,7 +247,7 @@ class Trainer:
             progress.close()
         if self.cfg.checkpoint.export:
             self.result.export_dir = self.run_dir / "export"
-            self.model.save_pretrained(self.result.export_dir)
+            self.model.save_pretrained(self.result.export_dir, tokenizer_dir=self.tokenizer_dir())
             log.info("exported %s", self.result.export_dir)
         self.result.summary = self.state.summary
         self.wandb.set_summary(summary_metrics(self.state.summary))
