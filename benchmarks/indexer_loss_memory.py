@@ -76,8 +76,15 @@ def run_ours(seq_len: int) -> dict:
 
 def run_megatron(seq_len: int) -> dict:
     import torch
+    import torch.distributed as dist
+    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.experimental_attention_variant.dsa import compute_dsa_indexer_loss
 
+    # a real single-rank gloo group as megatron's tensor-parallel group (TP = 1)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + seq_len % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    pg_collection = ProcessGroupCollection(tp=dist.group.WORLD)
     torch.manual_seed(0)
     b, h, d, hi = 1, HEADS, 48, 8
     query = torch.randn(seq_len, b, h, d)
@@ -87,7 +94,7 @@ def run_megatron(seq_len: int) -> dict:
     before = rss_mb()
     t0 = time.perf_counter()
     loss = compute_dsa_indexer_loss(
-        index_scores, topk_indices, query, key, d**-0.5, 1.0, sparse_loss=False, pg_collection=None
+        index_scores, topk_indices, query, key, d**-0.5, 1.0, sparse_loss=False, pg_collection=pg_collection
     )
     loss.backward()
     return {"impl": "megatron", "seq_len": seq_len, "seconds": time.perf_counter() - t0,
