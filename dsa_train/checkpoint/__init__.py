@@ -1,0 +1,13 @@
+"""Checkpoint interop (docs/checkpoints.md): a streaming loader for Hugging Face DeepSeek-V3 /
+V3.1 / V3.2 directories (sharded, FP8 block-quantized, MTP), export to the V3.2-Exp layout,
+tiny V3.1-Terminus-layout checkpoints, and `dsa-train export | inspect | make-tiny-checkpoint`."""
+
+from .errors import CheckpointError
+from .export import ExportOptions, save_pretrained, write_hf_dir
+from .fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
+from .loader import CheckpointPlan, examine_checkpoint, load_pretrained, open_checkpoint
+
+__all__ = [
+    "CheckpointError", "CheckpointPlan", "ExportOptions", "dequantize_fp8_blocks", "examine_checkpoint",
+    "load_pretrained", "open_checkpoint", "quantize_fp8_blocks", "save_pretrained", "write_hf_dir",
+]

@@ -1,0 +1,70 @@
+"""`dsa-train export`: a training checkpoint or a Hugging Face directory -> the V3.2-Exp layout.
+
+Both sources are streamed: tensors go one at a time from the source to the shard writer, so the
+export holds about one output shard (a training checkpoint's `model.pt` is memory-mapped; a
+Hugging Face source is read tensor by tensor). A dense (V3 / V3.1) Hugging Face source gets
+freshly initialized indexers, one layer at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from ..model.config import DSAConfig
+from ..model.indexer import LightningIndexer
+from .errors import CheckpointError
+from .export import ExportOptions, ExportResult, natural_key, v32_config_json, write_hf_dir
+from .hf_layout import is_hf_dir
+from .loader import open_checkpoint
+from .training_source import open_training_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+def fresh_indexer_tensors(config: DSAConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Initialized indexer parameters of every layer (MTP included), one layer at a time."""
+    n_layers = config.num_hidden_layers + (config.num_nextn_predict_layers or 0)
+    for i in range(n_layers):
+        indexer = LightningIndexer(config)
+        indexer.reset_parameters(config.initializer_range)
+        for name, p in indexer.named_parameters():
+            yield f"model.layers.{i}.self_attn.indexer.{name}", p.detach()
+
+
+def export_checkpoint(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    options: ExportOptions,
+    tokenizer_dir: str | os.PathLike | None = None,
+    config: str | os.PathLike | None = None,
+) -> ExportResult:
+    src, out = Path(src), Path(out)
+    if out.resolve() == src.resolve():
+        raise CheckpointError(f"export would overwrite its source {src}; choose another output directory")
+    if is_hf_dir(src):
+        plan = open_checkpoint(src)
+        tensors: Iterator = plan.tensors(torch.float32)
+        if plan.match.dense:
+            log.warning("%s is a dense checkpoint: the export gets freshly initialized indexers", src)
+            tensors = _chain(tensors, fresh_indexer_tensors(plan.config))
+        model_config = plan.config
+        if tokenizer_dir is None and (src / "tokenizer.json").is_file():
+            tokenizer_dir = src
+    else:
+        ckpt = open_training_checkpoint(src, config)
+        names = sorted(ckpt.state, key=natural_key)
+        tensors = ((n, ckpt.state[n]) for n in names)
+        model_config = ckpt.config
+        if tokenizer_dir is None:
+            tokenizer_dir = ckpt.tokenizer_dir
+    return write_hf_dir(out, v32_config_json(model_config, options), tensors, options, tokenizer_dir)
+
+
+def _chain(*iterators):
+    for it in iterators:
+        yield from it

@@ -1,0 +1,183 @@
+"""Writing the DeepSeek-V3.2-Exp Hugging Face layout (`model_type: deepseek_v32`).
+
+    config.json     DeepseekV32ForCausalLM, index_n_heads / index_head_dim / index_topk, and
+                    quantization_config when FP8 (fp8, e4m3, dynamic, [128, 128], + ue8m0)
+    *.safetensors   size-capped shards + model.safetensors.index.json, per-expert keys
+    tokenizer files copied from a tokenizer directory
+
+Dtypes follow the reference checkpoint: with `fp8` the big Linear weights (fp8.py) are
+re-quantized to e4m3 with 128x128 block scales (powers of two with `ue8m0`); the indexer's
+`k_norm` and the router's `e_score_correction_bias` stay fp32; everything else, `weights_proj`
+included, is written in `dtype` (bf16 by default) and never quantized.
+
+The directory is assembled beside OUT and moved into place when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..model.config import DSAConfig
+from .errors import CheckpointError
+from .fp8 import SCALE_SUFFIX, is_quantized_in_reference, quantize_fp8_blocks
+from .hf_layout import CONFIG_FILE, INDEX_FILE
+from .shard_writer import ShardWriter
+
+KEEP_FP32 = ("indexer.k_norm.weight", "indexer.k_norm.bias", "mlp.gate.e_score_correction_bias")
+# the demo tokenizer (dsa_train.data.tokenizer uses the same files; importing it would pull `datasets`)
+BUNDLED_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+)
+
+
+@dataclass
+class ExportOptions:
+    dtype: torch.dtype | None = torch.bfloat16  # None: every tensor keeps its dtype
+    fp8: bool = False  # re-quantize the reference's FP8 weights with 128x128 block scales
+    ue8m0: bool = False  # power-of-two scales (implies fp8)
+    max_shard_bytes: int = 5 * 10**9
+    block: int = 128
+
+    def __post_init__(self):
+        self.fp8 = self.fp8 or self.ue8m0
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    files: list[Path] = field(default_factory=list)
+    total_bytes: int = 0
+    tensors: int = 0
+    fp8_tensors: int = 0
+    tokenizer_files: list[str] = field(default_factory=list)
+
+
+def quantization_config(options: ExportOptions) -> dict:
+    qc = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [options.block, options.block],
+    }
+    if options.ue8m0:
+        qc["scale_fmt"] = "ue8m0"
+    return qc
+
+
+def v32_config_json(config: DSAConfig, options: ExportOptions, fallback_dtype: torch.dtype = torch.bfloat16) -> dict:
+    cfg = config.to_hf_dict()
+    cfg["torch_dtype"] = str(options.dtype or fallback_dtype).replace("torch.", "")
+    if options.fp8:
+        cfg["quantization_config"] = quantization_config(options)
+    return cfg
+
+
+def encode(name: str, tensor: torch.Tensor, options: ExportOptions) -> dict[str, torch.Tensor]:
+    """One parameter as it is stored: {name: tensor} or {name: fp8, name_scale_inv: scales}."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.is_meta:
+        raise CheckpointError(f"tensor {name} is on the meta device (not loaded on this rank); export needs the full model")
+    if options.fp8 and t.dim() == 2 and is_quantized_in_reference(name):
+        q, scale = quantize_fp8_blocks(t, options.block, options.ue8m0)
+        return {name: q, name[: -len(".weight")] + ".weight" + SCALE_SUFFIX: scale}
+    if not t.is_floating_point():
+        return {name: t}
+    if name.endswith(KEEP_FP32):
+        return {name: t.float()}
+    return {name: t.to(options.dtype) if options.dtype is not None else t}
+
+
+def copy_tokenizer(src: str | os.PathLike, dst: Path) -> list[str]:
+    src = Path(src)
+    if src.is_file():
+        src_files = [src]
+    elif src.is_dir():
+        src_files = [src / f for f in TOKENIZER_FILES if (src / f).is_file()]
+    else:
+        raise CheckpointError(f"tokenizer {src} does not exist; pass a directory with tokenizer.json")
+    if not any(p.name == "tokenizer.json" or p.name == "tokenizer.model" for p in src_files):
+        raise CheckpointError(f"{src} has no tokenizer.json (or tokenizer.model); pass the tokenizer's directory")
+    for p in src_files:
+        shutil.copy2(p, dst / p.name)
+    return [p.name for p in src_files]
+
+
+def write_hf_dir(
+    out: str | os.PathLike,
+    config_json: dict,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    options: ExportOptions,
+    tokenizer_dir: str | os.PathLike | None = None,
+) -> ExportResult:
+    """Write config.json, the shards (+ index) and the tokenizer into OUT, atomically."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        result = ExportResult(path=out)
+        writer = ShardWriter(tmp, options.max_shard_bytes)
+        for name, tensor in tensors:
+            group = encode(name, tensor, options)
+            result.tensors += len(group)
+            result.fp8_tensors += sum(t.dtype == torch.float8_e4m3fn for t in group.values())
+            writer.add(group)
+        files = writer.finish()
+        result.total_bytes = writer.total_bytes
+        (tmp / CONFIG_FILE).write_text(json.dumps(config_json, indent=2) + "\n")
+        if tokenizer_dir is not None:
+            result.tokenizer_files = copy_tokenizer(tokenizer_dir, tmp)
+        result.files = [out / f.name for f in files]
+        _place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return result
+
+
+def _place(tmp: Path, out: Path) -> None:
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    for old in list(out.glob("model*.safetensors")) + [out / INDEX_FILE]:
+        old.unlink(missing_ok=True)
+    for f in tmp.iterdir():
+        os.replace(f, out / f.name)
+    tmp.rmdir()
+
+
+def save_pretrained(
+    model,
+    path: str | os.PathLike,
+    max_shard_bytes: int = 5 * 10**9,
+    dtype: torch.dtype | None = None,
+    fp8: bool = False,
+    ue8m0: bool = False,
+    tokenizer_dir: str | os.PathLike | None = None,
+) -> ExportResult:
+    """DSAForCausalLM -> V3.2-Exp directory. dtype None keeps every tensor's dtype."""
+    options = ExportOptions(dtype=dtype, fp8=fp8, ue8m0=ue8m0, max_shard_bytes=max_shard_bytes)
+    state = model.state_dict()
+    param_dtype = next(model.parameters()).dtype
+    names = sorted(state, key=natural_key)
+    return write_hf_dir(
+        path, v32_config_json(model.config, options, param_dtype), ((n, state[n]) for n in names), options, tokenizer_dir
+    )
+
+
+def natural_key(name: str):
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]

@@ -1,0 +1,150 @@
+"""The model inside a training checkpoint written by `dsa_train.engine` (the export source).
+
+A training checkpoint is `<run_dir>/checkpoints/step_XXXXXXXX/` with the model state dict in
+`model.pt` (engine/checkpoint.py). A checkpoint saved by several ranks may split the model over
+several `model*.pt` files with disjoint keys (e.g. one per expert-parallel rank); they are merged.
+Files are opened memory-mapped, so tensors are paged in only as the export reads them.
+
+The state dict does not carry the model config; it is found, in this order, in
+  1. `config.json` inside the step directory (Hugging Face form),
+  2. the `config` argument (a Hugging Face directory or a config.json),
+  3. the run's Hydra config (`<run_dir>/.hydra/config.yaml`): `model.pretrained` (its
+     config.json) or `model.arch` (tiny_config(**arch), vocab_size from the embedding).
+The tokenizer is the run's `data.tokenizer` (the bundled one when unset).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..model.config import DSAConfig, tiny_config
+from .errors import CheckpointError
+from .export import BUNDLED_TOKENIZER_DIR
+from .hf_layout import CONFIG_FILE, is_hf_dir, read_config_json
+from .skeleton import empty_model
+
+MODEL_FILE_GLOB = "model*.pt"
+STEP_PREFIX = "step_"
+
+
+@dataclass
+class TrainingCheckpoint:
+    step_dir: Path
+    config: DSAConfig
+    state: dict[str, torch.Tensor]  # memory-mapped
+    files: dict[str, Path]  # tensor name -> file it came from
+    tokenizer_dir: Path | None
+
+
+def find_step_dir(path: str | os.PathLike) -> Path | None:
+    """The step directory for PATH: itself, or the newest step_* under PATH or PATH/checkpoints."""
+    path = Path(path)
+    if any(path.glob(MODEL_FILE_GLOB)):
+        return path
+    for base in (path, path / "checkpoints"):
+        steps = [p for p in base.glob(STEP_PREFIX + "*") if p.is_dir() and any(p.glob(MODEL_FILE_GLOB))]
+        if steps:
+            return max(steps, key=lambda p: int(p.name[len(STEP_PREFIX):]) if p.name[len(STEP_PREFIX):].isdigit() else -1)
+    return None
+
+
+def _read_state(step_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+    state: dict[str, torch.Tensor] = {}
+    files: dict[str, Path] = {}
+    for f in sorted(step_dir.glob(MODEL_FILE_GLOB)):
+        try:
+            part = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # torch raises RuntimeError / pickle errors / EOFError for damaged files
+            raise CheckpointError(f"cannot read {f}: {e}. The file is truncated or corrupt; use an earlier checkpoint") from e
+        if not isinstance(part, dict):
+            raise CheckpointError(f"{f} holds a {type(part).__name__}, not a model state dict")
+        for name, t in part.items():
+            if name in state:
+                raise CheckpointError(f"tensor {name} is in both {files[name]} and {f}; rank files must hold disjoint keys")
+            state[name], files[name] = t, f
+    return state, files
+
+
+def _hydra_config(step_dir: Path) -> dict | None:
+    for parent in [step_dir, *step_dir.parents][:5]:
+        f = parent / ".hydra" / "config.yaml"
+        if f.is_file():
+            from omegaconf import OmegaConf
+
+            return OmegaConf.to_container(OmegaConf.load(f), resolve=False)
+    return None
+
+
+def _config_from_path(path: Path) -> DSAConfig:
+    cfg_json = read_config_json(path)
+    try:
+        return DSAConfig.from_hf_dict(cfg_json)
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}: {e}") from e
+
+
+def _resolve_config(step_dir: Path, state: dict, config: str | os.PathLike | None, hydra: dict | None) -> DSAConfig:
+    if (step_dir / CONFIG_FILE).is_file():
+        return _config_from_path(step_dir)
+    if config is not None:
+        return _config_from_path(Path(config))
+    model = (hydra or {}).get("model") or {}
+    if model.get("pretrained"):
+        return _config_from_path(Path(model["pretrained"]))
+    if hydra is not None and "model.embed_tokens.weight" in state:
+        arch = dict(model.get("arch") or {})
+        arch.setdefault("vocab_size", int(state["model.embed_tokens.weight"].shape[0]))
+        return tiny_config(**arch)
+    raise CheckpointError(
+        f"cannot tell the model config of the training checkpoint {step_dir}: it has no config.json and no "
+        ".hydra/config.yaml above it; pass --config with the Hugging Face directory (or config.json) of the model"
+    )
+
+
+def check_state_dict(state: dict, files: dict[str, Path], config: DSAConfig, step_dir: Path) -> None:
+    """CheckpointError unless the state dict is exactly the model's (names and shapes)."""
+    expected = {n: tuple(t.shape) for n, t in empty_model(config).state_dict().items()}
+    for name, t in state.items():
+        if name not in expected:
+            raise CheckpointError(
+                f"tensor {name} in {files[name]} is not part of the model the config describes; "
+                "pass the right --config (or the checkpoint is of another model)"
+            )
+        if tuple(t.shape) != expected[name]:
+            raise CheckpointError(
+                f"tensor {name} in {files[name]} has shape {list(t.shape)}, but the config implies "
+                f"{list(expected[name])}; the config does not match the weights, pass the right --config"
+            )
+    missing = [n for n in expected if n not in state]
+    if missing:
+        raise CheckpointError(
+            f"{len(missing)} tensors are missing from the training checkpoint {step_dir}, e.g. {missing[:4]}; "
+            "the checkpoint is incomplete (a rank's model file is missing?)"
+        )
+
+
+def open_training_checkpoint(path: str | os.PathLike, config: str | os.PathLike | None = None) -> TrainingCheckpoint:
+    step_dir = find_step_dir(path)
+    if step_dir is None:
+        raise CheckpointError(f"{path} is neither a Hugging Face model directory nor a training checkpoint (no {MODEL_FILE_GLOB})")
+    state, files = _read_state(step_dir)
+    hydra = _hydra_config(step_dir)
+    cfg = _resolve_config(step_dir, state, config, hydra)
+    mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
+    if cfg.num_nextn_predict_layers and not any(n.startswith(mtp_prefix) for n in state):
+        cfg.num_nextn_predict_layers = 0  # trained without the MTP module (as loaded)
+    check_state_dict(state, files, cfg, step_dir)
+    tokenizer = ((hydra or {}).get("data") or {}).get("tokenizer")
+    if tokenizer in (None, "bundled"):
+        tokenizer_dir = BUNDLED_TOKENIZER_DIR
+    else:
+        tokenizer_dir = Path(tokenizer)
+    return TrainingCheckpoint(step_dir, cfg, state, files, tokenizer_dir)
+
+
+def is_training_checkpoint(path: str | os.PathLike) -> bool:
+    return not is_hf_dir(path) and find_step_dir(path) is not None
