@@ -126,3 +126,19 @@ def test_engine_applies_the_schedule_per_step():
     engine = Engine(tiny_model(), stage, OptimConfig())
     used = [train_step(engine, [batch(1)], stage)["lr"] for _ in range(4)]
     assert used == pytest.approx([1e-3, 2e-3, 2e-3, 0.0])
+
+
+def test_bfloat16_parameters_update_through_fp32_masters():
+    model = tiny_model().to(torch.bfloat16)
+    stage = StageConfig(trainable=Trainable.all, lm_loss_coef=1.0, indexer_loss_coef=0.0, lr=1e-5, steps=3)
+    engine = Engine(model, stage, OptimConfig(weight_decay=0.0))
+    name = "model.embed_tokens.weight"
+    start = engine.masters[name].detach().clone()
+    for _ in range(3):
+        train_step(engine, [batch(1)], stage)
+    master = engine.masters[name]
+    assert master.dtype == torch.float32
+    assert (master - start).abs().max() > 0  # 3 x 1e-5 steps: lost to rounding in bfloat16 alone
+    assert torch.equal(dict(model.named_parameters())[name], master.to(torch.bfloat16))
+    assert all(p.grad is None for p in model.parameters())
+    assert {id(p) for g in engine.optimizer.param_groups for p in g["params"]} == {id(m) for m in engine.masters.values()}

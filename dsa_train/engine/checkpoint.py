@@ -3,8 +3,8 @@
 Layout of one checkpoint, `<checkpoint.dir>/step_<global step, 8 digits>/`:
     model.pt           model state dict
     config.json        the model's Hugging Face config (so `dsa-train export` needs nothing else)
-    engine.pt          optimizer + LR schedule state (absent at a stage boundary: the next
-                       stage starts with a fresh optimizer and schedule)
+    engine.pt          optimizer + LR schedule state, fp32 masters of bf16 parameters (absent
+                       at a stage boundary: the next stage starts with a fresh optimizer)
     data.pt            data loader state (position in the stream)
     rng.pt             python / numpy / torch (/ cuda) RNG states
     trainer_state.json stage index and step, global step, tokens, W&B run id, summary so far

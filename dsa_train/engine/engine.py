@@ -3,6 +3,9 @@
 `Engine` owns the model, the optimizer and the schedule of one stage, and exposes what the loop
 needs: backward, step (clip + update + schedule), zero_grad and checkpointable state. The
 distributed work replaces it by a DeepSpeed / Megatron-backed engine with the same methods.
+
+Parameters stored in a low-precision dtype (bfloat16) get an fp32 master copy: AdamW updates the
+master and the model parameter is its rounded copy, so small updates are not lost to rounding.
 """
 
 from __future__ import annotations
@@ -21,7 +24,14 @@ class Engine:
     def __init__(self, model: torch.nn.Module, stage: StageConfig, optim: OptimConfig):
         self.model = model
         self.trainable = set_trainable(model, stage.trainable)
-        self.optimizer = build_optimizer(self.trainable, optim, stage.lr)
+        # name -> fp32 master of a low-precision trainable parameter
+        self.masters = {
+            name: torch.nn.Parameter(p.detach().float().clone())
+            for name, p in self.trainable
+            if p.dtype != torch.float32
+        }
+        self.optimized = [(name, self.masters.get(name, p)) for name, p in self.trainable]
+        self.optimizer = build_optimizer(self.optimized, optim, stage.lr)
         self.scheduler = build_scheduler(self.optimizer, stage)
         self.grad_clip = optim.grad_clip
 
@@ -34,20 +44,37 @@ class Engine:
 
     def step(self) -> float:
         """Clip, update, advance the schedule, clear gradients. Returns the pre-clip grad norm."""
-        params = [p for _, p in self.trainable]
+        for name, param in self.trainable:
+            master = self.masters.get(name)
+            if master is not None:
+                master.grad = None if param.grad is None else param.grad.float()
+        params = [p for _, p in self.optimized]
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         self.optimizer.step()
         self.scheduler.step()
+        with torch.no_grad():
+            for name, param in self.trainable:
+                if name in self.masters:
+                    param.copy_(self.masters[name])
         self.zero_grad()
         return float(grad_norm)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        for _, param in self.trainable:
+            param.grad = None
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "masters": {name: master.detach() for name, master in self.masters.items()},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        with torch.no_grad():
+            for name, value in state["masters"].items():
+                self.masters[name].copy_(value)
