@@ -136,3 +136,19 @@ def test_data_section_mirrors_data_config():
     from dsa_train.data import DataConfig
 
     assert dataclasses.asdict(DataSection()) == dataclasses.asdict(DataConfig())
+
+
+def test_small_32k_model_is_a_valid_one_gpu_model():
+    import torch
+
+    from dsa_train.model import DSAForCausalLM, tiny_config
+
+    cfg = load_recipe("small_32k")
+    model_cfg = tiny_config(vocab_size=4096, **cfg.model.arch)
+    model_cfg.validate()
+    assert model_cfg.max_position_embeddings >= cfg.data.seq_len == 32768
+    assert (model_cfg.kv_lora_rank, model_cfg.qk_rope_head_dim) == (512, 64)  # the 576/512 MQA latent
+    assert cfg.stages["sparse"].topk < cfg.data.seq_len
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in DSAForCausalLM(model_cfg).parameters())
+    assert 0.5e9 < n_params < 1.5e9
