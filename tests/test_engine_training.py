@@ -95,3 +95,18 @@ def test_checkpoints_are_pruned_to_keep_last(tmp_path):
     train(cfg)
     assert [p.name for p in list_checkpoints(cfg.checkpoint.dir)] == ["step_00000005", "step_00000006"]
     assert not [p for p in (tmp_path / "run/checkpoints").iterdir() if p.name.startswith(".tmp")]
+
+
+def test_dense_fp8_checkpoint_to_dsa(tmp_path):
+    """From a (tiny) DeepSeek-V3.1-Terminus-layout checkpoint, FP8 and without indexer tensors,
+    through both stages to a V3.2 export that has them."""
+    from dsa_train.checkpoint.cli import main as checkpoint_cli
+
+    assert checkpoint_cli(["make-tiny-checkpoint", str(tmp_path / "terminus")]) == 0
+    cfg = tiny_run(tmp_path / "run", f"model.pretrained={tmp_path / 'terminus'}",
+                   f"data.tokenizer={tmp_path / 'terminus'}", "stages.warmup.steps=2", "stages.sparse.steps=1")
+    result = train(cfg)
+    exported = dsa_train.from_pretrained(result.export_dir)
+    assert any(".indexer." in name for name, _ in exported.named_parameters())
+    assert json.loads((result.export_dir / "config.json").read_text())["model_type"] == "deepseek_v32"
+    assert result.summary["warmup"]["end"]["indexer_kl"] < result.summary["warmup"]["start"]["indexer_kl"]
