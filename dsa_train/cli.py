@@ -53,6 +53,7 @@ def hydra_argv(argv: list[str]) -> list[str]:
 def train_app(argv: list[str]) -> int:
     import hydra
     from omegaconf import DictConfig
+    from omegaconf.errors import MissingMandatoryValue
 
     from dsa_train.config import ConfigError, DEFAULT_RECIPE, recipes_dir, register_configs, to_train_config
 
@@ -64,7 +65,7 @@ def train_app(argv: list[str]) -> int:
 
         try:
             train_cfg = to_train_config(cfg)
-        except ConfigError as err:
+        except (ConfigError, MissingMandatoryValue) as err:
             sys.exit(f"dsa-train: invalid recipe: {err}")
         train(train_cfg)
 

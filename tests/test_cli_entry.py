@@ -65,3 +65,9 @@ def test_prepare_data_dispatches_to_the_data_command(capsys):
 
 def test_checkpoint_tools_are_dispatched():
     assert {SUBCOMMANDS[name] for name in ("export", "inspect", "make-tiny-checkpoint")} == {"dsa_train.checkpoint.cli"}
+
+
+def test_missing_mandatory_value_fails_naming_the_key(tmp_path):
+    proc = dsa_train("recipe=v3.2_warmup", "data.sources=[x.parquet]", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "model.pretrained" in proc.stderr and "Traceback" not in proc.stderr

@@ -64,6 +64,7 @@ def check_single_process(cfg: TrainConfig) -> None:
 
 def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
     import dsa_train
+    from dsa_train.data import check_vocab
     from dsa_train.model import DSAForCausalLM, tiny_config
 
     dtype = getattr(torch, cfg.model.dtype.value)
@@ -72,11 +73,7 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
     else:
         arch = {"vocab_size": vocab_size, **cfg.model.arch}
         model = DSAForCausalLM(tiny_config(**arch)).to(dtype)
-    if model.config.vocab_size < vocab_size:
-        raise ConfigError(
-            f"model.arch.vocab_size: the model has {model.config.vocab_size} embeddings but the "
-            f"tokenizer {vocab_size} tokens"
-        )
+    check_vocab(vocab_size, model.config.vocab_size)
     return model
 
 
