@@ -62,7 +62,8 @@ def forward_backward(
         if kwargs["indexer_loss"]:
             loss = loss + stage.indexer_loss_coef * out.indexer_loss / num_micro
             totals["indexer_loss"] += float(out.indexer_loss.detach()) / num_micro
-        engine.backward(loss)
+        if loss.requires_grad:  # a micro-batch with no valid label and no indexer loss adds nothing
+            engine.backward(loss)
         totals["loss"] += float(loss.detach())
         for key, value in out.metrics.items():
             model_metrics[key] += value
