@@ -1,7 +1,8 @@
 """Loading a multi-shard checkpoint peaks at about the model plus one shard, not twice the model.
 
 Each measurement runs in a fresh process (benchmarks/checkpoint_load_memory.py): the growth of
-the peak resident set (ru_maxrss) over the process's size before loading."""
+the peak resident set (VmHWM: ru_maxrss would include pytest's own, inherited through fork)
+over the process's peak before loading."""
 
 import json
 import subprocess
