@@ -202,5 +202,7 @@ def test_bf16_keeps_indexer_weights_proj_in_fp32():
     idx = model.model.layers[0].self_attn.indexer
     assert idx.weights_proj.weight.dtype == torch.float32 and idx.k_norm.bias.dtype == torch.float32
     assert idx.wq_b.weight.dtype == torch.bfloat16
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32  # RoPE frequencies never rounded
+    assert model.main_moe_modules()[0].gate.e_score_correction_bias.dtype == torch.float32
     out = model(ids(T=12), attention="sparse", indexer_loss=True)
     assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.indexer_loss)

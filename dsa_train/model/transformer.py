@@ -126,14 +126,12 @@ class DSAForCausalLM(nn.Module):
             layer.self_attn.indexer.reset_parameters(self.config.initializer_range)
 
     def cast(self, dtype: torch.dtype) -> "DSAForCausalLM":
-        """Cast to dtype, keeping the indexer's weights_proj / k_norm and router biases in fp32."""
-        self.to(dtype)
+        """Cast parameters to dtype, keeping the indexer's weights_proj / k_norm in fp32. Buffers
+        (RoPE frequencies, router biases, the Hadamard matrix) stay fp32 and are never rounded."""
         for name, p in self.named_parameters():
-            if name.endswith(FP32_PARAM_SUFFIXES):
-                p.data = p.data.float()
-        for module in self.modules():
-            if isinstance(module, MoE):
-                module.gate.e_score_correction_bias.data = module.gate.e_score_correction_bias.data.float()
+            target = torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype
+            if p.dtype != target and p.is_floating_point():
+                p.data = p.data.to(target)
         return self
 
     # ------------------------------------------------------------------ params
