@@ -296,6 +296,8 @@ def write_outputs(rows, args):
             "mem_cap_gb": args.mem_cap_gb,
             "note": "ours = dispatcher (reference on CPU, Triton on CUDA); peak_extra_mb = peak minus "
                     "resident size after the inputs were built (CPU: RSS; CUDA: allocator)"}
+    order = list(OPS)
+    rows = sorted(rows, key=lambda r: (order.index(r["op"]), r["impl"] != "ours", r["impl"], r["seq_len"]))
     base = os.path.join(out_dir, f"kernels_{args.device}")
     with open(base + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -97,7 +97,7 @@ def _index_scores_kernel(
 def _sortable(x):
     """fp32 -> uint32 whose unsigned order is the float order (-inf lowest; -0.0 == +0.0)."""
     u = tl.where(x == 0.0, 0.0, x).to(tl.uint32, bitcast=True)
-    return tl.where((u >> 31) != 0, ~u, u | 0x80000000)
+    return tl.where((u >> 31) != 0, u ^ 0xFFFFFFFF, u | 0x80000000)
 
 
 @triton.jit
