@@ -142,3 +142,18 @@ def test_bfloat16_parameters_update_through_fp32_masters():
     assert torch.equal(dict(model.named_parameters())[name], master.to(torch.bfloat16))
     assert all(p.grad is None for p in model.parameters())
     assert {id(p) for g in engine.optimizer.param_groups for p in g["params"]} == {id(m) for m in engine.masters.values()}
+
+
+def test_mtp_loss_coef_trains_the_mtp_module():
+    import dataclasses
+
+    model = tiny_model()
+    stage = dataclasses.replace(SPARSE, mtp_loss_coef=0.3)
+    engine = Engine(model, stage, OptimConfig())
+    metrics = forward_backward(engine, [batch(2)], stage)
+    assert metrics["mtp_loss"] > 0
+    mtp = model.mtp_layers()[0]
+    assert mtp.eh_proj.weight.grad is not None and mtp.eh_proj.weight.grad.abs().sum() > 0
+    model.zero_grad(set_to_none=True)
+    metrics = forward_backward(engine, [batch(2)], SPARSE)  # default 0: MTP untouched
+    assert "mtp_loss" not in metrics and mtp.eh_proj.weight.grad is None

@@ -180,6 +180,23 @@ def test_aux_free_bias_update_moves_towards_balance():
     assert bool((delta[over] < 0).all()) and bool((delta[load < load.mean()] > 0).all())
 
 
+def test_router_bias_update_uses_every_micro_batch_since_the_last_update():
+    model = tiny().train()
+    moe = model.main_moe_modules()[0]
+    loads = []
+    with torch.no_grad():
+        for seed in (1, 2, 3):
+            model(ids(T=32, seed=seed))
+            loads.append(moe.last_expert_load.clone())
+    total = sum(loads)
+    torch.testing.assert_close(moe.load_since_update, total)
+    before = moe.gate.e_score_correction_bias.clone()
+    model.update_router_bias(0.01)
+    expected = before + 0.01 * torch.sign(total.mean() - total)
+    torch.testing.assert_close(moe.gate.e_score_correction_bias, expected)
+    assert float(moe.load_since_update.sum()) == 0.0
+
+
 def test_mtp_loss_when_enabled():
     model = tiny()
     x = ids(T=16)

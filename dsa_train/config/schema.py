@@ -79,6 +79,9 @@ class StageConfig:
     # lm_loss_coef == 0 skips the final norm, LM head and cross-entropy.
     lm_loss_coef: float = 0.0
     indexer_loss_coef: float = 1.0
+    # Multi-token prediction: + mtp_loss_coef * CE of the MTP module (predicting token t+2),
+    # weighted like the LM loss. 0 (default) leaves the MTP module untrained. Needs lm_loss_coef > 0.
+    mtp_loss_coef: float = 0.0
     # Top-k of the sparse selection; None: the model's `index_topk`.
     topk: int | None = None
     # Aux-loss-free MoE balancing: e_score_correction_bias += rate * sign(mean load - load)

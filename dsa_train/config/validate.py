@@ -47,6 +47,9 @@ def validate(cfg: TrainConfig) -> None:
                      "the LM loss does not reach the indexer (its input is detached); use 0")
             _require(stage.router_bias_update_rate == 0, f"{key}.router_bias_update_rate",
                      "the router is frozen in an indexer-only stage")
+        _require(stage.mtp_loss_coef >= 0, f"{key}.mtp_loss_coef", "loss coefficients must be >= 0")
+        _require(stage.mtp_loss_coef == 0 or stage.lm_loss_coef > 0, f"{key}.mtp_loss_coef",
+                 "the MTP loss needs the LM head and labels: set lm_loss_coef > 0 or mtp_loss_coef: 0")
         _require(stage.lm_loss_coef > 0 or stage.indexer_loss_coef > 0,
                  f"{key}.lm_loss_coef", "lm_loss_coef and indexer_loss_coef are both 0")
         _require(stage.global_batch_size >= 1, f"{key}.global_batch_size", "must be >= 1")

@@ -1,7 +1,7 @@
 """One optimizer step of a stage: forward/backward over the micro-batches, then update.
 
 Loss per micro-batch i of a step with M micro-batches:
-    lm_loss_coef * lm_loss_i * n_i / N  +  indexer_loss_coef * indexer_loss_i / M
+    (lm_loss_coef * lm_loss_i + mtp_loss_coef * mtp_loss_i) * n_i / N  +  indexer_loss_coef * indexer_loss_i / M
 where lm_loss_i is the mean cross-entropy over the n_i valid labels of micro-batch i and N the
 valid labels of the whole step, so the accumulated gradient equals that of one batch holding all
 micro-batches (the LM loss is a mean over tokens, the indexer loss a mean over queries of
@@ -27,6 +27,7 @@ def forward_kwargs(stage: StageConfig) -> dict:
         "indexer_loss": stage.indexer_loss_coef > 0,
         "compute_logits": uses_lm,
         "topk": stage.topk,
+        "mtp": uses_lm and stage.mtp_loss_coef > 0,
     }
 
 
@@ -59,6 +60,9 @@ def forward_backward(
             weight = valid_labels[i] / total_valid
             loss = loss + stage.lm_loss_coef * weight * out.lm_loss
             totals["lm_loss"] += weight * float(out.lm_loss.detach())
+            if out.mtp_loss is not None:
+                loss = loss + stage.mtp_loss_coef * weight * out.mtp_loss
+                totals["mtp_loss"] += weight * float(out.mtp_loss.detach())
         if kwargs["indexer_loss"]:
             loss = loss + stage.indexer_loss_coef * out.indexer_loss / num_micro
             totals["indexer_loss"] += float(out.indexer_loss.detach()) / num_micro

@@ -73,7 +73,10 @@ class MoE(nn.Module):
             if config.n_shared_experts
             else None
         )
+        # tokens routed to each expert: by the last forward (metrics), and summed over the
+        # training-mode forwards since the last bias update (all micro-batches of a step)
         self.register_buffer("last_expert_load", torch.zeros(config.n_routed_experts), persistent=False)
+        self.register_buffer("load_since_update", torch.zeros(config.n_routed_experts), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -83,6 +86,8 @@ class MoE(nn.Module):
         flat_ids = expert_ids.reshape(-1)
         load = torch.bincount(flat_ids, minlength=len(self.experts))
         self.last_expert_load = load.detach().float()
+        if self.training:
+            self.load_since_update += self.last_expert_load
         order = torch.argsort(flat_ids, stable=True)  # slots grouped by expert
         token_of_slot = order // expert_ids.shape[1]
         weight_of_slot = weights.reshape(-1)[order]
@@ -100,7 +105,11 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def update_bias(self, rate: float) -> None:
-        load = self.last_expert_load
+        """Aux-loss-free step from the loads of every training forward since the last update."""
+        load = self.load_since_update
+        if load.sum() == 0:
+            load = self.last_expert_load
         if load.sum() == 0:
             return
         self.gate.e_score_correction_bias += rate * torch.sign(load.mean() - load)
+        self.load_since_update.zero_()

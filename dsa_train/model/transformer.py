@@ -146,7 +146,8 @@ class DSAForCausalLM(nn.Module):
 
     @torch.no_grad()
     def update_router_bias(self, rate: float) -> None:
-        """Aux-loss-free balancing step from the last forward's expert loads."""
+        """Aux-loss-free balancing step from the expert loads of all training-mode forwards since
+        the previous update (every micro-batch of a step), or of the last forward."""
         for module in self.modules():
             if isinstance(module, MoE):
                 module.update_bias(rate)
