@@ -1,0 +1,180 @@
+"""DeepSpeed engine on megatron-core's process groups: the distributed counterpart of
+`dsa_train.engine.Engine` (same methods: backward, step, zero_grad, lr, state_dict).
+
+* ZeRO stage 0/1/2/3 from `parallel.zero_stage`; DeepSpeed's data-parallel group is DP x CP
+  (the ranks holding replicas of a dense parameter, `MegatronMPU`), tensor-parallel shards are
+  known to it through the same `mpu` (gradient clipping counts each shard once).
+* bf16 parameters -> DeepSpeed bf16 with fp32 master weights and fp32 gradient accumulation.
+* Gradient accumulation is driven by the caller (`managed_gradient_accumulation: false`):
+  `backward` only accumulates, `step` is the boundary (reduce, clip, update, schedule).
+  Losses arrive already scaled for accumulation (see `dsa_train.parallel.step`), so DeepSpeed
+  does not divide by the accumulation steps.
+* MoE parameter groups: routed-expert parameters (marked `allreduce=False`, `group_name` by
+  `ExpertParallelMoE`) go into DeepSpeed MoE param groups whose gradients are reduced over the
+  expert-data-parallel group (megatron-core's), registered with DeepSpeed under that name.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import torch
+
+from dsa_train.config import OptimConfig, StageConfig
+from dsa_train.engine.schedule import build_scheduler
+from dsa_train.engine.trainable import set_trainable
+from dsa_train.parallel.groups import MegatronMPU, ParallelState
+
+log = logging.getLogger(__name__)
+
+
+def _quiet_deepspeed() -> None:
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+
+
+def register_expert_groups(state: ParallelState, group_name: str) -> None:
+    """Make megatron-core's expert groups DeepSpeed's expert groups named `group_name`."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups as dsg
+
+    dsg._EXPERT_PARALLEL_GROUP[group_name] = state.ep_group
+    dsg._EXPERT_PARALLEL_GROUP_RANKS[group_name] = dist.get_process_group_ranks(state.ep_group)
+    dsg._EXPERT_DATA_PARALLEL_GROUP[group_name] = state.expert_dp_group
+    dsg._EXPERT_DATA_PARALLEL_GROUP_RANKS[group_name] = dist.get_process_group_ranks(state.expert_dp_group)
+
+
+def param_groups(trainable: list[tuple[str, torch.nn.Parameter]], optim: OptimConfig) -> list[dict]:
+    """Matrices decay, vectors do not (as `build_optimizer`); expert parameters in MoE groups."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    decay = [p for _, p in trainable if p.ndim >= 2]
+    no_decay = [p for _, p in trainable if p.ndim < 2]
+    groups = [
+        {"name": "decay", "params": decay, "weight_decay": optim.weight_decay},
+        {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    if any(getattr(p, "allreduce", True) is False for _, p in trainable):
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)
+    return groups
+
+
+def deepspeed_config(zero_stage: int, micro_batch_size: int, dp_size: int, bf16: bool, grad_clip: float) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": micro_batch_size * dp_size,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": grad_clip if grad_clip > 0 else 0.0,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+        "zero_optimization": {"stage": zero_stage},
+    }
+    if zero_stage in (1, 2):
+        cfg["zero_optimization"].update({"reduce_scatter": True, "overlap_comm": False, "contiguous_gradients": True})
+    if zero_stage == 3:
+        cfg["zero_optimization"].update({"stage3_param_persistence_threshold": 0, "overlap_comm": False})
+    if bf16:
+        # bf16 parameters, fp32 master weights and fp32 gradient accumulation
+        cfg["bf16"] = {"enabled": True}
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    return cfg
+
+
+class DeepSpeedEngine:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        stage: StageConfig,
+        optim: OptimConfig,
+        state: ParallelState,
+        zero_stage: int,
+        micro_batch_size: int = 1,
+    ):
+        _quiet_deepspeed()
+        import deepspeed
+
+        self.module = model
+        self.state = state
+        self.trainable = set_trainable(model, stage.trainable)
+        for name in {getattr(p, "group_name", None) for _, p in self.trainable} - {None}:
+            register_expert_groups(state, name)
+        groups = param_groups(self.trainable, optim)
+        optimizer = torch.optim.AdamW(groups, lr=stage.lr, betas=(optim.betas[0], optim.betas[1]), eps=optim.eps)
+        scheduler = build_scheduler(optimizer, stage)
+        bf16 = any(p.dtype == torch.bfloat16 for _, p in self.trainable)
+        self.ds_config = deepspeed_config(
+            zero_stage, micro_batch_size, state.sizes.dense_dp, bf16, optim.grad_clip
+        )
+        self.grad_clip = optim.grad_clip
+        self.zero_stage = zero_stage
+        self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=self.ds_config,
+            mpu=MegatronMPU(state),
+            dist_init_required=False,
+        )
+        self.model = self.ds  # forward through DeepSpeed (ZeRO-3 gathers parameters in its hooks)
+
+    @property
+    def lr(self) -> float:
+        return self.ds.get_lr()[0]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.ds.backward(loss, scale_wrt_gas=False)
+
+    def capture_gradients(self) -> None:
+        """Record this rank's gradient contributions from the next backward passes (tensor hooks
+        see them before ZeRO takes them into its buckets); `full_grads` reduces them."""
+        self._captured: dict[str, torch.Tensor] = {}
+        self._hooks = []
+        if self.zero_stage == 3:
+            return
+        for name, p in self.trainable:
+            def hook(grad, name=name):
+                prev = self._captured.get(name)
+                self._captured[name] = grad.detach().float().clone() if prev is None else prev + grad.float()
+            self._hooks.append(p.register_hook(hook))
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """name -> fp32 gradient of each trainable parameter (this rank's shard for TP/EP
+        parameters) averaged over data parallel, as the optimizer will see it before clipping.
+        ZeRO-3: DeepSpeed's reduced gradients; stages 0-2: the contributions recorded since
+        `capture_gradients`, reduced here the way DeepSpeed reduces them. Call before `step`."""
+        import torch.distributed as dist
+        from deepspeed.utils import safe_get_full_grad
+
+        if self.zero_stage == 3:
+            return {name: safe_get_full_grad(p).detach().float().clone() for name, p in self.trainable}
+        for h in self._hooks:
+            h.remove()
+        out = {}
+        for name, p in self.trainable:
+            g = self._captured.get(name, torch.zeros(p.shape, dtype=torch.float32, device=p.device))
+            group = self.state.expert_dp_group if getattr(p, "allreduce", True) is False else self.state.dense_dp_group
+            dist.all_reduce(g, group=group)
+            out[name] = g / self.state.sizes.dense_dp
+        return out
+
+    def step(self) -> float:
+        """Reduce, clip, update, advance the schedule, clear gradients. Returns the pre-clip norm."""
+        self.ds.step()
+        norm = self.ds.get_global_grad_norm()
+        self.zero_grad()
+        return float(norm) if norm is not None else math.nan
+
+    def zero_grad(self) -> None:
+        self.ds.zero_grad()
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.ds.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ds.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

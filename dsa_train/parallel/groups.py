@@ -1,0 +1,192 @@
+"""Process groups for distributed training, from megatron-core's `parallel_state`.
+
+Layout (megatron order `tp-cp-ep-dp`, no pipeline parallelism):
+    world = tensor_parallel * context_parallel * data_parallel
+    expert_parallel divides context_parallel * data_parallel (expert layers see CP*DP ranks as data)
+
+Dense parameters are replicated over DP x CP (their gradients are averaged there: that group is
+what DeepSpeed sees as "data parallel"); tensor-parallel shards live in the TP group; routed
+experts are sharded over the EP group and replicated over the expert-data-parallel group.
+Backend: NCCL with CUDA, gloo on the CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dsa_train.config import ConfigError, ParallelConfig
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    world: int
+    tensor: int = 1
+    context: int = 1
+    expert: int = 1
+    data: int = 1
+
+    @property
+    def dense_dp(self) -> int:
+        """Ranks holding replicas of a dense parameter (gradients averaged over them)."""
+        return self.context * self.data
+
+    @property
+    def expert_dp(self) -> int:
+        return self.dense_dp // self.expert
+
+
+def resolve_sizes(parallel: ParallelConfig, world_size: int) -> ParallelSizes:
+    """Check the recipe's `parallel` group against the world size; infer data_parallel=-1.
+    Raises ConfigError naming the sizes and the fix."""
+    tp, cp, ep, dp = parallel.tensor_parallel, parallel.context_parallel, parallel.expert_parallel, parallel.data_parallel
+    for key, v in (("tensor_parallel", tp), ("context_parallel", cp), ("expert_parallel", ep)):
+        if v < 1:
+            raise ConfigError(f"parallel.{key}={v}: must be >= 1")
+    if parallel.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero_stage={parallel.zero_stage}: must be 0, 1, 2 or 3")
+    if world_size % (tp * cp) != 0:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.tensor_parallel * parallel.context_parallel = "
+            f"{tp} * {cp} = {tp * cp}; launch a multiple of {tp * cp} ranks or lower tensor/context parallel"
+        )
+    inferred = world_size // (tp * cp)
+    if dp == -1:
+        dp = inferred
+    elif dp != inferred:
+        raise ConfigError(
+            f"parallel.data_parallel={dp} but world size {world_size} / (tensor_parallel {tp} * context_parallel "
+            f"{cp}) = {inferred}; set parallel.data_parallel={inferred} (or -1 to infer it), or launch "
+            f"{tp * cp * dp} ranks"
+        )
+    if (cp * dp) % ep != 0:
+        raise ConfigError(
+            f"parallel.expert_parallel={ep} must divide context_parallel * data_parallel = {cp} * {dp} = {cp * dp} "
+            f"(world {world_size}, tensor_parallel {tp}); pick expert_parallel among the divisors of {cp * dp}"
+        )
+    return ParallelSizes(world=world_size, tensor=tp, context=cp, expert=ep, data=dp)
+
+
+def check_model_divisibility(sizes: ParallelSizes, model_config) -> None:
+    """Heads and experts must split evenly over TP and EP ranks."""
+    if model_config.num_attention_heads % sizes.tensor:
+        raise ConfigError(
+            f"parallel.tensor_parallel={sizes.tensor} does not divide num_attention_heads="
+            f"{model_config.num_attention_heads}"
+        )
+    for name in ("intermediate_size", "moe_intermediate_size"):
+        if getattr(model_config, name) % sizes.tensor:
+            raise ConfigError(f"parallel.tensor_parallel={sizes.tensor} does not divide {name}={getattr(model_config, name)}")
+    if model_config.n_routed_experts % sizes.expert:
+        raise ConfigError(
+            f"parallel.expert_parallel={sizes.expert} does not divide n_routed_experts={model_config.n_routed_experts}"
+        )
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() and os.environ.get("DSA_TRAIN_BACKEND") != "gloo" else "gloo"
+
+
+def init_distributed(timeout_minutes: int = 30) -> None:
+    """torch.distributed from the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
+    if dist.is_initialized():
+        return
+    backend = default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+class ParallelState:
+    """Sizes, this rank's coordinates and the process groups (megatron-core's)."""
+
+    def __init__(self, sizes: ParallelSizes):
+        from megatron.core import parallel_state as ps
+
+        self.sizes = sizes
+        self.ps = ps
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.cp_group = ps.get_context_parallel_group()
+        self.dp_group = ps.get_data_parallel_group()  # without CP
+        self.dense_dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        self.ep_group = ps.get_expert_model_parallel_group()
+        self.expert_dp_group = ps.get_expert_data_parallel_group()
+        self.rank = dist.get_rank()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.cp_rank = ps.get_context_parallel_rank()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.ep_rank = ps.get_expert_model_parallel_rank()
+
+    def describe(self) -> str:
+        s = self.sizes
+        return (
+            f"rank {self.rank}/{s.world}: tp {self.tp_rank}/{s.tensor} cp {self.cp_rank}/{s.context} "
+            f"dp {self.dp_rank}/{s.data} ep {self.ep_rank}/{s.expert}"
+        )
+
+
+_STATE: ParallelState | None = None
+
+
+def init_parallel(parallel: ParallelConfig) -> ParallelState:
+    """Initialize torch.distributed (if needed) and megatron-core's groups for the recipe's layout."""
+    global _STATE
+    from megatron.core import parallel_state as ps
+
+    init_distributed()
+    sizes = resolve_sizes(parallel, dist.get_world_size())
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=sizes.tensor,
+        context_parallel_size=sizes.context,
+        expert_model_parallel_size=sizes.expert,
+        create_gloo_process_groups=False,
+    )
+    _STATE = ParallelState(sizes)
+    return _STATE
+
+
+def get_state() -> ParallelState | None:
+    return _STATE
+
+
+def destroy_parallel() -> None:
+    global _STATE
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    _STATE = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class MegatronMPU:
+    """The `mpu` object DeepSpeed expects, backed by megatron-core's groups. DeepSpeed's "data
+    parallel" is the group over which dense gradients are averaged: DP x CP."""
+
+    def __init__(self, state: ParallelState):
+        self.state = state
+        ps = state.ps
+        self.get_model_parallel_rank = ps.get_tensor_model_parallel_rank
+        self.get_model_parallel_world_size = ps.get_tensor_model_parallel_world_size
+        self.get_model_parallel_group = ps.get_tensor_model_parallel_group
+        self.get_tensor_model_parallel_rank = ps.get_tensor_model_parallel_rank
+        self.get_tensor_model_parallel_world_size = ps.get_tensor_model_parallel_world_size
+        self.get_tensor_model_parallel_group = ps.get_tensor_model_parallel_group
+        self.get_pipeline_model_parallel_rank = lambda: 0
+        self.get_pipeline_model_parallel_world_size = lambda: 1
+
+    def get_data_parallel_group(self):
+        return self.state.dense_dp_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self.state.dense_dp_group)
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank(self.state.dense_dp_group)

@@ -1,0 +1,209 @@
+"""Distributed == single process, checked on any layout:
+
+    torchrun --nproc_per_node 2 -m dsa_train.parallel.selftest --zero 2
+    torchrun --nproc_per_node 2 -m dsa_train.parallel.selftest --ep 2 --zero 1
+    torchrun --nproc_per_node 2 -m dsa_train.parallel.selftest --tp 2
+    torchrun --nproc_per_node 2 -m dsa_train.parallel.selftest --cp 2 --seq-len 96 --topk 16
+
+Every rank builds the same tiny model and the same global batches, trains a single-process copy
+with `dsa_train.engine.Engine` (the reference), then the distributed model (`parallelize_model`
++ `DeepSpeedEngine`, data sharded by DP rank) for the same steps, and compares per step the LM
+loss, indexer loss and gradient norm, the gradients of the last step and the final parameters.
+Prints one JSON line per rank and ZeRO stage (rank 0 also appends them to --out) and exits 1 on a mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import warnings
+
+
+def make_batches(steps: int, global_batch: int, seq_len: int, vocab: int, seed: int):
+    """Global batches of packed random documents: [G, T] input_ids / labels / position_ids."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (global_batch, seq_len), generator=g)
+        pos = torch.empty_like(ids)
+        labels = torch.roll(ids, -1, dims=1)
+        for row in range(global_batch):
+            # 1-3 documents per row
+            cuts = sorted(torch.randint(seq_len // 4, seq_len, (int(torch.randint(0, 3, (1,), generator=g)),),
+                                        generator=g).tolist())
+            starts = [0, *cuts]
+            ends = [*cuts, seq_len]
+            for s, e in zip(starts, ends):
+                pos[row, s:e] = torch.arange(e - s)
+                labels[row, e - 1] = -100
+        out.append({"input_ids": ids, "labels": labels, "position_ids": pos})
+    return out
+
+
+def split_micro(batch, rows, micro: int):
+    sub = {k: v[rows] for k, v in batch.items()}
+    n = sub["input_ids"].shape[0]
+    return [{k: v[i : i + micro] for k, v in sub.items()} for i in range(0, n, micro)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    warnings.filterwarnings("ignore")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--zero", default="0", help="ZeRO stage, or several: 1,2,3 (one reference run)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--global-batch", type=int, default=4)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=48)
+    p.add_argument("--topk", type=int, default=16)
+    p.add_argument("--attention", choices=["dense", "sparse"], default="sparse")
+    p.add_argument("--trainable", choices=["all", "indexer"], default="all")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--rtol", type=float, default=2e-4)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+
+    from dsa_train.config import Attention, OptimConfig, ParallelConfig, StageConfig, Trainable
+    from dsa_train.engine.engine import Engine
+    from dsa_train.engine.step import train_step as ref_train_step
+    from dsa_train.model import DSAForCausalLM, tiny_config
+    from dsa_train.parallel.deepspeed_engine import DeepSpeedEngine
+    from dsa_train.parallel.groups import destroy_parallel, init_parallel
+    from dsa_train.parallel.model import full_tensor_slice, parallelize_model
+    from dsa_train.parallel.step import forward_backward
+
+    torch.set_num_threads(1)
+    zero_stages = [int(z) for z in str(args.zero).split(",")]
+    state = init_parallel(ParallelConfig(tensor_parallel=args.tp, context_parallel=args.cp,
+                                         expert_parallel=args.ep, zero_stage=zero_stages[0]))
+    dp = state.sizes.data
+    torch.manual_seed(0)
+    cfg = tiny_config(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                      num_hidden_layers=2, num_nextn_predict_layers=0, index_topk=args.topk,
+                      max_position_embeddings=max(4096, args.seq_len))
+    ref_model = DSAForCausalLM(cfg)
+    init_model = copy.deepcopy(ref_model)
+    stage = StageConfig(attention=Attention(args.attention), trainable=Trainable(args.trainable), steps=args.steps,
+                        global_batch_size=args.global_batch, lr=args.lr, lm_loss_coef=1.0 if args.trainable == "all" else 0.0,
+                        indexer_loss_coef=1.0, topk=args.topk)
+    optim = OptimConfig(grad_clip=1.0)
+    batches = make_batches(args.steps, args.global_batch, args.seq_len, cfg.vocab_size, seed=1)
+
+    # ---- reference: one process, the whole global batch per step
+    ref_engine = Engine(ref_model, stage, optim)
+    ref_hist, ref_grads = [], {}
+    for s, batch in enumerate(batches):
+        mbs = split_micro(batch, list(range(args.global_batch)), args.micro_batch)
+        if s == len(batches) - 1:
+            from dsa_train.engine.step import forward_backward as ref_fb
+
+            m = ref_fb(ref_engine, mbs, stage)
+            ref_grads = {n: p.grad.detach().clone() for n, p in ref_engine.trainable if p.grad is not None}
+            m["grad_norm"] = ref_engine.step()
+        else:
+            m = ref_train_step(ref_engine, mbs, stage)
+        ref_hist.append(m)
+
+    all_failures = []
+    for zero in zero_stages:
+        # ---- distributed
+        model = copy.deepcopy(init_model)
+        model = parallelize_model(model, state)
+        engine = DeepSpeedEngine(model, stage, optim, state, zero_stage=zero, micro_batch_size=args.micro_batch)
+        hist, grads = [], {}
+        for s, batch in enumerate(batches):
+            rows = list(range(state.dp_rank, args.global_batch, dp))
+            mbs = split_micro(batch, rows, args.micro_batch)
+            if s == len(batches) - 1:
+                engine.capture_gradients()
+            m = forward_backward(engine, mbs, stage, state)
+            if s == len(batches) - 1:
+                grads = engine.full_grads()
+            m["grad_norm"] = engine.step()
+            hist.append(m)
+
+        # ---- compare
+        def rel(a, b):
+            return float((a - b).abs().max() / max(float(b.abs().max()), 1e-6))
+
+        failures = []
+        worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+        for s, (a, b) in enumerate(zip(hist, ref_hist)):
+            for key in ("lm_loss", "indexer_loss", "grad_norm"):
+                if key in b:
+                    d = abs(a[key] - b[key]) / max(abs(b[key]), 1e-6)
+                    worst["loss"] = max(worst["loss"], d)
+                    if d > args.rtol:
+                        failures.append(f"step {s} {key}: {a[key]:.7g} vs single-process {b[key]:.7g}")
+        ref_params = dict(ref_model.named_parameters())
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        for name, p in engine.trainable:
+            ref_slice = full_tensor_slice(p, ref_params[name])
+            if name in ref_grads:
+                d = rel(grads[name], full_tensor_slice(p, ref_grads[name]))
+                worst["grad"] = max(worst["grad"], d)
+                if os.environ.get("SELFTEST_DEBUG"): print(name, float(grads[name].abs().max()), float(ref_grads[name].abs().max()), flush=True)
+                if d > args.rtol * 5:
+                    failures.append(f"grad {name}: rel diff {d:.3g}")
+            value = safe_get_full_fp32_param(p) if zero == 3 else p.detach()
+            d = float((value.float() - ref_slice.float()).abs().max())
+            worst["param"] = max(worst["param"], d)
+            if d > 1e-5:
+                failures.append(f"param {name}: max abs diff {d:.3g}")
+        result = {
+            "layout": {"tp": args.tp, "cp": args.cp, "ep": args.ep, "dp": dp, "zero": zero},
+            "rank": state.rank,
+            "losses": [[h.get("lm_loss"), h.get("indexer_loss"), h["grad_norm"]] for h in hist],
+            "ref_losses": [[h.get("lm_loss"), h.get("indexer_loss"), h["grad_norm"]] for h in ref_hist],
+            "worst": worst,
+            "failures": failures[:10],
+            "metrics": {k: v for k, v in hist[-1].items() if k.startswith("moe/")},
+        }
+        print("SELFTEST " + json.dumps(result), flush=True)
+        if args.out and state.rank == 0:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(result) + "\n")
+        all_failures += failures
+
+    ok = torch.tensor([0.0 if all_failures else 1.0])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    destroy_parallel()
+    return 0 if ok.item() == 1.0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(nproc: int, args: list[str], out_path: str, timeout: float = 400) -> tuple[int, list[dict], str]:
+    """Run the self-test under torchrun on this machine (CPU, gloo) -> (rc, rank-0 results, log)."""
+    import subprocess
+
+    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={free_port()}", "-m", "dsa_train.parallel.selftest", *args, "--out", out_path]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    results = []
+    if os.path.exists(out_path):
+        with open(out_path) as f:
+            results = [json.loads(line) for line in f if line.strip()]
+    return proc.returncode, results, proc.stdout[-6000:] + proc.stderr[-6000:]

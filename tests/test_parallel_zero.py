@@ -1,0 +1,30 @@
+"""DeepSpeed ZeRO-1/2/3 data parallel (2 ranks, CPU, gloo) == one process over the same global batch:
+per-step LM loss, indexer loss and grad norm, the last step's gradients and the final parameters."""
+
+import pytest
+
+from dsa_train.config import ConfigError, ParallelConfig
+from dsa_train.parallel.groups import resolve_sizes
+from dsa_train.parallel.selftest import launch
+
+pytest.importorskip("deepspeed")
+
+
+def test_zero_1_2_3_equal_single_process(tmp_path):
+    rc, results, log = launch(2, ["--zero", "1,2,3", "--steps", "3", "--global-batch", "4"], str(tmp_path / "r.jsonl"))
+    assert rc == 0, log
+    assert [r["layout"]["zero"] for r in results] == [1, 2, 3]
+    for r in results:
+        assert r["layout"]["dp"] == 2 and not r["failures"], r
+        assert r["worst"]["loss"] < 2e-4 and r["worst"]["param"] < 1e-5 and r["worst"]["grad"] < 1e-3, r
+        assert len(r["losses"]) == 3
+
+
+def test_sizes_validated_against_world():
+    assert resolve_sizes(ParallelConfig(tensor_parallel=2, context_parallel=2, expert_parallel=2), 8).data == 2
+    with pytest.raises(ConfigError, match="world size 6 is not divisible by .*tensor_parallel \\* parallel.context_parallel = 2 \\* 2"):
+        resolve_sizes(ParallelConfig(tensor_parallel=2, context_parallel=2), 6)
+    with pytest.raises(ConfigError, match="set parallel.data_parallel=2"):
+        resolve_sizes(ParallelConfig(tensor_parallel=2, data_parallel=4), 4)
+    with pytest.raises(ConfigError, match="expert_parallel=4 must divide"):
+        resolve_sizes(ParallelConfig(tensor_parallel=2, expert_parallel=4), 4)
