@@ -28,7 +28,7 @@ def parallelize_model(model: torch.nn.Module, state: ParallelState) -> torch.nn.
     from dsa_train.parallel.groups import check_model_divisibility
 
     check_model_divisibility(sizes, model.config)
-    if sizes.expert > 1:
+    if sizes.world > 1:
         from dsa_train.parallel.expert import shard_experts
 
         shard_experts(model, state)

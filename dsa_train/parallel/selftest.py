@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trainable", choices=["all", "indexer"], default="all")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--rtol", type=float, default=2e-4)
+    p.add_argument("--adam-eps", type=float, default=1e-6)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -96,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     stage = StageConfig(attention=Attention(args.attention), trainable=Trainable(args.trainable), steps=args.steps,
                         global_batch_size=args.global_batch, lr=args.lr, lm_loss_coef=1.0 if args.trainable == "all" else 0.0,
                         indexer_loss_coef=1.0, topk=args.topk)
-    optim = OptimConfig(grad_clip=1.0)
+    # Adam eps 1e-6 (default 1e-8): Adam's update g / (sqrt(v) + eps) turns fp32 rounding noise of
+    # near-zero gradients (sums that cancel) into O(lr) parameter differences at eps 1e-8, which
+    # would hide real mismatches behind a loose tolerance.
+    optim = OptimConfig(grad_clip=1.0, eps=args.adam_eps)
     batches = make_batches(args.steps, args.global_batch, args.seq_len, cfg.vocab_size, seed=1)
 
     # ---- reference: one process, the whole global batch per step
@@ -159,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             value = safe_get_full_fp32_param(p) if zero == 3 else p.detach()
             d = float((value.float() - ref_slice.float()).abs().max())
             worst["param"] = max(worst["param"], d)
-            if d > 1e-5:
+            if d > 0.02 * args.lr:  # Adam: updates of near-zero gradients amplify fp32 rounding
                 failures.append(f"param {name}: max abs diff {d:.3g}")
         result = {
             "layout": {"tp": args.tp, "cp": args.cp, "ep": args.ep, "dp": dp, "zero": zero},
@@ -167,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             "losses": [[h.get("lm_loss"), h.get("indexer_loss"), h["grad_norm"]] for h in hist],
             "ref_losses": [[h.get("lm_loss"), h.get("indexer_loss"), h["grad_norm"]] for h in ref_hist],
             "worst": worst,
-            "failures": failures[:10],
+            "failures": failures[:10], "n_failures": len(failures), "failed_params": sorted({f.split()[1] for f in failures if f.startswith("param")})[:40],
             "metrics": {k: v for k, v in hist[-1].items() if k.startswith("moe/")},
         }
         print("SELFTEST " + json.dumps(result), flush=True)

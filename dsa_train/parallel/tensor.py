@@ -1,0 +1,144 @@
+"""Tensor parallelism with megatron-core's ColumnParallelLinear / RowParallelLinear.
+
+MLA: `q_b_proj` (or `q_proj`) and `kv_b_proj` column-parallel by heads, `o_proj` row-parallel;
+each TP rank runs H / TP heads (MHA and absorbed MQA forms alike: W_UK / W_UV are per-head
+views of its kv_b_proj shard). The low-rank projections (q_a_proj, kv_a_proj_with_mqa), their
+norms and the lightning indexer are replicated; the indexer sees the same detached inputs on
+every TP rank, its KL target is built from all heads (queries and log-sum-exps gathered over
+TP, no gradient), and its gradients are averaged over TP. Dense MLPs and shared experts: gate/up
+column-parallel, down row-parallel. Routed experts stay whole (replicated over TP; use expert
+parallelism to spread them). Embeddings, norms, router and LM head are replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsa_train.model.moe import MLP, MoE
+from dsa_train.parallel.groups import ParallelState
+
+
+def _parallel_config(dtype: torch.dtype, tp: int):
+    from megatron.core import ModelParallelConfig
+
+    return ModelParallelConfig(
+        tensor_model_parallel_size=tp,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=False,
+        params_dtype=dtype,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def _init_none(_w):  # weights are copied from the full layer
+    return None
+
+
+def _column_cls():
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    class Column(ColumnParallelLinear):
+        """ColumnParallelLinear returning only the output (an nn.Linear drop-in)."""
+
+        def forward(self, x):
+            out, _ = super().forward(x)
+            return out
+
+    return Column
+
+
+def _row_cls():
+    from megatron.core.tensor_parallel import RowParallelLinear
+
+    class Row(RowParallelLinear):
+        def forward(self, x):
+            out, bias = super().forward(x)
+            return out if bias is None else out + bias
+
+    return Row
+
+
+def _mark_tp(param: torch.Tensor, dim: int) -> None:
+    """What megatron's initializers set (skipped here: weights are copied, not initialized); DeepSpeed's
+    gradient-norm counts parameters so marked on every TP rank, the others once."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    set_tensor_model_parallel_attributes(param, True, dim, 1)
+
+
+def column_parallel(linear: nn.Linear, state: ParallelState) -> nn.Module:
+    tp, r = state.sizes.tensor, state.tp_rank
+    out_f, in_f = linear.weight.shape
+    layer = _column_cls()(
+        in_f, out_f, config=_parallel_config(linear.weight.dtype, tp), init_method=_init_none,
+        bias=linear.bias is not None, gather_output=False, tp_group=state.tp_group,
+    )
+    n = out_f // tp
+    with torch.no_grad():
+        layer.weight.copy_(linear.weight[r * n : (r + 1) * n])
+        layer.weight.dsa_shard = (0, r * n, (r + 1) * n)
+        _mark_tp(layer.weight, 0)
+        if linear.bias is not None:
+            layer.bias.copy_(linear.bias[r * n : (r + 1) * n])
+            layer.bias.dsa_shard = (0, r * n, (r + 1) * n)
+            _mark_tp(layer.bias, 0)
+    return layer.to(linear.weight.device)
+
+
+def row_parallel(linear: nn.Linear, state: ParallelState) -> nn.Module:
+    tp, r = state.sizes.tensor, state.tp_rank
+    out_f, in_f = linear.weight.shape
+    layer = _row_cls()(
+        in_f, out_f, config=_parallel_config(linear.weight.dtype, tp), init_method=_init_none,
+        bias=linear.bias is not None, input_is_parallel=True, skip_bias_add=False, tp_group=state.tp_group,
+    )
+    n = in_f // tp
+    with torch.no_grad():
+        layer.weight.copy_(linear.weight[:, r * n : (r + 1) * n])
+        layer.weight.dsa_shard = (1, r * n, (r + 1) * n)
+        _mark_tp(layer.weight, 1)
+        if linear.bias is not None:
+            layer.bias.copy_(linear.bias)
+    return layer.to(linear.weight.device)
+
+
+def shard_mlp(mlp: MLP, state: ParallelState) -> None:
+    mlp.gate_proj = column_parallel(mlp.gate_proj, state)
+    mlp.up_proj = column_parallel(mlp.up_proj, state)
+    mlp.down_proj = row_parallel(mlp.down_proj, state)
+
+
+def average_over_group(param: torch.Tensor, group, size: int) -> None:
+    """Average this replicated parameter's gradient contributions over `group`."""
+    import torch.distributed as dist
+
+    def hook(grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad / size
+
+    param.register_hook(hook)
+
+
+def shard_tensor_parallel(model: nn.Module, state: ParallelState) -> None:
+    from dsa_train.parallel.attention import ParallelMLA
+
+    tp = state.sizes.tensor
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if hasattr(attn, "q_b_proj"):
+            attn.q_b_proj = column_parallel(attn.q_b_proj, state)
+        else:
+            attn.q_proj = column_parallel(attn.q_proj, state)
+        attn.kv_b_proj = column_parallel(attn.kv_b_proj, state)
+        attn.o_proj = row_parallel(attn.o_proj, state)
+        attn.num_heads = attn.num_heads // tp
+        ParallelMLA.convert(attn, state)
+        for p in attn.indexer.parameters():
+            average_over_group(p, state.tp_group, tp)
+        if isinstance(layer.mlp, MoE):
+            if layer.mlp.shared_experts is not None:
+                shard_mlp(layer.mlp.shared_experts, state)
+        else:
+            shard_mlp(layer.mlp, state)

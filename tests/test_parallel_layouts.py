@@ -1,0 +1,89 @@
+"""Expert, tensor and context parallelism (CPU, gloo, torchrun) == one process over the same global
+batch: per-step losses and grad norms, last-step gradients (each rank's shard) and final parameters.
+Also the context-parallel pieces that need no process group."""
+
+import pytest
+import torch
+
+from dsa_train.parallel.selftest import launch
+
+pytest.importorskip("deepspeed")
+
+
+def _check(results, n, layout):
+    assert len(results) == n, results
+    for r in results:
+        for key, value in layout.items():
+            assert r["layout"][key] == value, r["layout"]
+        assert not r["failures"], r["failures"]
+        assert r["worst"]["loss"] < 2e-4 and r["worst"]["grad"] < 1e-3, r["worst"]
+
+
+def test_expert_parallel_2(tmp_path):
+    rc, results, log = launch(2, ["--ep", "2", "--zero", "1,2"], str(tmp_path / "r.jsonl"))
+    assert rc == 0, log
+    _check(results, 2, {"ep": 2, "dp": 2})
+    # expert-load metrics count the tokens of the whole EP group
+    assert 0 < results[0]["metrics"]["moe/expert_load_min"] <= results[0]["metrics"]["moe/expert_load_max"]
+
+
+def test_tensor_parallel_2(tmp_path):
+    rc, results, log = launch(2, ["--tp", "2", "--zero", "1,3"], str(tmp_path / "r.jsonl"))
+    assert rc == 0, log
+    _check(results, 2, {"tp": 2, "dp": 1})
+
+
+def test_context_parallel_2_sparse_selection_crosses_ranks(tmp_path):
+    # 64 tokens = 4 chunks of 16, top-16: late queries select keys held by the other rank
+    rc, results, log = launch(2, ["--cp", "2", "--zero", "2", "--seq-len", "64", "--topk", "16"], str(tmp_path / "r.jsonl"))
+    assert rc == 0, log
+    _check(results, 1, {"cp": 2})
+
+
+def test_context_parallel_2_dense_warmup(tmp_path):
+    rc, results, log = launch(
+        2, ["--cp", "2", "--zero", "1", "--seq-len", "64", "--attention", "dense", "--trainable", "indexer"],
+        str(tmp_path / "r.jsonl"),
+    )
+    assert rc == 0, log
+    _check(results, 1, {"cp": 2})
+
+
+@pytest.mark.slow
+def test_four_ranks_tp2_cp2_ep2(tmp_path):
+    rc, results, log = launch(4, ["--tp", "2", "--cp", "2", "--ep", "2", "--zero", "1", "--seq-len", "64"],
+                              str(tmp_path / "r.jsonl"))
+    assert rc == 0, log
+    _check(results, 1, {"tp": 2, "cp": 2, "ep": 2})
+
+
+def test_load_balanced_chunks():
+    from dsa_train.parallel.context import local_positions
+
+    assert local_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert local_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    both = torch.cat([local_positions(48, 3, r) for r in range(3)]).sort().values
+    assert torch.equal(both, torch.arange(48))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        local_positions(18, 2, 0)
+
+
+def test_global_topk_at_local_positions_matches_full_sequence():
+    import dsa_kernels as K
+    from dsa_train.parallel.attention import topk_at_positions
+    from dsa_train.parallel.context import local_positions
+
+    torch.manual_seed(0)
+    B, T, H, D, k = 2, 64, 4, 16, 12
+    q, kk, w = torch.randn(B, T, H, D), torch.randn(B, T, D), torch.rand(B, T, H)
+    pos_ids = torch.cat([torch.arange(40), torch.arange(24)]).expand(B, T)
+    doc_start = K.doc_starts_from_position_ids(pos_ids)
+    full, _ = K.indexer_topk(q, kk, w, doc_start, k)
+    crossed = False
+    for rank in range(2):
+        p = local_positions(T, 2, rank)
+        local = topk_at_positions(q[:, p], kk, w[:, p], doc_start, p, k)
+        assert torch.equal(local, full[:, p])
+        other = torch.tensor([int(x) for x in local_positions(T, 2, 1 - rank)])
+        crossed |= bool(torch.isin(local.long(), other).any())
+    assert crossed  # selection reaches keys held by the other CP rank
