@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Union
 
 from omegaconf import MISSING
 
@@ -143,8 +143,13 @@ class CheckpointConfig:
     every_n_steps: int = 100
     # Training checkpoints kept on disk (oldest deleted first); 0 keeps all.
     keep_last: int = 2
-    # Continue from the latest checkpoint in `dir` (fresh start if there is none).
-    resume: bool = False
+    # auto (default) or true: continue from the newest checkpoint in `dir` that verifies (a fresh
+    # start when there is none), so a restarted or requeued job resumes on its own.
+    # false: start fresh; refused when `dir` already holds checkpoints (they would be pruned).
+    resume: Union[bool, str] = "auto"
+    # On resume, check every file's sha256 against the checkpoint's manifest (sizes are always
+    # checked). Reads the checkpoint twice; false for huge checkpoints on trusted storage.
+    verify_checksums: bool = True
     # Write `model.save_pretrained(<run_dir>/export)` (V3.2 Hugging Face layout) at the end.
     export: bool = True
 
@@ -166,6 +171,22 @@ class LoggingConfig:
     # Peak FLOP/s of one device for MFU. None: a table lookup for known GPUs (dense bf16),
     # on the CPU 96 GFLOP/s per core (fp32 FMA, 2x AVX2 units, 3 GHz).
     peak_flops: float | None = None
+
+
+class NonFinitePolicy(str, Enum):
+    skip = "skip"  # drop the update, count the step, go on (up to max_consecutive_nonfinite in a row)
+    stop = "stop"  # checkpoint (state before the bad step) and stop with an error
+
+
+@dataclass
+class FaultToleranceConfig:
+    """What the trainer does on non-finite steps and preemption (docs/reliability.md)."""
+
+    nonfinite: NonFinitePolicy = NonFinitePolicy.skip
+    # With `skip`: this many non-finite steps in a row stop the run as `stop` does.
+    max_consecutive_nonfinite: int = 3
+    # Signals that checkpoint at the next step boundary and exit with code 75 (empty: none).
+    preemption_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
 
 
 @dataclass
@@ -201,3 +222,4 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)

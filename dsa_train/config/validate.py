@@ -28,6 +28,11 @@ def validate(cfg: TrainConfig) -> None:
     _require(cfg.logging.log_every >= 1, "logging.log_every", "must be >= 1")
     _require(cfg.checkpoint.every_n_steps >= 0, "checkpoint.every_n_steps", "must be >= 0")
     _require(cfg.checkpoint.keep_last >= 0, "checkpoint.keep_last", "must be >= 0")
+    _require(cfg.checkpoint.resume in (True, False, "auto"), "checkpoint.resume",
+             f"must be auto, true or false, got {cfg.checkpoint.resume!r}")
+    _require(cfg.fault_tolerance.max_consecutive_nonfinite >= 1, "fault_tolerance.max_consecutive_nonfinite",
+             "must be >= 1")
+    _check_signals(cfg.fault_tolerance.preemption_signals)
     _require(len(cfg.optim.betas) == 2, "optim.betas", "needs two values")
     _require(cfg.optim.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables)")
     for size_key in ("tensor_parallel", "context_parallel", "expert_parallel"):
@@ -63,3 +68,13 @@ def validate(cfg: TrainConfig) -> None:
         if stage.topk is not None:
             _require(stage.topk >= 1, f"{key}.topk", "must be >= 1")
         _require(stage.topk_recall_queries >= 0, f"{key}.topk_recall_queries", "must be >= 0")
+
+
+def _check_signals(names: list[str]) -> None:
+    import signal
+
+    for name in names:
+        key = str(name).upper()
+        key = key if key.startswith("SIG") else "SIG" + key
+        _require(hasattr(signal, key) and key not in ("SIGKILL", "SIGSTOP"), "fault_tolerance.preemption_signals",
+                 f"{name!r} is not a signal a process can handle (e.g. SIGTERM, SIGUSR1)")

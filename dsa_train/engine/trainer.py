@@ -20,10 +20,13 @@ from omegaconf import OmegaConf
 
 from dsa_train.config import Attention, ConfigError, Device, StageConfig, TrainConfig, Trainable, validate
 from dsa_train.engine import checkpoint as ckpt
+from dsa_train.engine import faults
 from dsa_train.engine.engine import Engine
+from dsa_train.engine.nonfinite import NonFiniteError, check_step, poison
 from dsa_train.engine.probe import measure, probe_batches
 from dsa_train.engine.rng import load_rng_state, rng_state, seed_everything, set_deterministic
-from dsa_train.engine.step import train_step
+from dsa_train.engine.signals import PreemptionHandler, Preempted
+from dsa_train.engine.step import forward_backward
 from dsa_train.engine.summary import format_summary, summary_metrics
 from dsa_train.logging.perf import memory_metrics, peak_flops_per_device, throughput_metrics
 from dsa_train.logging.progress import StageProgress
@@ -39,6 +42,7 @@ class TrainResult:
     summary: dict = field(default_factory=dict)  # {stage: {"start": probe, "end": probe}}
     export_dir: Path | None = None
     wandb_run_id: str | None = None
+    preempted: bool = False
 
 
 def resolve_device(device: Device) -> torch.device:
@@ -90,9 +94,17 @@ class Trainer:
         set_deterministic(cfg.deterministic)
         seed_everything(cfg.seed)
 
-        self.loader = build_dataloader(DataConfig(**dataclasses.asdict(cfg.data)), dp_rank=0, dp_size=1)
+        self.loader = build_dataloader(
+            DataConfig(**dataclasses.asdict(cfg.data)), dp_rank=getattr(self, "dp_rank", 0), dp_size=getattr(self, "dp_size", 1)
+        )
         self.model = build_model(cfg, self.loader.tokenizer.vocab_size).to(self.device)
         self.model.train()
+        max_pos = self.model.config.max_position_embeddings
+        if cfg.data.seq_len > max_pos:
+            raise ConfigError(
+                f"data.seq_len: {cfg.data.seq_len}-token sequences are longer than the model's "
+                f"max_position_embeddings={max_pos}; lower data.seq_len or use a model with longer context (YaRN)"
+            )
         for name, stage in cfg.stages.items():
             topk = stage.topk or self.model.config.index_topk
             if stage.attention == Attention.sparse and cfg.data.seq_len <= topk:
@@ -106,7 +118,21 @@ class Trainer:
         self.engine_state: dict | None = None  # optimizer + schedule to restore on resume
         self.resume_rng: dict | None = None
         self.result = TrainResult(run_dir=self.run_dir)
-        if cfg.checkpoint.resume:
+        # distributed trainers set these (rank 0 commits checkpoints; barrier syncs the ranks)
+        self.rank = getattr(self, "rank", 0)
+        self.world_size = getattr(self, "world_size", 1)
+        self.barrier = getattr(self, "barrier", None)
+        self.last_saved_step: int | None = None
+        self.preemption: PreemptionHandler | None = None
+        if cfg.checkpoint.resume is False:
+            existing = ckpt.list_checkpoints(cfg.checkpoint.dir)
+            if existing:
+                raise ConfigError(
+                    f"checkpoint.resume=false but {cfg.checkpoint.dir} already holds checkpoints "
+                    f"(newest {existing[-1].name}); a fresh run would prune them. Resume (checkpoint.resume=auto), "
+                    "or start fresh under a new run_dir / checkpoint.dir"
+                )
+        else:
             self._resume()
         self.wandb = WandbRun(cfg.logging, self.config_dict(), run_id=self.state.wandb_run_id)
         self.state.wandb_run_id = self.wandb.id
@@ -122,11 +148,38 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _resume(self) -> None:
-        path = ckpt.latest_checkpoint(self.cfg.checkpoint.dir)
-        if path is None:
-            log.info("resume: no checkpoint in %s, starting fresh", self.cfg.checkpoint.dir)
-            return
-        loaded = ckpt.load_checkpoint(path)
+        directory = self.cfg.checkpoint.dir
+        checksums = self.cfg.checkpoint.verify_checksums
+        while True:
+            path, rejected = ckpt.find_resume_checkpoint(directory, checksums)
+            for bad, reason in rejected:
+                log.warning("resume: rejecting %s: %s", bad, reason)
+            if path is not None:
+                try:
+                    loaded = ckpt.load_checkpoint(path, rank=self.rank, checksums=checksums)
+                except ckpt.CorruptCheckpoint as err:  # verified, yet unreadable
+                    rejected.append((path, str(err)))
+                    log.warning("resume: rejecting %s: %s", path, err)
+                    loaded = None
+            if rejected and self.barrier is not None:
+                self.barrier()
+            if rejected and self.rank == 0:
+                for bad, _ in rejected:
+                    if bad.exists():
+                        log.warning("resume: moved the rejected checkpoint to %s", ckpt.quarantine(bad))
+            if rejected and self.barrier is not None:
+                self.barrier()
+            if path is None:
+                if rejected:
+                    log.warning("resume: no valid checkpoint left in %s, starting fresh", directory)
+                else:
+                    log.info("resume: no checkpoint in %s, starting fresh", directory)
+                return
+            if loaded is not None:
+                break
+        if rejected:
+            log.warning("resume: falling back to %s, the newest checkpoint that verifies", path)
+        self._check_same_model(path, loaded)
         if loaded.state.stage_index < len(self.stage_names) and loaded.state.stage_step >= self.cfg.stages[
             self.stage_names[loaded.state.stage_index]
         ].steps:
@@ -139,17 +192,96 @@ class Trainer:
         self.result.summary = self.state.summary
         log.info("resumed from %s (stage %d, step %d)", path, self.state.stage_index, self.state.stage_step)
 
-    def save(self, engine: Engine | None) -> None:
+    def _check_same_model(self, path: Path, loaded: ckpt.Checkpoint) -> None:
+        """ConfigError when the checkpoint was written for another model than this recipe's."""
+        import json
+
+        saved_cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+        ours = self.model.config.to_hf_dict()
+        differ = sorted(k for k in set(saved_cfg) | set(ours) if saved_cfg.get(k) != ours.get(k)) if saved_cfg else []
+        own = self.model.state_dict()
+        mismatch = sorted(set(own) ^ set(loaded.model)) + sorted(
+            k for k in set(own) & set(loaded.model) if own[k].shape != loaded.model[k].shape
+        )
+        if mismatch:
+            details = ", ".join(f"{k}: {saved_cfg.get(k)!r} (checkpoint) vs {ours.get(k)!r}" for k in differ[:6])
+            raise ConfigError(
+                f"checkpoint.dir: {path} was written for another model ({details or f'{len(mismatch)} tensors differ, e.g. {mismatch[0]}'}); "
+                "resume with the recipe that wrote it, or start this one under a new run_dir / checkpoint.dir"
+            )
+        if differ:
+            log.warning("resume: %s has a different model config in %s (same tensors)", path, ", ".join(differ))
+
+    def save(self, engine: Engine | None, data_state: dict | None = None, rng: dict | None = None) -> None:
         path = ckpt.save_checkpoint(
             self.cfg.checkpoint.dir,
             self.state,
             self.model,
             engine.state_dict() if engine is not None else None,
-            self.loader.state_dict(),
-            rng_state(),
+            self.loader.state_dict() if data_state is None else data_state,
+            rng_state() if rng is None else rng,
             self.cfg.checkpoint.keep_last,
+            rank=self.rank,
+            world_size=self.world_size,
+            barrier=self.barrier,
         )
+        self.last_saved_step = self.state.global_step
         log.info("checkpoint %s", path)
+
+    def clear_router_loads(self) -> None:
+        """Zero the MoE loads accumulated since the last router-bias update. They are not part of
+        a checkpoint, so they must be zero at every step boundary for an exact resume."""
+        for module in self.model.modules():
+            if isinstance(getattr(module, "load_since_update", None), torch.Tensor):
+                module.load_since_update.zero_()
+
+    def make_engine(self, stage: StageConfig) -> Engine:
+        return Engine(self.model, stage, self.cfg.optim)
+
+    def any_rank(self, flag: bool) -> bool:
+        """True when `flag` is true on any rank (a distributed trainer reduces it)."""
+        return flag
+
+    def check_preemption(self, engine: Engine | None) -> None:
+        """At a step boundary: after a preemption signal, checkpoint and raise Preempted."""
+        received = self.preemption is not None and self.preemption.requested
+        if not self.any_rank(received):
+            return
+        if self.last_saved_step != self.state.global_step:
+            self.save(engine)
+        name = self.preemption.name if received else "a preemption signal (on another rank)"
+        message = (
+            f"preempted by {name} at global step {self.state.global_step}: checkpoint written to "
+            f"{self.cfg.checkpoint.dir}; run the same command again to resume"
+        )
+        log.warning(message)
+        self.result.preempted = True
+        self.result.summary = self.state.summary
+        self.wandb.finish()
+        raise Preempted(message, result=self.result)
+
+    def nonfinite_step(self, engine: Engine, bad: list[str], before: tuple[dict, dict]) -> None:
+        """Apply the non-finite policy to the step just computed (its update not applied)."""
+        from dsa_train.config.schema import NonFinitePolicy
+
+        policy = self.cfg.fault_tolerance
+        engine.zero_grad()
+        step = self.state.global_step + 1
+        consecutive = self.state.nonfinite_consecutive + 1
+        what = ", ".join(bad)
+        if policy.nonfinite == NonFinitePolicy.stop or consecutive > policy.max_consecutive_nonfinite:
+            self.save(engine, data_state=before[0], rng=before[1])
+            reason = ("fault_tolerance.nonfinite=stop" if policy.nonfinite == NonFinitePolicy.stop else
+                      f"{consecutive} non-finite steps in a row (fault_tolerance.max_consecutive_nonfinite="
+                      f"{policy.max_consecutive_nonfinite})")
+            raise NonFiniteError(
+                f"non-finite {what} at global step {step}: stopping ({reason}). A checkpoint of the state before "
+                f"this step is in {self.cfg.checkpoint.dir} (resuming reproduces the step). Lower the stage's lr, "
+                "check the data at this position, or resume with fault_tolerance.nonfinite=skip to skip such steps"
+            )
+        log.warning("non-finite %s at global step %d: update skipped (%d in a row)", what, step, consecutive)
+        self.state.nonfinite_consecutive = consecutive
+        self.state.nonfinite_skipped += 1
 
     # ------------------------------------------------------------------ training
     def next_micro_batches(self, stage: StageConfig) -> list[dict[str, torch.Tensor]]:
@@ -169,7 +301,7 @@ class Trainer:
 
         name = self.stage_names[index]
         stage = self.cfg.stages[name]
-        engine = Engine(self.model, stage, self.cfg.optim)
+        engine = self.make_engine(stage)
         if self.engine_state is not None:
             engine.load_state_dict(self.engine_state)
             self.engine_state = None
@@ -190,14 +322,34 @@ class Trainer:
         tokens_per_step = stage.global_batch_size * self.cfg.data.seq_len
         progress.start_stage(name, stage.steps, self.state.stage_step)
         while self.state.stage_step < stage.steps:
+            self.check_preemption(engine)
+            step_number = self.state.global_step + 1
+            faults.at("step", step_number)
             logged = (self.state.stage_step + 1) % self.cfg.logging.log_every == 0
             start = time.perf_counter()
+            before = (self.loader.state_dict(), rng_state())
             micro_batches = self.next_micro_batches(stage)
-            step_metrics = train_step(
+            lr = engine.lr
+            step_metrics = forward_backward(
                 engine, micro_batches, stage, topk_recall_queries=stage.topk_recall_queries if logged else 0
             )
-            if stage.router_bias_update_rate > 0:
+            faults.at("mid_step", step_number)
+            if faults.poison_step(step_number):
+                poison(step_metrics, engine)
+            bad = check_step(step_metrics, engine)
+            skipped = self.any_rank(bool(bad))
+            if skipped:
+                self.nonfinite_step(engine, bad or ["values on another rank"], before)
+                step_metrics["grad_norm"] = float("nan")
+            else:
+                step_metrics["grad_norm"] = engine.step()
+                self.state.nonfinite_consecutive = 0
+            step_metrics["lr"] = lr
+            step_metrics["nonfinite_skipped"] = self.state.nonfinite_skipped
+            if stage.router_bias_update_rate > 0 and not skipped:
                 self.model.update_router_bias(stage.router_bias_update_rate)
+            else:  # loads of a step without a bias update (or a skipped one) do not carry over
+                self.clear_router_loads()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             elapsed = time.perf_counter() - start
@@ -216,6 +368,8 @@ class Trainer:
         self.state.stage_index += 1
         self.state.stage_step = 0
         self.save(None)
+        if self.state.stage_index < len(self.stage_names):  # after the last stage only the export is left
+            self.check_preemption(None)
 
     def step_metrics(
         self, stage_index: int, step: dict[str, float], tokens: int, elapsed: float, flops: float
@@ -237,11 +391,15 @@ class Trainer:
 
     def run(self) -> TrainResult:
         progress = StageProgress(self.cfg.logging.progress_bar)
+        signals = self.cfg.fault_tolerance.preemption_signals
+        self.preemption = PreemptionHandler(signals) if signals else None
         try:
             while self.state.stage_index < len(self.stage_names):
                 self.run_stage(self.state.stage_index, progress)
         finally:
             progress.close()
+            if self.preemption is not None:
+                self.preemption.restore()
         if self.cfg.checkpoint.export:
             self.result.export_dir = self.run_dir / "export"
             self.model.save_pretrained(self.result.export_dir, tokenizer_dir=self.tokenizer_dir())

@@ -1,0 +1,78 @@
+"""Preemption: SIGTERM / SIGUSR1 ask the trainer to checkpoint at the next step boundary and exit.
+
+Slurm sends SIGUSR1 (with `--signal=USR1@<seconds>`) as a warning before the end of a time limit
+or a preemption, and SIGTERM when it cancels or preempts a job (followed by SIGKILL after
+`KillWait`, 30 s by default); torchrun forwards SIGTERM to its workers. The handler only records
+the signal; the training loop checks it between steps (a step is never cut in half), writes a
+checkpoint and raises `Preempted`, a SystemExit with code 75 (EX_TEMPFAIL: "try again"), so the
+process ends without a traceback and a wrapper can tell a preempted run from a finished one
+(0) and from a failure (1). Run the same command again (or requeue the job) and it resumes.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+log = logging.getLogger(__name__)
+
+EXIT_PREEMPTED = 75  # os.EX_TEMPFAIL
+DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
+
+
+class Preempted(SystemExit):
+    """A run stopped by a preemption signal after writing its checkpoint."""
+
+    def __init__(self, message: str, result=None, checkpoint=None):
+        super().__init__(EXIT_PREEMPTED)
+        self.message = message
+        self.result = result  # TrainResult so far
+        self.checkpoint = checkpoint
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def resolve(names) -> list[signal.Signals]:
+    out = []
+    for name in names:
+        key = str(name).upper()
+        key = key if key.startswith("SIG") else "SIG" + key
+        if not hasattr(signal, key):
+            raise ValueError(f"unknown signal {name!r}")
+        out.append(getattr(signal, key))
+    return out
+
+
+class PreemptionHandler:
+    """Installs handlers for `names` (main thread only) that record the first signal received.
+    `restore()` puts the previous handlers back."""
+
+    def __init__(self, names=DEFAULT_SIGNALS):
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("preemption signals not handled: the trainer does not run in the main thread")
+            return
+        for sig in resolve(names):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = signum
+            log.warning("received %s: checkpointing at the next step boundary, then exiting (code %d)",
+                        signal.Signals(signum).name, EXIT_PREEMPTED)
+
+    @property
+    def requested(self) -> bool:
+        return self.received is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.received).name if self.received is not None else ""
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
