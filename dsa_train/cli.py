@@ -20,6 +20,8 @@ SUBCOMMANDS = {
     "export": "dsa_train.checkpoint.cli",
     "inspect": "dsa_train.checkpoint.cli",
     "make-tiny-checkpoint": "dsa_train.checkpoint.cli",
+    "launch": "dsa_train.parallel.launch",  # torchrun / Slurm (sbatch from the recipe's cluster group)
+    "plan": "dsa_train.parallel.plan",  # per-GPU memory and step-time estimate of a recipe
 }
 
 log = logging.getLogger("dsa_train")

@@ -199,6 +199,20 @@ class ClusterConfig:
     account: str | None = None
     qos: str | None = None
     time: str = "04:00:00"
+    # Training processes per node (torchrun --nproc_per_node); null: gpus_per_node. CPU nodes:
+    # gpus_per_node 0 and procs_per_node N (no GPU request in the sbatch).
+    procs_per_node: int | None = None
+    cpus_per_task: int | None = None
+    mem: str | None = None  # e.g. "480G"; null: the partition's default
+    master_port: int = 29500  # c10d rendezvous port on the first node (by IP address)
+    # Slurm's warning signal before the time limit / preemption, forwarded to the ranks, which
+    # checkpoint and exit 75; with `requeue` the job is requeued and resumes.
+    signal: str = "USR1@180"
+    requeue: bool = True
+    # Shell lines run on every node before torchrun (module load, venv activation, exports).
+    setup: list[str] = field(default_factory=list)
+    # Extra "#SBATCH ..." option lines, e.g. ["--exclusive", "--constraint=h100"].
+    sbatch_options: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -85,6 +86,22 @@ def deepspeed_config(zero_stage: int, micro_batch_size: int, dp_size: int, bf16:
     return cfg
 
 
+@contextlib.contextmanager
+def _moe_visible(model: torch.nn.Module, visible: bool):
+    """DeepSpeed requires MoE param groups when it sees MoE layers. In a stage whose experts are
+    frozen (the dense warm-up trains the indexer only) hide them from it during initialize."""
+    from dsa_train.parallel.expert import ExpertDispatchMoE, ExpertParallelMoE
+
+    hidden = [] if visible else [m for m in model.modules() if type(m) is ExpertParallelMoE]
+    for m in hidden:
+        m.__class__ = ExpertDispatchMoE
+    try:
+        yield
+    finally:
+        for m in hidden:
+            m.__class__ = ExpertParallelMoE
+
+
 class DeepSpeedEngine:
     def __init__(
         self,
@@ -112,14 +129,15 @@ class DeepSpeedEngine:
         )
         self.grad_clip = optim.grad_clip
         self.zero_stage = zero_stage
-        self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model,
-            optimizer=optimizer,
-            lr_scheduler=scheduler,
-            config=self.ds_config,
-            mpu=MegatronMPU(state),
-            dist_init_required=False,
-        )
+        with _moe_visible(model, any(getattr(p, "allreduce", True) is False for _, p in self.trainable)):
+            self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=model,
+                optimizer=optimizer,
+                lr_scheduler=scheduler,
+                config=self.ds_config,
+                mpu=MegatronMPU(state),
+                dist_init_required=False,
+            )
         self.model = self.ds  # forward through DeepSpeed (ZeRO-3 gathers parameters in its hooks)
 
     @property

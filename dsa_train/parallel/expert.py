@@ -13,7 +13,8 @@ With one EP rank the all-to-alls are skipped.
 The shared experts run locally. Expert parameters keep their global names
 (`mlp.experts.{e}.gate_proj.weight`) and are marked for DeepSpeed's MoE parameter groups
 (`allreduce=False`, `group_name`): their gradients are reduced over the expert-data-parallel
-group only. Expert-load metrics (`last_expert_load`) count the tokens of the whole EP group.
+group only. Expert loads are counted per rank and summed over the router's replicas (DP x CP)
+at the aux-loss-free bias update, so every replica's bias takes the single-process step.
 """
 
 from __future__ import annotations
@@ -65,7 +66,17 @@ class ExpertDispatchMoE(MoE):
                 p.group_name = self.group_name
         self.shared_experts = moe.shared_experts
         self.register_buffer("last_expert_load", torch.zeros(self.n_experts), persistent=False)
+        self.register_buffer("load_since_update", torch.zeros(self.n_experts), persistent=False)
         self._state = state
+
+    @torch.no_grad()
+    def update_bias(self, rate: float) -> None:
+        """The aux-loss-free bias step on the loads of the whole global batch: summed over the
+        ranks holding replicas of this router (DP x CP), so every replica takes the same step."""
+        if self._state.sizes.dense_dp > 1:
+            dist.all_reduce(self.load_since_update, group=self._state.dense_dp_group)
+            dist.all_reduce(self.last_expert_load, group=self._state.dense_dp_group)
+        super().update_bias(rate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -74,10 +85,9 @@ class ExpertDispatchMoE(MoE):
         top_k = expert_ids.shape[1]
         flat = expert_ids.reshape(-1)
         load = torch.bincount(flat, minlength=self.n_experts)
-        global_load = load.clone()
-        if self.ep_size > 1:
-            dist.all_reduce(global_load, group=self.group)
-        self.last_expert_load = global_load.detach().float()
+        self.last_expert_load = load.detach().float()
+        if self.training:
+            self.load_since_update += self.last_expert_load
 
         order = torch.argsort(flat, stable=True)
         token_of_slot = order // top_k

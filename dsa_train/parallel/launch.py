@@ -1,0 +1,210 @@
+"""`dsa-train launch`: start a distributed run from a recipe.
+
+    dsa-train launch torchrun [--nproc-per-node N] [--nnodes N --master-addr IP --master-port P]
+                              [--config-name R | recipe=R] [overrides ...]
+        torchrun with c10d rendezvous (127.0.0.1 for one node; the first node's IP address for
+        several: start the same command on every node). Runs `dsa_train.parallel.train`.
+    dsa-train launch slurm [--dry-run] [--output FILE] [recipe=R] [overrides ...]
+        writes an sbatch script from the recipe's `cluster` group to <run_dir>/launch/<run>.sbatch,
+        prints it with --dry-run, else submits it with sbatch.
+
+The sbatch script: one task per node running torchrun (--nnodes = cluster.nodes, --nproc_per_node
+= cluster.procs_per_node or gpus_per_node), rendezvous at the first node's IP address (never a
+hostname), one run directory per run shared by all ranks (the recipe's run_dir, made absolute),
+a Triton cache per node (node-local, so nodes never race on a shared file system), and Slurm's
+warning signal (`--signal=B:USR1@180`, sent to the batch shell) forwarded to every rank as
+SIGTERM/SIGUSR1, so the trainer checkpoints and exits 75; with `requeue` the script then
+requeues the job, which resumes (`checkpoint.resume` auto).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+TRAIN_MODULE = "dsa_train.parallel.train"
+
+
+def split_recipe_args(args: list[str]) -> tuple[str, list[str]]:
+    """-> (recipe name, Hydra overrides) from `--config-name R` / `recipe=R` / `key=value ...`."""
+    from dsa_train.config import DEFAULT_RECIPE
+
+    recipe, overrides = DEFAULT_RECIPE, []
+    it = iter(args)
+    for arg in it:
+        if arg in ("--config-name", "-cn"):
+            recipe = next(it)
+        elif arg.startswith("--config-name="):
+            recipe = arg.split("=", 1)[1]
+        elif arg.startswith("recipe="):
+            recipe = arg.split("=", 1)[1]
+        else:
+            overrides.append(arg)
+    return recipe, overrides
+
+
+def torchrun_command(
+    recipe: str, overrides: list[str], nproc_per_node: int, nnodes: int = 1, master_addr: str = "127.0.0.1",
+    master_port: int = 29500, run_id: str = "dsa-train", python: str | None = None, node_rank: str | None = None,
+) -> list[str]:
+    cmd = [
+        python or sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={nnodes}", f"--nproc_per_node={nproc_per_node}",
+        "--rdzv_backend=c10d", f"--rdzv_endpoint={master_addr}:{master_port}", f"--rdzv_id={run_id}",
+    ]
+    if node_rank is not None:
+        cmd.append(f"--node_rank={node_rank}")
+    return [*cmd, "-m", TRAIN_MODULE, "--config-name", recipe, *overrides]
+
+
+def _sbatch_value(v) -> str:
+    return str(v)
+
+
+def render_sbatch(recipe: str, overrides: list[str], python: str | None = None, workdir: str | None = None) -> tuple[str, Path]:
+    """The sbatch script for the recipe (+ overrides) and where it is written."""
+    from dsa_train.config import load_recipe
+    from dsa_train.parallel.groups import resolve_sizes
+
+    cfg = load_recipe(recipe, overrides)
+    cl = cfg.cluster
+    nproc = cl.procs_per_node or cl.gpus_per_node
+    if nproc < 1:
+        raise SystemExit("dsa-train launch slurm: cluster.procs_per_node (or gpus_per_node) must be >= 1")
+    world = cl.nodes * nproc
+    resolve_sizes(cfg.parallel, world)  # fail here, not after queueing, if the layout does not fit
+    run_dir = Path(cfg.run_dir)
+    if not run_dir.is_absolute():
+        run_dir = Path(workdir or os.getcwd()) / run_dir
+    overrides = [o for o in overrides if not o.startswith("run_dir=")] + [f"run_dir={run_dir}"]
+    lines = ["#!/bin/bash", f"#SBATCH --job-name=dsa-{cfg.run_name}", f"#SBATCH --nodes={cl.nodes}",
+             "#SBATCH --ntasks-per-node=1"]
+    if cl.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={cl.gpus_per_node}")
+    if cl.cpus_per_task:
+        lines.append(f"#SBATCH --cpus-per-task={cl.cpus_per_task}")
+    for key in ("partition", "account", "qos", "time", "mem"):
+        value = getattr(cl, key)
+        if value:
+            lines.append(f"#SBATCH --{key}={value}")
+    lines.append(f"#SBATCH --output={run_dir}/slurm-%j.out")
+    if cl.signal:
+        lines.append(f"#SBATCH --signal=B:{cl.signal}")
+    if cl.requeue:
+        lines.append("#SBATCH --requeue")
+    lines += [f"#SBATCH {opt}" for opt in cl.sbatch_options]
+    train = torchrun_command(
+        recipe, overrides, nproc, nnodes=cl.nodes, master_addr="$MASTER_ADDR", master_port=cl.master_port,
+        run_id="$SLURM_JOB_ID", python=python or "python", node_rank="$SLURM_NODEID",
+    )
+    # quote everything but the shell variables the node expands
+    quoted = " ".join(a if "$" in a else shlex.quote(a) for a in train)
+    inner = quoted.replace("'", "'\"'\"'")  # inside the single-quoted bash -c script
+    setup = "\n".join(cl.setup)
+    body = f"""
+# generated by `dsa-train launch slurm` for recipe {recipe}: {world} ranks = {cl.nodes} nodes x {nproc}
+set -uo pipefail
+export RUN_DIR={shlex.quote(str(run_dir))}
+mkdir -p "$RUN_DIR"
+cd {shlex.quote(workdir or os.getcwd())}
+# c10d rendezvous at the first node's IP address (hostnames do not always resolve between nodes)
+FIRST_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
+export MASTER_ADDR=$(getent ahostsv4 "$FIRST_NODE" | awk 'NR==1 {{print $1}}')
+MASTER_ADDR=${{MASTER_ADDR:-$FIRST_NODE}}
+export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{max(1, (cl.cpus_per_task or nproc) // nproc)}}}
+{setup}
+
+# one task per node; each sets a node-local Triton cache and runs torchrun
+srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c '
+  export TRITON_CACHE_DIR="${{TMPDIR:-/tmp}}/dsa-triton-$SLURM_JOB_ID-$SLURMD_NODENAME"
+  mkdir -p "$TRITON_CACHE_DIR"
+  exec {inner}
+' &
+SRUN_PID=$!
+
+# Slurm's warning (--signal=B:...) reaches this shell: forward it to every rank as SIGTERM
+# (torchrun passes SIGTERM on to its workers), which checkpoint at the next step and exit 75.
+PREEMPTED=0
+forward() {{ PREEMPTED=1; echo "dsa-train: forwarding preemption signal to the ranks"; kill -TERM "$SRUN_PID" 2>/dev/null; }}
+trap forward USR1 USR2 TERM
+while true; do
+  wait "$SRUN_PID"; RC=$?
+  kill -0 "$SRUN_PID" 2>/dev/null || break   # wait returns early when a trapped signal arrives
+done
+if [ "$PREEMPTED" = 1 ] && [ "{1 if cl.requeue else 0}" = 1 ]; then
+  echo "dsa-train: preempted (rc $RC); requeueing job $SLURM_JOB_ID to resume"
+  scontrol requeue "$SLURM_JOB_ID"
+fi
+exit $RC
+"""
+    script = "\n".join(lines) + "\n" + body
+    path = run_dir / "launch" / f"{cfg.run_name}.sbatch"
+    return script, path
+
+
+def slurm_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="dsa-train launch slurm", description="sbatch script from the recipe's cluster group")
+    p.add_argument("--dry-run", action="store_true", help="print the script, do not write or submit it")
+    p.add_argument("--output", help="write the script here (default <run_dir>/launch/<run_name>.sbatch)")
+    p.add_argument("--python", default=None, help="python on the nodes (default: this interpreter)")
+    args, rest = p.parse_known_args(argv)
+    recipe, overrides = split_recipe_args(rest)
+    script, path = render_sbatch(recipe, overrides, python=args.python or sys.executable)
+    if args.dry_run:
+        print(script)
+        return 0
+    path = Path(args.output) if args.output else path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(script)
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        print(f"dsa-train launch slurm: wrote {path}; no sbatch on this machine, submit it there", file=sys.stderr)
+        return 2
+    out = subprocess.run([sbatch, "--parsable", str(path)], capture_output=True, text=True)
+    if out.returncode != 0:
+        print(f"dsa-train launch slurm: sbatch failed: {out.stderr.strip()}", file=sys.stderr)
+        return out.returncode
+    print(f"submitted job {out.stdout.strip()} ({path})")
+    return 0
+
+
+def torchrun_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="dsa-train launch torchrun")
+    p.add_argument("--nproc-per-node", type=int, default=None, help="default: GPUs on this node, else 1")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--master-addr", default="127.0.0.1", help="IP address of the rendezvous node")
+    p.add_argument("--master-port", type=int, default=29500)
+    p.add_argument("--run-id", default="dsa-train")
+    args, rest = p.parse_known_args(argv)
+    nproc = args.nproc_per_node
+    if nproc is None:
+        import torch
+
+        nproc = max(torch.cuda.device_count(), 1)
+    recipe, overrides = split_recipe_args(rest)
+    cmd = torchrun_command(recipe, overrides, nproc, args.nnodes, args.master_addr, args.master_port, args.run_id)
+    env = {**os.environ}
+    env.setdefault("DS_ACCELERATOR", "cuda" if nproc and _has_cuda() else "cpu")
+    return subprocess.call(cmd, env=env)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("torchrun", "slurm"):
+        print(__doc__, file=sys.stderr)
+        return 2
+    return (slurm_main if argv[0] == "slurm" else torchrun_main)(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,89 @@
+"""Launchers on this machine: two torchrun agents forming a two-node job (c10d rendezvous on
+127.0.0.1) train the tiny demo recipe; `dsa-train launch torchrun` on one node; the sbatch
+generator (--dry-run)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dsa_train.parallel.launch import render_sbatch, split_recipe_args, torchrun_command
+from dsa_train.parallel.selftest import free_port
+
+pytest.importorskip("deepspeed")
+
+# the demo recipe (tiny DeepSeek-V3.2-shaped model, bundled corpus), a few steps per stage
+TINY = [
+    "data.seq_len=64", "data.micro_batch_size=1", "probe_batches=1", "logging.wandb_mode=disabled",
+    "logging.progress_bar=false", "stages.pretrain.warmup_steps=1", "stages.sparse.warmup_steps=1",
+    "stages.sparse.topk=16", "checkpoint.every_n_steps=0",
+    *[f"stages.{s}.{k}={v}" for s in ("pretrain", "warmup", "sparse") for k, v in (("steps", 2), ("global_batch_size", 2))],
+]
+
+
+def _env():
+    return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DSA_TRAIN_BACKEND": "gloo"}
+
+
+def _check_run(run_dir, logs):
+    assert (run_dir / "export" / "model.safetensors").is_file(), logs
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_")), logs
+
+
+@pytest.mark.slow
+def test_two_torchrun_agents_form_a_two_node_job(tmp_path):
+    port = free_port()
+    run_dir = tmp_path / "run"
+    agents = []
+    for node in range(2):
+        cmd = torchrun_command("demo", [*TINY, "parallel=zero2", f"run_dir={run_dir}"], nproc_per_node=1, nnodes=2,
+                               master_addr="127.0.0.1", master_port=port, run_id="two-node-test")
+        agents.append(subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
+    for a in agents:
+        out, _ = a.communicate(timeout=420)
+        logs.append(out)
+    tail = "\n".join(log[-3000:] for log in logs)
+    assert [a.returncode for a in agents] == [0, 0], tail
+    joined = "\n".join(logs)
+    assert "rank 0/2: tp 0/1 cp 0/1 dp 0/2" in joined and "rank 1/2: tp 0/1 cp 0/1 dp 1/2" in joined, tail
+    _check_run(run_dir, tail)
+
+
+@pytest.mark.slow
+def test_launch_torchrun_cli_one_node_expert_parallel(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dsa_train.cli", "launch", "torchrun", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), "--config-name", "demo", *TINY, "parallel=zero2",
+           "parallel.expert_parallel=2", f"run_dir={run_dir}"]
+    out = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=420)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    _check_run(run_dir, out.stderr[-3000:])
+
+
+def test_sbatch_dry_run_from_cluster_group(tmp_path):
+    script, path = render_sbatch(
+        "v3.2_sparse", ["data.sources=[/data/x.parquet]", f"run_dir={tmp_path}/r"], python="python"
+    )
+    assert path == tmp_path / "r" / "launch" / "v3.2_sparse.sbatch"
+    assert "#SBATCH --nodes=16" in script and "#SBATCH --gpus-per-node=8" in script
+    assert "--nnodes=16 --nproc_per_node=8" in script
+    assert "--rdzv_endpoint=$MASTER_ADDR:" in script and "getent ahostsv4" in script  # rendezvous by IP
+    assert f"run_dir={tmp_path}/r" in script and f"--output={tmp_path}/r/slurm-%j.out" in script
+    assert 'TRITON_CACHE_DIR="${TMPDIR:-/tmp}/dsa-triton-$SLURM_JOB_ID-$SLURMD_NODENAME"' in script
+    assert "#SBATCH --signal=B:USR1@" in script and "trap forward USR1" in script and "kill -TERM" in script
+    bad = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+    assert bad.returncode == 0, bad.stderr
+
+
+def test_sbatch_rejects_layout_that_does_not_fit():
+    from dsa_train.config import ConfigError
+
+    with pytest.raises(ConfigError, match="expert_parallel"):
+        render_sbatch("demo", ["parallel=zero2", "parallel.expert_parallel=3", "cluster.gpus_per_node=2"])
+
+
+def test_split_recipe_args():
+    assert split_recipe_args(["--config-name", "demo", "a=1"]) == ("demo", ["a=1"])
+    assert split_recipe_args(["recipe=v3.2_sparse", "b=2"]) == ("v3.2_sparse", ["b=2"])
