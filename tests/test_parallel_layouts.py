@@ -27,8 +27,8 @@ def test_expert_parallel_2(tmp_path):
     assert 0 < results[0]["metrics"]["moe/expert_load_min"] <= results[0]["metrics"]["moe/expert_load_max"]
 
 
-def test_tensor_parallel_2(tmp_path):
-    rc, results, log = launch(2, ["--tp", "2", "--zero", "1,3"], str(tmp_path / "r.jsonl"))
+def test_tensor_parallel_2_with_attention_recompute(tmp_path):
+    rc, results, log = launch(2, ["--tp", "2", "--zero", "1,3", "--recompute", "attention"], str(tmp_path / "r.jsonl"))
     assert rc == 0, log
     _check(results, 2, {"tp": 2, "dp": 1})
 
@@ -40,9 +40,10 @@ def test_context_parallel_2_sparse_selection_crosses_ranks(tmp_path):
     _check(results, 1, {"cp": 2})
 
 
-def test_context_parallel_2_dense_warmup(tmp_path):
+def test_context_parallel_2_dense_warmup_full_recompute(tmp_path):
     rc, results, log = launch(
-        2, ["--cp", "2", "--zero", "1", "--seq-len", "64", "--attention", "dense", "--trainable", "indexer"],
+        2, ["--cp", "2", "--zero", "1", "--seq-len", "64", "--attention", "dense", "--trainable", "indexer",
+            "--recompute", "full"],
         str(tmp_path / "r.jsonl"),
     )
     assert rc == 0, log

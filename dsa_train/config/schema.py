@@ -134,6 +134,9 @@ class ParallelConfig:
     # -1: world size / (tensor_parallel * context_parallel).
     data_parallel: int = -1
     zero_stage: int = 0
+    # Activation checkpointing (distributed trainer): none | attention | moe | full (whole
+    # decoder layers). Recomputed blocks keep only their inputs for the backward.
+    recompute: str = "none"
 
 
 @dataclass

@@ -23,7 +23,43 @@ def full_tensor_slice(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return full.narrow(dim, start, stop - start)
 
 
-def parallelize_model(model: torch.nn.Module, state: ParallelState) -> torch.nn.Module:
+RECOMPUTE = ("none", "attention", "moe", "full")
+
+
+def _checkpointed(forward):
+    from torch.utils.checkpoint import checkpoint
+
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def enable_recompute(model: torch.nn.Module, mode: str) -> None:
+    """Selective activation checkpointing: recompute attention blocks, MoE blocks, or whole
+    decoder layers in the backward (non-reentrant torch checkpoint; collectives inside run again
+    in the same order on every rank). The MoE expert loads of a recomputed block are counted
+    twice, which leaves the sign-based bias update unchanged."""
+    if mode not in RECOMPUTE:
+        from dsa_train.config import ConfigError
+
+        raise ConfigError(f"parallel.recompute={mode!r}: one of {', '.join(RECOMPUTE)}")
+    if mode == "none":
+        return
+    from dsa_train.model.moe import MoE
+
+    for layer in model.main_layers():
+        if mode == "full":
+            layer.forward = _checkpointed(layer.forward)
+        elif mode == "attention":
+            layer.self_attn.forward = _checkpointed(layer.self_attn.forward)
+        elif mode == "moe" and isinstance(layer.mlp, MoE):
+            layer.mlp.forward = _checkpointed(layer.mlp.forward)
+
+
+def parallelize_model(model: torch.nn.Module, state: ParallelState, recompute: str = "none") -> torch.nn.Module:
     sizes = state.sizes
     from dsa_train.parallel.groups import check_model_divisibility
 
@@ -40,4 +76,5 @@ def parallelize_model(model: torch.nn.Module, state: ParallelState) -> torch.nn.
         from dsa_train.parallel.context import enable_context_parallel
 
         enable_context_parallel(model, state)
+    enable_recompute(model, recompute)
     return model

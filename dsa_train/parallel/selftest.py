@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention", choices=["dense", "sparse"], default="sparse")
     p.add_argument("--trainable", choices=["all", "indexer"], default="all")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--recompute", default="none", choices=["none", "attention", "moe", "full"])
     p.add_argument("--rtol", type=float, default=2e-4)
     p.add_argument("--adam-eps", type=float, default=1e-6)
     p.add_argument("--out", default=None)
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     for zero in zero_stages:
         # ---- distributed
         model = copy.deepcopy(init_model)
-        model = parallelize_model(model, state)
+        model = parallelize_model(model, state, recompute=args.recompute)
         engine = DeepSpeedEngine(model, stage, optim, state, zero_stage=zero, micro_batch_size=args.micro_batch)
         hist, grads = [], {}
         for s, batch in enumerate(batches):
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             if d > 0.02 * args.lr:  # Adam: updates of near-zero gradients amplify fp32 rounding
                 failures.append(f"param {name}: max abs diff {d:.3g}")
         result = {
-            "layout": {"tp": args.tp, "cp": args.cp, "ep": args.ep, "dp": dp, "zero": zero},
+            "layout": {"tp": args.tp, "cp": args.cp, "ep": args.ep, "dp": dp, "zero": zero, "recompute": args.recompute},
             "rank": state.rank,
             "losses": [[h.get("lm_loss"), h.get("indexer_loss"), h["grad_norm"]] for h in hist],
             "ref_losses": [[h.get("lm_loss"), h.get("indexer_loss"), h["grad_norm"]] for h in ref_hist],

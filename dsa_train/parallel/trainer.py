@@ -69,7 +69,7 @@ class DistributedTrainer(base.Trainer):
         with _layout_checked_here():
             super().__init__(cfg)
         check_model_divisibility(sizes, self.model.config)
-        self.model = parallelize_model(self.model, state)
+        self.model = parallelize_model(self.model, state, recompute=self.cfg.parallel.recompute)
         self._wrap_loss_scale()
         if self._deferred_resume:
             self._deferred_resume = False
