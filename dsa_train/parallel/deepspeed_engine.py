@@ -76,7 +76,8 @@ def deepspeed_config(zero_stage: int, micro_batch_size: int, dp_size: int, bf16:
         "zero_optimization": {"stage": zero_stage},
     }
     if zero_stage in (1, 2):
-        cfg["zero_optimization"].update({"reduce_scatter": True, "overlap_comm": False, "contiguous_gradients": True})
+        cfg["zero_optimization"].update({"reduce_scatter": True, "overlap_comm": False, "contiguous_gradients": True,
+                                         "reduce_bucket_size": REDUCE_BUCKET, "allgather_bucket_size": REDUCE_BUCKET})
     if zero_stage == 3:
         cfg["zero_optimization"].update({"stage3_param_persistence_threshold": 0, "overlap_comm": False})
     if bf16:
@@ -100,6 +101,9 @@ def _moe_visible(model: torch.nn.Module, visible: bool):
     finally:
         for m in hidden:
             m.__class__ = ExpertParallelMoE
+
+
+REDUCE_BUCKET = int(5e7)  # elements; `dsa-train plan` counts one such bucket
 
 
 class DeepSpeedEngine:

@@ -1,0 +1,303 @@
+"""`dsa-train plan`: per-GPU memory and step-time estimate of a recipe on its cluster layout.
+
+    dsa-train plan [--config-name R | recipe=R] [overrides ...] [--peak-tflops 989] [--mfu 0.35]
+                   [--gpu-gb 80] [--net-gbps 50] [--json]
+
+Per rank and per stage (the largest stage decides whether it fits):
+  parameters   dense ones replicated over DP x CP (or sharded by ZeRO-3), MLA heads / MLPs / shared
+               experts split over TP, routed experts split over EP (experts are not TP-split);
+  gradients    trainable parameters only, fp32 accumulation; partitioned by ZeRO-2/3 (dense over
+               DP x CP, experts over expert-DP) plus one reduce bucket;
+  optimizer    AdamW m and v (fp32) and the fp32 master (DeepSpeed keeps one with ZeRO >= 1 or
+               bf16), partitioned by ZeRO >= 1, plus the update's two temporaries per param group;
+  activations  what the backward keeps for one micro-batch of T / CP local tokens: per layer the
+               tensors saved by the model's ops (only those on a path to a trainable parameter:
+               the dense warm-up keeps the indexer's only), minus what `parallel.recompute`
+               recomputes (plus one block's worth while it is recomputed), plus the LM head's
+               logits and their fp32 cross-entropy copies;
+  DSA buffers  per layer the top-k indices (T_loc x k int32) and, with CP, the all-gathered
+               latent KV (T x 576) and indexer keys (T x 128); plus the chunked kernels' working
+               set (query chunks are sized to 2^24 fp32 elements).
+Step time: training FLOPs of the stage (dsa_train.model.flops, indexer included) at the given
+MFU, plus the data-parallel gradient reduction and the expert all-to-all at --net-gbps per GPU
+(not overlapped: an upper bound). The CPU check in tests/test_parallel_plan.py compares the memory
+terms with measured peaks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+
+GiB = 2**30
+KERNEL_CHUNK_ELEMS = 1 << 24  # kernels/masking.query_chunk_size budget
+REDUCE_BUCKET = int(5e7)  # elements; DeepSpeed reduce/allgather bucket (deepspeed_engine.py)
+
+
+@dataclass
+class ParamCounts:
+    """Parameter counts of one model, by how they are split."""
+
+    replicated: float = 0.0  # embeddings, LM head, norms, q_a/kv_a projections, routers
+    tp_split: float = 0.0  # MLA heads (q_b, kv_b, o_proj), dense MLPs, shared experts
+    indexer: float = 0.0  # replicated (part of `replicated` for sharding purposes)
+    expert: float = 0.0  # one routed expert (gate, up, down)
+    moe_layers: int = 0  # layers (incl. MTP) with routed experts
+    n_experts: int = 0
+    largest_layer: float = 0.0  # dense part of the largest layer (ZeRO-3's gathered working set)
+
+    @property
+    def total(self) -> float:
+        return self.replicated + self.tp_split + self.expert * self.n_experts * self.moe_layers
+
+
+def count_params(c) -> ParamCounts:
+    h, H = c.hidden_size, c.num_attention_heads
+    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    r, rope = c.kv_lora_rank, c.qk_rope_head_dim
+    n = ParamCounts(n_experts=c.n_routed_experts or 0)
+    n.replicated += c.vocab_size * h * (1 if c.tie_word_embeddings else 2) + h
+    n.expert = 3 * h * (c.moe_intermediate_size or 0)
+    n_layers = c.num_hidden_layers + (c.num_nextn_predict_layers or 0)
+    for i in range(n_layers):
+        rep = 2 * h + h * (r + rope) + r  # norms, kv_a_proj_with_mqa, kv_a_layernorm
+        tp = H * r * 0 + r * H * (c.qk_nope_head_dim + c.v_head_dim) + H * c.v_head_dim * h  # kv_b, o_proj
+        if c.q_lora_rank:
+            rep += h * c.q_lora_rank + c.q_lora_rank
+            tp += c.q_lora_rank * H * qk
+        else:
+            tp += h * H * qk
+        idx = (c.q_lora_rank or h) * c.index_n_heads * c.index_head_dim + h * c.index_head_dim + 2 * c.index_head_dim \
+            + h * c.index_n_heads
+        rep += idx
+        n.indexer += idx
+        if c.is_moe_layer(i):
+            rep += c.n_routed_experts * h
+            tp += 3 * h * c.moe_intermediate_size * (c.n_shared_experts or 0)
+            n.moe_layers += 1
+        else:
+            tp += 3 * h * c.intermediate_size
+        if i >= c.num_hidden_layers:  # MTP: its own embedding, enorm/hnorm, eh_proj, shared head
+            rep += c.vocab_size * h * 2 + 3 * h + 2 * h * h
+        n.replicated += rep
+        n.tp_split += tp
+        n.largest_layer = max(n.largest_layer, rep + tp)  # + this rank's experts (plan_stage)
+    return n
+
+
+@dataclass
+class StagePlan:
+    stage: str
+    trainable: str
+    attention: str
+    gib: dict = field(default_factory=dict)  # component -> GiB per rank
+    total_gib: float = 0.0
+    step_s: float = 0.0
+    step_detail: dict = field(default_factory=dict)
+
+
+def activation_bytes_per_token(c, sizes, stage, recompute: str, dtype_bytes: int, seq_len: int, topk: int) -> dict:
+    """Bytes kept for the backward per local token (and per-layer DSA buffers), see module doc."""
+    h, H = c.hidden_size, c.num_attention_heads // sizes.tensor
+    r, rope, nope, v = c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim
+    qk, ql = nope + rope, (c.q_lora_rank or 0)
+    HI, dI = c.index_n_heads, c.index_head_dim
+    sparse = stage.attention.value == "sparse"
+    train_all = stage.trainable.value == "all"
+    b = dtype_bytes
+    # indexer (detached input): inputs of wq_b / wk / weights_proj for their weight gradients, the
+    # k LayerNorm input, and the KL op's inputs q_I, k_I (fp32 weights); score chunks are recomputed
+    indexer = b * ((ql or h) + h + HI * dI + 2 * dI) + 4 * HI
+    if train_all:
+        attn = b * (2 * h + 2 * ql + H * qk + (r + rope) + r + rope + H * rope)  # norms, q_a, q_b, kv_a, rope
+        if sparse or sizes.context > 1:  # absorbed (MQA) form
+            attn += b * (H * r + H * (r + rope) + (r + rope) + H * r + 2 * H * v) + 4 * H  # q_lat, q_abs, kv, out, lse
+        else:  # MHA form: per-head k, v and the attention output
+            attn += b * (H * (nope + v) + 2 * H * qk + H * v + 2 * H * v) + 4 * H
+        dense_mlp = b * (2 * h + 3 * c.intermediate_size // sizes.tensor + h)
+        k = c.num_experts_per_tok or 0
+        moe = b * (2 * h + k * h * 3 + k * 3 * (c.moe_intermediate_size or 0)) + 4 * 3 * (c.n_routed_experts or 0)
+        moe += b * (3 * (c.moe_intermediate_size or 0) * (c.n_shared_experts or 0) // sizes.tensor + h)
+    else:
+        attn, dense_mlp, moe = 0.0, 0.0, 0.0
+    per_layer = []
+    for i in range(c.num_hidden_layers):
+        mlp = moe if c.is_moe_layer(i) else dense_mlp
+        a, m = attn + indexer, mlp
+        if recompute == "full":
+            a, m = b * h, 0.0  # the layer input only
+        elif recompute == "attention":
+            a = b * h
+        elif recompute == "moe" and c.is_moe_layer(i) and train_all:
+            m = b * h
+        per_layer.append(a + m)
+    largest_block = max(attn + indexer, moe, dense_mlp) if recompute != "none" else 0.0
+    head = (b + 8) * c.vocab_size / sizes.tensor * 0 + (b + 8) * c.vocab_size if stage.lm_loss_coef > 0 and train_all else 0.0
+    # DSA buffers per layer: top-k indices of local queries, CP-gathered latent KV + indexer key
+    dsa_layer_tokens = 4 * topk if (sparse and stage.indexer_loss_coef >= 0) else 0.0
+    cp_gather_full = b * ((r + rope) + dI) if sizes.context > 1 else 0.0  # per *full-sequence* token
+    return {
+        "layers": sum(per_layer), "recompute_block": largest_block, "head": head,
+        "dsa_indices": dsa_layer_tokens * c.num_hidden_layers if recompute != "full" else dsa_layer_tokens,
+        "cp_gather": cp_gather_full * (c.num_hidden_layers if recompute != "full" else 1),
+    }
+
+
+def plan_stage(cfg, model_cfg, name: str, stage, sizes, opts) -> StagePlan:
+    from dsa_train.model.flops import flops_per_token
+
+    c = model_cfg
+    n = count_params(c)
+    pb = 2 if cfg.model.dtype.value == "bfloat16" else 4
+    zero = cfg.parallel.zero_stage
+    dense_rank = n.replicated + n.tp_split / sizes.tensor
+    expert_rank = n.expert * n.moe_layers * (n.n_experts / sizes.expert)
+    train_all = stage.trainable.value == "all"
+    t_dense = dense_rank if train_all else n.indexer
+    t_expert = expert_rank if train_all else 0.0
+    shard_d, shard_e = sizes.dense_dp, sizes.expert_dp
+    p = StagePlan(name, stage.trainable.value, stage.attention.value)
+    g = p.gib
+    if zero == 3:
+        layer_rank = n.largest_layer + n.expert * n.n_experts / sizes.expert
+        g["parameters"] = pb * (dense_rank / shard_d + expert_rank / shard_e + 2 * layer_rank) / GiB
+    else:
+        g["parameters"] = pb * (dense_rank + expert_rank) / GiB
+    grad_elems = (t_dense / shard_d + t_expert / shard_e) if zero >= 2 else (t_dense + t_expert)
+    g["gradients"] = 4 * (grad_elems + (min(REDUCE_BUCKET, t_dense + t_expert) if zero >= 1 else 0)) / GiB
+    master = 4 if (zero >= 1 or pb == 2) else 0
+    opt_elems = (t_dense / shard_d + t_expert / shard_e) if zero >= 1 else (t_dense + t_expert)
+    # + the update's temporaries: torch's foreach AdamW allocates two fp32 tensors the size of
+    # the param group it steps (DeepSpeed ZeRO: one flat partition per group; dense and expert
+    # groups are stepped one after the other)
+    if zero >= 1:
+        largest_group = max(t_dense / shard_d, t_expert / shard_e)
+    else:
+        largest_group = t_dense + t_expert
+    g["optimizer"] = ((8 + master) * opt_elems + 2 * 4 * largest_group) / GiB
+    T_loc = cfg.data.micro_batch_size * cfg.data.seq_len / sizes.context
+    topk = stage.topk or c.index_topk
+    act = activation_bytes_per_token(c, sizes, stage, cfg.parallel.recompute, pb, cfg.data.seq_len, topk)
+    g["activations"] = T_loc * (act["layers"] + act["recompute_block"] + act["head"]) / GiB
+    chunk = 4 * KERNEL_CHUNK_ELEMS * 3  # a few fp32 chunk-sized blocks live in the reference kernels
+    g["dsa_buffers"] = (T_loc * act["dsa_indices"] + cfg.data.micro_batch_size * cfg.data.seq_len * act["cp_gather"]
+                        + chunk) / GiB
+    p.total_gib = sum(g.values())
+    # step time
+    tokens = stage.global_batch_size * cfg.data.seq_len
+    fpt = flops_per_token(c, cfg.data.seq_len, stage.attention.value, topk, stage_trainable=stage.trainable.value)
+    world = sizes.world
+    compute = tokens * fpt / (world * opts.peak_tflops * 1e12 * opts.mfu)
+    bw = opts.net_gbps * 1e9
+    grad_bytes = 4 * (t_dense + t_expert)
+    dp_comm = 2 * grad_bytes / bw if shard_d > 1 else 0.0  # reduce-scatter + all-gather of a rank's params
+    k = c.num_experts_per_tok or 0
+    a2a_tokens = tokens / world * k * n.moe_layers
+    ep_comm = (4 if train_all else 2) * a2a_tokens * c.hidden_size * pb * (1 - 1 / sizes.expert) / bw if sizes.expert > 1 else 0.0
+    cp_comm = (2 * tokens / (sizes.tensor * sizes.data) * (c.kv_lora_rank + c.qk_rope_head_dim + c.index_head_dim) * pb
+               * c.num_hidden_layers / bw) if sizes.context > 1 else 0.0
+    tp_comm = (4 * 2 * tokens / world * sizes.context * c.hidden_size * pb * c.num_hidden_layers / bw) if sizes.tensor > 1 else 0.0
+    p.step_s = compute + dp_comm + ep_comm + cp_comm + tp_comm
+    p.step_detail = {"compute_s": compute, "dp_grad_s": dp_comm, "ep_all_to_all_s": ep_comm, "cp_gather_s": cp_comm,
+                     "tp_s": tp_comm, "flops_per_token": fpt, "tokens_per_step": tokens}
+    return p
+
+
+def model_config_of(cfg):
+    from pathlib import Path
+
+    from dsa_train.model import tiny_config
+    from dsa_train.model.config import DSAConfig
+
+    if cfg.model.pretrained is None:
+        from dsa_train.data import load_tokenizer
+
+        arch = dict(cfg.model.arch)
+        arch.setdefault("vocab_size", load_tokenizer(cfg.data.tokenizer).vocab_size)
+        return tiny_config(**arch), "from-scratch arch"
+    path = Path(cfg.model.pretrained)
+    if (path / "config.json").is_file():
+        return DSAConfig.from_pretrained(path), str(path)
+    return DSAConfig(), f"{path} not found here: DeepSeek-V3.2 671B defaults"
+
+
+def make_plan(cfg, opts, world: int | None = None) -> dict:
+    from dsa_train.parallel.groups import check_model_divisibility, resolve_sizes
+
+    cl = cfg.cluster
+    world = world or cl.nodes * (cl.procs_per_node or cl.gpus_per_node)
+    sizes = resolve_sizes(cfg.parallel, world)
+    model_cfg, source = model_config_of(cfg)
+    check_model_divisibility(sizes, model_cfg)
+    stages = [plan_stage(cfg, model_cfg, name, st, sizes, opts) for name, st in cfg.stages.items()]
+    n = count_params(model_cfg)
+    peak = max(s.total_gib for s in stages)
+    return {
+        "run_name": cfg.run_name, "model": source, "params_total_b": n.total / 1e9,
+        "layout": {"world": world, "nodes": cl.nodes, "tp": sizes.tensor, "cp": sizes.context, "ep": sizes.expert,
+                   "dp": sizes.data, "zero": cfg.parallel.zero_stage, "recompute": cfg.parallel.recompute},
+        "seq_len": cfg.data.seq_len, "micro_batch_size": cfg.data.micro_batch_size,
+        "stages": [asdict(s) for s in stages], "peak_gib": peak, "gpu_gib": opts.gpu_gb,
+        "fits": peak <= opts.gpu_gb * opts.usable,
+    }
+
+
+def format_plan(plan: dict) -> str:
+    lay = plan["layout"]
+    out = [f"plan {plan['run_name']}: {plan['params_total_b']:.1f}B parameters ({plan['model']})",
+           f"  layout: {lay['world']} ranks = {lay['nodes']} nodes; TP {lay['tp']} CP {lay['cp']} EP {lay['ep']} "
+           f"DP {lay['dp']}; ZeRO-{lay['zero']}; recompute {lay['recompute']}; {plan['micro_batch_size']} x "
+           f"{plan['seq_len']} tokens per micro-batch"]
+    for s in plan["stages"]:
+        parts = "  ".join(f"{k} {v:.2f}" for k, v in s["gib"].items())
+        d = s["step_detail"]
+        out.append(f"  stage {s['stage']} ({s['attention']}, trains {s['trainable']}): {s['total_gib']:.2f} GiB/rank "
+                   f"[{parts}]")
+        out.append(f"      step ~{s['step_s']:.1f} s (compute {d['compute_s']:.1f}, DP grads {d['dp_grad_s']:.1f}, "
+                   f"EP all-to-all {d['ep_all_to_all_s']:.1f}, CP gather {d['cp_gather_s']:.2f}, TP {d['tp_s']:.1f}); "
+                   f"{d['flops_per_token'] / 1e9:.1f} GFLOP/token")
+    verdict = "fits" if plan["fits"] else "does NOT fit"
+    out.append(f"  peak {plan['peak_gib']:.1f} GiB/rank: {verdict} in {plan['gpu_gib']} GB GPUs "
+               f"(with 10% headroom for allocator and CUDA context)")
+    return "\n".join(out)
+
+
+def parse_opts(argv):
+    p = argparse.ArgumentParser(prog="dsa-train plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100/H800 SXM: 989)")
+    p.add_argument("--mfu", type=float, default=0.35)
+    p.add_argument("--gpu-gb", type=float, default=80.0)
+    p.add_argument("--usable", type=float, default=0.9, help="fraction of GPU memory the plan may use")
+    p.add_argument("--net-gbps", type=float, default=50.0, help="network GB/s per GPU (400 Gb/s IB = 50)")
+    p.add_argument("--world", type=int, default=None, help="ranks (default: cluster.nodes x procs/GPUs per node)")
+    p.add_argument("--json", action="store_true")
+    return p.parse_known_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    from omegaconf import OmegaConf
+
+    from dsa_train.config import ConfigError, compose_recipe
+    from dsa_train.parallel.launch import split_recipe_args
+
+    opts, rest = parse_opts(argv)
+    recipe, overrides = split_recipe_args(rest)
+    try:
+        # no validation of data sources / checkpoint paths: a plan needs neither
+        composed = compose_recipe(recipe, overrides)
+        if OmegaConf.is_missing(composed.model, "pretrained"):
+            composed.model.pretrained = "<model.pretrained>"
+        cfg = OmegaConf.to_object(composed)
+        plan = make_plan(cfg, opts, world=opts.world)
+    except ConfigError as err:
+        print(f"dsa-train plan: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan, indent=1) if opts.json else format_plan(plan))
+    return 0 if plan["fits"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
