@@ -191,6 +191,11 @@ class Trainer:
         self.resume_rng = loaded.rng
         self.result.summary = self.state.summary
         log.info("resumed from %s (stage %d, step %d)", path, self.state.stage_index, self.state.stage_step)
+        wandb = getattr(self, "wandb", None)
+        if wandb is not None and wandb.id != self.state.wandb_run_id:  # resumed after W&B started (deferred)
+            wandb.finish()
+            self.wandb = WandbRun(self.cfg.logging, self.config_dict(), run_id=self.state.wandb_run_id)
+            self.state.wandb_run_id = self.result.wandb_run_id = self.wandb.id
 
     def _check_same_model(self, path: Path, loaded: ckpt.Checkpoint) -> None:
         """ConfigError when the checkpoint was written for another model than this recipe's."""
