@@ -198,5 +198,13 @@ class DeepSpeedEngine:
         return {"optimizer": self.ds.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.ds.optimizer.load_state_dict(state["optimizer"])
+        """This rank's optimizer partition and the schedule (same layout as when saved; the
+        model's parameters, fp32 masters included, come from the model checkpoint)."""
+        if self.zero_stage >= 1:
+            # ZeRO optimizers take the list of every data-parallel rank's state and read their own
+            n = self.state.sizes.dense_dp
+            self.ds.optimizer.load_state_dict([state["optimizer"]] * n, load_optimizer_states=True,
+                                              load_from_fp32_weights=False)
+        else:
+            self.ds.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -170,6 +170,8 @@ class DistributedTrainer(base.Trainer):
         experts: dict[str, torch.Tensor] = {}
         with self._gathered():
             for name, p in self.model.state_dict(keep_vars=True).items():
+                if p is None:
+                    continue
                 t = p.detach().clone()
                 shard = getattr(p, "dsa_shard", None)
                 if getattr(p, "allreduce", True) is False:
