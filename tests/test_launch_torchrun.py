@@ -5,10 +5,11 @@ generator (--dry-run)."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from dsa_train.parallel.launch import render_sbatch, split_recipe_args, torchrun_command
+from dsa_train.parallel.launch import render_sbatch, split_recipe_args
 from dsa_train.parallel.selftest import free_port
 
 pytest.importorskip("deepspeed")
@@ -36,10 +37,12 @@ def test_two_torchrun_agents_form_a_two_node_job(tmp_path):
     port = free_port()
     run_dir = tmp_path / "run"
     agents = []
-    for node in range(2):
-        cmd = torchrun_command("demo", [*TINY, "parallel=zero2", f"run_dir={run_dir}"], nproc_per_node=1, nnodes=2,
-                               master_addr="127.0.0.1", master_port=port, run_id="two-node-test")
-        agents.append(subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    script = Path(__file__).resolve().parents[1] / "launch" / "torchrun.sh"
+    env = {**_env(), "NNODES": "2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "RUN_ID": "two-node-test", "PYTHON": sys.executable}
+    for node in range(2):  # two agents = two "nodes", rendezvous at 127.0.0.1
+        cmd = ["bash", str(script), "--config-name", "demo", *TINY, "parallel=zero2", f"run_dir={run_dir}"]
+        agents.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = []
     for a in agents:
         out, _ = a.communicate(timeout=420)
