@@ -88,3 +88,32 @@ def test_global_topk_at_local_positions_matches_full_sequence():
         other = torch.tensor([int(x) for x in local_positions(T, 2, 1 - rank)])
         crossed |= bool(torch.isin(local.long(), other).any())
     assert crossed  # selection reaches keys held by the other CP rank
+
+
+def test_grouped_gemm_experts_match_loop_with_idle_experts():
+    from dsa_train.model.moe import MLP
+    from dsa_train.parallel.expert import grouped_expert_mlp
+
+    torch.manual_seed(0)
+    experts = [MLP(16, 24) for _ in range(4)]
+    counts = [3, 0, 5, 2]  # expert 1 idle
+    x = torch.randn(sum(counts), 16, requires_grad=True)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    stack = lambda n: torch.stack([getattr(e, n).weight for e in experts])  # noqa: E731
+    y = grouped_expert_mlp(x, offs, stack("gate_proj"), stack("up_proj"), stack("down_proj"))
+    y.sum().backward()
+    grads = [e.down_proj.weight.grad.clone() for e in experts]
+    for e in experts:
+        e.zero_grad()
+    x2 = x.detach().clone().requires_grad_()
+    ref, start = [], 0
+    for e, n in zip(experts, counts):
+        ref.append(e(x2[start : start + n]))
+        start += n
+    ref = torch.cat(ref)
+    ref.sum().backward()
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-6)
+    for g, e in zip(grads, experts):
+        torch.testing.assert_close(g, e.down_proj.weight.grad if e.down_proj.weight.grad is not None
+                                   else torch.zeros_like(g), rtol=1e-5, atol=1e-6)

@@ -137,6 +137,9 @@ class ParallelConfig:
     # Activation checkpointing (distributed trainer): none | attention | moe | full (whole
     # decoder layers). Recomputed blocks keep only their inputs for the backward.
     recompute: str = "none"
+    # Routed experts as grouped GEMMs (torch._grouped_mm over tokens sorted by expert) instead of a
+    # Python loop over experts (distributed trainer).
+    grouped_experts: bool = True
 
 
 @dataclass

@@ -7,7 +7,8 @@ Per MoE layer on EP rank r (E experts, EP ranks, E/EP local experts [r*E/EP, (r+
   2. sort the (token, expert) slots by expert -- hence by destination rank -- and exchange the
      per-rank slot counts, then the token vectors (all_to_all_single with autograd: its backward
      is the reverse all-to-all), no capacity limit, nothing dropped;
-  3. run the local experts on the received tokens (grouped by expert);
+  3. run the local experts on the received tokens (sorted by expert): three grouped GEMMs
+     (`torch._grouped_mm`, CPU and CUDA) when `parallel.grouped_experts`, else a loop;
   4. send the outputs back by the reverse all-to-all, weight them and add them per token.
 With one EP rank the all-to-alls are skipped.
 The shared experts run locally. Expert parameters keep their global names
@@ -47,7 +48,7 @@ def _deepspeed_moe_base() -> type:
 class ExpertDispatchMoE(MoE):
     """A drop-in `MoE` (the model's isinstance checks, metrics and bias updates keep working)."""
 
-    def __init__(self, moe: MoE, state: ParallelState):
+    def __init__(self, moe: MoE, state: ParallelState, grouped: bool = True):
         nn.Module.__init__(self)
         ep = state.sizes.expert
         self.ep_size, self.ep_rank, self.group = ep, state.ep_rank, state.ep_group
@@ -68,6 +69,7 @@ class ExpertDispatchMoE(MoE):
         self.register_buffer("last_expert_load", torch.zeros(self.n_experts), persistent=False)
         self.register_buffer("load_since_update", torch.zeros(self.n_experts), persistent=False)
         self._state = state
+        self.grouped = grouped
 
     @torch.no_grad()
     def update_bias(self, rate: float) -> None:
@@ -111,12 +113,15 @@ class ExpertDispatchMoE(MoE):
         counts = torch.bincount(local, minlength=self.per_rank).tolist()
         # Every local expert runs, on zero tokens if none came: the same modules (and, under ZeRO-3,
         # the same parameter gathers) on every rank, and a (zero) gradient for each expert.
-        y_sorted = []
-        start = 0
-        for i, n in enumerate(counts):
-            idx = local_order[start : start + n]
-            y_sorted.append(self.experts[str(self.first + i)](x_recv[idx]))
-            start += n
+        if self.grouped and _grouped_mm_available():
+            y_sorted = [self._grouped_experts(x_recv[local_order], counts)]
+        else:
+            y_sorted = []
+            start = 0
+            for i, n in enumerate(counts):
+                idx = local_order[start : start + n]
+                y_sorted.append(self.experts[str(self.first + i)](x_recv[idx]))
+                start += n
         y_recv = torch.zeros_like(x_recv).index_copy(0, local_order, torch.cat(y_sorted))
         if self.ep_size > 1:
             y_back = all_to_all_single(
@@ -131,6 +136,38 @@ class ExpertDispatchMoE(MoE):
         return out.view(shape)
 
 
+def _grouped_mm_available() -> bool:
+    return hasattr(torch, "_grouped_mm")
+
+
+def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
+    # grouped_mm's backward needs a materialized gradient (an expanded one, e.g. from .sum(), fails)
+    if t.requires_grad:
+        t.register_hook(lambda g: g.contiguous())
+    return t
+
+
+def grouped_expert_mlp(x: torch.Tensor, offs: torch.Tensor, w_gate, w_up, w_down) -> torch.Tensor:
+    """SwiGLU experts as three grouped GEMMs over tokens sorted by expert: x [N, h], offs [E] int32
+    (cumulative token counts), w_gate/w_up [E, I, h], w_down [E, h, I] (nn.Linear layout)."""
+    gate = _contiguous_grad(torch._grouped_mm(x, w_gate.transpose(1, 2), offs=offs))
+    up = _contiguous_grad(torch._grouped_mm(x, w_up.transpose(1, 2), offs=offs))
+    act = torch.nn.functional.silu(gate) * up
+    return _contiguous_grad(torch._grouped_mm(act, w_down.transpose(1, 2), offs=offs))
+
+
+def _grouped_experts(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The local experts on their tokens (sorted by expert) with grouped GEMMs instead of a loop.
+    The expert weights keep their per-expert (Hugging Face) parameters; they are stacked per call."""
+    experts = [self.experts[str(self.first + i)] for i in range(self.per_rank)]
+    offs = torch.tensor(counts, device=x_sorted.device).cumsum(0).to(torch.int32)
+    stack = lambda name: torch.stack([getattr(e, name).weight for e in experts])  # noqa: E731
+    return grouped_expert_mlp(x_sorted, offs, stack("gate_proj"), stack("up_proj"), stack("down_proj"))
+
+
+ExpertDispatchMoE._grouped_experts = _grouped_experts
+
+
 class ExpertParallelMoE(ExpertDispatchMoE, _deepspeed_moe_base()):
     """With EP > 1: also a DeepSpeed MoE by class, so ZeRO reduces expert gradients over the
     expert-data-parallel group."""
@@ -142,7 +179,7 @@ class ExpertParallelMoE(ExpertDispatchMoE, _deepspeed_moe_base()):
         register_expert_groups(self._state, self.group_name)
 
 
-def shard_experts(model: torch.nn.Module, state: ParallelState) -> None:
+def shard_experts(model: torch.nn.Module, state: ParallelState, grouped: bool = True) -> None:
     """Replace every MoE layer by its expert-parallel version (in place). Also used with
     expert_parallel=1 (no collectives): every expert runs every step (on zero tokens if none
     were routed to it), which DeepSpeed's ZeRO-2 bucketed reduction and ZeRO-3 parameter gathers
@@ -152,4 +189,4 @@ def shard_experts(model: torch.nn.Module, state: ParallelState) -> None:
     for layer in model.model.layers:
         if isinstance(layer.mlp, MoE):
             cls = ExpertParallelMoE if state.sizes.expert > 1 else ExpertDispatchMoE
-            layer.mlp = cls(layer.mlp, state)
+            layer.mlp = cls(layer.mlp, state, grouped=grouped)

@@ -59,7 +59,9 @@ def enable_recompute(model: torch.nn.Module, mode: str) -> None:
             layer.mlp.forward = _checkpointed(layer.mlp.forward)
 
 
-def parallelize_model(model: torch.nn.Module, state: ParallelState, recompute: str = "none") -> torch.nn.Module:
+def parallelize_model(
+    model: torch.nn.Module, state: ParallelState, recompute: str = "none", grouped_experts: bool = True
+) -> torch.nn.Module:
     sizes = state.sizes
     from dsa_train.parallel.groups import check_model_divisibility
 
@@ -67,7 +69,7 @@ def parallelize_model(model: torch.nn.Module, state: ParallelState, recompute: s
     if sizes.world > 1:
         from dsa_train.parallel.expert import shard_experts
 
-        shard_experts(model, state)
+        shard_experts(model, state, grouped=grouped_experts)
     if sizes.tensor > 1:
         from dsa_train.parallel.tensor import shard_tensor_parallel
 

@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trainable", choices=["all", "indexer"], default="all")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--recompute", default="none", choices=["none", "attention", "moe", "full"])
+    p.add_argument("--expert-loop", action="store_true", help="experts by a Python loop, not grouped GEMMs")
     p.add_argument("--rtol", type=float, default=2e-4)
     p.add_argument("--adam-eps", type=float, default=1e-6)
     p.add_argument("--out", default=None)
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     for zero in zero_stages:
         # ---- distributed
         model = copy.deepcopy(init_model)
-        model = parallelize_model(model, state, recompute=args.recompute)
+        model = parallelize_model(model, state, recompute=args.recompute, grouped_experts=not args.expert_loop)
         engine = DeepSpeedEngine(model, stage, optim, state, zero_stage=zero, micro_batch_size=args.micro_batch)
         hist, grads = [], {}
         for s, batch in enumerate(batches):

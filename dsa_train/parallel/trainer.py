@@ -69,7 +69,8 @@ class DistributedTrainer(base.Trainer):
         with _layout_checked_here():
             super().__init__(cfg)
         check_model_divisibility(sizes, self.model.config)
-        self.model = parallelize_model(self.model, state, recompute=self.cfg.parallel.recompute)
+        self.model = parallelize_model(self.model, state, recompute=self.cfg.parallel.recompute,
+                                       grouped_experts=self.cfg.parallel.grouped_experts)
         self._wrap_loss_scale()
         if self._deferred_resume:
             self._deferred_resume = False
