@@ -40,7 +40,8 @@ def test_context_parallel_2_sparse_selection_crosses_ranks(tmp_path):
     _check(results, 1, {"cp": 2})
 
 
-def test_context_parallel_2_dense_warmup_full_recompute(tmp_path):
+def test_context_parallel_2_dense_warmup_full_recompute(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSA_CP_DENSE_CHUNK", "640")  # 10 queries per chunk: several chunks per rank
     rc, results, log = launch(
         2, ["--cp", "2", "--zero", "1", "--seq-len", "64", "--attention", "dense", "--trainable", "indexer",
             "--recompute", "full"],

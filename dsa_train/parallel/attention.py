@@ -10,11 +10,13 @@ of two load-balanced chunks of the sequence. Attention runs in the MQA form, so 
 activations exchanged are the 576-dim latent KV [c | k_rope] and the 128-dim indexer key k_I
 of every token (all-gathered; their gradients come back by an all-reduce). Top-k selection is
 global: local queries score all keys of the sequence. Dense attention under CP is the sparse
-kernel over every valid key (the same function; the dense indexer loss is then eq. 4 over all
-keys = eq. 3).
+kernel over every visible key, query chunk by query chunk with the index lists rebuilt in the
+backward (the same function; the dense indexer loss is then eq. 4 over all keys = eq. 3).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -24,6 +26,9 @@ from dsa_kernels.masking import query_chunk_size
 from dsa_train.model.mla import MLA, AttentionAux
 from dsa_train.parallel.comm import all_gather_nograd, copy_to_group
 from dsa_train.parallel.groups import ParallelState
+
+# index-list elements per query chunk of dense attention under CP (env override for tests)
+DENSE_CP_CHUNK_ELEMS = int(os.environ.get("DSA_CP_DENSE_CHUNK", 1 << 24))
 
 
 @torch.no_grad()
@@ -105,7 +110,9 @@ class ParallelMLA(MLA):
                     indices = topk_at_positions(q_idx.detach(), k_idx_all.detach(), w_idx.detach(), doc_start,
                                                 cp.positions, request.topk)
                 else:
-                    indices = all_key_indices(doc_start, cp.positions, kv_all.shape[1])
+                    out_latent = self._dense_cp(aux, request, q_abs, kv_all, q_idx, k_idx_all, w_idx, doc_start, cp)
+                    out = self.mqa_output(out_latent)
+                    return self.o_proj(out.reshape(B, T, self.num_heads * self.v_dim)), aux
             else:
                 kv_all, k_idx_all = kv, k_idx
                 indices, _ = K.indexer_topk(q_idx.detach(), k_idx.detach(), w_idx.detach(), doc_start, request.topk)
@@ -124,3 +131,40 @@ class ParallelMLA(MLA):
                 aux.topk_indices = indices
         out = self.mqa_output(out_latent)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.v_dim)), aux
+
+    def _dense_cp(self, aux, request, q_abs, kv_all, q_idx, k_idx_all, w_idx, doc_start, cp):
+        """Dense attention (and eq. 3) for this CP rank's queries, as the sparse kernels over every
+        visible key, one query chunk at a time. Each chunk's index list [C, keys] is built inside a
+        checkpointed function, so neither the forward nor the backward holds more than one chunk's
+        (about 2^24 indices), never [T_loc, T]."""
+        from torch.utils.checkpoint import checkpoint
+
+        Tq, T = q_abs.shape[1], kv_all.shape[1]
+        chunk = max(1, DENSE_CP_CHUNK_ELEMS // max(T * q_abs.shape[0], 1))
+        q_heads = self._gather_heads(q_abs.detach()) if request.indexer_loss else None
+        outs, kl_total, klu_total = [], None, 0.0
+
+        def attend(q_c, kv, pos):
+            idx = all_key_indices(doc_start, pos, int(pos.max()) + 1)
+            return K.sparse_mla(q_c, kv, idx, self.scale, self.kv_lora_rank)
+
+        def kl(qi, ki, wi, qm, lse, pos):
+            idx = all_key_indices(doc_start, pos, int(pos.max()) + 1)
+            value, stats = K.sparse_indexer_kl(qi, ki, wi, idx, qm, kv_all.detach(), lse, self.scale)
+            return value, stats["kl_uniform"]
+
+        for q0 in range(0, Tq, chunk):
+            pos = cp.positions[q0 : q0 + chunk]
+            o, lse = checkpoint(attend, q_abs[:, q0 : q0 + chunk], kv_all, pos, use_reentrant=False)
+            outs.append(o)
+            if request.indexer_loss:
+                value, klu = checkpoint(
+                    kl, q_idx[:, q0 : q0 + chunk], k_idx_all, w_idx[:, q0 : q0 + chunk], q_heads[:, q0 : q0 + chunk],
+                    self._gather_heads(lse.detach()), pos, use_reentrant=False,
+                )
+                kl_total = value if kl_total is None else kl_total + value
+                klu_total = klu_total + klu
+        if request.indexer_loss:
+            queries = torch.tensor(float(q_abs.shape[0] * Tq))
+            self._record_kl(aux, kl_total, {"kl_uniform": klu_total, "queries": queries})
+        return torch.cat(outs, dim=1)
