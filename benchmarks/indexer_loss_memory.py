@@ -31,6 +31,12 @@ def rss_mb() -> float:
 
 
 def peak_mb() -> float:
+    """This process's own resident high-water mark (VmHWM). ru_maxrss is not used: on Linux a child
+    inherits its parent's maximum through fork/exec, so under pytest it would report pytest's peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
