@@ -12,7 +12,6 @@ import pytest
 
 from dsa_train.engine.checkpoint import list_checkpoints, read_latest, read_manifest, verify_checkpoint
 
-pytest.importorskip("deepspeed")
 
 from dsa_train.parallel.selftest import free_port  # noqa: E402
 
