@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -154,6 +155,66 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 p.wait()
         for d in self.cleanup:
             shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.slow
+def _job_field(job, key, env):
+    info = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True).stdout
+    return next((f.split("=", 1)[1] for f in info.split() if f.startswith(key + "=")), "")
+
+
+def _submit(run_dir, env, extra):
+    cmd = [sys.executable, "-m", "dsa_train.cli", "launch", "slurm", "--config-name", "demo", *TINY, *extra,
+           "parallel=zero2", "cluster.gpus_per_node=0", "cluster.procs_per_node=2", "cluster.time=00:15:00",
+           f"cluster.master_port={free_port()}", f"run_dir={run_dir}"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout.split()[2]
+
+
+@pytest.mark.slow
+def test_slurm_preemption_signal_checkpoints_requeues_and_resumes(tmp_path):
+    """Slurm's warning signal (here by `scancel -b -s USR1`, as `--signal=B:USR1@180` sends it) is
+    forwarded to the ranks, which checkpoint and exit 75; the job requeues itself and resumes to
+    the same final loss as an uninterrupted job."""
+    _ensure_installed()
+    (tmp_path / "slurm").mkdir()
+    slurm = SingleNodeSlurm(tmp_path / "slurm")
+    try:
+        slurm.start()
+        env = {**slurm.env, "DS_ACCELERATOR": "cpu", "DSA_TRAIN_BACKEND": "gloo"}
+        extra = ["stages.sparse.steps=10", "probe_batches=0", "checkpoint.export=false"]
+        run_dir = tmp_path / "run"
+        job = _submit(run_dir, env, extra)
+        log_path = run_dir / f"slurm-{job}.out"
+        deadline = time.time() + 300
+        while time.time() < deadline and not (log_path.exists() and "sparse 2/10" in log_path.read_text()):
+            time.sleep(0.5)
+        subprocess.run(["scancel", "-b", "-s", "USR1", job], env=env, check=True)
+        deadline = time.time() + 400
+        while time.time() < deadline:
+            state = _job_field(job, "JobState", env)
+            if state == "COMPLETED":
+                break
+            if state == "PENDING" and _job_field(job, "Restarts", env) == "1":
+                # a requeued job waits before it is eligible again; let it start now
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env)
+            time.sleep(1)
+        log = log_path.read_text()
+        assert state == "COMPLETED" and _job_field(job, "Restarts", env) == "1", f"{state}\n{log[-4000:]}"
+        assert "forwarding preemption signal" in log and "preempted by SIGUSR1" in log, log[-4000:]
+        assert "resumed from" in log and "sparse 10/10" in log, log[-4000:]
+        ref_dir = tmp_path / "ref"
+        ref = _submit(ref_dir, env, extra)
+        deadline = time.time() + 300
+        while time.time() < deadline and _job_field(ref, "JobState", env) not in ("COMPLETED", "FAILED"):
+            time.sleep(1)
+        ref_log = (ref_dir / f"slurm-{ref}.out").read_text()
+        final = lambda text: re.findall(r"sparse 10/10  (loss \S+  lm \S+)", text)[-1]  # noqa: E731
+        assert final(log) == final(ref_log), (final(log), final(ref_log))
+    finally:
+        slurm.stop()
+    assert all(p.poll() is not None for p in slurm.procs)
 
 
 @pytest.mark.slow

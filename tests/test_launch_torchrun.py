@@ -75,7 +75,8 @@ def test_sbatch_dry_run_from_cluster_group(tmp_path):
     assert "--rdzv_endpoint=$MASTER_ADDR:" in script and "getent ahostsv4" in script  # rendezvous by IP
     assert f"run_dir={tmp_path}/r" in script and f"--output={tmp_path}/r/slurm-%j.out" in script
     assert 'TRITON_CACHE_DIR="${TMPDIR:-/tmp}/dsa-triton-$SLURM_JOB_ID-$SLURMD_NODENAME"' in script
-    assert "#SBATCH --signal=B:USR1@" in script and "trap forward USR1" in script and "kill -TERM" in script
+    assert "#SBATCH --signal=B:USR1@" in script and "trap forward USR1" in script and 'kill -USR1 "$SRUN_PID"' in script
+    assert 'trap "" USR1' in script and "scontrol requeue" in script and "#SBATCH --open-mode=append" in script
     bad = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
     assert bad.returncode == 0, bad.stderr
 

@@ -12,8 +12,8 @@ The sbatch script: one task per node running torchrun (--nnodes = cluster.nodes,
 = cluster.procs_per_node or gpus_per_node), rendezvous at the first node's IP address (never a
 hostname), one run directory per run shared by all ranks (the recipe's run_dir, made absolute),
 a Triton cache per node (node-local, so nodes never race on a shared file system), and Slurm's
-warning signal (`--signal=B:USR1@180`, sent to the batch shell) forwarded to every rank as
-SIGTERM/SIGUSR1, so the trainer checkpoints and exits 75; with `requeue` the script then
+warning signal (`--signal=B:USR1@180`, sent to the batch shell) forwarded as SIGUSR1 to every
+process of the step (torchrun ignores it, the ranks catch it), so the trainer checkpoints and exits 75; with `requeue` the script then
 requeues the job, which resumes (`checkpoint.resume` auto).
 """
 
@@ -93,6 +93,7 @@ def render_sbatch(recipe: str, overrides: list[str], python: str | None = None, 
         if value:
             lines.append(f"#SBATCH --{key}={value}")
     lines.append(f"#SBATCH --output={run_dir}/slurm-%j.out")
+    lines.append("#SBATCH --open-mode=append")  # a requeued job appends to its log
     if cl.signal:
         lines.append(f"#SBATCH --signal=B:{cl.signal}")
     if cl.requeue:
@@ -120,17 +121,20 @@ export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{max(1, (cl.cpus_per_task or nproc) /
 {setup}
 
 # one task per node; each sets a node-local Triton cache and runs torchrun
+# torchrun ignores SIGUSR1 (inherited SIG_IGN); the ranks install their own handler for it
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c '
   export TRITON_CACHE_DIR="${{TMPDIR:-/tmp}}/dsa-triton-$SLURM_JOB_ID-$SLURMD_NODENAME"
   mkdir -p "$TRITON_CACHE_DIR"
+  trap "" USR1
   exec {inner}
 ' &
 SRUN_PID=$!
 
-# Slurm's warning (--signal=B:...) reaches this shell: forward it to every rank as SIGTERM
-# (torchrun passes SIGTERM on to its workers), which checkpoint at the next step and exit 75.
+# Slurm's warning (--signal=B:...) reaches only this shell. SIGUSR1 to srun is delivered to every
+# process of the step (a SIGTERM to srun would end the step at once, and torchrun kills its
+# workers 30 s after a SIGTERM): the ranks checkpoint at the next step boundary and exit 75.
 PREEMPTED=0
-forward() {{ PREEMPTED=1; echo "dsa-train: forwarding preemption signal to the ranks"; kill -TERM "$SRUN_PID" 2>/dev/null; }}
+forward() {{ PREEMPTED=1; echo "dsa-train: forwarding preemption signal to the ranks"; kill -USR1 "$SRUN_PID" 2>/dev/null; }}
 trap forward USR1 USR2 TERM
 while true; do
   wait "$SRUN_PID"; RC=$?
