@@ -20,6 +20,14 @@ def test_zero_1_2_3_equal_single_process(tmp_path):
         assert len(r["losses"]) == 3
 
 
+def test_bf16_zero_1_2_close_to_single_process_bf16(tmp_path):
+    # bf16 parameters, fp32 masters on both sides; per-step losses and grad norms within 1%
+    rc, results, log = launch(2, ["--zero", "1,2", "--bf16", "--rtol", "1e-2"], str(tmp_path / "r.jsonl"))
+    assert rc == 0, log
+    assert len(results) == 2 and all(not r["failures"] for r in results), results
+    assert all(r["worst"]["loss"] < 1e-2 for r in results)
+
+
 def test_sizes_validated_against_world():
     assert resolve_sizes(ParallelConfig(tensor_parallel=2, context_parallel=2, expert_parallel=2), 8).data == 2
     with pytest.raises(ConfigError, match="world size 6 is not divisible by .*tensor_parallel \\* parallel.context_parallel = 2 \\* 2"):

@@ -4,7 +4,7 @@
 * ZeRO stage 0/1/2/3 from `parallel.zero_stage`; DeepSpeed's data-parallel group is DP x CP
   (the ranks holding replicas of a dense parameter, `MegatronMPU`), tensor-parallel shards are
   known to it through the same `mpu` (gradient clipping counts each shard once).
-* bf16 parameters -> DeepSpeed bf16 with fp32 master weights and fp32 gradient accumulation.
+* bf16 parameters -> DeepSpeed bf16 with fp32 master weights (ZeRO >= 1).
 * Gradient accumulation is driven by the caller (`managed_gradient_accumulation: false`):
   `backward` only accumulates, `step` is the boundary (reduce, clip, update, schedule).
   Losses arrive already scaled for accumulation (see `dsa_train.parallel.step`), so DeepSpeed
@@ -81,9 +81,12 @@ def deepspeed_config(zero_stage: int, micro_batch_size: int, dp_size: int, bf16:
     if zero_stage == 3:
         cfg["zero_optimization"].update({"stage3_param_persistence_threshold": 0, "overlap_comm": False})
     if bf16:
-        # bf16 parameters, fp32 master weights and fp32 gradient accumulation
+        # bf16 parameters and gradients (accumulated in the parameters' dtype over micro-batches, as
+        # the single-process engine does), fp32 master weights in the ZeRO optimizer. (fp32
+        # accumulation, `data_types.grad_accum_dtype: fp32`, makes DeepSpeed use its BF16_Optimizer
+        # for ZeRO-1, whose gradient norm and updates disagree with the single-process run under
+        # caller-driven accumulation.)
         cfg["bf16"] = {"enabled": True}
-        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     return cfg
 
 
