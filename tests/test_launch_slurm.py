@@ -22,7 +22,6 @@ import pytest
 
 from dsa_train.parallel.selftest import free_port
 
-pytest.importorskip("deepspeed")
 
 TINY = [
     "data.seq_len=64", "data.micro_batch_size=1", "probe_batches=1", "logging.wandb_mode=disabled",

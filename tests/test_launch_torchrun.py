@@ -12,7 +12,6 @@ import pytest
 from dsa_train.parallel.launch import render_sbatch, split_recipe_args
 from dsa_train.parallel.selftest import free_port
 
-pytest.importorskip("deepspeed")
 
 # the demo recipe (tiny DeepSeek-V3.2-shaped model, bundled corpus), a few steps per stage
 TINY = [

@@ -7,7 +7,6 @@ import torch
 
 from dsa_train.parallel.selftest import launch
 
-pytest.importorskip("deepspeed")
 
 
 def _check(results, n, layout):

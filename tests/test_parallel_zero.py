@@ -7,7 +7,6 @@ from dsa_train.config import ConfigError, ParallelConfig
 from dsa_train.parallel.groups import resolve_sizes
 from dsa_train.parallel.selftest import launch
 
-pytest.importorskip("deepspeed")
 
 
 def test_zero_1_2_3_equal_single_process(tmp_path):
