@@ -69,8 +69,9 @@ def test_sbatch_dry_run_from_cluster_group(tmp_path):
         "v3.2_sparse", ["data.sources=[/data/x.parquet]", f"run_dir={tmp_path}/r"], python="python"
     )
     assert path == tmp_path / "r" / "launch" / "v3.2_sparse.sbatch"
-    assert "#SBATCH --nodes=16" in script and "#SBATCH --gpus-per-node=8" in script
-    assert "--nnodes=16 --nproc_per_node=8" in script
+    # the sparse stage's 128-node layout (cluster/v3_671b_sparse, which fits 80 GB by `dsa-train plan`)
+    assert "#SBATCH --nodes=128" in script and "#SBATCH --gpus-per-node=8" in script
+    assert "--nnodes=128 --nproc_per_node=8" in script
     assert "--rdzv_endpoint=$MASTER_ADDR:" in script and "getent ahostsv4" in script  # rendezvous by IP
     assert f"run_dir={tmp_path}/r" in script and f"--output={tmp_path}/r/slurm-%j.out" in script
     assert 'TRITON_CACHE_DIR="${TMPDIR:-/tmp}/dsa-triton-$SLURM_JOB_ID-$SLURMD_NODENAME"' in script
@@ -78,6 +79,15 @@ def test_sbatch_dry_run_from_cluster_group(tmp_path):
     assert 'trap "" USR1' in script and "scontrol requeue" in script and "#SBATCH --open-mode=append" in script
     bad = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
     assert bad.returncode == 0, bad.stderr
+    warmup, _ = render_sbatch("v3.2_warmup", ["model.pretrained=/ckpt/v3.1", "data.sources=[/data/x.parquet]", f"run_dir={tmp_path}/w"], python="python")
+    assert "#SBATCH --nodes=16" in warmup and "--nnodes=16 --nproc_per_node=8" in warmup
+
+
+def test_sbatch_names_a_missing_recipe_value_and_its_fix():
+    out = subprocess.run([sys.executable, "-m", "dsa_train.cli", "launch", "slurm", "--config-name", "v3.2_warmup",
+                          "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "model.pretrained has no value" in out.stderr and "model.pretrained=" in out.stderr
 
 
 def test_sbatch_rejects_layout_that_does_not_fit():

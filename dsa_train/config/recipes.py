@@ -7,10 +7,11 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
 from dsa_train.config.schema import TrainConfig
 from dsa_train.config.store import register_configs
-from dsa_train.config.validate import validate
+from dsa_train.config.validate import ConfigError, validate
 
 DEFAULT_RECIPE = "demo"
 
@@ -39,7 +40,14 @@ def compose_recipe(recipe: str = DEFAULT_RECIPE, overrides: list[str] | None = N
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:
     """Resolve interpolations, convert to dataclasses and run the semantic checks."""
-    train_cfg = OmegaConf.to_object(cfg)
+    try:
+        train_cfg = OmegaConf.to_object(cfg)
+    except MissingMandatoryValue as err:
+        key = getattr(err, "full_key", None) or "a field"
+        raise ConfigError(
+            f"{key} has no value (??? in the recipe): set it on the command line, e.g. {key}=..."
+            + (" (a Hugging Face checkpoint directory)" if key == "model.pretrained" else "")
+        ) from None
     assert isinstance(train_cfg, TrainConfig), type(train_cfg)
     validate(train_cfg)
     return train_cfg

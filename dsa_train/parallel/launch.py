@@ -158,7 +158,13 @@ def slurm_main(argv: list[str]) -> int:
     p.add_argument("--python", default=None, help="python on the nodes (default: this interpreter)")
     args, rest = p.parse_known_args(argv)
     recipe, overrides = split_recipe_args(rest)
-    script, path = render_sbatch(recipe, overrides, python=args.python or sys.executable)
+    from dsa_train.config import ConfigError
+
+    try:
+        script, path = render_sbatch(recipe, overrides, python=args.python or sys.executable)
+    except ConfigError as err:
+        print(f"dsa-train launch slurm: invalid recipe: {err}", file=sys.stderr)
+        return 2
     if args.dry_run:
         print(script)
         return 0
