@@ -2,6 +2,7 @@
 behaviour), and nothing is lost. Cases tested elsewhere are listed in docs/reliability.md's
 table; `test_every_referenced_test_exists` keeps that table honest."""
 
+import math
 import re
 from pathlib import Path
 
@@ -23,10 +24,19 @@ def tiny(run_dir, *extra):
     ])
 
 
-def test_topk_not_below_the_sequence_length(tmp_path):
-    """Sparse with k >= T selects every key (sparse == dense): refused, not silently run."""
-    with pytest.raises(ConfigError, match=r"stages.sparse.topk: top-64 selection on 64-token sequences .* raise data.seq_len"):
-        Trainer(tiny(tmp_path / "run", "stages.sparse.topk=64"))
+def test_topk_not_below_the_sequence_length_warns_and_trains_as_dense(tmp_path):
+    """Sparse with k >= T selects every key: a warning that names the fix, and the run goes on
+    (the top-k slots past the causal prefix are -1, the loss stays finite)."""
+    from dsa_train.engine.trainer import TopkCoversSequence
+
+    with pytest.warns(TopkCoversSequence, match=r"stages.sparse.topk: top-64 selection on 64-token sequences "
+                                                r"selects every key, so sparse attention equals dense .* raise data.seq_len"):
+        trainer = Trainer(tiny(tmp_path / "run", "stages.sparse.topk=64"))
+    result = trainer.run()
+    last = result.history[-1]
+    assert last["progress/stage"] == 1  # the sparse stage ran
+    assert last["train/topk_recall"] == pytest.approx(1.0)  # every key selected: all the dense mass
+    assert math.isfinite(last["train/loss"]) and math.isfinite(last["train/lm_loss"]), last
 
 
 def test_sequence_longer_than_the_model_positions(tmp_path):

@@ -36,10 +36,20 @@ def torchrun(run_dir: Path, fault: str | None):
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if fault:
         env["DSA_FAULT"] = fault
+    # every rank's output also goes to a file per attempt (logs/<run id>/attempt_N/<rank>/), so a
+    # failure shows the rank that caused it, not only rank 0's side of a broken connection
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-           "--max-restarts", "1", "--rdzv-backend", "c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+           "--log-dir", str(run_dir.parent / "logs"), "--redirects", "3", "--tee", "3", "--max-restarts", "1", "--rdzv-backend", "c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
            "-m", "dsa_train.parallel.train", "--config-name", "demo", *TINY, f"run_dir={run_dir}"]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540, cwd=run_dir.parent)
+
+
+def rank_logs(run_dir: Path, chars: int = 2500) -> str:
+    """The tail of every rank's stderr in every attempt, for an assertion message."""
+    parts = []
+    for f in sorted((run_dir.parent / "logs").rglob("stderr.log")):
+        parts.append(f"--- {f.relative_to(run_dir.parent)}\n{f.read_text(errors='replace')[-chars:]}")
+    return "\n".join(parts)
 
 
 def loss_by_step(run_dir: Path) -> tuple[dict[int, float], set[str]]:
@@ -61,14 +71,14 @@ def test_crashed_rank_restarts_from_the_last_checkpoint_with_the_same_final_loss
     clean = tmp_path / "clean" / "run"
     clean.parent.mkdir()
     proc = torchrun(clean, None)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + rank_logs(clean)
     reference, _ = loss_by_step(clean)
     assert sorted(reference) == [1, 2, 3, 4, 5, 6]
 
     faulty = tmp_path / "faulty" / "run"
     faulty.parent.mkdir()
     proc = torchrun(faulty, "rank=1,step=5,kind=crash,at=mid_step")
-    logs = proc.stdout[-3000:] + proc.stderr[-6000:]
+    logs = proc.stdout[-2000:] + rank_logs(faulty)
     assert proc.returncode == 0, logs
     assert "injected crash on rank 1 at mid_step of step 5" in proc.stdout + proc.stderr, logs
     both = proc.stdout + proc.stderr

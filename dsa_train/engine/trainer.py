@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +34,10 @@ from dsa_train.logging.progress import StageProgress
 from dsa_train.logging.wandb_run import WandbRun
 
 log = logging.getLogger(__name__)
+
+
+class TopkCoversSequence(UserWarning):
+    """A sparse stage whose top-k is not below the sequence length: sparse equals dense."""
 
 
 @dataclass
@@ -108,10 +113,14 @@ class Trainer:
         for name, stage in cfg.stages.items():
             topk = stage.topk or self.model.config.index_topk
             if stage.attention == Attention.sparse and cfg.data.seq_len <= topk:
-                raise ConfigError(
+                # not an error: the run is correct, only no faster than dense (every key is selected)
+                message = (
                     f"stages.{name}.topk: top-{topk} selection on {cfg.data.seq_len}-token sequences "
-                    "selects every key (sparse training degenerates to dense); raise data.seq_len"
+                    "selects every key, so sparse attention equals dense attention here; raise "
+                    f"data.seq_len above {topk} or lower stages.{name}.topk for sparse training"
                 )
+                warnings.warn(message, TopkCoversSequence, stacklevel=2)
+                log.warning(message)
         self.probes = probe_batches(cfg.data, cfg.probe_batches)
         self.peak_flops = peak_flops_per_device(self.device, cfg.logging.peak_flops)
         self.state = ckpt.TrainerState()
