@@ -19,17 +19,17 @@ def _check(results, n, layout):
 
 
 def test_expert_parallel_2(tmp_path):
-    rc, results, log = launch(2, ["--ep", "2", "--zero", "1,2"], str(tmp_path / "r.jsonl"))
+    rc, results, log = launch(2, ["--ep", "2", "--zero", "0,1,2"], str(tmp_path / "r.jsonl"))
     assert rc == 0, log
-    _check(results, 2, {"ep": 2, "dp": 2})
+    _check(results, 3, {"ep": 2, "dp": 2})
     # expert-load metrics count the tokens of the whole EP group
     assert 0 < results[0]["metrics"]["moe/expert_load_min"] <= results[0]["metrics"]["moe/expert_load_max"]
 
 
 def test_tensor_parallel_2_with_attention_recompute(tmp_path):
-    rc, results, log = launch(2, ["--tp", "2", "--zero", "1,3", "--recompute", "attention"], str(tmp_path / "r.jsonl"))
+    rc, results, log = launch(2, ["--tp", "2", "--zero", "0,1,3", "--recompute", "attention"], str(tmp_path / "r.jsonl"))
     assert rc == 0, log
-    _check(results, 2, {"tp": 2, "dp": 1})
+    _check(results, 3, {"tp": 2, "dp": 1})
 
 
 def test_context_parallel_2_sparse_selection_crosses_ranks(tmp_path):

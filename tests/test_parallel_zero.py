@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-1/2/3 data parallel (2 ranks, CPU, gloo) == one process over the same global batch:
+"""DeepSpeed ZeRO-0/1/2/3 data parallel (2 ranks, CPU, gloo) == one process over the same global batch:
 per-step LM loss, indexer loss and grad norm, the last step's gradients and the final parameters."""
 
 import pytest
@@ -9,10 +9,10 @@ from dsa_train.parallel.selftest import launch
 
 
 
-def test_zero_1_2_3_equal_single_process(tmp_path):
-    rc, results, log = launch(2, ["--zero", "1,2,3", "--steps", "3", "--global-batch", "4"], str(tmp_path / "r.jsonl"))
+def test_zero_0_1_2_3_equal_single_process(tmp_path):
+    rc, results, log = launch(2, ["--zero", "0,1,2,3", "--steps", "3", "--global-batch", "4"], str(tmp_path / "r.jsonl"))
     assert rc == 0, log
-    assert [r["layout"]["zero"] for r in results] == [1, 2, 3]
+    assert [r["layout"]["zero"] for r in results] == [0, 1, 2, 3]
     for r in results:
         assert r["layout"]["dp"] == 2 and not r["failures"], r
         assert r["worst"]["loss"] < 2e-4 and r["worst"]["param"] < 1e-5 and r["worst"]["grad"] < 1e-3, r

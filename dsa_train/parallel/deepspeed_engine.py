@@ -131,8 +131,12 @@ class DeepSpeedEngine:
         optimizer = torch.optim.AdamW(groups, lr=stage.lr, betas=(optim.betas[0], optim.betas[1]), eps=optim.eps)
         scheduler = build_scheduler(optimizer, stage)
         bf16 = any(p.dtype == torch.bfloat16 for _, p in self.trainable)
+        # fp32 without ZeRO: DeepSpeed wraps no optimizer, keeps no gradient norm, and its clipping
+        # norm averages MoE parameters over data parallel. Here the norm is computed (each
+        # parameter counted once over TP/EP shards) and the clipping done by this class.
+        self.own_norm = zero_stage == 0 and not bf16
         self.ds_config = deepspeed_config(
-            zero_stage, micro_batch_size, state.sizes.dense_dp, bf16, optim.grad_clip
+            zero_stage, micro_batch_size, state.sizes.dense_dp, bf16, 0.0 if self.own_norm else optim.grad_clip
         )
         self.grad_clip = optim.grad_clip
         self.zero_stage = zero_stage
@@ -145,6 +149,8 @@ class DeepSpeedEngine:
                 mpu=MegatronMPU(state),
                 dist_init_required=False,
             )
+        if self.own_norm:
+            self.ds.enable_backward_allreduce = False  # `reduce_gradients` does it in `step`
         self.model = self.ds  # forward through DeepSpeed (ZeRO-3 gathers parameters in its hooks)
 
     @property
@@ -189,10 +195,76 @@ class DeepSpeedEngine:
 
     def step(self) -> float:
         """Reduce, clip, update, advance the schedule, clear gradients. Returns the pre-clip norm."""
+        if not self.own_norm:
+            self.ds.step()
+            norm = self.ds.get_global_grad_norm()
+            self.zero_grad()
+            return float(norm) if norm is not None else math.nan
+        # ZeRO-0 fp32: reduce over data parallel here (DeepSpeed's reduction is switched off),
+        # take the norm of the reduced gradients, clip, then let DeepSpeed update
+        self.reduce_gradients()
+        norm = self.replica_grad_norm()
+        if self.grad_clip > 0 and math.isfinite(norm) and norm > self.grad_clip:
+            coef = self.grad_clip / (norm + 1e-6)
+            for _, p in self.trainable:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
         self.ds.step()
-        norm = self.ds.get_global_grad_norm()
         self.zero_grad()
-        return float(norm) if norm is not None else math.nan
+        return norm
+
+    def reduce_gradients(self, bucket_elements: int = REDUCE_BUCKET) -> None:
+        """Data-parallel gradient reduction as DeepSpeed's ZeRO-0 does it: dense gradients summed
+        over the dense data-parallel group (DP x CP), expert gradients over the expert-data-parallel
+        group, both divided by the dense data-parallel size; flattened into buckets."""
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        dense_dp = self.state.sizes.dense_dp
+        if dense_dp == 1:
+            return
+        by_group: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+        for _, p in self.trainable:
+            if p.grad is not None:
+                by_group[getattr(p, "allreduce", True) is False].append(p.grad)
+        for expert, grads in by_group.items():
+            group = self.state.expert_dp_group if expert else self.state.dense_dp_group
+            if dist.get_world_size(group) == 1:
+                for g in grads:
+                    g.div_(dense_dp)
+                continue
+            bucket: list[torch.Tensor] = []
+            for i, g in enumerate(grads):
+                bucket.append(g)
+                if sum(t.numel() for t in bucket) >= bucket_elements or i == len(grads) - 1:
+                    flat = _flatten_dense_tensors(bucket)
+                    dist.all_reduce(flat, group=group)
+                    flat.div_(dense_dp)
+                    for g_, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                        g_.copy_(reduced)
+                    bucket = []
+
+    def replica_grad_norm(self) -> float:
+        """Global L2 norm of the (already data-parallel-reduced) gradients in `p.grad`, each
+        parameter counted once: a copy's squared norm is divided by its number of copies in the
+        world (dense: world / TP shards; experts: world / (EP x TP shards)) and one all-reduce sums."""
+        import torch.distributed as dist
+
+        sizes = self.state.sizes
+        total = torch.zeros((), dtype=torch.float64)
+        for _, p in self.trainable:
+            if p.grad is None:
+                continue
+            copies = sizes.world
+            if getattr(p, "dsa_shard", None) is not None:
+                copies //= sizes.tensor
+            if getattr(p, "allreduce", True) is False:
+                copies //= sizes.expert
+            total += p.grad.detach().double().pow(2).sum().cpu() / copies
+        total = total.to(next(iter(self.module.parameters())).device)
+        if sizes.world > 1:
+            dist.all_reduce(total)
+        return float(total.sqrt())
 
     def zero_grad(self) -> None:
         self.ds.zero_grad()
