@@ -35,3 +35,12 @@ def test_sizes_validated_against_world():
         resolve_sizes(ParallelConfig(tensor_parallel=2, data_parallel=4), 4)
     with pytest.raises(ConfigError, match="expert_parallel=4 must divide"):
         resolve_sizes(ParallelConfig(tensor_parallel=2, expert_parallel=4), 4)
+
+
+def test_mtp_loss_data_parallel_equals_single_process(tmp_path):
+    # the MTP loss is token-weighted over the global batch like the LM loss (rows hold 1-3
+    # documents, so the ranks' valid-label counts differ and a per-rank mean would not match)
+    rc, results, log = launch(2, ["--zero", "0,2", "--mtp", "--steps", "2"], str(tmp_path / "r.jsonl"))
+    assert rc == 0, log
+    assert len(results) == 2 and all(not r["failures"] for r in results), [r["failures"] for r in results]
+    assert all(r["worst"]["loss"] < 2e-4 and r["worst"]["param"] < 5e-5 for r in results), [r["worst"] for r in results]

@@ -63,10 +63,14 @@ def forward_backward(
             if out.mtp_loss is not None:
                 loss = loss + stage.mtp_loss_coef * weight * out.mtp_loss
                 totals["mtp_loss"] += weight * float(out.mtp_loss.detach())
+        elif uses_lm:
+            # no valid label in this micro-batch: a zero term keeps the backward (and, on many
+            # ranks, the collectives inside it) in step with the micro-batches that have some
+            loss = loss + 0.0 * out.logits.float().sum()
         if kwargs["indexer_loss"]:
             loss = loss + stage.indexer_loss_coef * out.indexer_loss / num_micro
             totals["indexer_loss"] += float(out.indexer_loss.detach()) / num_micro
-        if loss.requires_grad:  # a micro-batch with no valid label and no indexer loss adds nothing
+        if loss.requires_grad:
             engine.backward(loss)
         totals["loss"] += float(loss.detach())
         for key, value in out.metrics.items():

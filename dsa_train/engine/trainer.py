@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from dsa_train.config import Attention, ConfigError, Device, StageConfig, TrainConfig, Trainable, validate
+from dsa_train.config import Attention, ConfigError, Device, StageConfig, TrainConfig, validate
 from dsa_train.engine import checkpoint as ckpt
 from dsa_train.engine import faults
 from dsa_train.engine.engine import Engine

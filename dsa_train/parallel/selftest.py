@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--adam-eps", type=float, default=1e-6)
     p.add_argument("--bf16", action="store_true",
                    help="bf16 parameters (fp32 masters on both sides); compare with --rtol ~3e-2")
+    p.add_argument("--mtp", action="store_true", help="an MTP layer trained with mtp_loss_coef 0.3")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     dp = state.sizes.data
     torch.manual_seed(0)
     cfg = tiny_config(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                      num_hidden_layers=2, num_nextn_predict_layers=0, index_topk=args.topk,
+                      num_hidden_layers=2, num_nextn_predict_layers=1 if args.mtp else 0, index_topk=args.topk,
                       max_position_embeddings=max(4096, args.seq_len))
     ref_model = DSAForCausalLM(cfg)
     if args.bf16:
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     init_model = copy.deepcopy(ref_model)
     stage = StageConfig(attention=Attention(args.attention), trainable=Trainable(args.trainable), steps=args.steps,
                         global_batch_size=args.global_batch, lr=args.lr, lm_loss_coef=1.0 if args.trainable == "all" else 0.0,
-                        indexer_loss_coef=1.0, topk=args.topk)
+                        indexer_loss_coef=1.0, topk=args.topk, mtp_loss_coef=0.3 if args.mtp else 0.0)
     # Adam eps 1e-6 (default 1e-8): Adam's update g / (sqrt(v) + eps) turns fp32 rounding noise of
     # near-zero gradients (sums that cancel) into O(lr) parameter differences at eps 1e-8, which
     # would hide real mismatches behind a loose tolerance.
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         failures = []
         worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
         for s, (a, b) in enumerate(zip(hist, ref_hist)):
-            for key in ("lm_loss", "indexer_loss", "grad_norm"):
+            for key in ("lm_loss", "mtp_loss", "indexer_loss", "grad_norm"):
                 if key in b:
                     d = abs(a[key] - b[key]) / max(abs(b[key]), 1e-6)
                     worst["loss"] = max(worst["loss"], d)

@@ -4,10 +4,10 @@ Every rank builds the same model (same seed, or the same checkpoint), then keeps
 (`parallelize_model`: TP shards, EP experts, CP forward); data is sharded by data-parallel rank
 (`build_dataloader(cfg, dp_rank, dp_size)`); a step holds global_batch_size / (micro_batch_size *
 DP) micro-batches per rank. Losses are scaled as in `dsa_train.parallel.step` so that the
-update equals the single-process one over the same global batch: the model's LM loss is
-multiplied by DP*CP*N_rank/N_global (N: valid labels of the step on this rank / on all DP
-ranks) and the indexer loss by CP, before the shared `forward_backward` weights them; reported
-metrics are reduced back to the single-process values. Rank 0 logs (W&B, progress) and writes
+update equals the single-process one over the same global batch: the model's LM and MTP losses
+are multiplied by DP*CP*N_rank/N_global (N: valid labels of the step on this rank / on all DP
+ranks) and the indexer loss by CP (`LossScale`), before the shared `forward_backward` weights
+them; reported metrics are reduced back to the single-process values (`reduce_metrics`). Rank 0 logs (W&B, progress) and writes
 the shared files; every rank writes its own model shard and optimizer partition in checkpoints.
 The export at the end gathers the full model to rank 0.
 """
@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 from dsa_train.config import ConfigError, StageConfig, TrainConfig, WandbMode
 from dsa_train.engine import trainer as base
-from dsa_train.engine.step import IGNORE_INDEX
 from dsa_train.parallel.groups import ParallelState, check_model_divisibility, init_parallel
 from dsa_train.parallel.model import parallelize_model
+from dsa_train.parallel.step import LossScale, reduce_metrics
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,6 @@ class DistributedTrainer(base.Trainer):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dp_rank, self.dp_size = state.dp_rank, sizes.data
         self.barrier = dist.barrier
-        self._loss_scale: tuple[float, float] | None = None
         self._deferred_resume = False
         if self.rank != 0:
             cfg = copy.deepcopy(cfg)
@@ -71,7 +70,7 @@ class DistributedTrainer(base.Trainer):
         check_model_divisibility(sizes, self.model.config)
         self.model = parallelize_model(self.model, state, recompute=self.cfg.parallel.recompute,
                                        grouped_experts=self.cfg.parallel.grouped_experts)
-        self._wrap_loss_scale()
+        self.loss_scale = LossScale(self.model)
         if self._deferred_resume:
             self._deferred_resume = False
             base.Trainer._resume(self)
@@ -81,21 +80,6 @@ class DistributedTrainer(base.Trainer):
     def _resume(self) -> None:
         # checkpoints hold per-rank shards: load them once the model is sharded
         self._deferred_resume = True
-
-    def _wrap_loss_scale(self) -> None:
-        forward = self.model.forward
-
-        def scaled_forward(*args, **kwargs):
-            out = forward(*args, **kwargs)
-            if self._loss_scale is not None:
-                lm_scale, idx_scale = self._loss_scale
-                if out.lm_loss is not None:
-                    out.lm_loss = out.lm_loss * lm_scale
-                if out.indexer_loss is not None:
-                    out.indexer_loss = out.indexer_loss * idx_scale
-            return out
-
-        self.model.forward = scaled_forward
 
     def make_engine(self, stage: StageConfig):
         from dsa_train.parallel.deepspeed_engine import DeepSpeedEngine
@@ -113,38 +97,23 @@ class DistributedTrainer(base.Trainer):
         sizes = self.pstate.sizes
         accum = stage.global_batch_size // (self.cfg.data.micro_batch_size * sizes.data)
         batches = [{k: v.to(self.device) for k, v in next(self.loader).items()} for _ in range(accum)]
-        local = float(sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches))
-        total = torch.tensor([local], dtype=torch.float64)
-        dist.all_reduce(total, group=self.pstate.dp_group)
-        lm_scale = sizes.data * sizes.context * local / max(float(total.item()), 1.0)
-        self._loss_scale = (lm_scale, float(sizes.context))
+        self.loss_scale.set_for(batches, self.pstate)
         return batches
 
     def step_metrics(self, stage_index, step, tokens, elapsed, flops):
-        sizes = self.pstate.sizes
-        scale = sizes.data * sizes.context
-        keys = sorted(k for k, v in step.items() if k not in ("lr", "grad_norm", "nonfinite_skipped") and isinstance(v, (int, float)))
-        vals = torch.tensor([float(step[k]) for k in keys], dtype=torch.float64)
-        dist.all_reduce(vals, group=self.pstate.dense_dp_group)
-        reduced = dict(step)
-        for k, v in zip(keys, vals.tolist()):
-            reduced[k] = v / scale  # losses: scaled partial sums; model metrics: averages
-        if "indexer_kl" in reduced and reduced.get("indexer_kl_uniform", 0) > 0:
-            reduced["indexer_kl_captured"] = 1.0 - reduced["indexer_kl"] / reduced["indexer_kl_uniform"]
-        return super().step_metrics(stage_index, reduced, tokens, elapsed, flops)
+        return super().step_metrics(stage_index, reduce_metrics(step, self.pstate), tokens, elapsed, flops)
 
     def probe(self, name: str, stage: StageConfig, when: str) -> None:
         if not self.probes:
             return
         from dsa_train.engine.probe import measure
 
-        self._loss_scale = (1.0, 1.0)
+        self.loss_scale.lm = self.loss_scale.indexer = None  # probes report plain losses
         values = measure(self.model, self.probes, stage, self.device)
         if self.pstate.sizes.context > 1:  # LM loss: partial sums over CP ranks
             t = torch.tensor([values["lm_loss"]], dtype=torch.float64)
             dist.all_reduce(t, group=self.pstate.cp_group)
             values["lm_loss"] = float(t.item())
-        self._loss_scale = None
         self.state.summary.setdefault(name, {})[when] = values
         if self.rank == 0:
             self.wandb.log({f"probe/{name}/{key}": v for key, v in values.items()}, step=self.state.global_step)
