@@ -52,7 +52,10 @@ def hydra_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def train_app(argv: list[str]) -> int:
+def run_hydra(argv: list[str], train) -> int:
+    """Compose the recipe from `argv` as a Hydra app, check it, and call `train(TrainConfig)`.
+    A bad recipe or a ConfigError raised by the trainer exits with its message, no traceback.
+    (`dsa-train` and the per-rank `python -m dsa_train.parallel.train` both run through here.)"""
     import hydra
     from omegaconf import DictConfig
     from omegaconf.errors import MissingMandatoryValue
@@ -63,13 +66,14 @@ def train_app(argv: list[str]) -> int:
 
     @hydra.main(config_path=str(recipes_dir()), config_name=DEFAULT_RECIPE, version_base=None)
     def train_main(cfg: DictConfig) -> None:
-        from dsa_train.engine import train
-
         try:
             train_cfg = to_train_config(cfg)
         except (ConfigError, MissingMandatoryValue) as err:
             sys.exit(f"dsa-train: invalid recipe: {err}")
-        train(train_cfg)
+        try:
+            train(train_cfg)
+        except ConfigError as err:
+            sys.exit(f"dsa-train: {err}")
 
     saved_argv = sys.argv
     sys.argv = [saved_argv[0] if saved_argv else "dsa-train", *hydra_argv(argv)]
@@ -78,6 +82,12 @@ def train_app(argv: list[str]) -> int:
     finally:
         sys.argv = saved_argv
     return 0
+
+
+def train_app(argv: list[str]) -> int:
+    from dsa_train.engine import train
+
+    return run_hydra(argv, train)
 
 
 def main(argv: list[str] | None = None) -> int:
