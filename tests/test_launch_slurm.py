@@ -202,6 +202,8 @@ def test_slurm_preemption_signal_checkpoints_requeues_and_resumes(tmp_path):
         log = log_path.read_text()
         assert state == "COMPLETED" and _job_field(job, "Restarts", env) == "1", f"{state}\n{log[-4000:]}"
         assert "forwarding preemption signal" in log and "preempted by SIGUSR1" in log, log[-4000:]
+        # torchrun (--max_restarts=3) restarted the preempted workers; they left at once
+        assert "was preempted and its checkpoint written; not restarting on it" in log, log[-4000:]
         assert "resumed from" in log and "sparse 10/10" in log, log[-4000:]
         ref_dir = tmp_path / "ref"
         ref = _submit(ref_dir, env, extra)

@@ -72,6 +72,8 @@ def test_sbatch_dry_run_from_cluster_group(tmp_path):
     # the sparse stage's 128-node layout (cluster/v3_671b_sparse, which fits 80 GB by `dsa-train plan`)
     assert "#SBATCH --nodes=128" in script and "#SBATCH --gpus-per-node=8" in script
     assert "--nnodes=128 --nproc_per_node=8" in script
+    # a crashed rank restarts the workers in place; restarts need a fresh rendezvous store
+    assert "--max_restarts=3" in script and "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in script
     assert "--rdzv_endpoint=$MASTER_ADDR:" in script and "getent ahostsv4" in script  # rendezvous by IP
     assert f"run_dir={tmp_path}/r" in script and f"--output={tmp_path}/r/slurm-%j.out" in script
     assert 'TRITON_CACHE_DIR="${TMPDIR:-/tmp}/dsa-triton-$SLURM_JOB_ID-$SLURMD_NODENAME"' in script

@@ -178,3 +178,28 @@ def test_too_many_consecutive_nonfinite_steps_stop(tmp_path):
     assert "2 non-finite steps in a row (fault_tolerance.max_consecutive_nonfinite=1)" in proc.stderr
     state = json.loads((run_dir / "checkpoints/step_00000004/trainer_state.json").read_text())
     assert state["nonfinite_skipped"] == 1 and state["nonfinite_consecutive"] == 1
+
+
+def test_torchrun_restart_after_a_preemption_exits_75_at_once(tmp_path, monkeypatch):
+    """Slurm preemption with torchrun --max-restarts: the preempted ranks (exit 75) leave a marker
+    for the allocation; torchrun's restart of the workers finds it and exits 75 before any work,
+    so the job ends and the batch script requeues it. A requeued job is a new allocation."""
+    from dsa_train.engine.signals import Preempted, exit_if_preempted_earlier, mark_preempted
+
+    for var in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(var, raising=False)
+    mark_preempted(tmp_path)  # outside Slurm: no marker, nothing to do
+    assert not list(tmp_path.glob(".preempted-*"))
+
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    exit_if_preempted_earlier(tmp_path)  # nothing preempted yet
+    mark_preempted(tmp_path)
+    assert (tmp_path / ".preempted-4242.0").exists()
+    exit_if_preempted_earlier(tmp_path)  # first attempt of a job (no torchrun restart): runs
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(Preempted) as err:
+        exit_if_preempted_earlier(tmp_path)
+    assert err.value.code == 75 and "allocation (4242.0) was preempted" in str(err.value)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # requeued: a new allocation trains
+    exit_if_preempted_earlier(tmp_path)

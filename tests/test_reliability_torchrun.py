@@ -13,6 +13,7 @@ import pytest
 from dsa_train.engine.checkpoint import list_checkpoints, read_latest, read_manifest, verify_checkpoint
 
 
+from dsa_train.parallel.launch import RESTART_ENV  # noqa: E402
 from dsa_train.parallel.selftest import free_port  # noqa: E402
 
 # global steps: warm-up 1 2 3, sparse 4 5 6; a checkpoint after every step. DeepSpeed data
@@ -30,10 +31,8 @@ TINY = [
 def torchrun(run_dir: Path, fault: str | None):
     env = {k: v for k, v in os.environ.items() if k not in ("DSA_FAULT", "WANDB_API_KEY", "WANDB_MODE")}
     env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DSA_TRAIN_BACKEND": "gloo"})
-    # torch 2.13's c10d rendezvous shares the agent's TCPStore across restarts: the restarted
-    # workers read the crashed attempt's gloo addresses and fail to connect. A fresh store per
-    # attempt (rank 0 hosts it) avoids that (docs/reliability.md).
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # what the launchers export: a fresh rendezvous store per attempt (docs/reliability.md)
+    env.update(RESTART_ENV)
     if fault:
         env["DSA_FAULT"] = fault
     # every rank's output also goes to a file per attempt (logs/<run id>/attempt_N/<rank>/), so a

@@ -211,6 +211,9 @@ class ClusterConfig:
     cpus_per_task: int | None = None
     mem: str | None = None  # e.g. "480G"; null: the partition's default
     master_port: int = 29500  # c10d rendezvous port on the first node (by IP address)
+    # torchrun --max-restarts: a crashed rank restarts all workers, which resume from the last
+    # checkpoint, without leaving the allocation (0: a crash ends the job)
+    max_restarts: int = 3
     # Slurm's warning signal before the time limit / preemption, forwarded to the ranks, which
     # checkpoint and exit 75; with `requeue` the job is requeued and resumes.
     signal: str = "USR1@180"

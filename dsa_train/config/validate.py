@@ -35,6 +35,7 @@ def validate(cfg: TrainConfig) -> None:
     _check_signals(cfg.fault_tolerance.preemption_signals)
     _require(len(cfg.optim.betas) == 2, "optim.betas", "needs two values")
     _require(cfg.optim.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables)")
+    _require(cfg.cluster.max_restarts >= 0, "cluster.max_restarts", "must be >= 0 (0: a crashed rank ends the job)")
     for size_key in ("tensor_parallel", "context_parallel", "expert_parallel"):
         _require(getattr(cfg.parallel, size_key) >= 1, f"parallel.{size_key}", "must be >= 1")
     for name, stage in cfg.stages.items():

@@ -12,8 +12,10 @@ process ends without a traceback and a wrapper can tell a preempted run from a f
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -76,3 +78,45 @@ class PreemptionHandler:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous = {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Preemption and torchrun restarts in one Slurm allocation. A preempted rank exits 75, which
+# torchrun (--max-restarts > 0) takes for a failure and answers by restarting the workers on the
+# allocation that is about to end. The preempted ranks leave a marker for their allocation (job
+# id + Slurm restart count: a requeued job is a new allocation); a restarted worker that finds
+# it exits 75 again at once, so torchrun runs out of restarts quickly and the batch script
+# requeues the job.
+
+
+def allocation_id() -> str | None:
+    """This Slurm allocation ('<job id>.<requeue count>'), None outside Slurm."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return f"{job}.{os.environ.get('SLURM_RESTART_COUNT', '0') or '0'}" if job else None
+
+
+def _marker(run_dir) -> Path | None:
+    alloc = allocation_id()
+    return Path(run_dir) / f".preempted-{alloc}" if alloc else None
+
+
+def mark_preempted(run_dir) -> None:
+    marker = _marker(run_dir)
+    if marker is not None:
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        except OSError as err:  # the checkpoint is written already; the marker only saves restarts
+            log.warning("could not write the preemption marker %s: %s", marker, err)
+
+
+def exit_if_preempted_earlier(run_dir) -> None:
+    """In a torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) of an allocation that was
+    preempted, exit 75 before doing any work."""
+    marker = _marker(run_dir)
+    if marker is None or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0 or not marker.exists():
+        return
+    message = (f"this Slurm allocation ({allocation_id()}) was preempted and its checkpoint written; "
+               "not restarting on it (the job is requeued and resumes)")
+    log.warning(message)
+    raise Preempted(message)

@@ -26,7 +26,7 @@ from dsa_train.engine.engine import Engine
 from dsa_train.engine.nonfinite import NonFiniteError, check_step, poison
 from dsa_train.engine.probe import measure, probe_batches
 from dsa_train.engine.rng import load_rng_state, rng_state, seed_everything, set_deterministic
-from dsa_train.engine.signals import PreemptionHandler, Preempted
+from dsa_train.engine.signals import PreemptionHandler, Preempted, mark_preempted
 from dsa_train.engine.step import forward_backward
 from dsa_train.engine.summary import format_summary, summary_metrics
 from dsa_train.logging.perf import memory_metrics, peak_flops_per_device, throughput_metrics
@@ -272,6 +272,7 @@ class Trainer:
         self.result.preempted = True
         self.result.summary = self.state.summary
         self.wandb.finish()
+        mark_preempted(self.run_dir)  # a torchrun restart on this allocation exits at once
         raise Preempted(message, result=self.result)
 
     def nonfinite_step(self, engine: Engine, bad: list[str], before: tuple[dict, dict]) -> None:

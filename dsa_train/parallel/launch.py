@@ -1,6 +1,6 @@
 """`dsa-train launch`: start a distributed run from a recipe.
 
-    dsa-train launch torchrun [--nproc-per-node N] [--nnodes N --master-addr IP --master-port P]
+    dsa-train launch torchrun [--nproc-per-node N] [--nnodes N --master-addr IP --master-port P] [--max-restarts K]
                               [--config-name R | recipe=R] [overrides ...]
         torchrun with c10d rendezvous (127.0.0.1 for one node; the first node's IP address for
         several: start the same command on every node). Runs `dsa_train.parallel.train`.
@@ -14,7 +14,9 @@ hostname), one run directory per run shared by all ranks (the recipe's run_dir, 
 a Triton cache per node (node-local, so nodes never race on a shared file system), and Slurm's
 warning signal (`--signal=B:USR1@180`, sent to the batch shell) forwarded as SIGUSR1 to every
 process of the step (torchrun ignores it, the ranks catch it), so the trainer checkpoints and exits 75; with `requeue` the script then
-requeues the job, which resumes (`checkpoint.resume` auto).
+requeues the job, which resumes (`checkpoint.resume` auto). A crashed rank instead makes torchrun
+restart the workers in place (`cluster.max_restarts`); a restart after a preemption exits 75 at once
+(`dsa_train.engine.signals.exit_if_preempted_earlier`), so the job still ends and is requeued.
 """
 
 from __future__ import annotations
@@ -48,14 +50,22 @@ def split_recipe_args(args: list[str]) -> tuple[str, list[str]]:
     return recipe, overrides
 
 
+# torch's c10d rendezvous shares the agent's TCPStore with the workers by default; after a
+# restart the new workers then read the failed attempt's gloo/NCCL addresses. With this set, rank
+# 0 of every attempt hosts a fresh store (docs/reliability.md).
+RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
 def torchrun_command(
     recipe: str, overrides: list[str], nproc_per_node: int, nnodes: int = 1, master_addr: str = "127.0.0.1",
     master_port: int = 29500, run_id: str = "dsa-train", python: str | None = None, node_rank: str | None = None,
+    max_restarts: int = 0,
 ) -> list[str]:
     cmd = [
         python or sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={nnodes}", f"--nproc_per_node={nproc_per_node}",
         "--rdzv_backend=c10d", f"--rdzv_endpoint={master_addr}:{master_port}", f"--rdzv_id={run_id}",
+        f"--max_restarts={max_restarts}",
     ]
     if node_rank is not None:
         cmd.append(f"--node_rank={node_rank}")
@@ -101,7 +111,7 @@ def render_sbatch(recipe: str, overrides: list[str], python: str | None = None, 
     lines += [f"#SBATCH {opt}" for opt in cl.sbatch_options]
     train = torchrun_command(
         recipe, overrides, nproc, nnodes=cl.nodes, master_addr="$MASTER_ADDR", master_port=cl.master_port,
-        run_id="$SLURM_JOB_ID", python=python or "python", node_rank="$SLURM_NODEID",
+        run_id="$SLURM_JOB_ID", python=python or "python", node_rank="$SLURM_NODEID", max_restarts=cl.max_restarts,
     )
     # quote everything but the shell variables the node expands
     quoted = " ".join(a if "$" in a else shlex.quote(a) for a in train)
@@ -118,6 +128,8 @@ FIRST_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
 export MASTER_ADDR=$(getent ahostsv4 "$FIRST_NODE" | awk 'NR==1 {{print $1}}')
 MASTER_ADDR=${{MASTER_ADDR:-$FIRST_NODE}}
 export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{max(1, (cl.cpus_per_task or nproc) // nproc)}}}
+# torchrun restarts (--max_restarts={cl.max_restarts}) need a fresh rendezvous store per attempt
+{chr(10).join(f"export {k}={v}" for k, v in RESTART_ENV.items())}
 {setup}
 
 # one task per node; each sets a node-local Triton cache and runs torchrun
@@ -190,6 +202,8 @@ def torchrun_main(argv: list[str]) -> int:
     p.add_argument("--master-addr", default="127.0.0.1", help="IP address of the rendezvous node")
     p.add_argument("--master-port", type=int, default=29500)
     p.add_argument("--run-id", default="dsa-train")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="restart all workers from the last checkpoint this many times after a rank fails")
     args, rest = p.parse_known_args(argv)
     nproc = args.nproc_per_node
     if nproc is None:
@@ -197,8 +211,9 @@ def torchrun_main(argv: list[str]) -> int:
 
         nproc = max(torch.cuda.device_count(), 1)
     recipe, overrides = split_recipe_args(rest)
-    cmd = torchrun_command(recipe, overrides, nproc, args.nnodes, args.master_addr, args.master_port, args.run_id)
-    env = {**os.environ}
+    cmd = torchrun_command(recipe, overrides, nproc, args.nnodes, args.master_addr, args.master_port, args.run_id,
+                           max_restarts=args.max_restarts)
+    env = {**os.environ, **RESTART_ENV}
     env.setdefault("DS_ACCELERATOR", "cuda" if nproc and _has_cuda() else "cpu")
     return subprocess.call(cmd, env=env)
 
