@@ -144,3 +144,41 @@ def test_training_checkpoint_without_config_json(trained, tmp_path):
         again = dsa_train.from_pretrained(tmp_path / out)
         for name, p in model.state_dict().items():
             assert torch.equal(again.state_dict()[name], p), (out, name)
+
+
+def test_rank_files_merge_by_their_layout(tmp_path):
+    """A distributed checkpoint: each rank's model file + layout. Tensor-parallel slices are
+    concatenated in order, replicas taken once, experts collected; a missing slice, a replica of
+    another shape, or duplicate keys without a layout are errors naming the files."""
+    import json
+
+    from dsa_train.checkpoint.errors import CheckpointError
+    from dsa_train.checkpoint.training_source import _read_state
+
+    full = torch.arange(24.0).reshape(6, 4)
+    norm = torch.ones(4)
+    step = tmp_path / "step_00000001"
+    step.mkdir()
+    for r, (lo, hi) in enumerate([(0, 3), (3, 6)]):
+        suffix = "" if r == 0 else f".rank{r:05d}"
+        torch.save({"q.weight": full[lo:hi].clone(), "norm.weight": norm.clone(), f"experts.{r}.w": torch.full((2,), float(r))},
+                   step / f"model{suffix}.pt")
+        (step / f"layout{suffix}.json").write_text(json.dumps({"tensor_parallel": 2, "shards": {"q.weight": [0, lo, hi]}}))
+    state, files = _read_state(step)
+    assert torch.equal(state["q.weight"], full) and torch.equal(state["norm.weight"], norm)
+    assert torch.equal(state["experts.1.w"], torch.ones(2)) and set(state) == {"q.weight", "norm.weight", "experts.0.w", "experts.1.w"}
+
+    (step / "model.rank00001.pt").unlink()  # the second TP rank's file is gone
+    torch.save({"q.weight": full[3:6].clone(), "norm.weight": torch.ones(5)}, step / "model.rank00002.pt")
+    (step / "layout.rank00002.json").write_text(json.dumps({"tensor_parallel": 2, "shards": {}}))
+    with pytest.raises(CheckpointError, match=r"norm.weight: replica in .*model.rank00002.pt has shape \(5,\)"):
+        _read_state(step)
+    torch.save({"q.weight": full[4:6].clone()}, step / "model.rank00002.pt")
+    (step / "layout.rank00002.json").write_text(json.dumps({"shards": {"q.weight": [0, 4, 6]}}))
+    with pytest.raises(CheckpointError, match=r"q.weight: slice \[4:6\] in .*model.rank00002.pt does not continue \[0:3\]"):
+        _read_state(step)
+    for f in step.glob("layout*.json"):
+        f.unlink()
+    torch.save({"norm.weight": norm.clone()}, step / "model.rank00002.pt")
+    with pytest.raises(CheckpointError, match="norm.weight is in both .* has no layout.rank00002.json"):
+        _read_state(step)

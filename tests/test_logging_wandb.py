@@ -78,3 +78,39 @@ def test_failed_online_init_falls_back_to_offline(tmp_path, no_wandb_env, monkey
     run.finish()
     assert run.mode == "offline"
     assert read_history(find_run_file(tmp_path))[0]["loss"] == 2.0
+
+
+def test_stale_run_in_a_shared_wandb_service_does_not_stop_training(tmp_path, no_wandb_env, monkeypatch):
+    """A process that inherited WANDB_SERVICE (the launcher's W&B service) and was killed leaves
+    its run open in that service; the restarted process asks for the same run id and W&B answers
+    "run ID ... is in use". WandbRun retries with a service of its own and the run continues."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    wandb.setup()  # this process's service, shared with the children through WANDB_SERVICE
+    try:
+        assert os.environ.get("WANDB_SERVICE")
+        killed = subprocess.run(
+            [sys.executable, "-c", "import os, signal, wandb\n"
+             f"wandb.init(mode='offline', dir={str(tmp_path)!r}, project='p', id='stale1')\n"
+             "os.kill(os.getpid(), signal.SIGKILL)"],
+            capture_output=True, text=True, timeout=120)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+        resumed = subprocess.run(
+            [sys.executable, "-c", "from dsa_train.config import LoggingConfig, WandbMode\n"
+             "from dsa_train.logging import WandbRun\n"
+             f"cfg = LoggingConfig(wandb_mode=WandbMode.offline, wandb_dir={str(tmp_path)!r}, project='p', run_name='r')\n"
+             "run = WandbRun(cfg, {}, run_id='stale1')\n"
+             "run.log({'loss': 1.5}, step=7)\n"
+             "print('MODE', run.mode, run.id)\n"
+             "run.finish()"],
+            capture_output=True, text=True, timeout=120)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert "MODE offline stale1" in resumed.stdout, resumed.stdout + resumed.stderr[-2000:]
+    finally:
+        wandb.teardown()

@@ -29,7 +29,7 @@ TINY = [
 
 
 def torchrun(run_dir: Path, fault: str | None):
-    env = {k: v for k, v in os.environ.items() if k not in ("DSA_FAULT", "WANDB_API_KEY", "WANDB_MODE")}
+    env = {k: v for k, v in os.environ.items() if k not in ("DSA_FAULT", "WANDB_API_KEY", "WANDB_MODE")}  # WANDB_SERVICE stays
     env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DSA_TRAIN_BACKEND": "gloo"})
     # what the launchers export: a fresh rendezvous store per attempt (docs/reliability.md)
     env.update(RESTART_ENV)
@@ -65,8 +65,22 @@ def loss_by_step(run_dir: Path) -> tuple[dict[int, float], set[str]]:
     return losses, ids
 
 
+@pytest.fixture
+def shared_wandb_service(monkeypatch):
+    """A W&B service in this process, inherited by torchrun and its workers through WANDB_SERVICE
+    (as after any in-process W&B run in a launcher or a test session). A killed rank 0 leaves its
+    run open there; the restarted rank 0 must not trip over it ("run ID ... is in use")."""
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    wandb.setup()
+    assert os.environ.get("WANDB_SERVICE")
+    yield
+    wandb.teardown()
+
+
 @pytest.mark.slow
-def test_crashed_rank_restarts_from_the_last_checkpoint_with_the_same_final_loss(tmp_path):
+def test_crashed_rank_restarts_from_the_last_checkpoint_with_the_same_final_loss(tmp_path, shared_wandb_service):
     clean = tmp_path / "clean" / "run"
     clean.parent.mkdir()
     proc = torchrun(clean, None)

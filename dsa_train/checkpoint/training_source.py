@@ -15,6 +15,7 @@ The tokenizer is the run's `data.tokenizer` (the bundled one when unset).
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,9 +53,20 @@ def find_step_dir(path: str | os.PathLike) -> Path | None:
     return None
 
 
+def _layout_file(model_file: Path) -> Path:
+    """layout.json for model.pt, layout.rank<r>.json for model.rank<r>.pt (engine/checkpoint.py)."""
+    rank_part = model_file.name[len("model"):-len(".pt")]  # "" or ".rank00003"
+    return model_file.with_name(f"layout{rank_part}.json")
+
+
 def _read_state(step_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+    """The full model state of a checkpoint written by one or several ranks. Several ranks write
+    a `layout*.json` beside their model file: tensors listed there are tensor-parallel slices
+    ([dim, start, stop]) and are concatenated; other tensors found in several files are replicas
+    (same shape; the first is taken); expert-parallel ranks hold disjoint experts."""
     state: dict[str, torch.Tensor] = {}
     files: dict[str, Path] = {}
+    slices: dict[str, list[tuple[int, int, int, torch.Tensor, Path]]] = {}
     for f in sorted(step_dir.glob(MODEL_FILE_GLOB)):
         try:
             part = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
@@ -62,11 +74,59 @@ def _read_state(step_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Path
             raise CheckpointError(f"cannot read {f}: {e}. The file is truncated or corrupt; use an earlier checkpoint") from e
         if not isinstance(part, dict):
             raise CheckpointError(f"{f} holds a {type(part).__name__}, not a model state dict")
+        layout_path = _layout_file(f)
+        layout = None
+        if layout_path.is_file():
+            try:
+                layout = json.loads(layout_path.read_text())
+            except ValueError as e:
+                raise CheckpointError(f"cannot read {layout_path}: {e}. The file is corrupt; use an earlier checkpoint") from e
+        shards = (layout or {}).get("shards", {})
         for name, t in part.items():
+            if t is None:  # an optional buffer that is unset
+                continue
+            if name in shards:
+                dim, start, stop = shards[name]
+                slices.setdefault(name, []).append((dim, start, stop, t, f))
+                continue
             if name in state:
-                raise CheckpointError(f"tensor {name} is in both {files[name]} and {f}; rank files must hold disjoint keys")
+                if layout is None:
+                    raise CheckpointError(
+                        f"tensor {name} is in both {files[name]} and {f} and {f.parent} has no {layout_path.name} "
+                        "saying how they relate; rank files without a layout must hold disjoint keys"
+                    )
+                if state[name].shape != t.shape:
+                    raise CheckpointError(
+                        f"tensor {name}: replica in {f} has shape {tuple(t.shape)}, in {files[name]} "
+                        f"{tuple(state[name].shape)}; the checkpoint's rank files disagree"
+                    )
+                continue
             state[name], files[name] = t, f
+    for name, parts in slices.items():
+        state[name], files[name] = _concat_slices(name, parts)
     return state, files
+
+
+def _concat_slices(name: str, parts: list[tuple[int, int, int, torch.Tensor, Path]]) -> tuple[torch.Tensor, Path]:
+    """One tensor from its tensor-parallel slices (replicas over data parallel dropped); the
+    slices must tile [0, full) along their dim without gaps."""
+    by_start: dict[int, tuple[int, int, int, torch.Tensor, Path]] = {}
+    for item in parts:
+        by_start.setdefault(item[1], item)
+    ordered = [by_start[k] for k in sorted(by_start)]
+    dims = {item[0] for item in ordered}
+    if len(dims) != 1:
+        raise CheckpointError(f"tensor {name}: slices along different dims {sorted(dims)} in {[str(i[4]) for i in ordered]}")
+    end = 0
+    for dim, start, stop, t, f in ordered:
+        if start != end or t.shape[dim] != stop - start:
+            raise CheckpointError(
+                f"tensor {name}: slice [{start}:{stop}] in {f} does not continue [0:{end}] "
+                "(a tensor-parallel rank's model file is missing from the checkpoint?)"
+            )
+        end = stop
+    dim = ordered[0][0]
+    return torch.cat([item[3] for item in ordered], dim=dim), ordered[0][4]
 
 
 def _hydra_config(step_dir: Path) -> dict | None:

@@ -8,6 +8,11 @@ Layout of `<checkpoint.dir>/`:
 
 One checkpoint:
     model.pt           model state dict (rank 0; `model.rank<r>.pt` for ranks that hold other keys)
+    layout.json        written by distributed runs next to each rank's model file
+                       (`layout.rank<r>.json`): {"tensor_parallel": TP, "shards": {name: [dim,
+                       start, stop]}} for tensor-parallel slices; every other tensor of the file
+                       is whole (a replica, or an expert only this expert-parallel rank holds).
+                       `dsa-train export` merges the ranks' files with it.
     config.json        the model's Hugging Face config (so `dsa-train export` needs nothing else)
     engine.pt          optimizer + LR schedule state, fp32 masters of bf16 parameters (absent
                        at a stage boundary: the next stage starts with a fresh optimizer);
@@ -95,8 +100,12 @@ def step_of(path: Path) -> int:
     return int(path.name[len(PREFIX):])
 
 
+LAYOUT_STEM = "layout"  # `layout.json` / `layout.rank<r>.json`: how a rank's model file is sharded
+
+
 def rank_file(stem: str, rank: int) -> str:
-    return f"{stem}.pt" if rank == 0 else f"{stem}.rank{rank:05d}.pt"
+    ext = ".json" if stem == LAYOUT_STEM else ".pt"
+    return f"{stem}{ext}" if rank == 0 else f"{stem}.rank{rank:05d}{ext}"
 
 
 # ---------------------------------------------------------------------------------- writing
@@ -184,6 +193,7 @@ def save_checkpoint(
     rank: int = 0,
     world_size: int = 1,
     barrier: Callable[[], None] | None = None,
+    model_layout: dict | None = None,
 ) -> Path:
     """Write a checkpoint atomically (see the module docstring) and prune to `keep_last`.
 
@@ -205,6 +215,9 @@ def save_checkpoint(
         if model is not None:
             name = rank_file("model", rank)
             entries[name] = _write_file(tmp / name, lambda w: torch.save(model.state_dict(), w), write_faults)
+        if model is not None and model_layout is not None:
+            name = rank_file(LAYOUT_STEM, rank)
+            entries[name] = _write_json_file(tmp / name, model_layout, write_faults)
         if rank == 0 and model is not None and hasattr(model, "config"):
             entries["config.json"] = _write_json_file(tmp / "config.json", model.config.to_hf_dict(), write_faults)
         if engine_state is not None:

@@ -238,9 +238,14 @@ class Trainer:
             rank=self.rank,
             world_size=self.world_size,
             barrier=self.barrier,
+            model_layout=self.model_layout(),
         )
         self.last_saved_step = self.state.global_step
         log.info("checkpoint %s", path)
+
+    def model_layout(self) -> dict | None:
+        """How this rank's model file is sharded (distributed trainers); None: the whole model."""
+        return None
 
     def clear_router_loads(self) -> None:
         """Zero the MoE loads accumulated since the last router-bias update. They are not part of

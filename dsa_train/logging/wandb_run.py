@@ -4,7 +4,9 @@
 - A resumed training run passes the W&B run id saved in its checkpoint, so it continues the
   same W&B run (`resume="allow"`).
 - If an online run cannot start (no network, bad key), it falls back to offline and training
-  goes on; `wandb sync <run dir>` uploads it later.
+  goes on; `wandb sync <run dir>` uploads it later. If offline cannot start either (e.g. a shared
+  W&B service holding a stale run of the same id), it retries with a service of its own, and
+  failing that trains on without W&B, saying so at error level. W&B never stops a run.
 """
 
 from __future__ import annotations
@@ -52,12 +54,24 @@ class WandbRun:
         )
         try:
             self.run = wandb.init(mode=self.mode, **init_kwargs)
+            return
         except Exception as err:  # network, auth, server: never stop training for W&B
-            if self.mode != "online":
-                raise
-            log.warning("W&B online init failed (%s); logging offline instead", err)
-            self.mode = "offline"
-            self.run = wandb.init(mode="offline", **init_kwargs)
+            if self.mode == "online":
+                log.warning("W&B online init failed (%s); logging offline instead", err)
+                self.mode = "offline"
+            else:
+                log.warning("W&B %s init failed (%s); retrying with a W&B service of this process", self.mode, err)
+        # a W&B service shared through WANDB_SERVICE may hold a stale run (e.g. of a killed
+        # process with the same run id); start one of our own
+        if os.environ.pop("WANDB_SERVICE", None) is not None:
+            wandb.teardown()  # drop the connection to the shared service; the next init starts ours
+        try:
+            self.run = wandb.init(mode=self.mode, **init_kwargs)
+        except Exception as err:
+            log.error("W&B %s init failed again (%s); training goes on WITHOUT W&B logging (metrics are "
+                      "still in the log and the checkpoints' trainer_state.json)", self.mode, err)
+            self.mode = "disabled"
+            self.run = None
 
     @property
     def id(self) -> str | None:

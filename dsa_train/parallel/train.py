@@ -17,6 +17,10 @@ def main(argv: list[str] | None = None) -> int:
     from dsa_train.cli import run_hydra
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _cuda() else "cuda")
+    # A W&B service inherited from the launching process (WANDB_SERVICE, set by any process that
+    # called wandb.init) outlives a killed rank and keeps its run open: the restarted rank 0 then
+    # fails with "run ID ... is in use". Each rank 0 starts its own service, which ends with it.
+    os.environ.pop("WANDB_SERVICE", None)
     argv = sys.argv[1:] if argv is None else list(argv)
     # only rank 0 lets Hydra write its .hydra/ files and log file into the shared run directory
     if int(os.environ.get("RANK", "0")) != 0:

@@ -132,6 +132,15 @@ class DistributedTrainer(base.Trainer):
         with self._gathered():
             super().save(engine, data_state=data_state, rng=rng)
 
+    def model_layout(self) -> dict:
+        """The tensor-parallel slices in this rank's model file, for `dsa-train export`."""
+        shards = {}
+        for name, p in self.model.state_dict(keep_vars=True).items():
+            shard = getattr(p, "dsa_shard", None)
+            if shard is not None:
+                shards[name] = list(shard)
+        return {"tensor_parallel": self.pstate.sizes.tensor, "shards": shards}
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The single-process state dict, gathered to every rank (TP shards concatenated, EP
         experts collected). For small models and the tests; big models export from checkpoints."""
