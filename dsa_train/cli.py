@@ -86,6 +86,9 @@ def run_hydra(argv: list[str], train) -> int:
 
 def train_app(argv: list[str]) -> int:
     from dsa_train.engine import train
+    from dsa_train.runtime import limit_heap_fragmentation
+
+    limit_heap_fragmentation()  # chunked DSA ops otherwise fragment glibc's heap (dsa_train/runtime.py)
 
     return run_hydra(argv, train)
 

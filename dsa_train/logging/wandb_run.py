@@ -59,8 +59,12 @@ class WandbRun:
             if self.mode == "online":
                 log.warning("W&B online init failed (%s); logging offline instead", err)
                 self.mode = "offline"
-            else:
-                log.warning("W&B %s init failed (%s); retrying with a W&B service of this process", self.mode, err)
+                try:
+                    self.run = wandb.init(mode="offline", **init_kwargs)
+                    return
+                except Exception as offline_err:
+                    err = offline_err
+            log.warning("W&B %s init failed (%s); retrying with a W&B service of this process", self.mode, err)
         # a W&B service shared through WANDB_SERVICE may hold a stale run (e.g. of a killed
         # process with the same run id); start one of our own
         if os.environ.pop("WANDB_SERVICE", None) is not None:

@@ -15,6 +15,9 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     from dsa_train.cli import run_hydra
+    from dsa_train.runtime import limit_heap_fragmentation
+
+    limit_heap_fragmentation()  # chunked DSA ops otherwise fragment glibc's heap (dsa_train/runtime.py)
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _cuda() else "cuda")
     # A W&B service inherited from the launching process (WANDB_SERVICE, set by any process that
