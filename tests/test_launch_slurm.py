@@ -191,13 +191,18 @@ def test_slurm_preemption_signal_checkpoints_requeues_and_resumes(tmp_path):
             time.sleep(0.5)
         subprocess.run(["scancel", "-b", "-s", "USR1", job], env=env, check=True)
         deadline = time.time() + 400
+        pending_since = None
         while time.time() < deadline:
             state = _job_field(job, "JobState", env)
-            if state == "COMPLETED":
+            if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
                 break
             if state == "PENDING" and _job_field(job, "Restarts", env) == "1":
-                # a requeued job waits before it is eligible again; let it start now
-                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env)
+                # a requeued job waits (BeginTime) before it is eligible again; let it start sooner,
+                # but not at once: slurmd revokes the old run's credential for a few seconds and a
+                # restart inside that window is killed ("Job credential revoked")
+                pending_since = pending_since or time.time()
+                if time.time() - pending_since > 5:
+                    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env)
             time.sleep(1)
         log = log_path.read_text()
         assert state == "COMPLETED" and _job_field(job, "Restarts", env) == "1", f"{state}\n{log[-4000:]}"

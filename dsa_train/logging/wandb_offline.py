@@ -43,11 +43,13 @@ def _records(data: bytes):
             pending = b""
 
 
-def find_run_file(wandb_dir: str | Path) -> Path:
-    """The single `run-*.wandb` file under `wandb_dir` (newest if several)."""
-    files = sorted(Path(wandb_dir).rglob("run-*.wandb"), key=lambda p: p.stat().st_mtime)
+def find_run_file(wandb_dir: str | Path, run_id: str | None = None) -> Path:
+    """The `run-*.wandb` file under `wandb_dir` of run `run_id` (any run when None; the newest
+    by modification time if several match)."""
+    pattern = f"run-{run_id}.wandb" if run_id else "run-*.wandb"
+    files = sorted(Path(wandb_dir).rglob(pattern), key=lambda p: p.stat().st_mtime)
     if not files:
-        raise FileNotFoundError(f"no run-*.wandb file under {wandb_dir}")
+        raise FileNotFoundError(f"no {pattern} file under {wandb_dir}")
     return files[-1]
 
 
