@@ -60,6 +60,10 @@ class Engine:
         self.zero_grad()
         return float(grad_norm)
 
+    def close(self) -> None:
+        """End of the stage (nothing to release here; see DeepSpeedEngine.close)."""
+        self.zero_grad()
+
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         for _, param in self.trainable:

@@ -388,6 +388,8 @@ class Trainer:
         self.state.stage_index += 1
         self.state.stage_step = 0
         self.save(None)
+        # the next stage builds its own engine: this one's gradient hooks must not outlive it
+        engine.close()
         if self.state.stage_index < len(self.stage_names):  # after the last stage only the export is left
             self.check_preemption(None)
 
