@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "make-tiny-checkpoint": "dsa_train.checkpoint.cli",
     "launch": "dsa_train.parallel.launch",  # torchrun / Slurm (sbatch from the recipe's cluster group)
     "plan": "dsa_train.parallel.plan",  # per-GPU memory and step-time estimate of a recipe
+    "kernels": "dsa_kernels.compile_report",  # `kernels report --arch sm_90a`: compile gate without a GPU
 }
 
 log = logging.getLogger("dsa_train")

@@ -1,57 +1,34 @@
-"""DSA ops: each a PyTorch reference (the specification) and, where written, a Triton kernel.
+"""DSA ops, one folder per op under `ops/` (flash-linear-attention's `fla/ops/<op>/` layout):
+
+    indexer_topk/     lightning-indexer scores + top-k selection (eqs. 1-2)
+    sparse_mla/       sparse MLA attention over the selected keys, MQA form (eq. 2)
+    indexer_kl/       dense (eq. 3) and sparse (eq. 4) indexer KL losses
+    dense_attention/  dense causal attention with packed-document masks (MLA's dense mode)
+
+Each folder has `reference.py` (the PyTorch specification), the Triton kernels with their
+launch plans, the autograd Function where the op has a gradient, an entry point in its
+`__init__.py` (shapes documented there) and a `specs.py` registering its launches at the 671B
+shapes for `dsa-train kernels report` (`registry.py`, `compile_report.py`).
 
 Import name `dsa_kernels` (the directory is `kernels/`; a top-level `kernels` package would clash
-with the PyPI package of that name). The functions exported here are the dispatchers the model
-calls; `*_ref` functions are the plain-PyTorch references every kernel is tested against.
+with the PyPI package of that name). The entry points exported here are the dispatchers the model
+calls: CUDA tensors -> the Triton kernel (imported lazily, so importing `dsa_kernels` never
+imports triton); CPU tensors -> the reference. DSA_KERNELS=triton forces Triton (on the CPU
+together with TRITON_INTERPRET=1), DSA_KERNELS=ref forces the reference (`_triton_common`).
+`*_ref` functions are the plain-PyTorch references every kernel is tested against.
 """
 
-from .dense_attention import dense_attention_ref
-from .indexer_kl import dense_indexer_kl_ref, dense_mass_recall, sparse_indexer_kl_ref
-from .indexer_topk import gather_index_scores, indexer_topk_ref
+from .ops.dense_attention import dense_attention, dense_attention_ref
+from .ops.indexer_kl import (
+    dense_indexer_kl,
+    dense_indexer_kl_ref,
+    dense_mass_recall,
+    sparse_indexer_kl,
+    sparse_indexer_kl_ref,
+)
+from .ops.indexer_topk import gather_index_scores, indexer_topk, indexer_topk_ref
 from .masking import doc_starts_from_cu_seqlens, doc_starts_from_position_ids
-from .sparse_mla import sparse_mla_ref
-
-# Dispatchers: CUDA tensors -> the Triton kernel (`*_triton.py`, imported lazily); CPU tensors ->
-# the reference. DSA_KERNELS=triton forces Triton (on the CPU together with TRITON_INTERPRET=1),
-# DSA_KERNELS=ref forces the reference (see `_triton_common.use_triton`). Same signatures as the
-# references; `chunk_size` only tunes the references (the kernels do not need it).
-from ._triton_common import use_triton as _use_triton
-
-
-def indexer_topk(q, k, w, doc_start, topk, chunk_size=None):
-    if _use_triton(q, k, w):
-        from .indexer_topk_triton import indexer_topk_triton
-
-        return indexer_topk_triton(q, k, w, doc_start, topk)
-    return indexer_topk_ref(q, k, w, doc_start, topk, chunk_size)
-
-
-def sparse_mla(q, kv, indices, scale, d_v, chunk_size=None):
-    if _use_triton(q, kv, indices):
-        from .sparse_mla_triton import sparse_mla_triton
-
-        return sparse_mla_triton(q, kv, indices, scale, d_v)
-    return sparse_mla_ref(q, kv, indices, scale, d_v, chunk_size)
-
-
-def dense_indexer_kl(q_idx, k_idx, w_idx, q_main, k_main, scale, doc_start, chunk_size=None):
-    if _use_triton(q_idx, k_idx, w_idx, q_main, k_main):
-        from .indexer_kl_triton import dense_indexer_kl_triton
-
-        return dense_indexer_kl_triton(q_idx, k_idx, w_idx, q_main, k_main, scale, doc_start)
-    return dense_indexer_kl_ref(q_idx, k_idx, w_idx, q_main, k_main, scale, doc_start, chunk_size)
-
-
-def sparse_indexer_kl(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale, chunk_size=None):
-    if _use_triton(q_idx, k_idx, w_idx, q_main, kv_main):
-        from .indexer_kl_triton import sparse_indexer_kl_triton
-
-        return sparse_indexer_kl_triton(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale)
-    return sparse_indexer_kl_ref(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale, chunk_size)
-
-
-# No Triton kernel for dense attention yet: the reference everywhere.
-dense_attention = dense_attention_ref
+from .ops.sparse_mla import sparse_mla, sparse_mla_ref
 
 __all__ = [
     "dense_attention",

@@ -69,3 +69,23 @@ def interp_upcast(x: torch.Tensor) -> torch.Tensor:
     if interpreted() and x.dtype in (torch.bfloat16, torch.float16):
         return x.float()
     return x
+
+
+class Launch:
+    """One kernel launch as an op's launcher builds it: the Triton kernel, its grid, every kernel
+    parameter by name (constexprs included) and the launch options. The launcher runs it
+    (`run()`); the compile report (`dsa_kernels.compile_report`) compiles the very same launch
+    for a target GPU without running it, so the report sees the block sizes the launcher picks."""
+
+    def __init__(self, kernel, grid: tuple, args: dict, num_warps: int = 4, num_stages: int | None = None):
+        self.kernel, self.grid, self.args = kernel, tuple(grid), dict(args)
+        self.num_warps, self.num_stages = num_warps, num_stages
+
+    def options(self) -> dict:
+        opts = {"num_warps": self.num_warps}
+        if self.num_stages is not None:
+            opts["num_stages"] = self.num_stages
+        return opts
+
+    def run(self) -> None:
+        self.kernel[self.grid](**self.args, **self.options())

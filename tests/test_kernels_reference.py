@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import dsa_kernels as K
-from dsa_kernels.indexer_kl import kl_rows
+from dsa_kernels.ops.indexer_kl import kl_rows
 
 torch.manual_seed(0)
 
@@ -73,7 +73,7 @@ def test_indexer_topk_matches_naive(chunk, topk):
 
 def test_topk_ties_break_to_lower_index_and_all_equal_scores():
     scores = torch.tensor([[[1.0, 3.0, 3.0, 3.0, float("-inf"), 0.0]]])
-    from dsa_kernels.indexer_topk import topk_from_scores
+    from dsa_kernels.ops.indexer_topk import topk_from_scores
 
     idx, val = topk_from_scores(scores, 3)
     assert idx.tolist() == [[[1, 2, 3]]]

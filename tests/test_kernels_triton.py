@@ -22,15 +22,15 @@ from dsa_kernels import (  # noqa: E402
     sparse_indexer_kl_ref,
     sparse_mla_ref,
 )
-from dsa_kernels.indexer_kl_triton import dense_indexer_kl_triton, sparse_indexer_kl_triton  # noqa: E402
-from dsa_kernels.indexer_topk import index_scores_ref, topk_from_scores  # noqa: E402
-from dsa_kernels.indexer_topk_triton import (  # noqa: E402
+from dsa_kernels.ops.indexer_kl.function import dense_indexer_kl_triton, sparse_indexer_kl_triton  # noqa: E402
+from dsa_kernels.ops.indexer_topk import index_scores_ref, topk_from_scores  # noqa: E402
+from dsa_kernels.ops.indexer_topk.kernel import (  # noqa: E402
     _select_chunk,
     index_scores_triton,
     indexer_topk_triton,
     quantize_fp8_groups,
 )
-from dsa_kernels.sparse_mla_triton import sparse_mla_triton  # noqa: E402
+from dsa_kernels.ops.sparse_mla.function import sparse_mla_triton  # noqa: E402
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (compiled Triton); run with the device tool")
@@ -252,7 +252,7 @@ def test_dispatcher_routes_by_device_and_env(monkeypatch):
     kv = torch.randn(1, 4, 32)
     idx = causal_indices(1, 4, 2).cpu()
     calls = []
-    import dsa_kernels.sparse_mla_triton as smt
+    import dsa_kernels.ops.sparse_mla.function as smt
 
     monkeypatch.setattr(smt, "sparse_mla_triton", lambda *a, **k: calls.append("triton") or sparse_mla_ref(*a))
     monkeypatch.setenv("DSA_KERNELS", "ref")

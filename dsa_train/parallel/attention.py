@@ -21,7 +21,7 @@ import os
 import torch
 
 import dsa_kernels as K
-from dsa_kernels.indexer_topk import index_scores_block, topk_from_scores
+from dsa_kernels.ops.indexer_topk import index_scores_block, topk_from_scores
 from dsa_kernels.masking import query_chunk_size
 from dsa_train.model.mla import MLA, AttentionAux
 from dsa_train.parallel.comm import all_gather_nograd, copy_to_group

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .masking import chunk_key_range, chunk_valid_mask, query_chunk_size
+from ...masking import chunk_key_range, chunk_valid_mask, query_chunk_size
 
 
 def index_scores_block(

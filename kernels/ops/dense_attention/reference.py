@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .masking import chunk_key_range, chunk_valid_mask, query_chunk_size
-from .sparse_mla import safe_softmax
+from ...masking import chunk_key_range, chunk_valid_mask, query_chunk_size
+from ..sparse_mla.reference import safe_softmax
 
 
 def dense_attention_logits(

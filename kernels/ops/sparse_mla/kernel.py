@@ -19,13 +19,11 @@ reference).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import interp_upcast, pow2
+from ..._triton_common import Launch, pow2
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -163,36 +161,63 @@ def _blocks(H: int, D_V: int, D_R: int, K: int):
     return block_h, block_k, pow2(D_V), pow2(max(D_R, 1))
 
 
-def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, d_v: int):
+def plan_fwd(q, kv, indices, out, lse, scale: float, d_v: int) -> Launch:
+    """The forward launch for q [B, T, H, D], kv [B, T, D], indices [B, T, K] int32,
+    out [B, T, H, d_v], lse [B, T, H] fp32."""
     B, T, H, D = q.shape
     K = indices.shape[-1]
-    q = q.contiguous()
-    kv = kv.contiguous()
-    indices = indices.to(torch.int32).contiguous()
+    block_h, block_k, block_dv, block_dr = _blocks(H, d_v, D - d_v, K)
+    return Launch(
+        _sparse_mla_fwd_kernel, (T, B, triton.cdiv(H, block_h)),
+        dict(
+            Q=q, KV=kv, IDX=indices, O=out, LSE=lse,
+            stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
+            stride_kvb=kv.stride(0), stride_kvt=kv.stride(1),
+            stride_ib=indices.stride(0), stride_it=indices.stride(1),
+            stride_ob=out.stride(0), stride_ot=out.stride(1), stride_oh=out.stride(2),
+            stride_lb=lse.stride(0), stride_lt=lse.stride(1),
+            H=H, K=K, scale_log2=scale * LOG2E,
+            D_V=d_v, D_R=D - d_v,
+            BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
+        ),
+        num_warps=8 if block_dv >= 256 else 4,
+    )
+
+
+def plan_bwd(q, kv, indices, dout, lse, delta, dq, dkv, scale: float, d_v: int) -> Launch:
+    """The backward launch: dq [B, T, H, D] (q's dtype), dkv [B, T, D] fp32 (zeroed, atomics)."""
+    B, T, H, D = q.shape
+    K = indices.shape[-1]
+    block_h, block_k, block_dv, block_dr = _blocks(H, d_v, D - d_v, K)
+    return Launch(
+        _sparse_mla_bwd_kernel, (T, B, triton.cdiv(H, block_h)),
+        dict(
+            Q=q, KV=kv, IDX=indices, DO=dout, LSE=lse, DELTA=delta, DQ=dq, DKV=dkv,
+            stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
+            stride_kvb=kv.stride(0), stride_kvt=kv.stride(1),
+            stride_ib=indices.stride(0), stride_it=indices.stride(1),
+            stride_dob=dout.stride(0), stride_dot=dout.stride(1), stride_doh=dout.stride(2),
+            stride_lb=lse.stride(0), stride_lt=lse.stride(1),
+            stride_dkb=dkv.stride(0), stride_dkt=dkv.stride(1),
+            H=H, K=K, scale=scale, scale_log2=scale * LOG2E,
+            D_V=d_v, D_R=D - d_v,
+            BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
+        ),
+        num_warps=8 if block_dv >= 256 else 4,
+    )
+
+
+def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, d_v: int):
+    B, T, H, D = q.shape
     out = torch.empty((B, T, H, d_v), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, T, H), dtype=torch.float32, device=q.device)
     if B * T == 0 or H == 0:
         return out, lse
-    block_h, block_k, block_dv, block_dr = _blocks(H, d_v, D - d_v, K)
-    grid = (T, B, triton.cdiv(H, block_h))
-    _sparse_mla_fwd_kernel[grid](
-        q, kv, indices, out, lse,
-        q.stride(0), q.stride(1), q.stride(2),
-        kv.stride(0), kv.stride(1),
-        indices.stride(0), indices.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1),
-        H, K, scale * LOG2E,
-        D_V=d_v, D_R=D - d_v,
-        BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
-        num_warps=8 if block_dv >= 256 else 4,
-    )
+    plan_fwd(q, kv, indices, out, lse, scale, d_v).run()
     return out, lse
 
 
 def sparse_mla_bwd(q, kv, indices, out, lse, dout, dlse, scale: float, d_v: int):
-    B, T, H, D = q.shape
-    K = indices.shape[-1]
     dout = dout.contiguous()
     delta = (dout.float() * out.float()).sum(-1)
     if dlse is not None:
@@ -200,50 +225,7 @@ def sparse_mla_bwd(q, kv, indices, out, lse, dout, dlse, scale: float, d_v: int)
     delta = delta.contiguous()
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    if B * T == 0 or H == 0:
+    if q.shape[0] * q.shape[1] == 0 or q.shape[2] == 0:
         return dq.zero_(), dkv.to(kv.dtype)
-    block_h, block_k, block_dv, block_dr = _blocks(H, d_v, D - d_v, K)
-    grid = (T, B, triton.cdiv(H, block_h))
-    _sparse_mla_bwd_kernel[grid](
-        q, kv, indices, dout, lse, delta, dq, dkv,
-        q.stride(0), q.stride(1), q.stride(2),
-        kv.stride(0), kv.stride(1),
-        indices.stride(0), indices.stride(1),
-        dout.stride(0), dout.stride(1), dout.stride(2),
-        lse.stride(0), lse.stride(1),
-        dkv.stride(0), dkv.stride(1),
-        H, K, scale, scale * LOG2E,
-        D_V=d_v, D_R=D - d_v,
-        BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
-        num_warps=8 if block_dv >= 256 else 4,
-    )
+    plan_bwd(q, kv, indices, dout, lse, delta, dq, dkv, scale, d_v).run()
     return dq, dkv.to(kv.dtype)
-
-
-class SparseMLAFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, kv, indices, scale, d_v):
-        q_c, kv_c = interp_upcast(q.contiguous()), interp_upcast(kv.contiguous())
-        idx = indices.to(torch.int32).contiguous()
-        out, lse = sparse_mla_fwd(q_c, kv_c, idx, scale, d_v)
-        ctx.save_for_backward(q_c, kv_c, idx, out, lse)
-        ctx.scale, ctx.d_v = scale, d_v
-        ctx.dtypes = (q.dtype, kv.dtype)
-        return out.to(q.dtype), lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, kv, idx, out, lse = ctx.saved_tensors
-        dout = torch.zeros_like(out) if dout is None else dout.to(q.dtype)
-        dq, dkv = sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, ctx.scale, ctx.d_v)
-        return dq.to(ctx.dtypes[0]), dkv.to(ctx.dtypes[1]), None, None, None
-
-
-def sparse_mla_triton(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, d_v: int,
-                      chunk_size: int | None = None):
-    """Same contract as `sparse_mla_ref` (chunk_size is accepted and ignored: nothing is chunked)."""
-    if q.shape[-1] != kv.shape[-1] or not 0 < d_v <= q.shape[-1]:
-        raise ValueError(f"q {tuple(q.shape)} / kv {tuple(kv.shape)} / d_v {d_v} do not match")
-    if not math.isfinite(scale):
-        raise ValueError("scale must be finite")
-    return SparseMLAFunction.apply(q, kv, indices, float(scale), int(d_v))

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import interp_upcast, pow2
+from ..._triton_common import Launch, pow2
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -334,130 +334,82 @@ def _dense_kl_kernel(
                  mask=mask_m[:, None] & (offs_j < HI)[None, :])
 
 
-# ----------------------------------------------------------------------------- autograd + API
-class _FusedKL(torch.autograd.Function):
-    """Forward returns (kl_sum, kl_uniform_sum); the gradients w.r.t. (q_I, k_I, w) were computed
-    by the kernel and are only scaled here."""
-
-    @staticmethod
-    def forward(ctx, q_idx, k_idx, w_idx, run):
-        need = any(ctx.needs_input_grad[:3])
-        kl, klu, grads = run(need)
-        ctx.save_for_backward(*grads)
-        ctx.need = need
-        ctx.dtypes = (q_idx.dtype, k_idx.dtype, w_idx.dtype)
-        ctx.mark_non_differentiable(klu)
-        return kl, klu
-
-    @staticmethod
-    def backward(ctx, dkl, _dklu):
-        if not ctx.need:
-            return None, None, None, None
-        dq, dk, dw = ctx.saved_tensors
-        dq, dk, dw = ((g * dkl).to(dt) for g, dt in zip((dq, dk, dw), ctx.dtypes))
-        return dq, dk, dw, None
+# ----------------------------------------------------------------------------- launch plans
+def sparse_blocks(K: int, H: int, D: int, HI: int, DI: int) -> dict:
+    return dict(BLOCK_K=min(pow2(K), 32), BLOCK_H=min(pow2(H), 64), BLOCK_D=min(pow2(D), 64),
+                BLOCK_HI=pow2(HI), BLOCK_DI=pow2(DI))
 
 
-def _stats(kl, klu, B, T):
-    return {"kl": kl.detach(), "kl_uniform": klu.detach(), "queries": torch.tensor(float(B * T))}
+def plan_sparse_kl(qi, ki, wi, idx, qm, kvm, lse, p_scr, kl, klu, dq, dk, dw, scale: float, grad: bool) -> Launch:
+    """qi [B, T, H_I, D_I], ki [B, T, D_I], wi [B, T, H_I] fp32, idx [B, T, K] int32,
+    qm [B, T, H, D], kvm [B, T, D], lse [B, T, H] fp32 -> kl, klu [B, T] fp32 and, with grad,
+    dq [B, T, H_I, D_I], dk [B, T, D_I] (zeroed; atomics), dw [B, T, H_I] fp32."""
+    B, T, HI, DI = qi.shape
+    K = idx.shape[-1]
+    H, D = qm.shape[2], qm.shape[3]
+    return Launch(
+        _sparse_kl_kernel, (T, B),
+        dict(
+            QI=qi, KI=ki, WI=wi, IDX=idx, QM=qm, KVM=kvm, LSE=lse, P_SCR=p_scr,
+            KL=kl, KLU=klu, DQI=dq, DKI=dk, DWI=dw,
+            stride_qib=qi.stride(0), stride_qit=qi.stride(1), stride_qih=qi.stride(2),
+            stride_kib=ki.stride(0), stride_kit=ki.stride(1),
+            stride_wib=wi.stride(0), stride_wit=wi.stride(1),
+            stride_ib=idx.stride(0), stride_it=idx.stride(1),
+            stride_qmb=qm.stride(0), stride_qmt=qm.stride(1), stride_qmh=qm.stride(2),
+            stride_kvb=kvm.stride(0), stride_kvt=kvm.stride(1),
+            stride_lb=lse.stride(0), stride_lt=lse.stride(1),
+            T=T, K=K, H=H, HI=HI, scale_log2=scale * LOG2E, inv_h=1.0 / H,
+            DI=DI, D=D, GRAD=grad,
+            **sparse_blocks(K, H, D, HI, DI),
+        ),
+        num_warps=4,
+    )
 
 
-def sparse_indexer_kl_triton(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale: float,
-                             chunk_size: int | None = None):
-    """Same contract as `sparse_indexer_kl_ref` (chunk_size accepted and ignored)."""
-    B, T, HI, DI = q_idx.shape
-    K = indices.shape[-1]
-    H, D = q_main.shape[2], q_main.shape[3]
-    qi, ki = interp_upcast(q_idx.detach().contiguous()), interp_upcast(k_idx.detach().contiguous())
-    wi = w_idx.detach().float().contiguous()
-    idx = indices.to(torch.int32).contiguous()
-    qm, kvm = interp_upcast(q_main.detach().contiguous()), interp_upcast(kv_main.detach().contiguous())
-    lse = lse_main.detach().float().contiguous()
-    dev = q_idx.device
-
-    def run(need: bool):
-        kl = torch.empty((B, T), dtype=torch.float32, device=dev)
-        klu = torch.empty((B, T), dtype=torch.float32, device=dev)
-        if need:
-            p_scr = torch.empty((B, T, K), dtype=torch.float32, device=dev)
-            dq = torch.empty((B, T, HI, DI), dtype=torch.float32, device=dev)
-            dk = torch.zeros((B, T, DI), dtype=torch.float32, device=dev)
-            dw = torch.empty((B, T, HI), dtype=torch.float32, device=dev)
-        else:
-            p_scr = dq = dk = dw = kl
-        if B * T > 0:
-            block_k = min(pow2(K), 32)
-            _sparse_kl_kernel[(T, B)](
-                qi, ki, wi, idx, qm, kvm, lse, p_scr, kl, klu, dq, dk, dw,
-                qi.stride(0), qi.stride(1), qi.stride(2),
-                ki.stride(0), ki.stride(1),
-                wi.stride(0), wi.stride(1),
-                idx.stride(0), idx.stride(1),
-                qm.stride(0), qm.stride(1), qm.stride(2),
-                kvm.stride(0), kvm.stride(1),
-                lse.stride(0), lse.stride(1),
-                T, K, H, HI, scale * LOG2E, 1.0 / H,
-                DI=DI, D=D, GRAD=need,
-                BLOCK_K=block_k, BLOCK_H=min(pow2(H), 64), BLOCK_D=min(pow2(D), 64),
-                BLOCK_HI=pow2(HI), BLOCK_DI=pow2(DI),
-                num_warps=4,
-            )
-        return kl.sum(), klu.sum(), ((dq, dk, dw) if need else ())
-
-    kl_sum, klu_sum = _FusedKL.apply(q_idx, k_idx, w_idx, run)
-    return kl_sum, _stats(kl_sum, klu_sum, B, T)
+def dense_blocks(T: int, D: int) -> tuple[int, int, int]:
+    return min(pow2(T), 64), min(pow2(T), 64), min(pow2(D), 64)
 
 
-def dense_indexer_kl_triton(q_idx, k_idx, w_idx, q_main, k_main, scale: float, doc_start,
-                            chunk_size: int | None = None):
-    """Same contract as `dense_indexer_kl_ref` (chunk_size accepted and ignored).
-    k_main [B, T, H or 1, D] (MHA form or the shared MQA key)."""
-    B, T, HI, DI = q_idx.shape
-    H, D = q_main.shape[2], q_main.shape[3]
-    qi, ki = interp_upcast(q_idx.detach().contiguous()), interp_upcast(k_idx.detach().contiguous())
-    wi = w_idx.detach().float().contiguous()
-    qm, km = interp_upcast(q_main.detach().contiguous()), interp_upcast(k_main.detach().contiguous())
-    stride_kh = 0 if km.shape[2] == 1 else km.stride(2)
-    ds = doc_start.contiguous()
-    dev = q_idx.device
-    block_m = min(pow2(T), 64)
-    block_n = min(pow2(T), 64)
-    block_d = min(pow2(D), 64)
+def plan_dense_lse(qm, km, ds, lse2, scale: float) -> Launch:
+    """qm [B, T, H, D], km [B, T, H or 1, D], ds [B, T] -> lse2 [B, H, T] fp32 (log2 domain)."""
+    B, T, H, D = qm.shape
+    block_m, block_n, block_d = dense_blocks(T, D)
+    return Launch(
+        _dense_lse_kernel, (triton.cdiv(T, block_m), B * H),
+        dict(
+            QM=qm, KM=km, DS=ds, LSE2=lse2,
+            stride_qb=qm.stride(0), stride_qt=qm.stride(1), stride_qh=qm.stride(2),
+            stride_kb=km.stride(0), stride_kt=km.stride(1), stride_kh=0 if km.shape[2] == 1 else km.stride(2),
+            stride_db=ds.stride(0),
+            T=T, H=H, scale_log2=scale * LOG2E,
+            D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        ),
+        num_warps=4,
+    )
 
-    def run(need: bool):
-        kl = torch.empty((B, T), dtype=torch.float32, device=dev)
-        klu = torch.empty((B, T), dtype=torch.float32, device=dev)
-        lse2 = torch.empty((B, H, T), dtype=torch.float32, device=dev)
-        if need:
-            dq = torch.zeros((B, T, HI, DI), dtype=torch.float32, device=dev)
-            dk = torch.zeros((B, T, DI), dtype=torch.float32, device=dev)
-            dw = torch.empty((B, T, HI), dtype=torch.float32, device=dev)
-        else:
-            dq = dk = dw = kl
-        if B * T > 0:
-            _dense_lse_kernel[(triton.cdiv(T, block_m), B * H)](
-                qm, km, ds, lse2,
-                qm.stride(0), qm.stride(1), qm.stride(2),
-                km.stride(0), km.stride(1), stride_kh,
-                ds.stride(0),
-                T, H, scale * LOG2E,
-                D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4,
-            )
-            _dense_kl_kernel[(triton.cdiv(T, block_m), B)](
-                qm, km, qi, ki, wi, ds, lse2, kl, klu, dq, dk, dw,
-                qm.stride(0), qm.stride(1), qm.stride(2),
-                km.stride(0), km.stride(1), stride_kh,
-                qi.stride(0), qi.stride(1), qi.stride(2),
-                ki.stride(0), ki.stride(1),
-                wi.stride(0), wi.stride(1),
-                ds.stride(0),
-                T, H, HI, scale * LOG2E, 1.0 / H,
-                D=D, DI=DI, GRAD=need,
-                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-                BLOCK_HI=pow2(HI), BLOCK_DI=pow2(DI),
-                num_warps=4,
-            )
-        return kl.sum(), klu.sum(), ((dq, dk, dw) if need else ())
 
-    kl_sum, klu_sum = _FusedKL.apply(q_idx, k_idx, w_idx, run)
-    return kl_sum, _stats(kl_sum, klu_sum, B, T)
+def plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, klu, dq, dk, dw, scale: float, grad: bool) -> Launch:
+    """Eq. 3 per query row from the lse table: -> kl, klu [B, T] and, with grad, dq [B, T, H_I, D_I]
+    and dk [B, T, D_I] (zeroed), dw [B, T, H_I] fp32."""
+    B, T, H, D = qm.shape
+    HI, DI = qi.shape[2], qi.shape[3]
+    block_m, block_n, block_d = dense_blocks(T, D)
+    return Launch(
+        _dense_kl_kernel, (triton.cdiv(T, block_m), B),
+        dict(
+            QM=qm, KM=km, QI=qi, KI=ki, WI=wi, DS=ds, LSE2=lse2,
+            KL=kl, KLU=klu, DQI=dq, DKI=dk, DWI=dw,
+            stride_qb=qm.stride(0), stride_qt=qm.stride(1), stride_qh=qm.stride(2),
+            stride_kb=km.stride(0), stride_kt=km.stride(1), stride_kh=0 if km.shape[2] == 1 else km.stride(2),
+            stride_qib=qi.stride(0), stride_qit=qi.stride(1), stride_qih=qi.stride(2),
+            stride_kib=ki.stride(0), stride_kit=ki.stride(1),
+            stride_wib=wi.stride(0), stride_wit=wi.stride(1),
+            stride_db=ds.stride(0),
+            T=T, H=H, HI=HI, scale_log2=scale * LOG2E, inv_h=1.0 / H,
+            D=D, DI=DI, GRAD=grad,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+            BLOCK_HI=pow2(HI), BLOCK_DI=pow2(DI),
+        ),
+        num_warps=4,
+    )

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .masking import query_chunk_size
+from ...masking import query_chunk_size
 
 
 def gather_kv(kv: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

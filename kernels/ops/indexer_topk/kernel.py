@@ -29,9 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import interp_upcast, pow2
+from ..._triton_common import Launch, interp_upcast, pow2
 
 FP8_GROUP = 128
+DEFAULT_SCORE_BUDGET = 1 << 26  # fp32 elements of one query chunk's [B, C, W] score block
 
 
 @triton.jit
@@ -174,30 +175,64 @@ def quantize_fp8_groups(x: torch.Tensor, group: int = FP8_GROUP, ue8m0: bool = F
     return q.contiguous(), scale.contiguous()
 
 
-def _score_chunk(q, k, w, doc_start, q0, q1, k0, qs=None, ks=None):
+def score_blocks(C: int, W_LEN: int, DI: int):
+    return (64 if C >= 64 else pow2(C)), (64 if W_LEN >= 64 else pow2(W_LEN)), min(pow2(DI), 128)
+
+
+def plan_scores(q, k, w, doc_start, scores, q0: int, q1: int, k0: int, qs=None, ks=None) -> Launch:
+    """Score launch for queries [q0, q1) over keys [k0, q1): q [B, T, H_I, D_I], k [B, T, D_I],
+    w [B, T, H_I] fp32, doc_start [B, T], scores [B, C, W] fp32 (C = q1 - q0, W = q1 - k0);
+    qs [B, T, H_I, G] / ks [B, T, G] fp32 scales for e4m3 q/k (None: 16-bit or fp32 q/k)."""
     B, T, HI, DI = q.shape
     C, W_LEN = q1 - q0, q1 - k0
-    scores = torch.empty((B, C, W_LEN), dtype=torch.float32, device=q.device)
     fp8 = qs is not None
-    block_m = 64 if C >= 64 else pow2(C)
-    block_n = 64 if W_LEN >= 64 else pow2(W_LEN)
-    block_d = min(pow2(DI), 128)
+    block_m, block_n, block_d = score_blocks(C, W_LEN, DI)
     dummy = scores
-    grid = (triton.cdiv(C, block_m), triton.cdiv(W_LEN, block_n), B)
-    _index_scores_kernel[grid](
-        q, k, w, doc_start, scores, qs if fp8 else dummy, ks if fp8 else dummy,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1),
-        w.stride(0), w.stride(1),
-        doc_start.stride(0),
-        scores.stride(0), scores.stride(1),
-        qs.stride(0) if fp8 else 0, qs.stride(1) if fp8 else 0, qs.stride(2) if fp8 else 0,
-        ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0,
-        q0, q1, k0, W_LEN,
-        HI=HI, DI=DI, FP8=fp8,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+    return Launch(
+        _index_scores_kernel, (triton.cdiv(C, block_m), triton.cdiv(W_LEN, block_n), B),
+        dict(
+            Q=q, KI=k, W=w, DS=doc_start, S=scores, QS=qs if fp8 else dummy, KS=ks if fp8 else dummy,
+            stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
+            stride_kb=k.stride(0), stride_kt=k.stride(1),
+            stride_wb=w.stride(0), stride_wt=w.stride(1),
+            stride_db=doc_start.stride(0),
+            stride_sb=scores.stride(0), stride_sc=scores.stride(1),
+            stride_qsb=qs.stride(0) if fp8 else 0, stride_qst=qs.stride(1) if fp8 else 0,
+            stride_qsh=qs.stride(2) if fp8 else 0,
+            stride_ksb=ks.stride(0) if fp8 else 0, stride_kst=ks.stride(1) if fp8 else 0,
+            q0=q0, q1=q1, k0=k0, W_LEN=W_LEN,
+            HI=HI, DI=DI, FP8=fp8,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        ),
         num_warps=4,
     )
+
+
+def select_block(W_LEN: int) -> int:
+    return min(pow2(W_LEN, 128), 1024)
+
+
+def plan_select(scores, idx, val, k0: int, topk: int, block: int | None = None) -> Launch:
+    """Radix-select launch: scores [B, C, W] fp32 -> idx [B, C, topk] int32 (prefilled -1) and
+    val [B, C, topk] fp32 (prefilled -inf), selected keys in index order."""
+    B, C, W_LEN = scores.shape
+    return Launch(
+        _radix_topk_kernel, (C, B),
+        dict(
+            S=scores, OUT_I=idx, OUT_V=val,
+            stride_sb=scores.stride(0), stride_sc=scores.stride(1),
+            stride_ob=idx.stride(0), stride_oc=idx.stride(1),
+            W_LEN=W_LEN, k0=k0, TOPK=topk,
+            BLOCK=block or select_block(W_LEN),
+        ),
+        num_warps=4,
+    )
+
+
+def _score_chunk(q, k, w, doc_start, q0, q1, k0, qs=None, ks=None):
+    B = q.shape[0]
+    scores = torch.empty((B, q1 - q0, q1 - k0), dtype=torch.float32, device=q.device)
+    plan_scores(q, k, w, doc_start, scores, q0, q1, k0, qs, ks).run()
     return scores
 
 
@@ -205,14 +240,7 @@ def _select_chunk(scores: torch.Tensor, k0: int, topk: int, block: int | None = 
     B, C, W_LEN = scores.shape
     idx = torch.full((B, C, topk), -1, dtype=torch.int32, device=scores.device)
     val = torch.full((B, C, topk), float("-inf"), dtype=torch.float32, device=scores.device)
-    block = block or min(pow2(W_LEN, 128), 1024)
-    _radix_topk_kernel[(C, B)](
-        scores, idx, val,
-        scores.stride(0), scores.stride(1),
-        idx.stride(0), idx.stride(1),
-        W_LEN, k0, topk,
-        BLOCK=block, num_warps=4,
-    )
+    plan_select(scores, idx, val, k0, topk, block).run()
     # selected pairs are in index order: a stable descending sort keeps ties at the lower index
     val, order = torch.sort(val, dim=-1, descending=True, stable=True)
     return torch.gather(idx, -1, order), val
@@ -227,7 +255,7 @@ def indexer_topk_triton(
     topk: int,
     chunk_size: int | None = None,
     fp8: bool = False,
-    score_budget_elems: int = 1 << 26,
+    score_budget_elems: int = DEFAULT_SCORE_BUDGET,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `indexer_topk_ref`; `fp8=True` scores with e4m3 q/k (per-token,
     per-128-channel scales; q's scales are per head too)."""

@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .dense_attention import dense_attention_logits
-from .indexer_topk import gather_index_scores, index_scores_ref
-from .masking import query_chunk_size
-from .sparse_mla import gather_kv, safe_softmax, sparse_attention_scores
+from ..dense_attention.reference import dense_attention_logits
+from ..indexer_topk.reference import gather_index_scores, index_scores_ref
+from ...masking import query_chunk_size
+from ..sparse_mla.reference import gather_kv, safe_softmax, sparse_attention_scores
 
 
 def kl_rows(p: torch.Tensor, index_scores: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,43 @@
+"""Indexer KL losses (report eqs. 3 and 4).
+
+    eq. 3 (dense warm-up):  sum_t KL( p[t, :]   || softmax(I[t, :]) )     over valid s <= t
+    eq. 4 (sparse stage):   sum_t KL( p[t, S_t] || softmax(I[t, S_t]) )   over the selected keys
+    p[t, :] = L1-normalize( sum_h softmax_s(main attention logits of head h) )   (no gradient)
+
+Entry points (both -> (kl_sum, stats); kl_sum differentiable w.r.t. q_idx, k_idx, w_idx only):
+  dense_indexer_kl(q_idx, k_idx, w_idx, q_main, k_main, scale, doc_start, chunk_size=None)
+  sparse_indexer_kl(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale, chunk_size=None)
+    q_idx [B, T, H_I, D_I], k_idx [B, T, D_I], w_idx [B, T, H_I] fp32 (scales folded in)
+    q_main [B, T, H, D]; dense: k_main [B, T, H or 1, D]; sparse: kv_main [B, T, D] (the MQA key),
+    indices [B, T, K] int (-1 empty), lse_main [B, T, H] fp32 (from sparse_mla's forward)
+  stats: "kl", "kl_uniform", "queries" (detached sums)
+
+Files: `reference.py` (PyTorch, the specification), `kernel.py` (Triton kernels and their launch
+plans), `function.py` (the autograd Function and the Triton entry points), `specs.py` (the
+launches the compile report compiles at the 671B shapes).
+"""
+
+from ..._triton_common import use_triton as _use_triton
+from .reference import dense_indexer_kl_ref, dense_mass_recall, kl_rows, sparse_indexer_kl_ref
+
+
+def dense_indexer_kl(q_idx, k_idx, w_idx, q_main, k_main, scale, doc_start, chunk_size=None):
+    """CUDA tensors (or DSA_KERNELS=triton) -> the Triton kernels; otherwise the reference."""
+    if _use_triton(q_idx, k_idx, w_idx, q_main, k_main):
+        from .function import dense_indexer_kl_triton
+
+        return dense_indexer_kl_triton(q_idx, k_idx, w_idx, q_main, k_main, scale, doc_start)
+    return dense_indexer_kl_ref(q_idx, k_idx, w_idx, q_main, k_main, scale, doc_start, chunk_size)
+
+
+def sparse_indexer_kl(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale, chunk_size=None):
+    """CUDA tensors (or DSA_KERNELS=triton) -> the Triton kernels; otherwise the reference."""
+    if _use_triton(q_idx, k_idx, w_idx, q_main, kv_main):
+        from .function import sparse_indexer_kl_triton
+
+        return sparse_indexer_kl_triton(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale)
+    return sparse_indexer_kl_ref(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale, chunk_size)
+
+
+__all__ = ["dense_indexer_kl", "dense_indexer_kl_ref", "dense_mass_recall", "kl_rows", "sparse_indexer_kl",
+           "sparse_indexer_kl_ref"]

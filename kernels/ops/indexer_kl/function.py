@@ -1,0 +1,97 @@
+"""Indexer KL: the autograd Function over the fused Triton kernels (`kernel.py`) and the Triton
+entry points (same contracts as the references)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..._triton_common import interp_upcast
+from .kernel import plan_dense_kl, plan_dense_lse, plan_sparse_kl
+
+
+class _FusedKL(torch.autograd.Function):
+    """Forward returns (kl_sum, kl_uniform_sum); the gradients w.r.t. (q_I, k_I, w) were computed
+    by the kernel and are only scaled here."""
+
+    @staticmethod
+    def forward(ctx, q_idx, k_idx, w_idx, run):
+        need = any(ctx.needs_input_grad[:3])
+        kl, klu, grads = run(need)
+        ctx.save_for_backward(*grads)
+        ctx.need = need
+        ctx.dtypes = (q_idx.dtype, k_idx.dtype, w_idx.dtype)
+        ctx.mark_non_differentiable(klu)
+        return kl, klu
+
+    @staticmethod
+    def backward(ctx, dkl, _dklu):
+        if not ctx.need:
+            return None, None, None, None
+        dq, dk, dw = ctx.saved_tensors
+        dq, dk, dw = ((g * dkl).to(dt) for g, dt in zip((dq, dk, dw), ctx.dtypes))
+        return dq, dk, dw, None
+
+
+def _stats(kl, klu, B, T):
+    return {"kl": kl.detach(), "kl_uniform": klu.detach(), "queries": torch.tensor(float(B * T))}
+
+
+def sparse_indexer_kl_triton(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale: float,
+                             chunk_size: int | None = None):
+    """Same contract as `sparse_indexer_kl_ref` (chunk_size accepted and ignored)."""
+    B, T, HI, DI = q_idx.shape
+    K = indices.shape[-1]
+    qi, ki = interp_upcast(q_idx.detach().contiguous()), interp_upcast(k_idx.detach().contiguous())
+    wi = w_idx.detach().float().contiguous()
+    idx = indices.to(torch.int32).contiguous()
+    qm, kvm = interp_upcast(q_main.detach().contiguous()), interp_upcast(kv_main.detach().contiguous())
+    lse = lse_main.detach().float().contiguous()
+    dev = q_idx.device
+
+    def run(need: bool):
+        kl = torch.empty((B, T), dtype=torch.float32, device=dev)
+        klu = torch.empty((B, T), dtype=torch.float32, device=dev)
+        if need:
+            p_scr = torch.empty((B, T, K), dtype=torch.float32, device=dev)
+            dq = torch.empty((B, T, HI, DI), dtype=torch.float32, device=dev)
+            dk = torch.zeros((B, T, DI), dtype=torch.float32, device=dev)
+            dw = torch.empty((B, T, HI), dtype=torch.float32, device=dev)
+        else:
+            p_scr = dq = dk = dw = kl
+        if B * T > 0:
+            plan_sparse_kl(qi, ki, wi, idx, qm, kvm, lse, p_scr, kl, klu, dq, dk, dw, scale, need).run()
+        return kl.sum(), klu.sum(), ((dq, dk, dw) if need else ())
+
+    kl_sum, klu_sum = _FusedKL.apply(q_idx, k_idx, w_idx, run)
+    return kl_sum, _stats(kl_sum, klu_sum, B, T)
+
+
+def dense_indexer_kl_triton(q_idx, k_idx, w_idx, q_main, k_main, scale: float, doc_start,
+                            chunk_size: int | None = None):
+    """Same contract as `dense_indexer_kl_ref` (chunk_size accepted and ignored).
+    k_main [B, T, H or 1, D] (MHA form or the shared MQA key)."""
+    B, T, HI, DI = q_idx.shape
+    H = q_main.shape[2]
+    qi, ki = interp_upcast(q_idx.detach().contiguous()), interp_upcast(k_idx.detach().contiguous())
+    wi = w_idx.detach().float().contiguous()
+    qm, km = interp_upcast(q_main.detach().contiguous()), interp_upcast(k_main.detach().contiguous())
+    ds = doc_start.contiguous()
+    dev = q_idx.device
+
+    def run(need: bool):
+        kl = torch.empty((B, T), dtype=torch.float32, device=dev)
+        klu = torch.empty((B, T), dtype=torch.float32, device=dev)
+        lse2 = torch.empty((B, H, T), dtype=torch.float32, device=dev)
+        if need:
+            dq = torch.zeros((B, T, HI, DI), dtype=torch.float32, device=dev)
+            dk = torch.zeros((B, T, DI), dtype=torch.float32, device=dev)
+            dw = torch.empty((B, T, HI), dtype=torch.float32, device=dev)
+        else:
+            dq = dk = dw = kl
+        if B * T > 0:
+            plan_dense_lse(qm, km, ds, lse2, scale).run()
+            plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, klu, dq, dk, dw, scale, need).run()
+        return kl.sum(), klu.sum(), ((dq, dk, dw) if need else ())
+
+    kl_sum, klu_sum = _FusedKL.apply(q_idx, k_idx, w_idx, run)
+    return kl_sum, _stats(kl_sum, klu_sum, B, T)

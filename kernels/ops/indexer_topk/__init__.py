@@ -1,0 +1,40 @@
+"""Lightning indexer scores (report eq. 1) and top-k token selection (eq. 2).
+
+    I[t, s] = sum_j w[t, j] * ReLU(q_I[t, j] . k_I[s])      for doc_start[t] <= s <= t
+    S_t     = top-k_s I[t, s]
+
+Entry point `indexer_topk(q, k, w, doc_start, topk, chunk_size=None) -> (indices, scores)`:
+  q         [B, T, H_I, D_I]  indexer queries (H_I = 64, D_I = 128 in the 671B model)
+  k         [B, T, D_I]       the one indexer key head
+  w         [B, T, H_I]       fp32 head weights, H_I^-1/2 * D_I^-1/2 folded in
+  doc_start [B, T]            first position of each token's packed document
+  indices   [B, T, topk] int32, -1 = empty slot (rows with fewer than topk valid keys);
+  scores    [B, T, topk] fp32, sorted descending, -inf at empty slots. Ties go to the lower
+  key index; non-finite scores are never selected. No gradient (selection only).
+
+Files: `reference.py` (PyTorch, the specification), `kernel.py` (Triton score and radix-select
+kernels, their launch plans and the chunked driver), `specs.py` (the launches the compile
+report compiles at the 671B shapes). No autograd Function: selection has no gradient.
+"""
+
+from ..._triton_common import use_triton as _use_triton
+from .reference import (
+    gather_index_scores,
+    index_scores_block,
+    index_scores_ref,
+    indexer_topk_ref,
+    topk_from_scores,
+)
+
+
+def indexer_topk(q, k, w, doc_start, topk, chunk_size=None):
+    """CUDA tensors (or DSA_KERNELS=triton) -> the Triton kernels; otherwise the reference."""
+    if _use_triton(q, k, w):
+        from .kernel import indexer_topk_triton
+
+        return indexer_topk_triton(q, k, w, doc_start, topk)
+    return indexer_topk_ref(q, k, w, doc_start, topk, chunk_size)
+
+
+__all__ = ["gather_index_scores", "index_scores_block", "index_scores_ref", "indexer_topk",
+           "indexer_topk_ref", "topk_from_scores"]

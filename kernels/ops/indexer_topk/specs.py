@@ -1,0 +1,56 @@
+"""Indexer score and top-k launches at the 671B shapes (the last query chunk of a 128K row,
+whose key window is the whole row), for the compile report."""
+
+from __future__ import annotations
+
+import torch
+
+from ...registry import SHAPES_671B, KernelCase, register
+from .kernel import DEFAULT_SCORE_BUDGET, plan_scores, plan_select
+
+
+def _chunk():
+    s = SHAPES_671B
+    B, T = s["B"], s["T"]
+    C = max(1, min(T, DEFAULT_SCORE_BUDGET // (B * T)))  # the driver's chunk size
+    return B, T, C, T - C, T, 0
+
+
+def _config(launch) -> str:
+    a = launch.args
+    keys = [k for k in a if k.startswith("BLOCK") or k in ("FP8",)]
+    return " ".join(f"{k}={a[k]}" for k in keys) + f" warps={launch.num_warps} grid={launch.grid}"
+
+
+@register("indexer_scores")
+def _scores():
+    s = SHAPES_671B
+    B, T, C, q0, q1, k0 = _chunk()
+    meta = dict(device="meta")
+    k = torch.empty(B, T, s["D_I"], dtype=torch.bfloat16, **meta)
+    w = torch.empty(B, T, s["H_I"], dtype=torch.float32, **meta)
+    ds = torch.empty(B, T, dtype=torch.int64, **meta)
+    scores = torch.empty(B, C, q1 - k0, dtype=torch.float32, **meta)
+    cases = []
+    q = torch.empty(B, T, s["H_I"], s["D_I"], dtype=torch.bfloat16, **meta)
+    launch = plan_scores(q, k, w, ds, scores, q0, q1, k0)
+    cases.append(KernelCase("bf16 " + _config(launch), launch))
+    q8 = torch.empty(B, T, s["H_I"], s["D_I"], dtype=torch.float8_e4m3fn, **meta)
+    k8 = torch.empty(B, T, s["D_I"], dtype=torch.float8_e4m3fn, **meta)
+    qs = torch.empty(B, T, s["H_I"], 1, dtype=torch.float32, **meta)
+    ks = torch.empty(B, T, 1, dtype=torch.float32, **meta)
+    launch = plan_scores(q8, k8, w, ds, scores, q0, q1, k0, qs, ks)
+    cases.append(KernelCase("fp8 " + _config(launch), launch))
+    return cases
+
+
+@register("indexer_topk")
+def _topk():
+    s = SHAPES_671B
+    B, T, C, q0, q1, k0 = _chunk()
+    meta = dict(device="meta")
+    scores = torch.empty(B, C, q1 - k0, dtype=torch.float32, **meta)
+    idx = torch.empty(B, C, s["K"], dtype=torch.int32, **meta)
+    val = torch.empty(B, C, s["K"], dtype=torch.float32, **meta)
+    launch = plan_select(scores, idx, val, k0, s["K"])
+    return [KernelCase(_config(launch), launch)]

@@ -1,0 +1,31 @@
+"""Sparse MLA attention in MQA (absorbed) mode over the top-k indices (report eq. 2).
+
+    o[t, h] = sum_{i: idx[t,i] >= 0} softmax_i(scale * q[t,h] . kv[idx[t,i]]) * kv[idx[t,i], :d_v]
+
+Entry point `sparse_mla(q, kv, indices, scale, d_v, chunk_size=None) -> (out, lse)`:
+  q       [B, T, H, D]   D = kv_lora_rank + qk_rope_head_dim (576 = 512 + 64 in the 671B model),
+                         the nope part already multiplied by W_UK
+  kv      [B, T, D]      the shared key [latent | k_rope]; its first d_v columns are the value
+  indices [B, T, K] int  selected key positions, -1 = empty slot (never read)
+  out     [B, T, H, d_v] q's dtype;  lse [B, T, H] fp32 (-inf on a row with no valid slot)
+Differentiable w.r.t. q and kv (and through lse).
+
+Files: `reference.py` (PyTorch, the specification), `kernel.py` (Triton forward/backward
+kernels and their launch plans), `function.py` (autograd Function), `specs.py` (the launches
+the compile report compiles at the 671B shapes).
+"""
+
+from ..._triton_common import use_triton as _use_triton
+from .reference import gather_kv, safe_softmax, sparse_attention_scores, sparse_mla_ref
+
+
+def sparse_mla(q, kv, indices, scale, d_v, chunk_size=None):
+    """CUDA tensors (or DSA_KERNELS=triton) -> the Triton kernels; otherwise the reference."""
+    if _use_triton(q, kv, indices):
+        from .function import sparse_mla_triton
+
+        return sparse_mla_triton(q, kv, indices, scale, d_v)
+    return sparse_mla_ref(q, kv, indices, scale, d_v, chunk_size)
+
+
+__all__ = ["gather_kv", "safe_softmax", "sparse_attention_scores", "sparse_mla", "sparse_mla_ref"]

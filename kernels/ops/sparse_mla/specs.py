@@ -1,0 +1,44 @@
+"""Sparse MLA launches at the 671B shapes, for the compile report."""
+
+from __future__ import annotations
+
+import torch
+
+from ...registry import SHAPES_671B, KernelCase, register
+from .kernel import plan_bwd, plan_fwd
+
+
+def _tensors():
+    s = SHAPES_671B
+    B, T, H, D, K = s["B"], s["T"], s["H"], s["D"], s["K"]
+    meta = dict(device="meta")
+    q = torch.empty(B, T, H, D, dtype=torch.bfloat16, **meta)
+    kv = torch.empty(B, T, D, dtype=torch.bfloat16, **meta)
+    idx = torch.empty(B, T, K, dtype=torch.int32, **meta)
+    lse = torch.empty(B, T, H, dtype=torch.float32, **meta)
+    return q, kv, idx, lse, D**-0.5, s["D_V"]
+
+
+def _config(launch) -> str:
+    a = launch.args
+    keys = [k for k in a if k.startswith("BLOCK_") or k in ("SPLIT_V", "DETERMINISTIC")]
+    return " ".join(f"{k}={a[k]}" for k in keys) + f" warps={launch.num_warps} grid={launch.grid}"
+
+
+@register("sparse_mla_fwd", attention=True)
+def _fwd():
+    q, kv, idx, lse, scale, d_v = _tensors()
+    out = torch.empty(*q.shape[:3], d_v, dtype=q.dtype, device="meta")
+    launch = plan_fwd(q, kv, idx, out, lse, scale, d_v)
+    return [KernelCase(_config(launch), launch)]
+
+
+@register("sparse_mla_bwd", attention=True)
+def _bwd():
+    q, kv, idx, lse, scale, d_v = _tensors()
+    dout = torch.empty(*q.shape[:3], d_v, dtype=q.dtype, device="meta")
+    delta = torch.empty_like(lse)
+    dq = torch.empty_like(q)
+    dkv = torch.empty(kv.shape, dtype=torch.float32, device="meta")
+    launch = plan_bwd(q, kv, idx, dout, lse, delta, dq, dkv, scale, d_v)
+    return [KernelCase(_config(launch), launch)]
