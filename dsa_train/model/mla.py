@@ -147,9 +147,11 @@ class MLA(nn.Module):
 
         if form == "mha":
             q, k, v = self.mha_qkv(q_nope, q_rope, latent, k_rope)
-            out, _ = K.dense_attention(q, k, v, self.scale, doc_start)  # [B, T, H, v_dim]
-            if request.indexer_loss:
-                kl, stats = K.dense_indexer_kl(q_idx, k_idx, w_idx, q.detach(), k.detach(), self.scale, doc_start)
+            out, lse = K.dense_attention(q, k, v, self.scale, doc_start)  # [B, T, H, v_dim], [B, T, H]
+            if request.indexer_loss:  # eq. 3's target from this forward's log-sum-exp
+                kl, stats = K.dense_indexer_kl(
+                    q_idx, k_idx, w_idx, q.detach(), k.detach(), self.scale, doc_start, lse_main=lse.detach()
+                )
                 self._record_kl(aux, kl, stats)
         else:
             q_abs, kv = self.mqa_qkv(q_nope, q_rope, latent, k_rope)
@@ -168,10 +170,13 @@ class MLA(nn.Module):
                 if request.return_topk:
                     aux.topk_indices = topk_indices
             else:
-                out_latent, _ = K.dense_attention(q_abs, kv[:, :, None, :], latent[:, :, None, :], self.scale, doc_start)
+                out_latent, lse = K.dense_attention(
+                    q_abs, kv[:, :, None, :], latent[:, :, None, :], self.scale, doc_start
+                )
                 if request.indexer_loss:
                     kl, stats = K.dense_indexer_kl(
-                        q_idx, k_idx, w_idx, q_abs.detach(), kv.detach()[:, :, None, :], self.scale, doc_start
+                        q_idx, k_idx, w_idx, q_abs.detach(), kv.detach()[:, :, None, :], self.scale, doc_start,
+                        lse_main=lse.detach(),
                     )
                     self._record_kl(aux, kl, stats)
             out = self.mqa_output(out_latent)  # [B, T, H, v_dim]

@@ -5,11 +5,12 @@
     p[t, :] = L1-normalize( sum_h softmax_s(main attention logits of head h) )   (no gradient)
 
 Entry points (both -> (kl_sum, stats); kl_sum differentiable w.r.t. q_idx, k_idx, w_idx only):
-  dense_indexer_kl(q_idx, k_idx, w_idx, q_main, k_main, scale, doc_start, chunk_size=None)
+  dense_indexer_kl(q_idx, k_idx, w_idx, q_main, k_main, scale, doc_start, chunk_size=None, lse_main=None)
   sparse_indexer_kl(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale, chunk_size=None)
     q_idx [B, T, H_I, D_I], k_idx [B, T, D_I], w_idx [B, T, H_I] fp32 (scales folded in)
     q_main [B, T, H, D]; dense: k_main [B, T, H or 1, D]; sparse: kv_main [B, T, D] (the MQA key),
-    indices [B, T, K] int (-1 empty), lse_main [B, T, H] fp32 (from sparse_mla's forward)
+    indices [B, T, K] int (-1 empty), lse_main [B, T, H] fp32 (from sparse_mla's forward; dense:
+    optional, from dense_attention's forward, reused for the target instead of a softmax pass)
   stats: "kl", "kl_uniform", "queries" (detached sums)
 
 Files: `reference.py` (PyTorch, the specification), `kernel.py` (Triton kernels and their launch
@@ -21,13 +22,13 @@ from ..._triton_common import use_triton as _use_triton
 from .reference import dense_indexer_kl_ref, dense_mass_recall, kl_rows, sparse_indexer_kl_ref
 
 
-def dense_indexer_kl(q_idx, k_idx, w_idx, q_main, k_main, scale, doc_start, chunk_size=None):
+def dense_indexer_kl(q_idx, k_idx, w_idx, q_main, k_main, scale, doc_start, chunk_size=None, lse_main=None):
     """CUDA tensors (or DSA_KERNELS=triton) -> the Triton kernels; otherwise the reference."""
     if _use_triton(q_idx, k_idx, w_idx, q_main, k_main):
         from .function import dense_indexer_kl_triton
 
-        return dense_indexer_kl_triton(q_idx, k_idx, w_idx, q_main, k_main, scale, doc_start)
-    return dense_indexer_kl_ref(q_idx, k_idx, w_idx, q_main, k_main, scale, doc_start, chunk_size)
+        return dense_indexer_kl_triton(q_idx, k_idx, w_idx, q_main, k_main, scale, doc_start, lse_main=lse_main)
+    return dense_indexer_kl_ref(q_idx, k_idx, w_idx, q_main, k_main, scale, doc_start, chunk_size, lse_main)
 
 
 def sparse_indexer_kl(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale, chunk_size=None):

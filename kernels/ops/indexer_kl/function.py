@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..._triton_common import interp_upcast
-from .kernel import plan_dense_kl, plan_dense_lse, plan_sparse_kl
+from .kernel import LOG2E, plan_dense_kl, plan_dense_lse, plan_sparse_kl
 
 
 class _FusedKL(torch.autograd.Function):
@@ -67,9 +67,10 @@ def sparse_indexer_kl_triton(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_
 
 
 def dense_indexer_kl_triton(q_idx, k_idx, w_idx, q_main, k_main, scale: float, doc_start,
-                            chunk_size: int | None = None):
+                            chunk_size: int | None = None, lse_main=None):
     """Same contract as `dense_indexer_kl_ref` (chunk_size accepted and ignored).
-    k_main [B, T, H or 1, D] (MHA form or the shared MQA key)."""
+    k_main [B, T, H or 1, D] (MHA form or the shared MQA key). lse_main [B, T, H] (natural log,
+    from dense_attention's forward) replaces the dense-lse kernel's pass when given."""
     B, T, HI, DI = q_idx.shape
     H = q_main.shape[2]
     qi, ki = interp_upcast(q_idx.detach().contiguous()), interp_upcast(k_idx.detach().contiguous())
@@ -81,7 +82,11 @@ def dense_indexer_kl_triton(q_idx, k_idx, w_idx, q_main, k_main, scale: float, d
     def run(need: bool):
         kl = torch.empty((B, T), dtype=torch.float32, device=dev)
         klu = torch.empty((B, T), dtype=torch.float32, device=dev)
-        lse2 = torch.empty((B, H, T), dtype=torch.float32, device=dev)
+        if lse_main is None:
+            lse2 = torch.empty((B, H, T), dtype=torch.float32, device=dev)
+        else:  # log2 domain, [B, H, T]; a row without keys -> +inf (p = 0), as the lse kernel writes
+            lse2 = (lse_main.detach().float() * LOG2E).transpose(1, 2).contiguous()
+            lse2 = lse2.masked_fill_(lse2 == float("-inf"), float("inf"))
         if need:
             dq = torch.zeros((B, T, HI, DI), dtype=torch.float32, device=dev)
             dk = torch.zeros((B, T, DI), dtype=torch.float32, device=dev)
@@ -89,7 +94,8 @@ def dense_indexer_kl_triton(q_idx, k_idx, w_idx, q_main, k_main, scale: float, d
         else:
             dq = dk = dw = kl
         if B * T > 0:
-            plan_dense_lse(qm, km, ds, lse2, scale).run()
+            if lse_main is None:
+                plan_dense_lse(qm, km, ds, lse2, scale).run()
             plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, klu, dq, dk, dw, scale, need).run()
         return kl.sum(), klu.sum(), ((dq, dk, dw) if need else ())
 

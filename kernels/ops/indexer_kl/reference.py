@@ -36,11 +36,23 @@ def kl_rows(p: torch.Tensor, index_scores: torch.Tensor, valid: torch.Tensor) ->
     return kl, kl_uniform
 
 
-def _dense_kl_chunk(q_idx, k_idx, w_idx, q_main, k_main, scale, doc_start, q0, q1):
-    with torch.no_grad():
-        logits, k0 = dense_attention_logits(q_main, k_main, scale, doc_start, q0, q1)  # [B, H, C, S]
+def dense_target(q_main, k_main, scale, doc_start, q0, q1, lse_main=None) -> tuple[torch.Tensor, int]:
+    """Head-summed, L1-normalized main-attention probabilities of queries [q0, q1) over their key
+    window [k0, q1): -> p [B, C, S], k0. With the forward's log-sum-exp lse_main [B, T, H] the
+    probabilities are exp(logits - lse) (one pass, no softmax reductions); without it, a softmax."""
+    logits, k0 = dense_attention_logits(q_main, k_main, scale, doc_start, q0, q1)  # [B, H, C, S]
+    if lse_main is None:
         probs, _ = safe_softmax(logits)
-        p = probs.sum(dim=1) / probs.shape[1]  # [B, C, S] head-summed, L1-normalized
+    else:
+        lse = lse_main[:, q0:q1].transpose(1, 2).float()  # [B, H, C]
+        lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        probs = torch.exp_(logits.sub_(lse[..., None]))  # 0 where masked
+    return probs.sum(dim=1).div_(probs.shape[1]), k0
+
+
+def _dense_kl_chunk(q_idx, k_idx, w_idx, q_main, k_main, scale, doc_start, q0, q1, lse_main=None):
+    with torch.no_grad():
+        p, k0 = dense_target(q_main, k_main, scale, doc_start, q0, q1, lse_main)  # [B, C, S]
     scores, k0_idx = index_scores_ref(q_idx, k_idx, w_idx, doc_start, q0, q1)  # [B, C, S]
     assert k0_idx == k0
     valid = torch.isfinite(scores)
@@ -57,6 +69,7 @@ def dense_indexer_kl_ref(
     scale: float,
     doc_start: torch.Tensor,  # [B, T]
     chunk_size: int | None = None,
+    lse_main: torch.Tensor | None = None,  # [B, T, H] fp32 from dense_attention (reused for p)
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Eq. 3 summed over query tokens."""
     B, T = doc_start.shape
@@ -67,7 +80,7 @@ def dense_indexer_kl_ref(
     kl_uniform_total = torch.zeros((), dtype=torch.float32)
     for q0 in range(0, T, chunk):
         q1 = min(T, q0 + chunk)
-        args = (q_idx, k_idx, w_idx, q_main, k_main, scale, doc_start, q0, q1)
+        args = (q_idx, k_idx, w_idx, q_main, k_main, scale, doc_start, q0, q1, lse_main)
         kl, klu = checkpoint(_dense_kl_chunk, *args, use_reentrant=False) if use_ckpt else _dense_kl_chunk(*args)
         kl_total = kl_total + kl
         kl_uniform_total = kl_uniform_total + klu
