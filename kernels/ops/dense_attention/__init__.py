@@ -9,16 +9,26 @@ Entry point `dense_attention(q, k, v, scale, doc_start, chunk_size=None) -> (out
   (never differentiable: the dense KL reuses it as a constant)
 Differentiable w.r.t. q, k, v.
 
+CUDA tensors (or DSA_KERNELS=triton) in the MHA form -> the Triton kernels; the MQA form and CPU
+tensors -> the PyTorch path.
+
 Files: `reference.py` (PyTorch, chunked over queries, the specification), `function.py` (the
 flash-style autograd Function in PyTorch: forward keeps out + lse, backward recomputes each
-query chunk; what the CPU runs under autograd).
+query chunk, what the CPU runs under autograd; and the Triton autograd Function + entry),
+`kernel.py` (Triton forward / backward kernels and their launch plans), `specs.py` (the launches
+the compile report compiles at the 671B shapes).
 """
 
-from .function import DenseAttentionFunction, dense_attention_bwd_ref
+from ..._triton_common import use_triton as _use_triton
+from .function import DenseAttentionFunction, dense_attention_bwd_ref, dense_attention_triton, triton_supports
 from .reference import dense_attention_chunk, dense_attention_fwd_ref, dense_attention_logits, dense_attention_ref
 
-# No Triton kernel for dense attention yet: the reference everywhere.
-dense_attention = dense_attention_ref
+
+def dense_attention(q, k, v, scale, doc_start, chunk_size=None):
+    """Dispatcher (shapes above)."""
+    if triton_supports(q, k, v) and _use_triton(q, k, v):
+        return dense_attention_triton(q, k, v, scale, doc_start)
+    return dense_attention_ref(q, k, v, scale, doc_start, chunk_size)
 
 __all__ = [
     "DenseAttentionFunction",
@@ -28,4 +38,5 @@ __all__ = [
     "dense_attention_fwd_ref",
     "dense_attention_logits",
     "dense_attention_ref",
+    "dense_attention_triton",
 ]

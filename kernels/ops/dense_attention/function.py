@@ -71,3 +71,56 @@ def dense_attention_bwd_ref(q, k, v, lse, grad_out, scale, doc_start, chunk_size
         dk[:, k0:q1] += dk_chunk.transpose(1, 2)
         dv[:, k0:q1] += dv_chunk.transpose(1, 2)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+class DenseAttentionTritonFunction(torch.autograd.Function):
+    """The same op on the Triton kernels (`kernel.py`): MHA form only (k / v with H heads)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, doc_start):
+        from ..._triton_common import interp_upcast
+        from .kernel import doc_ends, plan_fwd
+
+        B, T, H, _ = q.shape
+        q_c, k_c, v_c = (interp_upcast(x.contiguous()) for x in (q, k, v))
+        ds = doc_start.to(torch.int32).contiguous()
+        out = torch.empty(B, T, H, v.shape[-1], dtype=q_c.dtype, device=q.device)
+        lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
+        if B * T * H > 0:
+            plan_fwd(q_c, k_c, v_c, ds, out, lse, scale).run()
+        de = doc_ends(ds).to(torch.int32).contiguous()
+        ctx.save_for_backward(q_c, k_c, v_c, out, lse, ds, de)
+        ctx.scale = scale
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        ctx.mark_non_differentiable(lse)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, _grad_lse):
+        from .kernel import plan_bwd
+
+        q, k, v, out, lse, ds, de = ctx.saved_tensors
+        dout = grad_out.to(q.dtype).contiguous()
+        delta = (dout.float() * out.float()).sum(-1).contiguous()  # [B, T, H] = rowsum(dO * O)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        if q.numel() > 0:
+            for launch in plan_bwd(q, k, v, dout, lse, delta, ds, de, dq, dk, dv, ctx.scale):
+                launch.run()
+        return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None
+
+
+def triton_supports(q, k, v) -> bool:
+    """The Triton kernels take the MHA form (per-head k / v) with head dims up to 256 (MLA's
+    192 / 128); the MQA form (one 576-dim key head) runs the PyTorch path."""
+    return k.shape[2] == q.shape[2] and v.shape[2] == q.shape[2] and q.shape[-1] <= 256 and v.shape[-1] <= 256
+
+
+def dense_attention_triton(q, k, v, scale, doc_start, chunk_size=None):
+    """Same contract as `dense_attention_ref` (chunk_size accepted and ignored), MHA form."""
+    if not triton_supports(q, k, v):
+        raise ValueError(
+            f"the Triton dense attention takes per-head k / v with head dims <= 256; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)} (use dense_attention, which picks the PyTorch path)"
+        )
+    return DenseAttentionTritonFunction.apply(q, k, v, float(scale), doc_start)
