@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..._triton_common import interp_upcast
+from ..sparse_mla.kernel import slot_counts
 from .kernel import LOG2E, plan_dense_kl, plan_dense_lse, plan_sparse_kl
 
 
@@ -59,7 +60,8 @@ def sparse_indexer_kl_triton(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_
         else:
             p_scr = dq = dk = dw = kl
         if B * T > 0:
-            plan_sparse_kl(qi, ki, wi, idx, qm, kvm, lse, p_scr, kl, klu, dq, dk, dw, scale, need).run()
+            plan_sparse_kl(qi, ki, wi, idx, slot_counts(idx), qm, kvm, lse, p_scr, kl, klu, dq, dk, dw, scale,
+                           need).run()
         return kl.sum(), klu.sum(), ((dq, dk, dw) if need else ())
 
     kl_sum, klu_sum = _FusedKL.apply(q_idx, k_idx, w_idx, run)
@@ -90,7 +92,7 @@ def dense_indexer_kl_triton(q_idx, k_idx, w_idx, q_main, k_main, scale: float, d
         if need:
             dq = torch.zeros((B, T, HI, DI), dtype=torch.float32, device=dev)
             dk = torch.zeros((B, T, DI), dtype=torch.float32, device=dev)
-            dw = torch.empty((B, T, HI), dtype=torch.float32, device=dev)
+            dw = torch.zeros((B, T, HI), dtype=torch.float32, device=dev)
         else:
             dq = dk = dw = kl
         if B * T > 0:

@@ -43,12 +43,13 @@ LN2 = 0.6931471805599453
 # ----------------------------------------------------------------------------- sparse (eq. 4)
 @triton.jit
 def _sparse_kl_kernel(
-    QI, KI, WI, IDX, QM, KVM, LSE, P_SCR,
+    QI, KI, WI, IDX, NSLOT, QM, KVM, LSE, P_SCR,
     KL, KLU, DQI, DKI, DWI,
     stride_qib, stride_qit, stride_qih,
     stride_kib, stride_kit,
     stride_wib, stride_wit,
     stride_ib, stride_it,
+    stride_nb,
     stride_qmb, stride_qmt, stride_qmh,
     stride_kvb, stride_kvt,
     stride_lb, stride_lt,
@@ -73,6 +74,7 @@ def _sparse_kl_kernel(
     q_base = QM + b * stride_qmb + t * stride_qmt
     lse_base = LSE + b * stride_lb + t * stride_lt
     p_base = P_SCR + (b * T + t) * K
+    n_slots = tl.load(NSLOT + b * stride_nb + t)  # slots after the last valid one are all -1
 
     m_i = float("-inf")
     l_i = 0.0
@@ -80,9 +82,9 @@ def _sparse_kl_kernel(
     b_sum = 0.0
     p_sum = 0.0
     n_valid = 0
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, n_slots, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        idx = tl.load(idx_base + offs_k, mask=offs_k < K, other=-1)
+        idx = tl.load(idx_base + offs_k, mask=offs_k < n_slots, other=-1)
         valid = idx >= 0
         safe = tl.where(valid, idx, 0).to(tl.int64)
         # target: head-averaged main-attention probabilities at the selected keys
@@ -121,7 +123,7 @@ def _sparse_kl_kernel(
         p_sum += tl.sum(p, 0)
         n_valid += tl.sum(valid.to(tl.int32), 0)
         if GRAD:
-            tl.store(p_base + offs_k, p, mask=offs_k < K)
+            tl.store(p_base + offs_k, p, mask=offs_k < n_slots)
 
     has = n_valid > 0
     lse_i = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), 0.0)
@@ -131,14 +133,17 @@ def _sparse_kl_kernel(
     tl.store(KLU + b * T + t, klu)
 
     if GRAD:
+        # the scratch p was written by other threads of this program (another layout): make those
+        # global stores visible before reading them back (the race when K <= BLOCK_K)
+        tl.debug_barrier()
         dqi = tl.zeros([BLOCK_HI, BLOCK_DI], dtype=tl.float32)
         dwi = tl.zeros([BLOCK_HI], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(0, n_slots, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            idx = tl.load(idx_base + offs_k, mask=offs_k < K, other=-1)
+            idx = tl.load(idx_base + offs_k, mask=offs_k < n_slots, other=-1)
             valid = idx >= 0
             safe = tl.where(valid, idx, 0).to(tl.int64)
-            p = tl.load(p_base + offs_k, mask=offs_k < K, other=0.0)
+            p = tl.load(p_base + offs_k, mask=offs_k < n_slots, other=0.0)
             ki = tl.load(ki_base + safe[:, None] * stride_kit + offs_di[None, :],
                          mask=valid[:, None] & mask_di[None, :], other=0.0)
             a = tl.dot(qi, tl.trans(ki))
@@ -146,9 +151,11 @@ def _sparse_kl_kernel(
             sc = tl.sum(wi[:, None] * relu, 0)
             g = tl.where(valid, p_sum * tl.exp(sc - lse_i) - p, 0.0)  # dKL / dI
             dwi += tl.sum(relu * g[None, :], 1)
-            da = tl.where(a > 0, wi[:, None] * g[None, :], 0.0)  # [BLOCK_HI, BLOCK_K]
-            dqi += tl.dot(da, ki.to(tl.float32))
-            dk = tl.dot(tl.trans(da), qi.to(tl.float32))  # [BLOCK_K, BLOCK_DI]
+            # gradient dots at the inputs' precision (bf16 operands -> tensor cores, fp32
+            # accumulation; fp32 inputs -> IEEE fp32, never TF32)
+            da = tl.where(a > 0, wi[:, None] * g[None, :], 0.0).to(ki.dtype)  # [BLOCK_HI, BLOCK_K]
+            dqi += tl.dot(da, ki, input_precision="ieee")
+            dk = tl.dot(tl.trans(da), qi, input_precision="ieee")  # [BLOCK_K, BLOCK_DI]
             tl.atomic_add(DKI + b * T * DI + safe[:, None] * DI + offs_di[None, :], dk,
                           mask=valid[:, None] & mask_di[None, :])
         tl.store(DQI + ((b * T + t) * HI + offs_j[:, None]) * DI + offs_di[None, :], dqi,
@@ -302,10 +309,8 @@ def _dense_kl_kernel(
     tl.store(KLU + b * T + offs_m, klu, mask=mask_m)
 
     if GRAD:
-        offs_j = tl.arange(0, BLOCK_HI)
         offs_di = tl.arange(0, BLOCK_DI)
         mask_di = offs_di < DI
-        dwi = tl.zeros([BLOCK_M, BLOCK_HI], dtype=tl.float32)
         for n0 in range(start, hi, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             p, sc, valid, ki = _dense_tiles(
@@ -314,24 +319,25 @@ def _dense_kl_kernel(
                 stride_qib, stride_qit, stride_qih, stride_kib, stride_kit, stride_wib, stride_wit,
                 T, H, HI, scale_log2, inv_h, D, DI, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DI)
             g = tl.where(valid, p_sum[:, None] * tl.exp(sc - lse_i[:, None]) - p, 0.0)  # dKL / dI
-            kif = ki.to(tl.float32)
             dk = tl.zeros([BLOCK_N, BLOCK_DI], dtype=tl.float32)
             for j in range(HI):
                 qi = tl.load(QI + b * stride_qib + offs_m[:, None].to(tl.int64) * stride_qit + j * stride_qih + offs_di[None, :],
                              mask=mask_m[:, None] & mask_di[None, :], other=0.0)
                 wj = tl.load(WI + b * stride_wib + offs_m.to(tl.int64) * stride_wit + j, mask=mask_m, other=0.0).to(tl.float32)
                 a = tl.dot(qi, tl.trans(ki))
-                dwi += tl.where(offs_j[None, :] == j, tl.sum(g * tl.maximum(a, 0.0), 1)[:, None], 0.0)
-                da = tl.where(a > 0, g * wj[:, None], 0.0)  # [BLOCK_M, BLOCK_N]
+                # dw and dq: read-modify-write of rows owned by this program (no [M, H_I] registers)
+                dw_ptrs = DWI + (b * T + offs_m) * HI + j
+                dw_old = tl.load(dw_ptrs, mask=mask_m, other=0.0)
+                tl.store(dw_ptrs, dw_old + tl.sum(g * tl.maximum(a, 0.0), 1), mask=mask_m)
+                # gradient dots at the inputs' precision (bf16 -> tensor cores; fp32 -> IEEE, not TF32)
+                da = tl.where(a > 0, g * wj[:, None], 0.0).to(ki.dtype)  # [BLOCK_M, BLOCK_N]
                 dq_ptrs = DQI + ((b * T + offs_m[:, None]) * HI + j) * DI + offs_di[None, :]
                 dq_mask = mask_m[:, None] & mask_di[None, :]
                 dq_old = tl.load(dq_ptrs, mask=dq_mask, other=0.0)  # rows owned by this program
-                tl.store(dq_ptrs, dq_old + tl.dot(da, kif), mask=dq_mask)
-                dk += tl.dot(tl.trans(da), qi.to(tl.float32))
+                tl.store(dq_ptrs, dq_old + tl.dot(da, ki, input_precision="ieee"), mask=dq_mask)
+                dk += tl.dot(tl.trans(da), qi, input_precision="ieee")
             tl.atomic_add(DKI + (b * T + offs_n[:, None].to(tl.int64)) * DI + offs_di[None, :], dk,
                           mask=(offs_n < T)[:, None] & mask_di[None, :])
-        tl.store(DWI + (b * T + offs_m[:, None]) * HI + offs_j[None, :], dwi,
-                 mask=mask_m[:, None] & (offs_j < HI)[None, :])
 
 
 # ----------------------------------------------------------------------------- launch plans
@@ -340,7 +346,8 @@ def sparse_blocks(K: int, H: int, D: int, HI: int, DI: int) -> dict:
                 BLOCK_HI=pow2(HI), BLOCK_DI=pow2(DI))
 
 
-def plan_sparse_kl(qi, ki, wi, idx, qm, kvm, lse, p_scr, kl, klu, dq, dk, dw, scale: float, grad: bool) -> Launch:
+def plan_sparse_kl(qi, ki, wi, idx, n_slots, qm, kvm, lse, p_scr, kl, klu, dq, dk, dw, scale: float,
+                   grad: bool) -> Launch:
     """qi [B, T, H_I, D_I], ki [B, T, D_I], wi [B, T, H_I] fp32, idx [B, T, K] int32,
     qm [B, T, H, D], kvm [B, T, D], lse [B, T, H] fp32 -> kl, klu [B, T] fp32 and, with grad,
     dq [B, T, H_I, D_I], dk [B, T, D_I] (zeroed; atomics), dw [B, T, H_I] fp32."""
@@ -350,12 +357,13 @@ def plan_sparse_kl(qi, ki, wi, idx, qm, kvm, lse, p_scr, kl, klu, dq, dk, dw, sc
     return Launch(
         _sparse_kl_kernel, (T, B),
         dict(
-            QI=qi, KI=ki, WI=wi, IDX=idx, QM=qm, KVM=kvm, LSE=lse, P_SCR=p_scr,
+            QI=qi, KI=ki, WI=wi, IDX=idx, NSLOT=n_slots, QM=qm, KVM=kvm, LSE=lse, P_SCR=p_scr,
             KL=kl, KLU=klu, DQI=dq, DKI=dk, DWI=dw,
             stride_qib=qi.stride(0), stride_qit=qi.stride(1), stride_qih=qi.stride(2),
             stride_kib=ki.stride(0), stride_kit=ki.stride(1),
             stride_wib=wi.stride(0), stride_wit=wi.stride(1),
             stride_ib=idx.stride(0), stride_it=idx.stride(1),
+            stride_nb=n_slots.stride(0),
             stride_qmb=qm.stride(0), stride_qmt=qm.stride(1), stride_qmh=qm.stride(2),
             stride_kvb=kvm.stride(0), stride_kvt=kvm.stride(1),
             stride_lb=lse.stride(0), stride_lt=lse.stride(1),
@@ -368,13 +376,17 @@ def plan_sparse_kl(qi, ki, wi, idx, qm, kvm, lse, p_scr, kl, klu, dq, dk, dw, sc
 
 
 def dense_blocks(T: int, D: int) -> tuple[int, int, int]:
-    return min(pow2(T), 64), min(pow2(T), 64), min(pow2(D), 64)
+    # 32 query rows x 32 keys with 8 warps: 64 x 64 tiles spilled (255 registers, 3-6 KB) and
+    # 32 x 64 still spilled in the MQA form in the sm_90a compile report (the gradient pass holds
+    # q_I tiles, their pointers and the dk_I tile)
+    return min(pow2(T), 32), min(pow2(T), 32), min(pow2(D), 64)
 
 
 def plan_dense_lse(qm, km, ds, lse2, scale: float) -> Launch:
     """qm [B, T, H, D], km [B, T, H or 1, D], ds [B, T] -> lse2 [B, H, T] fp32 (log2 domain)."""
     B, T, H, D = qm.shape
-    block_m, block_n, block_d = dense_blocks(T, D)
+    # its own 64 x 64 tiles (0 spills; at 32 x 32 ptxas reported a 32-byte spill in the MHA form)
+    block_m, block_n, block_d = min(pow2(T), 64), min(pow2(T), 64), min(pow2(D), 64)
     return Launch(
         _dense_lse_kernel, (triton.cdiv(T, block_m), B * H),
         dict(
@@ -411,5 +423,5 @@ def plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, klu, dq, dk, dw, scale: floa
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
             BLOCK_HI=pow2(HI), BLOCK_DI=pow2(DI),
         ),
-        num_warps=4,
+        num_warps=8,
     )

@@ -40,7 +40,7 @@ def _sparse():
     kvm = torch.empty(B, T, D, dtype=torch.bfloat16, **meta)
     lse = torch.empty(B, T, H, dtype=torch.float32, **meta)
     p_scr = torch.empty(B, T, K, dtype=torch.float32, **meta)
-    launch = plan_sparse_kl(qi, ki, wi, idx, qm, kvm, lse, p_scr, kl, kl, dq, dk, dw, D**-0.5, True)
+    launch = plan_sparse_kl(qi, ki, wi, idx, torch.empty(B, T, dtype=torch.int32, **meta), qm, kvm, lse, p_scr, kl, kl, dq, dk, dw, D**-0.5, True)
     return [KernelCase(_config(launch), launch)]
 
 

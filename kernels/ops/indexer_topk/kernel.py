@@ -102,6 +102,12 @@ def _sortable(x):
 
 
 @triton.jit
+def _finite(x):
+    """Selectable scores: -inf (masked key), +inf and NaN are never selected, as in the reference."""
+    return (x == x) & (x != float("inf")) & (x != float("-inf"))
+
+
+@triton.jit
 def _radix_topk_kernel(
     S, OUT_I, OUT_V,
     stride_sb, stride_sc,
@@ -118,13 +124,13 @@ def _radix_topk_kernel(
     pmask = prefix
     k_rem = TOPK
     for i in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * i
+        shift = 24 - 8 * i  # a constexpr expression of the unrolled index (never reassigned)
         hist = tl.zeros([256], dtype=tl.int32)
         for w0 in range(0, W_LEN, BLOCK):
             offs = w0 + tl.arange(0, BLOCK)
             x = tl.load(row + offs, mask=offs < W_LEN, other=float("-inf"))
             key = _sortable(x)
-            match = (x != float("-inf")) & ((key & pmask) == prefix)
+            match = _finite(x) & ((key & pmask) == prefix)
             digit = ((key >> shift) & 0xFF).to(tl.int32)
             hist += tl.histogram(digit, 256, mask=match)
         if i == 0:
@@ -146,7 +152,7 @@ def _radix_topk_kernel(
         offs = w0 + tl.arange(0, BLOCK)
         x = tl.load(row + offs, mask=offs < W_LEN, other=float("-inf"))
         key = _sortable(x)
-        valid = x != float("-inf")
+        valid = _finite(x)
         gt = valid & (key > prefix)
         eq = (valid & (key == prefix)).to(tl.int32)
         eq_rank = ties + tl.cumsum(eq, 0) - eq

@@ -6,9 +6,10 @@ Shapes: q_I [B, T, H_I, D_I] (roped, optionally Hadamard-rotated), k_I [B, T, D_
 shared by all indexer heads), w [B, T, H_I] fp32 with the H_I^-1/2 * D_I^-1/2 scale folded in,
 doc_start [B, T]. The [T, T] score matrix exists only one query chunk at a time.
 
-Top-k convention: invalid keys score -inf; a row with fewer than k valid keys returns all of
-them followed by -1 slots (score -inf). Ties are broken towards the lower key index (a stable
-sort), so the selected set is deterministic.
+Top-k convention: invalid keys score -inf; non-finite scores (+inf, NaN) are treated as invalid
+keys; a row with fewer than k valid keys returns all of them followed by -1 slots (score -inf),
+so the -1 slots are always the tail. Ties are broken towards the lower key index (a stable sort),
+so the selected set is deterministic.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def topk_from_scores(scores: torch.Tensor, topk: int, key_offset: int = 0) -> tu
     """scores [B, C, S] (-inf = invalid) -> (indices [B, C, topk] int32 with -1, values [B, C, topk])."""
     B, C, S = scores.shape
     kk = min(topk, S)
+    # a non-finite score (+inf or NaN from bad inputs) is never selected: it counts as a masked key,
+    # so the -1 slots are always the row's tail
+    scores = torch.where(torch.isfinite(scores), scores, torch.full_like(scores, float("-inf")))
     values, order = torch.sort(scores, dim=-1, descending=True, stable=True)
     values, order = values[..., :kk], order[..., :kk]
     indices = torch.where(torch.isfinite(values), order + key_offset, torch.full_like(order, -1))

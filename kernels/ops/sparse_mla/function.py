@@ -7,7 +7,7 @@ import math
 import torch
 
 from ..._triton_common import interp_upcast
-from .kernel import sparse_mla_bwd, sparse_mla_fwd
+from .kernel import slot_counts, sparse_mla_bwd, sparse_mla_fwd
 
 
 class SparseMLAFunction(torch.autograd.Function):
@@ -15,17 +15,18 @@ class SparseMLAFunction(torch.autograd.Function):
     def forward(ctx, q, kv, indices, scale, d_v):
         q_c, kv_c = interp_upcast(q.contiguous()), interp_upcast(kv.contiguous())
         idx = indices.to(torch.int32).contiguous()
-        out, lse = sparse_mla_fwd(q_c, kv_c, idx, scale, d_v)
-        ctx.save_for_backward(q_c, kv_c, idx, out, lse)
+        n_slots = slot_counts(idx)  # [B, T]
+        out, lse = sparse_mla_fwd(q_c, kv_c, idx, n_slots, scale, d_v)
+        ctx.save_for_backward(q_c, kv_c, idx, n_slots, out, lse)
         ctx.scale, ctx.d_v = scale, d_v
         ctx.dtypes = (q.dtype, kv.dtype)
         return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, kv, idx, out, lse = ctx.saved_tensors
+        q, kv, idx, n_slots, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.to(q.dtype)
-        dq, dkv = sparse_mla_bwd(q, kv, idx, out, lse, dout, dlse, ctx.scale, ctx.d_v)
+        dq, dkv = sparse_mla_bwd(q, kv, idx, n_slots, out, lse, dout, dlse, ctx.scale, ctx.d_v)
         return dq.to(ctx.dtypes[0]), dkv.to(ctx.dtypes[1]), None, None, None
 
 

@@ -21,7 +21,7 @@ def _tensors():
 
 def _config(launch) -> str:
     a = launch.args
-    keys = [k for k in a if k.startswith("BLOCK_") or k in ("SPLIT_V", "DETERMINISTIC")]
+    keys = [k for k in a if k.startswith("BLOCK_") or k in ("SPLIT_V", "SPLIT")]
     return " ".join(f"{k}={a[k]}" for k in keys) + f" warps={launch.num_warps} grid={launch.grid}"
 
 
@@ -29,7 +29,8 @@ def _config(launch) -> str:
 def _fwd():
     q, kv, idx, lse, scale, d_v = _tensors()
     out = torch.empty(*q.shape[:3], d_v, dtype=q.dtype, device="meta")
-    launch = plan_fwd(q, kv, idx, out, lse, scale, d_v)
+    n_slots = torch.empty(idx.shape[:2], dtype=torch.int32, device="meta")
+    launch = plan_fwd(q, kv, idx, n_slots, out, lse, scale, d_v)
     return [KernelCase(_config(launch), launch)]
 
 
@@ -40,5 +41,6 @@ def _bwd():
     delta = torch.empty_like(lse)
     dq = torch.empty_like(q)
     dkv = torch.empty(kv.shape, dtype=torch.float32, device="meta")
-    launch = plan_bwd(q, kv, idx, dout, lse, delta, dq, dkv, scale, d_v)
+    n_slots = torch.empty(idx.shape[:2], dtype=torch.int32, device="meta")
+    launch = plan_bwd(q, kv, idx, n_slots, dout, lse, delta, dq, dkv, scale, d_v)
     return [KernelCase(_config(launch), launch)]
