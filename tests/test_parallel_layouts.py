@@ -71,7 +71,6 @@ def test_load_balanced_chunks():
 
 def test_global_topk_at_local_positions_matches_full_sequence():
     import dsa_kernels as K
-    from dsa_train.parallel.attention import topk_at_positions
     from dsa_train.parallel.context import local_positions
 
     torch.manual_seed(0)
@@ -83,7 +82,7 @@ def test_global_topk_at_local_positions_matches_full_sequence():
     crossed = False
     for rank in range(2):
         p = local_positions(T, 2, rank)
-        local = topk_at_positions(q[:, p], kk, w[:, p], doc_start, p, k)
+        local, _ = K.indexer_topk(q[:, p], kk, w[:, p], doc_start, k, query_positions=p)
         assert torch.equal(local, full[:, p])
         other = torch.tensor([int(x) for x in local_positions(T, 2, 1 - rank)])
         crossed |= bool(torch.isin(local.long(), other).any())

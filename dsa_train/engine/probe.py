@@ -12,6 +12,7 @@ import dataclasses
 import torch
 
 from dsa_train.config import Attention, DataSection, StageConfig
+from dsa_train.loss import MetricSums, Reduction
 
 PROBE_SEED_OFFSET = 1
 
@@ -28,18 +29,19 @@ def probe_batches(data: DataSection, count: int) -> list[dict[str, torch.Tensor]
 
 @torch.no_grad()
 def measure(
-    model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], stage: StageConfig, device: torch.device
+    model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], stage: StageConfig, device: torch.device,
+    reduction: Reduction | None = None,
 ) -> dict[str, float]:
-    """Mean over the probe batches of lm_loss, indexer_kl, indexer_kl_captured (from the mean
-    KLs) and, in sparse stages with recall sampling on, topk_recall."""
+    """lm_loss, indexer_kl, indexer_kl_uniform, indexer_kl_captured and, in sparse stages with
+    recall sampling on, topk_recall, over all probe batches (the model's metric sums, reduced
+    like a training step's: `dsa_train.loss.MetricSums`)."""
     if not batches:
         return {}
     recall_queries = stage.topk_recall_queries if stage.attention == Attention.sparse else 0
-    totals = {"lm_loss": 0.0, "indexer_kl": 0.0, "indexer_kl_uniform": 0.0}
-    if recall_queries:
-        totals["topk_recall"] = 0.0
+    keys = ["lm_loss", "indexer_kl", "indexer_kl_uniform", "indexer_kl_captured"] + (["topk_recall"] if recall_queries else [])
     was_training = model.training
     model.eval()
+    sums = MetricSums()
     for batch in batches:
         batch = {k: v.to(device) for k, v in batch.items()}
         out = model(
@@ -52,10 +54,7 @@ def measure(
             topk=stage.topk,
             measure_topk_recall=recall_queries,
         )
-        totals["lm_loss"] += float(out.lm_loss)
-        for key in totals.keys() - {"lm_loss"}:
-            totals[key] += out.metrics[key]
+        sums.add(out.stats)
     model.train(was_training)
-    result = {key: value / len(batches) for key, value in totals.items()}
-    result["indexer_kl_captured"] = 1.0 - result["indexer_kl"] / result["indexer_kl_uniform"]
-    return result
+    values = sums.values(reduction or Reduction(), device=device)
+    return {key: values[key] for key in keys}

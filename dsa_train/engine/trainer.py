@@ -9,6 +9,7 @@ Hugging Face layout and print the summary.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -87,11 +88,27 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig):
+    """One trainer for one process (`dsa-train`) and for N ranks (`distributed=True`: torchrun /
+    Slurm, `dsa_train.parallel.train`). With N ranks: megatron-core process groups
+    (`init_parallel`), the model built whole on every rank (same seed, or loaded) then
+    parallelized (`dsa_train.parallel.model.parallelize_model`), data sharded by data-parallel
+    rank, the DeepSpeed engine per stage, the step's numbers combined over ranks by
+    `dsa_train.parallel.step.parallel_reduction`. Rank 0 logs (W&B, progress) and writes the
+    shared files; every rank writes its own model shard and optimizer partition in checkpoints;
+    the export at the end gathers the full model to rank 0."""
+
+    def __init__(self, cfg: TrainConfig, distributed: bool = False):
         from dsa_train.data import DataConfig, build_dataloader
 
         validate(cfg)
-        check_single_process(cfg)
+        self.parallel = None  # ParallelState with N ranks
+        self.reduction = None  # how a step's numbers combine over ranks (None: one process)
+        self.rank, self.world_size, self.dp_rank, self.dp_size = 0, 1, 0, 1
+        self.barrier = None  # syncs the ranks around checkpoint commits
+        if distributed:
+            cfg = self._init_ranks(cfg)
+        else:
+            check_single_process(cfg)
         self.cfg = cfg
         self.stage_names = list(cfg.stages)
         self.device = resolve_device(cfg.device)
@@ -99,10 +116,14 @@ class Trainer:
         set_deterministic(cfg.deterministic)
         seed_everything(cfg.seed)
 
-        self.loader = build_dataloader(
-            DataConfig(**dataclasses.asdict(cfg.data)), dp_rank=getattr(self, "dp_rank", 0), dp_size=getattr(self, "dp_size", 1)
-        )
+        self.loader = build_dataloader(DataConfig(**dataclasses.asdict(cfg.data)), dp_rank=self.dp_rank, dp_size=self.dp_size)
         self.model = build_model(cfg, self.loader.tokenizer.vocab_size).to(self.device)
+        if self.parallel is not None:
+            from dsa_train.parallel.model import parallelize_model
+
+            self.model = parallelize_model(self.model, self.parallel, recompute=cfg.parallel.recompute,
+                                           grouped_experts=cfg.parallel.grouped_experts)
+            log.info("%s", self.parallel.describe())
         self.model.train()
         max_pos = self.model.config.max_position_embeddings
         if cfg.data.seq_len > max_pos:
@@ -127,10 +148,6 @@ class Trainer:
         self.engine_state: dict | None = None  # optimizer + schedule to restore on resume
         self.resume_rng: dict | None = None
         self.result = TrainResult(run_dir=self.run_dir)
-        # distributed trainers set these (rank 0 commits checkpoints; barrier syncs the ranks)
-        self.rank = getattr(self, "rank", 0)
-        self.world_size = getattr(self, "world_size", 1)
-        self.barrier = getattr(self, "barrier", None)
         self.last_saved_step: int | None = None
         self.preemption: PreemptionHandler | None = None
         if cfg.checkpoint.resume is False:
@@ -146,6 +163,35 @@ class Trainer:
         self.wandb = WandbRun(cfg.logging, self.config_dict(), run_id=self.state.wandb_run_id)
         self.state.wandb_run_id = self.wandb.id
         self.result.wandb_run_id = self.wandb.id
+
+    def _init_ranks(self, cfg: TrainConfig) -> TrainConfig:
+        import copy
+
+        import torch.distributed as dist
+
+        from dsa_train.config import WandbMode
+        from dsa_train.parallel.groups import init_parallel
+        from dsa_train.parallel.step import parallel_reduction
+
+        state = init_parallel(cfg.parallel)
+        self.parallel, self.reduction = state, parallel_reduction(state)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.dp_rank, self.dp_size = state.dp_rank, state.sizes.data
+        self.barrier = dist.barrier
+        for name, stage in cfg.stages.items():
+            per_step = cfg.data.micro_batch_size * state.sizes.data
+            if stage.global_batch_size % per_step:
+                raise ConfigError(
+                    f"stages.{name}.global_batch_size={stage.global_batch_size} is not a multiple of "
+                    f"data.micro_batch_size * data-parallel size = {cfg.data.micro_batch_size} * {state.sizes.data}"
+                )
+        if cfg.device.value == "cuda" or (cfg.device.value == "auto" and torch.cuda.is_available()):
+            torch.cuda.set_device(torch.cuda.current_device())
+        if self.rank != 0:
+            cfg = copy.deepcopy(cfg)
+            cfg.logging.wandb_mode = WandbMode.disabled
+            cfg.logging.progress_bar = False
+        return cfg
 
     def tokenizer_dir(self) -> str:
         from dsa_train.data import BUNDLED_TOKENIZER_DIR
@@ -227,6 +273,18 @@ class Trainer:
             log.warning("resume: %s has a different model config in %s (same tensors)", path, ", ".join(differ))
 
     def save(self, engine: Engine | None, data_state: dict | None = None, rng: dict | None = None) -> None:
+        with self._gathered():
+            self._save(engine, data_state, rng)
+
+    def _gathered(self):
+        """ZeRO-3: parameters gathered for the duration (checkpoint writing reads them)."""
+        if self.parallel is not None and self.cfg.parallel.zero_stage == 3:
+            import deepspeed
+
+            return deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None)
+        return contextlib.nullcontext()
+
+    def _save(self, engine, data_state, rng) -> None:
         path = ckpt.save_checkpoint(
             self.cfg.checkpoint.dir,
             self.state,
@@ -244,8 +302,49 @@ class Trainer:
         log.info("checkpoint %s", path)
 
     def model_layout(self) -> dict | None:
-        """How this rank's model file is sharded (distributed trainers); None: the whole model."""
-        return None
+        """The tensor-parallel slices in this rank's model file, for `dsa-train export`; None:
+        the whole model (one process)."""
+        if self.parallel is None:
+            return None
+        shards = {}
+        for name, p in self.model.state_dict(keep_vars=True).items():
+            shard = getattr(p, "dsa_shard", None)
+            if shard is not None:
+                shards[name] = list(shard)
+        return {"tensor_parallel": self.parallel.sizes.tensor, "shards": shards}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The single-process state dict, gathered to every rank (TP shards concatenated, EP
+        experts collected). For small models and the tests; big models export from checkpoints."""
+        import torch.distributed as dist
+
+        st = self.parallel
+        if st is None:
+            return dict(self.model.state_dict())
+        out: dict[str, torch.Tensor] = {}
+        experts: dict[str, torch.Tensor] = {}
+        with self._gathered():
+            for name, p in self.model.state_dict(keep_vars=True).items():
+                if p is None:
+                    continue
+                t = p.detach().clone()
+                shard = getattr(p, "dsa_shard", None)
+                if getattr(p, "allreduce", True) is False:
+                    experts[name] = t
+                    continue
+                if shard is not None:
+                    parts = [torch.empty_like(t) for _ in range(st.sizes.tensor)]
+                    dist.all_gather(parts, t.contiguous(), group=st.tp_group)
+                    t = torch.cat(parts, dim=shard[0])
+                out[name] = t
+        if st.sizes.expert > 1:
+            gathered = [None] * st.sizes.expert
+            dist.all_gather_object(gathered, experts, group=st.ep_group)
+            for part in gathered:
+                out.update(part)
+        else:
+            out.update(experts)
+        return out
 
     def clear_router_loads(self) -> None:
         """Zero the MoE loads accumulated since the last router-bias update. They are not part of
@@ -254,12 +353,23 @@ class Trainer:
             if isinstance(getattr(module, "load_since_update", None), torch.Tensor):
                 module.load_since_update.zero_()
 
-    def make_engine(self, stage: StageConfig) -> Engine:
-        return Engine(self.model, stage, self.cfg.optim)
+    def make_engine(self, stage: StageConfig):
+        if self.parallel is None:
+            return Engine(self.model, stage, self.cfg.optim)
+        from dsa_train.parallel.deepspeed_engine import DeepSpeedEngine
+
+        return DeepSpeedEngine(self.model, stage, self.cfg.optim, self.parallel, zero_stage=self.cfg.parallel.zero_stage,
+                               micro_batch_size=self.cfg.data.micro_batch_size)
 
     def any_rank(self, flag: bool) -> bool:
-        """True when `flag` is true on any rank (a distributed trainer reduces it)."""
-        return flag
+        """True when `flag` is true on any rank."""
+        if self.parallel is None:
+            return flag
+        import torch.distributed as dist
+
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
 
     def check_preemption(self, engine: Engine | None) -> None:
         """At a step boundary: after a preemption signal, checkpoint and raise Preempted."""
@@ -305,16 +415,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
     def next_micro_batches(self, stage: StageConfig) -> list[dict[str, torch.Tensor]]:
-        accum = stage.global_batch_size // self.cfg.data.micro_batch_size
+        accum = stage.global_batch_size // (self.cfg.data.micro_batch_size * self.dp_size)
         return [{k: v.to(self.device) for k, v in next(self.loader).items()} for _ in range(accum)]
 
     def probe(self, name: str, stage: StageConfig, when: str) -> None:
         if not self.probes:
             return
-        values = measure(self.model, self.probes, stage, self.device)
+        values = measure(self.model, self.probes, stage, self.device, self.reduction)
         self.state.summary.setdefault(name, {})[when] = values
-        self.wandb.log({f"probe/{name}/{key}": v for key, v in values.items()}, step=self.state.global_step)
-        log.info("probe %s %s: %s", name, when, "  ".join(f"{k} {v:.4f}" for k, v in values.items()))
+        if self.rank == 0:
+            self.wandb.log({f"probe/{name}/{key}": v for key, v in values.items()}, step=self.state.global_step)
+            log.info("probe %s %s: %s", name, when, "  ".join(f"{k} {v:.4f}" for k, v in values.items()))
 
     def run_stage(self, index: int, progress: StageProgress) -> None:
         from dsa_train.model.flops import flops_per_token
@@ -351,7 +462,8 @@ class Trainer:
             micro_batches = self.next_micro_batches(stage)
             lr = engine.lr
             step_metrics = forward_backward(
-                engine, micro_batches, stage, topk_recall_queries=stage.topk_recall_queries if logged else 0
+                engine, micro_batches, stage, topk_recall_queries=stage.topk_recall_queries if logged else 0,
+                reduction=self.reduction,
             )
             faults.at("mid_step", step_number)
             if faults.poison_step(step_number):
@@ -423,15 +535,34 @@ class Trainer:
             if self.preemption is not None:
                 self.preemption.restore()
         if self.cfg.checkpoint.export:
-            self.result.export_dir = self.run_dir / "export"
-            self.model.save_pretrained(self.result.export_dir, tokenizer_dir=self.tokenizer_dir())
-            log.info("exported %s", self.result.export_dir)
+            self.export()
         self.result.summary = self.state.summary
         self.wandb.set_summary(summary_metrics(self.state.summary))
         self.wandb.finish()
-        print(format_summary(self.cfg, self.result))
+        if self.rank == 0:  # the run summary: rank 0 prints it
+            print(format_summary(self.cfg, self.result))
         return self.result
 
+    def export(self) -> None:
+        """The model in the V3.2 Hugging Face layout (N ranks: gathered to rank 0, written there)."""
+        self.result.export_dir = self.run_dir / "export"
+        if self.parallel is None:
+            self.model.save_pretrained(self.result.export_dir, tokenizer_dir=self.tokenizer_dir())
+        else:
+            import copy
 
-def train(cfg: TrainConfig) -> TrainResult:
-    return Trainer(cfg).run()
+            import torch.distributed as dist
+
+            from dsa_train.model import DSAForCausalLM
+
+            full = self.full_state_dict()
+            if self.rank == 0:
+                model = DSAForCausalLM(copy.deepcopy(self.model.config))
+                model.load_state_dict(full, strict=False)
+                model.save_pretrained(self.result.export_dir, tokenizer_dir=self.tokenizer_dir())
+            dist.barrier()
+        log.info("exported %s", self.result.export_dir)
+
+
+def train(cfg: TrainConfig, distributed: bool = False) -> TrainResult:
+    return Trainer(cfg, distributed=distributed).run()

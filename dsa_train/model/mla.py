@@ -20,6 +20,7 @@ Attention modes:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,19 @@ from .norm import RMSNorm
 from .rope import apply_rope_half, apply_rope_interleaved
 
 
+class AllHeads:
+    """Head placement of an MLA layer that holds every attention head (one process). Tensor
+    parallelism replaces it from outside (`dsa_train.parallel.tensor.TensorParallelHeads`)."""
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """A tensor read by every local head (latent KV): its gradient sums over head shards."""
+        return x
+
+    def gather(self, x: torch.Tensor, dim: int = 2) -> torch.Tensor:
+        """Values of every head of the layer (no gradient), from this process's heads along `dim`."""
+        return x
+
+
 @dataclass
 class AttentionRequest:
     """What one forward pass asks of every attention layer."""
@@ -41,8 +55,12 @@ class AttentionRequest:
     indexer_loss: bool = False
     topk: int = 2048
     mla_form: str = "auto"  # "mha" | "mqa" | "auto" (MHA for dense, MQA for sparse)
-    recall_queries: torch.Tensor | None = None  # [n] query positions to measure top-k recall at
+    recall_queries: torch.Tensor | None = None  # [n] global query positions to measure top-k recall at
     return_topk: bool = False
+    # Context parallelism: this rank holds only some of the sequence's queries. The handle knows
+    # their global positions (`positions` [T_loc]) and gathers per-token tensors of the whole
+    # sequence (`gather`: [B, T_loc, ...] -> [B, T, ...], autograd). None: the whole sequence.
+    context: object | None = None
 
 
 @dataclass
@@ -50,15 +68,21 @@ class AttentionAux:
     indexer_kl_sum: torch.Tensor | None = None  # differentiable w.r.t. indexer params
     indexer_kl_uniform_sum: torch.Tensor | None = None
     indexer_queries: float = 0.0
-    topk_recall: torch.Tensor | None = None
+    topk_recall_sum: torch.Tensor | None = None  # summed over the sampled queries this rank holds
+    topk_recall_count: float = 0.0
     topk_indices: torch.Tensor | None = None  # [B, T, k] int32, -1 = empty
 
 
 class MLA(nn.Module):
+    """One MLA layer. Its forward holds no parallelism of its own: it runs whatever heads its
+    projections hold (`view(B, T, -1, ...)`), reads the other heads' values through `self.heads`
+    (tensor parallelism, set from outside) and the rest of the sequence through
+    `request.context` (context parallelism, an argument)."""
+
     def __init__(self, config: DSAConfig):
         super().__init__()
         self.config = config
-        self.num_heads = config.num_attention_heads
+        self.num_heads = config.num_attention_heads  # of the whole layer
         self.nope_dim = config.qk_nope_head_dim
         self.rope_dim = config.qk_rope_head_dim
         self.v_dim = config.v_head_dim
@@ -78,6 +102,7 @@ class MLA(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, config.hidden_size, bias=config.attention_bias)
         self.indexer = LightningIndexer(config)
+        self.heads = AllHeads()
         self._rope = apply_rope_interleaved if config.rope_interleave else apply_rope_half
 
     # -------------------------------------------------------------- projections
@@ -89,17 +114,18 @@ class MLA(nn.Module):
         else:
             q_latent = self.q_a_layernorm(self.q_a_proj(x))
             q = self.q_b_proj(q_latent)
-        q = q.view(B, T, self.num_heads, self.nope_dim + self.rope_dim)
+        q = q.view(B, T, -1, self.nope_dim + self.rope_dim)  # [B, T, local heads, nope + rope]
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_rope = self._rope(q_rope, cos, sin)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [B, T, kv_lora_rank]
         k_rope = self._rope(k_rope, cos, sin)  # [B, T, rope_dim]
-        return q_latent, q_nope, q_rope, latent, k_rope
+        return q_latent, q_nope, q_rope, self.heads.shared(latent), self.heads.shared(k_rope)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK, W_UV: [H, nope_dim, kv_lora_rank], [H, v_dim, kv_lora_rank] (views of kv_b_proj)."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        """W_UK, W_UV: [H, nope_dim, kv_lora_rank], [H, v_dim, kv_lora_rank] (views of kv_b_proj;
+        H = the heads this layer holds)."""
+        w = self.kv_b_proj.weight.view(-1, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
     def mha_qkv(self, q_nope, q_rope, latent, k_rope):
@@ -130,60 +156,146 @@ class MLA(nn.Module):
         doc_start: torch.Tensor,
         request: AttentionRequest,
     ) -> tuple[torch.Tensor, AttentionAux]:
-        B, T, _ = x.shape
+        """x [B, T_loc, hidden] (T_loc = T without context parallelism); cos/sin of the same
+        tokens; doc_start [B, T] of the whole sequence."""
+        B, T_loc, _ = x.shape
         aux = AttentionAux()
+        cp = request.context
         q_latent, q_nope, q_rope, latent, k_rope = self._project(x, cos, sin)
         sparse = request.attention == "sparse"
         if request.attention not in ("dense", "sparse"):
             raise ValueError(f"attention must be 'dense' or 'sparse', got {request.attention!r}")
-        form = request.mla_form if request.mla_form != "auto" else ("mqa" if sparse else "mha")
-        if sparse and form != "mqa":
-            raise ValueError("sparse attention runs in the MQA (absorbed) form; use mla_form='mqa' or 'auto'")
+        # context parallelism exchanges only the MQA form's shared 576-dim key [latent | k_rope]
+        form = request.mla_form if request.mla_form != "auto" else ("mqa" if sparse or cp is not None else "mha")
+        if (sparse or cp is not None) and form != "mqa":
+            raise ValueError("sparse and context-parallel attention run in the MQA (absorbed) form; "
+                             "use mla_form='mqa' or 'auto'")
 
-        need_indexer = sparse or request.indexer_loss
-        if need_indexer:
+        if sparse or request.indexer_loss:
             # Detached input: the indexer learns only from its KL loss (report section 2.1.1).
             q_idx, k_idx, w_idx = self.indexer(x.detach(), q_latent.detach(), cos, sin)
+            k_idx_all = k_idx if cp is None else cp.gather(k_idx)  # [B, T, d_I]
 
         if form == "mha":
             q, k, v = self.mha_qkv(q_nope, q_rope, latent, k_rope)
             out, lse = K.dense_attention(q, k, v, self.scale, doc_start)  # [B, T, H, v_dim], [B, T, H]
-            if request.indexer_loss:  # eq. 3's target from this forward's log-sum-exp
+            if request.indexer_loss:  # eq. 3's target from this forward's log-sum-exp (every head's)
                 kl, stats = K.dense_indexer_kl(
-                    q_idx, k_idx, w_idx, q.detach(), k.detach(), self.scale, doc_start, lse_main=lse.detach()
+                    q_idx, k_idx, w_idx, self.heads.gather(q.detach()), self.heads.gather(k.detach()), self.scale,
+                    doc_start, lse_main=self.heads.gather(lse.detach()),
+                )
+                self._record_kl(aux, kl, stats)
+            return self.o_proj(out.reshape(B, T_loc, -1)), aux
+
+        q_abs, kv = self.mqa_qkv(q_nope, q_rope, latent, k_rope)
+        kv_all = kv if cp is None else cp.gather(kv)  # [B, T, 576]: all attention activations exchanged
+        if sparse:
+            topk_indices = select_topk(q_idx.detach(), k_idx_all.detach(), w_idx.detach(), doc_start, request.topk, cp)
+            out_latent, lse = K.sparse_mla(q_abs, kv_all, topk_indices, self.scale, self.kv_lora_rank)
+            if request.indexer_loss:
+                kl, stats = K.sparse_indexer_kl(
+                    q_idx, k_idx_all, w_idx, topk_indices, self.heads.gather(q_abs.detach()), kv_all.detach(),
+                    self.heads.gather(lse.detach()), self.scale,
+                )
+                self._record_kl(aux, kl, stats)
+            if request.recall_queries is not None:
+                self._record_recall(aux, q_abs.detach(), kv_all.detach(), topk_indices, doc_start, request, cp)
+            if request.return_topk:
+                aux.topk_indices = topk_indices
+        elif cp is None:
+            out_latent, lse = K.dense_attention(q_abs, kv[:, :, None, :], latent[:, :, None, :], self.scale, doc_start)
+            if request.indexer_loss:
+                kl, stats = K.dense_indexer_kl(
+                    q_idx, k_idx, w_idx, self.heads.gather(q_abs.detach()), kv.detach()[:, :, None, :], self.scale,
+                    doc_start, lse_main=self.heads.gather(lse.detach()),
                 )
                 self._record_kl(aux, kl, stats)
         else:
-            q_abs, kv = self.mqa_qkv(q_nope, q_rope, latent, k_rope)
-            if sparse:
-                topk_indices, _ = K.indexer_topk(q_idx.detach(), k_idx.detach(), w_idx.detach(), doc_start, request.topk)
-                out_latent, lse = K.sparse_mla(q_abs, kv, topk_indices, self.scale, self.kv_lora_rank)
-                if request.indexer_loss:
-                    kl, stats = K.sparse_indexer_kl(
-                        q_idx, k_idx, w_idx, topk_indices, q_abs.detach(), kv.detach(), lse.detach(), self.scale
-                    )
-                    self._record_kl(aux, kl, stats)
-                if request.recall_queries is not None:
-                    aux.topk_recall = K.dense_mass_recall(
-                        q_abs.detach(), kv.detach(), topk_indices, self.scale, doc_start, request.recall_queries
-                    )
-                if request.return_topk:
-                    aux.topk_indices = topk_indices
-            else:
-                out_latent, lse = K.dense_attention(
-                    q_abs, kv[:, :, None, :], latent[:, :, None, :], self.scale, doc_start
+            out_latent = self._dense_at_positions(aux, request, q_abs, kv_all, q_idx if request.indexer_loss else None,
+                                                  k_idx_all if request.indexer_loss else None,
+                                                  w_idx if request.indexer_loss else None, doc_start, cp.positions)
+        out = self.mqa_output(out_latent)  # [B, T_loc, H, v_dim]
+        return self.o_proj(out.reshape(B, T_loc, -1)), aux
+
+    def _dense_at_positions(self, aux, request, q_abs, kv_all, q_idx, k_idx_all, w_idx, doc_start, positions):
+        """Dense attention (and eq. 3) for queries at global `positions` [T_loc] over the whole
+        sequence's keys kv_all [B, T, 576]: the sparse kernels over every visible key, one query
+        chunk at a time. Each chunk's index list [C, keys] is built inside a checkpointed
+        function, so neither the forward nor the backward holds more than one chunk's (about
+        DENSE_CHUNK_ELEMS indices), never [T_loc, T]. The same function as dense attention."""
+        from torch.utils.checkpoint import checkpoint
+
+        Tq, T = q_abs.shape[1], kv_all.shape[1]
+        chunk = max(1, DENSE_CHUNK_ELEMS // max(T * q_abs.shape[0], 1))
+        q_heads = self.heads.gather(q_abs.detach()) if request.indexer_loss else None
+        outs, kl_total, klu_total = [], None, 0.0
+
+        def attend(q_c, kv, pos):
+            idx = visible_key_indices(doc_start, pos)
+            return K.sparse_mla(q_c, kv, idx, self.scale, self.kv_lora_rank)
+
+        def kl(qi, ki, wi, qm, lse, pos):
+            idx = visible_key_indices(doc_start, pos)
+            value, stats = K.sparse_indexer_kl(qi, ki, wi, idx, qm, kv_all.detach(), lse, self.scale)
+            return value, stats["kl_uniform"]
+
+        for q0 in range(0, Tq, chunk):
+            pos = positions[q0 : q0 + chunk]
+            o, lse = checkpoint(attend, q_abs[:, q0 : q0 + chunk], kv_all, pos, use_reentrant=False)
+            outs.append(o)
+            if request.indexer_loss:
+                value, klu = checkpoint(
+                    kl, q_idx[:, q0 : q0 + chunk], k_idx_all, w_idx[:, q0 : q0 + chunk], q_heads[:, q0 : q0 + chunk],
+                    self.heads.gather(lse.detach()), pos, use_reentrant=False,
                 )
-                if request.indexer_loss:
-                    kl, stats = K.dense_indexer_kl(
-                        q_idx, k_idx, w_idx, q_abs.detach(), kv.detach()[:, :, None, :], self.scale, doc_start,
-                        lse_main=lse.detach(),
-                    )
-                    self._record_kl(aux, kl, stats)
-            out = self.mqa_output(out_latent)  # [B, T, H, v_dim]
-        return self.o_proj(out.reshape(B, T, self.num_heads * self.v_dim)), aux
+                kl_total = value if kl_total is None else kl_total + value
+                klu_total = klu_total + klu
+        if request.indexer_loss:
+            self._record_kl(aux, kl_total, {"kl_uniform": klu_total, "queries": float(q_abs.shape[0] * Tq)})
+        return torch.cat(outs, dim=1)
+
+    def _record_recall(self, aux, q_abs, kv_all, topk_indices, doc_start, request, cp) -> None:
+        """Top-k recall of the dense attention mass at the sampled query positions this rank holds."""
+        if cp is None:
+            local, positions = request.recall_queries, request.recall_queries
+        else:
+            held = torch.isin(cp.positions, request.recall_queries.to(cp.positions.device))
+            local = torch.nonzero(held).flatten()
+            positions = cp.positions[local]
+        total = q_abs.new_zeros((), dtype=torch.float32)
+        B = q_abs.shape[0]
+        for j, t in zip(local.tolist(), positions.tolist()):
+            # query t alone over keys [0, t]: broadcast views (no copies) put it at position t
+            q_t = q_abs[:, j : j + 1].expand(B, t + 1, *q_abs.shape[2:])
+            idx_t = topk_indices[:, j : j + 1].expand(B, t + 1, topk_indices.shape[-1])
+            recall = K.dense_mass_recall(q_t, kv_all[:, : t + 1], idx_t, self.scale, doc_start[:, : t + 1],
+                                         torch.tensor([t]))
+            total = total + recall.float() * B
+        aux.topk_recall_sum = total
+        aux.topk_recall_count = float(B * len(local))
 
     @staticmethod
     def _record_kl(aux: AttentionAux, kl_sum: torch.Tensor, stats: dict) -> None:
         aux.indexer_kl_sum = kl_sum
         aux.indexer_kl_uniform_sum = stats["kl_uniform"]
         aux.indexer_queries = float(stats["queries"])
+
+
+# index-list elements per query chunk of dense attention at given positions (env override for tests)
+DENSE_CHUNK_ELEMS = int(os.environ.get("DSA_CP_DENSE_CHUNK", 1 << 24))
+
+
+def visible_key_indices(doc_start: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Dense attention as index lists: every visible key of the queries at global `positions`
+    [Tq] (-1 padded) -> [B, Tq, max(positions) + 1] int32."""
+    s = torch.arange(int(positions.max()) + 1, device=doc_start.device)
+    valid = (s[None, None, :] <= positions[None, :, None]) & (s[None, None, :] >= doc_start[:, positions, None])
+    return torch.where(valid, s, torch.full_like(s, -1)).to(torch.int32)
+
+
+@torch.no_grad()
+def select_topk(q_idx, k_idx_all, w_idx, doc_start, topk: int, cp=None) -> torch.Tensor:
+    """Eq. 2 for this process's queries over every key of the sequence -> [B, T_loc, topk]
+    int32 (-1 = empty). q_idx [B, T_loc, H_I, d_I], k_idx_all [B, T, d_I], w_idx [B, T_loc, H_I]."""
+    positions = None if cp is None else cp.positions
+    return K.indexer_topk(q_idx, k_idx_all, w_idx, doc_start, topk, query_positions=positions)[0]

@@ -61,51 +61,96 @@ class Router(nn.Module):
         return expert_ids, weights * self.routed_scaling_factor
 
 
+class LocalDispatcher:
+    """Token dispatcher with every routed expert on this process: the (token, expert) slots are
+    only sorted by expert. `dsa_train.parallel.expert.AllToAllDispatcher` is the expert-parallel
+    one (same methods; tokens travel to their experts' ranks and back)."""
+
+    def __init__(self, n_experts: int):
+        self.n_experts = n_experts
+        self.local_experts = range(n_experts)  # global ids of the experts this process runs
+
+    def dispatch(self, tokens: torch.Tensor, expert_ids: torch.Tensor):
+        """tokens [N, h], expert_ids [N, top_k] -> (x [S, h] sorted by local expert,
+        counts [n_local] (list), state for `combine`)."""
+        flat = expert_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # slots grouped by expert
+        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        return tokens[order // expert_ids.shape[1]], counts, order
+
+    def combine(self, y: torch.Tensor, state, weights: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Expert outputs y [S, h] (dispatch order) -> [N, h]: weighted and summed per token."""
+        order = state
+        weight_of_slot = weights.reshape(-1)[order]
+        token_of_slot = order // weights.shape[1]
+        return torch.zeros_like(tokens).index_add(0, token_of_slot, y * weight_of_slot[:, None].to(tokens.dtype))
+
+
 class MoE(nn.Module):
+    """route -> dispatch -> experts -> combine (+ shared experts), as Megatron's MoELayer. The
+    dispatcher (`self.dispatcher`) is the seam where expert parallelism is applied from outside;
+    `self.grouped_gemm` runs the local experts as grouped GEMMs instead of a loop."""
+
     def __init__(self, config: DSAConfig):
         super().__init__()
         self.gate = Router(config)
-        self.experts = nn.ModuleList(
-            [MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.n_routed_experts)]
+        self.n_experts = config.n_routed_experts
+        # keyed by global expert id: an expert-parallel rank keeps only its own (same names)
+        self.experts = nn.ModuleDict(
+            {str(e): MLP(config.hidden_size, config.moe_intermediate_size) for e in range(self.n_experts)}
         )
         self.shared_experts = (
             MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
             if config.n_shared_experts
             else None
         )
+        self.dispatcher = LocalDispatcher(self.n_experts)
+        self.grouped_gemm = False
         # tokens routed to each expert: by the last forward (metrics), and summed over the
         # training-mode forwards since the last bias update (all micro-batches of a step)
         self.register_buffer("last_expert_load", torch.zeros(config.n_routed_experts), persistent=False)
         self.register_buffer("load_since_update", torch.zeros(config.n_routed_experts), persistent=False)
+        # sums the loads over the router's replicas before a bias update (set from outside: the
+        # data x context parallel group's all-reduce); None: one process
+        self.sum_loads = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])  # [N, hidden]
         expert_ids, weights = self.gate(tokens)
-        out = torch.zeros_like(tokens)
-        flat_ids = expert_ids.reshape(-1)
-        load = torch.bincount(flat_ids, minlength=len(self.experts))
+        load = torch.bincount(expert_ids.reshape(-1), minlength=self.n_experts)
         self.last_expert_load = load.detach().float()
         if self.training:
             self.load_since_update += self.last_expert_load
-        order = torch.argsort(flat_ids, stable=True)  # slots grouped by expert
-        token_of_slot = order // expert_ids.shape[1]
-        weight_of_slot = weights.reshape(-1)[order]
-        offsets = torch.cumsum(load, 0).tolist()
-        start = 0
-        for e, end in enumerate(offsets):
-            if end > start:
-                idx = token_of_slot[start:end]
-                y = self.experts[e](tokens[idx]) * weight_of_slot[start:end, None].to(tokens.dtype)
-                out.index_add_(0, idx, y)
-            start = end
+        x_sorted, counts, state = self.dispatcher.dispatch(tokens, expert_ids)
+        y_sorted = self.run_experts(x_sorted, counts)
+        out = self.dispatcher.combine(y_sorted, state, weights, tokens)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         return out.view(shape)
 
+    def run_experts(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The local experts on their tokens (sorted by expert; counts per local expert). Every
+        local expert runs, on zero tokens if none came: the same modules (and, under ZeRO-3, the
+        same parameter gathers) on every rank."""
+        experts = [self.experts[str(e)] for e in self.dispatcher.local_experts]
+        if self.grouped_gemm:
+            from dsa_train.parallel.expert import grouped_experts
+
+            return grouped_experts(experts, x_sorted, counts)
+        outs, start = [], 0
+        for expert, n in zip(experts, counts):
+            outs.append(expert(x_sorted[start : start + n]))
+            start += n
+        return torch.cat(outs) if outs else x_sorted
+
     @torch.no_grad()
     def update_bias(self, rate: float) -> None:
-        """Aux-loss-free step from the loads of every training forward since the last update."""
+        """Aux-loss-free step from the loads of every training forward since the last update
+        (summed over the router's replicas, so every replica takes the same step)."""
+        if self.sum_loads is not None:
+            self.sum_loads(self.load_since_update)
+            self.sum_loads(self.last_expert_load)
         load = self.load_since_update
         if load.sum() == 0:
             load = self.last_expert_load

@@ -22,6 +22,7 @@ from .mla import MLA, AttentionAux, AttentionRequest
 from .moe import MLP, MoE
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
+from ..loss import IGNORE_INDEX, metric_values, mtp_targets
 
 # Keep these in fp32 whatever the model dtype (as in the V3.2 checkpoints and inference code).
 FP32_PARAM_SUFFIXES = ("indexer.weights_proj.weight", "indexer.k_norm.weight", "indexer.k_norm.bias")
@@ -35,6 +36,12 @@ class DSAOutput:
     mtp_loss: torch.Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     topk_indices: list[torch.Tensor] | None = None  # per layer [B, T, k] when return_topk
+    # Sums over the tokens this process holds (all of them without context parallelism), from
+    # which `dsa_train.loss` forms the step's loss with global token counts:
+    lm_loss_sum: torch.Tensor | None = None  # CE summed over valid labels
+    mtp_loss_sum: torch.Tensor | None = None  # CE summed over valid MTP targets
+    indexer_kl_sum: torch.Tensor | None = None  # mean over layers of the KL summed over queries
+    stats: dict[str, tuple[float, float]] = field(default_factory=dict)  # metric: (numerator, denominator)
 
 
 class DecoderLayer(nn.Module):
@@ -45,12 +52,36 @@ class DecoderLayer(nn.Module):
         self.self_attn = MLA(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MoE(config) if config.is_moe_layer(layer_idx) else MLP(config.hidden_size, config.intermediate_size)
+        # activation recompute of this layer (set from outside, `parallelize_model`):
+        # "none" | "attention" | "moe" | "full" (the whole layer)
+        self.recompute = "none"
 
     def forward(self, h, cos, sin, doc_start, request: AttentionRequest) -> tuple[torch.Tensor, AttentionAux]:
-        attn_out, aux = self.self_attn(self.input_layernorm(h), cos, sin, doc_start, request)
+        if self.recompute == "full":
+            return _checkpointed(self._forward, h, cos, sin, doc_start, request)
+        return self._forward(h, cos, sin, doc_start, request)
+
+    def _forward(self, h, cos, sin, doc_start, request):
+        x = self.input_layernorm(h)
+        if self.recompute == "attention":
+            attn_out, aux = _checkpointed(self.self_attn, x, cos, sin, doc_start, request)
+        else:
+            attn_out, aux = self.self_attn(x, cos, sin, doc_start, request)
         h = h + attn_out
-        h = h + self.mlp(self.post_attention_layernorm(h))
-        return h, aux
+        x = self.post_attention_layernorm(h)
+        if self.recompute == "moe" and isinstance(self.mlp, MoE):
+            return h + _checkpointed(self.mlp, x), aux
+        return h + self.mlp(x), aux
+
+
+def _checkpointed(fn, *args):
+    """fn(*args) with its activations recomputed in the backward (non-reentrant checkpoint;
+    collectives inside run again in the same order on every rank)."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(fn, *args, use_reentrant=False)
 
 
 class SharedHead(nn.Module):
@@ -101,6 +132,9 @@ class DSAForCausalLM(nn.Module):
         self.config = config
         self.model = DSAModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # context parallelism, applied from outside (dsa_train.parallel.context.ContextParallel):
+        # an object whose `for_sequence(T, device)` gives this rank's CP handle; None: one process
+        self.context_parallel = None
         self.init_weights()
 
     # ------------------------------------------------------------------ init
@@ -170,7 +204,11 @@ class DSAForCausalLM(nn.Module):
     ) -> DSAOutput:
         """input_ids [B, T]; position_ids [B, T] restart at 0 where a packed document starts (or
         cu_seqlens [n_docs + 1] for a single packed row). labels [B, T] are next-token targets
-        (-100 ignored). See README "Public API"."""
+        (-100 ignored). See README "Public API".
+
+        With context parallelism applied (`self.context_parallel`, set by
+        `dsa_train.parallel.model.parallelize_model`) every rank passes the whole micro-batch and
+        runs the tokens it holds; logits, losses and stats are then this rank's share."""
         B, T = input_ids.shape
         cfg = self.config
         if position_ids is None:
@@ -191,20 +229,24 @@ class DSAForCausalLM(nn.Module):
                 f"position {int(position_ids.max())} is beyond max_position_embeddings="
                 f"{cfg.max_position_embeddings}; shorten seq_len or use a model with longer context"
             )
+        # context parallelism: this rank's share of the sequence (global positions [T_loc])
+        cp = self.context_parallel.for_sequence(T, input_ids.device) if self.context_parallel is not None else None
+        local = (lambda t: t) if cp is None else (lambda t: t[:, cp.positions])  # noqa: E731
         request = AttentionRequest(
             attention=attention,
             indexer_loss=indexer_loss,
             topk=topk or cfg.index_topk,
             mla_form=mla_form,
             return_topk=return_topk,
+            context=cp,
         )
         if measure_topk_recall and attention == "sparse":
             g = torch.Generator().manual_seed(T)
             n = min(measure_topk_recall, T)
             request.recall_queries = torch.randperm(T, generator=g)[:n].sort().values
 
-        cos, sin = self.model.rotary_emb(position_ids)
-        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(local(position_ids))
+        h = self.model.embed_tokens(local(input_ids))
         auxes: list[AttentionAux] = []
         for layer in self.main_layers():
             h, aux = layer(h, cos, sin, doc_start, request)
@@ -214,54 +256,51 @@ class DSAForCausalLM(nn.Module):
         if compute_logits or labels is not None:
             out.logits = self.lm_head(self.model.norm(h))
             if labels is not None:
-                out.lm_loss = F.cross_entropy(
-                    out.logits.float().reshape(-1, out.logits.shape[-1]), labels.reshape(-1), ignore_index=-100
-                )
+                out.lm_loss_sum, n = self._cross_entropy_sum(out.logits, local(labels))
+                out.lm_loss = out.lm_loss_sum / max(n, 1.0)
+                out.stats["lm_loss"] = (float(out.lm_loss_sum.detach()), n)
         if mtp and labels is not None and self.mtp_layers() and T > 1:
-            out.mtp_loss = self._mtp_loss(h, input_ids, labels, cos, sin, doc_start, request)
+            # position t sees h_t and token t+1 (the last position: any token, its target ignored)
+            next_ids = torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
+            mtp_request = AttentionRequest(attention=request.attention, topk=request.topk, context=cp)
+            logits = self.mtp_layers()[0].predict(h, local(next_ids), cos, sin, doc_start, mtp_request)
+            out.mtp_loss_sum, n = self._cross_entropy_sum(logits, local(mtp_targets(labels)))
+            out.mtp_loss = out.mtp_loss_sum / max(n, 1.0)
+            out.stats["mtp_loss"] = (float(out.mtp_loss_sum.detach()), n)
         if indexer_loss:
-            per_layer = [a.indexer_kl_sum / max(a.indexer_queries, 1.0) for a in auxes]
-            out.indexer_loss = torch.stack(per_layer).mean()
-            self._kl_metrics(out.metrics, auxes)
+            queries = auxes[0].indexer_queries
+            out.indexer_kl_sum = torch.stack([a.indexer_kl_sum for a in auxes]).mean()
+            out.indexer_loss = out.indexer_kl_sum / max(queries, 1.0)
+            for i, a in enumerate(auxes):
+                out.stats[f"indexer_kl/layer_{i}"] = (float(a.indexer_kl_sum.detach()), queries)
+            out.stats["indexer_kl"] = (float(out.indexer_kl_sum.detach()), queries)
+            uniform = sum(float(a.indexer_kl_uniform_sum) for a in auxes) / len(auxes)
+            out.stats["indexer_kl_uniform"] = (uniform, queries)
         if request.recall_queries is not None:
-            out.metrics["topk_recall"] = float(torch.stack([a.topk_recall for a in auxes]).mean())
+            recall = sum(float(a.topk_recall_sum) for a in auxes) / len(auxes)
+            out.stats["topk_recall"] = (recall, auxes[0].topk_recall_count)
         if return_topk:
             out.topk_indices = [a.topk_indices for a in auxes]
-        self._moe_metrics(out.metrics)
+        self._moe_stats(out.stats)
+        out.metrics = metric_values(out.stats)
         return out
 
-    def _mtp_loss(self, h, input_ids, labels, cos, sin, doc_start, request) -> torch.Tensor:
-        # position t (< T-1) sees h_t and token t+1, and predicts labels[t+1] (= token t+2).
-        # A document end (labels[t] == -100) would leak across documents: its target is ignored.
-        mtp_request = AttentionRequest(attention=request.attention, topk=request.topk)
-        target = labels[:, 1:].masked_fill(labels[:, :-1] == -100, -100)
-        logits = self.mtp_layers()[0].predict(
-            h[:, :-1], input_ids[:, 1:], cos[:, :-1], sin[:, :-1], doc_start[:, :-1], mtp_request
-        )
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
-
     @staticmethod
-    def _kl_metrics(metrics: dict, auxes: list[AttentionAux]) -> None:
-        kls, uniforms = [], []
-        for i, a in enumerate(auxes):
-            kl = float(a.indexer_kl_sum.detach()) / max(a.indexer_queries, 1.0)
-            klu = float(a.indexer_kl_uniform_sum) / max(a.indexer_queries, 1.0)
-            metrics[f"indexer_kl/layer_{i}"] = kl
-            kls.append(kl)
-            uniforms.append(klu)
-        metrics["indexer_kl"] = sum(kls) / len(kls)
-        metrics["indexer_kl_uniform"] = sum(uniforms) / len(uniforms)
-        metrics["indexer_kl_captured"] = 1.0 - metrics["indexer_kl"] / max(metrics["indexer_kl_uniform"], 1e-12)
+    def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """(CE summed over the valid labels, their number)."""
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                             ignore_index=IGNORE_INDEX, reduction="sum")
+        return ce, float((labels != IGNORE_INDEX).sum())
 
-    def _moe_metrics(self, metrics: dict) -> None:
+    def _moe_stats(self, stats: dict) -> None:
         loads = [m.last_expert_load for m in self.main_moe_modules() if m.last_expert_load.sum() > 0]
         if not loads:
             return
         load = torch.stack(loads)  # [L_moe, E]
         frac = load / load.sum(-1, keepdim=True)
-        metrics["moe/expert_load_min"] = float(frac.min(-1).values.mean())
-        metrics["moe/expert_load_max"] = float(frac.max(-1).values.mean())
-        metrics["moe/expert_load_cv"] = float((frac.std(-1) / frac.mean(-1)).mean())
+        stats["moe/expert_load_min"] = (float(frac.min(-1).values.mean()), 1.0)
+        stats["moe/expert_load_max"] = (float(frac.max(-1).values.mean()), 1.0)
+        stats["moe/expert_load_cv"] = (float((frac.std(-1) / frac.mean(-1)).mean()), 1.0)
 
     def main_moe_modules(self) -> list[MoE]:
         return [layer.mlp for layer in self.main_layers() if isinstance(layer.mlp, MoE)]

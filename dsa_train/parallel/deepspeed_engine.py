@@ -10,8 +10,10 @@
   Losses arrive already scaled for accumulation (see `dsa_train.parallel.step`), so DeepSpeed
   does not divide by the accumulation steps.
 * MoE parameter groups: routed-expert parameters (marked `allreduce=False`, `group_name` by
-  `ExpertParallelMoE`) go into DeepSpeed MoE param groups whose gradients are reduced over the
-  expert-data-parallel group (megatron-core's), registered with DeepSpeed under that name.
+  `dsa_train.parallel.expert.shard_experts`) go into DeepSpeed MoE param groups whose gradients
+  are reduced over the expert-data-parallel group (megatron-core's). DeepSpeed learns the groups
+  through its MoE layer API (`set_deepspeed_parallelism`, `_deepspeed_moe_marker`), which fills
+  its group registry (`register_expert_groups`, the one place that writes DeepSpeed's dicts).
 """
 
 from __future__ import annotations
@@ -90,20 +92,44 @@ def deepspeed_config(zero_stage: int, micro_batch_size: int, dp_size: int, bf16:
     return cfg
 
 
-@contextlib.contextmanager
-def _moe_visible(model: torch.nn.Module, visible: bool):
-    """DeepSpeed requires MoE param groups when it sees MoE layers. In a stage whose experts are
-    frozen (the dense warm-up trains the indexer only) hide them from it during initialize."""
-    from dsa_train.parallel.expert import ExpertDispatchMoE, ExpertParallelMoE
+def _deepspeed_moe_marker(num_experts: int, state: ParallelState, group_name: str) -> torch.nn.Module:
+    """DeepSpeed configures expert parameter groups (ZeRO's expert-data-parallel reduction) when
+    the model it initializes contains a `deepspeed.moe.layer.MoE`, and asks each such module for
+    its groups through `set_deepspeed_parallelism` (its MoE API). This parameter-free module is
+    such a layer (DeepSpeed's __init__ not run: it builds its own experts); it answers with
+    megatron-core's expert groups. It is attached to the model only for `deepspeed.initialize`."""
+    from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
-    hidden = [] if visible else [m for m in model.modules() if type(m) is ExpertParallelMoE]
-    for m in hidden:
-        m.__class__ = ExpertDispatchMoE
+    class ExpertGroups(DeepSpeedMoE):
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+            self.num_experts = num_experts
+
+        def set_deepspeed_parallelism(self, *args, **kwargs) -> None:
+            register_expert_groups(state, group_name)
+
+    return ExpertGroups()
+
+
+@contextlib.contextmanager
+def _expert_groups_visible(model: torch.nn.Module, state: ParallelState, trainable: list):
+    """Let DeepSpeed see expert parallelism during initialize when expert parameters train (in a
+    stage whose experts are frozen, e.g. the dense warm-up, DeepSpeed must see none: it then
+    requires MoE parameter groups). The groups are registered whenever the model has expert
+    parameters: DeepSpeed broadcasts every parameter marked `allreduce=False` over its group."""
+    names = {getattr(p, "group_name", None) for p in model.parameters() if getattr(p, "allreduce", True) is False}
+    for name in names - {None}:
+        register_expert_groups(state, name)
+    trained = {getattr(p, "group_name", None) for _, p in trainable if getattr(p, "allreduce", True) is False}
+    if not trained:
+        yield
+        return
+    (group_name,) = trained
+    model.add_module("_deepspeed_expert_groups", _deepspeed_moe_marker(model.config.n_routed_experts, state, group_name))
     try:
         yield
     finally:
-        for m in hidden:
-            m.__class__ = ExpertParallelMoE
+        del model._deepspeed_expert_groups
 
 
 REDUCE_BUCKET = int(5e7)  # elements; `dsa-train plan` counts one such bucket
@@ -125,8 +151,6 @@ class DeepSpeedEngine:
         self.module = model
         self.state = state
         self.trainable = set_trainable(model, stage.trainable)
-        for name in {getattr(p, "group_name", None) for _, p in self.trainable} - {None}:
-            register_expert_groups(state, name)
         groups = param_groups(self.trainable, optim)
         optimizer = torch.optim.AdamW(groups, lr=stage.lr, betas=(optim.betas[0], optim.betas[1]), eps=optim.eps)
         scheduler = build_scheduler(optimizer, stage)
@@ -140,7 +164,7 @@ class DeepSpeedEngine:
         )
         self.grad_clip = optim.grad_clip
         self.zero_stage = zero_stage
-        with _moe_visible(model, any(getattr(p, "allreduce", True) is False for _, p in self.trainable)):
+        with _expert_groups_visible(model, state, self.trainable):
             self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=model,
                 optimizer=optimizer,

@@ -1,28 +1,29 @@
 """Expert parallelism: the routed experts of every MoE layer sharded over the expert-parallel
 group, tokens moved to their experts' ranks by a dropless all-to-all and back.
 
-Per MoE layer on EP rank r (E experts, EP ranks, E/EP local experts [r*E/EP, (r+1)*E/EP)):
-  1. route this rank's tokens (DeepSeek routing: sigmoid scores + correction bias, group-limited
-     top-k, `Router` unchanged);
-  2. sort the (token, expert) slots by expert -- hence by destination rank -- and exchange the
-     per-rank slot counts, then the token vectors (all_to_all_single with autograd: its backward
-     is the reverse all-to-all), no capacity limit, nothing dropped;
-  3. run the local experts on the received tokens (sorted by expert): three grouped GEMMs
+The MoE forward is the model's (`dsa_train.model.moe.MoE`: route -> dispatch -> experts ->
+combine); expert parallelism replaces only its token dispatcher (`AllToAllDispatcher`, the seam)
+and keeps each rank's share of the experts. Per MoE layer on EP rank r (E experts, EP ranks,
+E/EP local experts [r*E/EP, (r+1)*E/EP)):
+  1. route this rank's tokens (the model's `Router`, unchanged);
+  2. dispatch: sort the (token, expert) slots by expert -- hence by destination rank --, exchange
+     the per-rank slot counts, then the token vectors (all_to_all_single with autograd: its
+     backward is the reverse all-to-all), no capacity limit, nothing dropped;
+  3. the local experts on the received tokens, sorted by expert: three grouped GEMMs
      (`torch._grouped_mm`, CPU and CUDA) when `parallel.grouped_experts`, else a loop;
-  4. send the outputs back by the reverse all-to-all, weight them and add them per token.
-With one EP rank the all-to-alls are skipped.
+  4. combine: the outputs go back by the reverse all-to-all, weighted and added per token.
 The shared experts run locally. Expert parameters keep their global names
-(`mlp.experts.{e}.gate_proj.weight`) and are marked for DeepSpeed's MoE parameter groups
-(`allreduce=False`, `group_name`): their gradients are reduced over the expert-data-parallel
-group only. Expert loads are counted per rank and summed over the router's replicas (DP x CP)
-at the aux-loss-free bias update, so every replica's bias takes the single-process step.
+(`mlp.experts.{e}.gate_proj.weight`) and are marked as DeepSpeed marks MoE parameters
+(`allreduce=False`, `group_name`): DeepSpeed reduces their gradients over the expert-data-parallel
+group (see `dsa_train.parallel.deepspeed_engine` for how DeepSpeed learns the groups). Expert
+loads are summed over the router's replicas (DP x CP) at the aux-loss-free bias update
+(`MoE.sum_loads`), so every replica's bias takes the single-process step.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.nn.functional import all_to_all_single
 
 from dsa_train.model.moe import MoE
@@ -35,105 +36,45 @@ def _counts_all_to_all(send_counts: torch.Tensor, group) -> torch.Tensor:
     return recv
 
 
-def _deepspeed_moe_base() -> type:
-    """DeepSpeed detects MoE layers by class (it then configures expert-data-parallel groups in
-    ZeRO); subclassing its MoE (without running its __init__) makes ours count."""
-    try:
-        from deepspeed.moe.layer import MoE as DeepSpeedMoE
-    except ImportError:  # pragma: no cover
-        return nn.Module
-    return DeepSpeedMoE
+class AllToAllDispatcher:
+    """The expert-parallel token dispatcher (the interface of `dsa_train.model.moe.LocalDispatcher`)."""
 
+    def __init__(self, n_experts: int, state: ParallelState):
+        self.n_experts = n_experts
+        self.ep_size, self.group = state.sizes.expert, state.ep_group
+        self.per_rank = n_experts // self.ep_size
+        self.first = state.ep_rank * self.per_rank
+        self.local_experts = range(self.first, self.first + self.per_rank)
 
-class ExpertDispatchMoE(MoE):
-    """A drop-in `MoE` (the model's isinstance checks, metrics and bias updates keep working)."""
-
-    def __init__(self, moe: MoE, state: ParallelState, grouped: bool = True):
-        nn.Module.__init__(self)
-        ep = state.sizes.expert
-        self.ep_size, self.ep_rank, self.group = ep, state.ep_rank, state.ep_group
-        self.n_experts = len(moe.experts)
-        self.num_experts = self.n_experts
-        self.per_rank = self.n_experts // ep
-        self.first = self.ep_rank * self.per_rank
-        self.gate = moe.gate
-        self.group_name = f"ep_size_{ep}"
-        self.experts = nn.ModuleDict(
-            {str(e): moe.experts[e] for e in range(self.first, self.first + self.per_rank)}
-        )
-        if ep > 1:
-            for p in self.experts.parameters():
-                p.allreduce = False
-                p.group_name = self.group_name
-        self.shared_experts = moe.shared_experts
-        self.register_buffer("last_expert_load", torch.zeros(self.n_experts), persistent=False)
-        self.register_buffer("load_since_update", torch.zeros(self.n_experts), persistent=False)
-        self._state = state
-        self.grouped = grouped
-
-    @torch.no_grad()
-    def update_bias(self, rate: float) -> None:
-        """The aux-loss-free bias step on the loads of the whole global batch: summed over the
-        ranks holding replicas of this router (DP x CP), so every replica takes the same step."""
-        if self._state.sizes.dense_dp > 1:
-            dist.all_reduce(self.load_since_update, group=self._state.dense_dp_group)
-            dist.all_reduce(self.last_expert_load, group=self._state.dense_dp_group)
-        super().update_bias(rate)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        tokens = x.reshape(-1, shape[-1])
-        expert_ids, weights = self.gate(tokens)
+    def dispatch(self, tokens: torch.Tensor, expert_ids: torch.Tensor):
         top_k = expert_ids.shape[1]
         flat = expert_ids.reshape(-1)
-        load = torch.bincount(flat, minlength=self.n_experts)
-        self.last_expert_load = load.detach().float()
-        if self.training:
-            self.load_since_update += self.last_expert_load
-
-        order = torch.argsort(flat, stable=True)
-        token_of_slot = order // top_k
+        order = torch.argsort(flat, stable=True)  # slots grouped by expert, hence by rank
         expert_of_slot = flat[order]
         send_counts = torch.bincount(expert_of_slot // self.per_rank, minlength=self.ep_size)
-        x_send = tokens[token_of_slot]
-        if self.ep_size > 1:
-            recv_counts = _counts_all_to_all(send_counts, self.group)
-            send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-            x_recv = all_to_all_single(
-                x_send.new_empty((sum(recv_splits), shape[-1])), x_send, recv_splits, send_splits, group=self.group
-            )
-            e_recv = torch.empty(sum(recv_splits), dtype=expert_of_slot.dtype, device=x.device)
-            dist.all_to_all_single(e_recv, expert_of_slot.contiguous(), recv_splits, send_splits, group=self.group)
-        else:
-            x_recv, e_recv = x_send, expert_of_slot
-
-        # local experts over the received tokens, grouped by expert
+        x_send = tokens[order // top_k]
+        recv_counts = _counts_all_to_all(send_counts, self.group)
+        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+        x_recv = all_to_all_single(
+            x_send.new_empty((sum(recv_splits), tokens.shape[-1])), x_send, recv_splits, send_splits, group=self.group
+        )
+        e_recv = torch.empty(sum(recv_splits), dtype=expert_of_slot.dtype, device=tokens.device)
+        dist.all_to_all_single(e_recv, expert_of_slot.contiguous(), recv_splits, send_splits, group=self.group)
+        # received tokens come grouped by source rank: sort them by local expert
         local = e_recv - self.first
         local_order = torch.argsort(local, stable=True)
         counts = torch.bincount(local, minlength=self.per_rank).tolist()
-        # Every local expert runs, on zero tokens if none came: the same modules (and, under ZeRO-3,
-        # the same parameter gathers) on every rank, and a (zero) gradient for each expert.
-        if self.grouped and _grouped_mm_available():
-            y_sorted = [self._grouped_experts(x_recv[local_order], counts)]
-        else:
-            y_sorted = []
-            start = 0
-            for i, n in enumerate(counts):
-                idx = local_order[start : start + n]
-                y_sorted.append(self.experts[str(self.first + i)](x_recv[idx]))
-                start += n
-        y_recv = torch.zeros_like(x_recv).index_copy(0, local_order, torch.cat(y_sorted))
-        if self.ep_size > 1:
-            y_back = all_to_all_single(
-                y_recv.new_empty((sum(send_splits), shape[-1])), y_recv, send_splits, recv_splits, group=self.group
-            )
-        else:
-            y_back = y_recv
+        return x_recv[local_order], counts, (order, local_order, send_splits, recv_splits)
+
+    def combine(self, y: torch.Tensor, state, weights: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        order, local_order, send_splits, recv_splits = state
+        y_recv = torch.zeros_like(y).index_copy(0, local_order, y)  # back to the received order
+        y_back = all_to_all_single(
+            y_recv.new_empty((sum(send_splits), y.shape[-1])), y_recv, send_splits, recv_splits, group=self.group
+        )
         weight_of_slot = weights.reshape(-1)[order]
-        out = torch.zeros_like(tokens).index_add(0, token_of_slot, y_back * weight_of_slot[:, None].to(tokens.dtype))
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(tokens)
-        return out.view(shape)
+        token_of_slot = order // weights.shape[1]
+        return torch.zeros_like(tokens).index_add(0, token_of_slot, y_back * weight_of_slot[:, None].to(tokens.dtype))
 
 
 def _grouped_mm_available() -> bool:
@@ -156,37 +97,43 @@ def grouped_expert_mlp(x: torch.Tensor, offs: torch.Tensor, w_gate, w_up, w_down
     return _contiguous_grad(torch._grouped_mm(act, w_down.transpose(1, 2), offs=offs))
 
 
-def _grouped_experts(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def grouped_experts(experts: list, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """The local experts on their tokens (sorted by expert) with grouped GEMMs instead of a loop.
     The expert weights keep their per-expert (Hugging Face) parameters; they are stacked per call."""
-    experts = [self.experts[str(self.first + i)] for i in range(self.per_rank)]
+    if not _grouped_mm_available():
+        outs, start = [], 0
+        for expert, n in zip(experts, counts):
+            outs.append(expert(x_sorted[start : start + n]))
+            start += n
+        return torch.cat(outs)
     offs = torch.tensor(counts, device=x_sorted.device).cumsum(0).to(torch.int32)
     stack = lambda name: torch.stack([getattr(e, name).weight for e in experts])  # noqa: E731
     return grouped_expert_mlp(x_sorted, offs, stack("gate_proj"), stack("up_proj"), stack("down_proj"))
 
 
-ExpertDispatchMoE._grouped_experts = _grouped_experts
-
-
-class ExpertParallelMoE(ExpertDispatchMoE, _deepspeed_moe_base()):
-    """With EP > 1: also a DeepSpeed MoE by class, so ZeRO reduces expert gradients over the
-    expert-data-parallel group."""
-
-    def set_deepspeed_parallelism(self, *args, **kwargs) -> None:
-        """Called by DeepSpeed at initialize: use megatron-core's expert groups."""
-        from dsa_train.parallel.deepspeed_engine import register_expert_groups
-
-        register_expert_groups(self._state, self.group_name)
-
-
 def shard_experts(model: torch.nn.Module, state: ParallelState, grouped: bool = True) -> None:
-    """Replace every MoE layer by its expert-parallel version (in place). Also used with
-    expert_parallel=1 (no collectives): every expert runs every step (on zero tokens if none
-    were routed to it), which DeepSpeed's ZeRO-2 bucketed reduction and ZeRO-3 parameter gathers
-    need (the same parameters on every rank). Unlike the single-process engine,
-    where an expert that got no token has no gradient and AdamW skips it, its Adam moments keep
-    decaying and its weight decay applies."""
-    for layer in model.model.layers:
-        if isinstance(layer.mlp, MoE):
-            cls = ExpertParallelMoE if state.sizes.expert > 1 else ExpertDispatchMoE
-            layer.mlp = cls(layer.mlp, state, grouped=grouped)
+    """Expert parallelism applied to every MoE layer (in place): keep this rank's experts, install
+    the all-to-all dispatcher (EP > 1), mark expert parameters for DeepSpeed, and sum the router
+    loads over the router's replicas. Also with expert_parallel=1 the local dispatcher runs every
+    expert every step (on zero tokens if none were routed to it), as in one process."""
+    ep = state.sizes.expert
+    for module in model.modules():
+        if not isinstance(module, MoE):
+            continue
+        module.grouped_gemm = grouped
+        if state.sizes.dense_dp > 1:
+            group = state.dense_dp_group
+            module.sum_loads = lambda t, group=group: dist.all_reduce(t, group=group)
+        if ep == 1:
+            continue
+        module.dispatcher = AllToAllDispatcher(module.n_experts, state)
+        for e in list(module.experts.keys()):
+            if int(e) not in module.dispatcher.local_experts:
+                del module.experts[e]
+        for p in module.experts.parameters():
+            p.allreduce = False  # DeepSpeed's MoE parameter marks
+            p.group_name = expert_group_name(state)
+
+
+def expert_group_name(state: ParallelState) -> str:
+    return f"ep_size_{state.sizes.expert}"

@@ -1,9 +1,10 @@
-"""`parallelize_model(model, state)`: swap a single-process `DSAForCausalLM`'s modules for their
-tensor-, expert- and context-parallel versions, in place, keeping Hugging Face parameter names.
+"""`parallelize_model(model, state)`: where tensor, expert and context parallelism and activation
+recompute are applied to a single-process `DSAForCausalLM`, in place, keeping Hugging Face
+parameter names.
 
 The model is built whole (same seed on every rank, or loaded) and each rank keeps its slices:
 TP shards of MLA heads and MLPs (megatron-core Column/RowParallelLinear), its EP share of the
-routed experts, and a context-parallel forward. Each sharded parameter records where it sits in
+routed experts, and its context-parallel share of every sequence. Each sharded parameter records where it sits in
 the full tensor (`dsa_shard = (dim, start, stop)`), used by checkpoint gathering and tests.
 """
 
@@ -26,57 +27,42 @@ def full_tensor_slice(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 RECOMPUTE = ("none", "attention", "moe", "full")
 
 
-def _checkpointed(forward):
-    from torch.utils.checkpoint import checkpoint
-
-    def run(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    return run
-
-
-def enable_recompute(model: torch.nn.Module, mode: str) -> None:
-    """Selective activation checkpointing: recompute attention blocks, MoE blocks, or whole
-    decoder layers in the backward (non-reentrant torch checkpoint; collectives inside run again
-    in the same order on every rank). The MoE expert loads of a recomputed block are counted
-    twice, which leaves the sign-based bias update unchanged."""
+def check_recompute(mode: str) -> None:
     if mode not in RECOMPUTE:
         from dsa_train.config import ConfigError
 
         raise ConfigError(f"parallel.recompute={mode!r}: one of {', '.join(RECOMPUTE)}")
-    if mode == "none":
-        return
-    from dsa_train.model.moe import MoE
-
-    for layer in model.main_layers():
-        if mode == "full":
-            layer.forward = _checkpointed(layer.forward)
-        elif mode == "attention":
-            layer.self_attn.forward = _checkpointed(layer.self_attn.forward)
-        elif mode == "moe" and isinstance(layer.mlp, MoE):
-            layer.mlp.forward = _checkpointed(layer.mlp.forward)
 
 
 def parallelize_model(
     model: torch.nn.Module, state: ParallelState, recompute: str = "none", grouped_experts: bool = True
 ) -> torch.nn.Module:
+    """Apply the layout to a plain `DSAForCausalLM`, in place and in this order (the one place
+    where parallelism meets the model; the engine, DeepSpeed, comes after, in the trainer):
+      1. tensor parallel: MLA heads and dense MLPs / shared experts split over TP
+         (megatron-core Column/RowParallelLinear; `MLA.heads` = `TensorParallelHeads`);
+      2. expert parallel: each MoE's routed experts sharded over EP, its token dispatcher an
+         all-to-all over the EP group (`MoE.dispatcher`);
+      3. context parallel: `model.context_parallel`, which gives attention its per-sequence handle;
+      4. activation recompute: `DecoderLayer.recompute` of every main layer.
+    The model's forwards are the single-process ones throughout."""
     sizes = state.sizes
     from dsa_train.parallel.groups import check_model_divisibility
 
     check_model_divisibility(sizes, model.config)
-    if sizes.world > 1:
-        from dsa_train.parallel.expert import shard_experts
-
-        shard_experts(model, state, grouped=grouped_experts)
+    check_recompute(recompute)
     if sizes.tensor > 1:
         from dsa_train.parallel.tensor import shard_tensor_parallel
 
         shard_tensor_parallel(model, state)
-    if sizes.context > 1:
-        from dsa_train.parallel.context import enable_context_parallel
+    if sizes.world > 1:
+        from dsa_train.parallel.expert import shard_experts
 
-        enable_context_parallel(model, state)
-    enable_recompute(model, recompute)
+        shard_experts(model, state, grouped=grouped_experts)
+    if sizes.context > 1:
+        from dsa_train.parallel.context import ContextParallel
+
+        model.context_parallel = ContextParallel(state)
+    for layer in model.main_layers():
+        layer.recompute = recompute
     return model

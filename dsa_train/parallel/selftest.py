@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     from dsa_train.parallel.deepspeed_engine import DeepSpeedEngine
     from dsa_train.parallel.groups import destroy_parallel, init_parallel
     from dsa_train.parallel.model import full_tensor_slice, parallelize_model
-    from dsa_train.parallel.step import forward_backward
+    from dsa_train.engine.step import forward_backward
+    from dsa_train.parallel.step import parallel_reduction
 
     torch.set_num_threads(1)
     zero_stages = [int(z) for z in str(args.zero).split(",")]
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             mbs = split_micro(batch, rows, args.micro_batch)
             if s == len(batches) - 1:
                 engine.capture_gradients()
-            m = forward_backward(engine, mbs, stage, state)
+            m = forward_backward(engine, mbs, stage, reduction=parallel_reduction(state))
             if s == len(batches) - 1:
                 grads = engine.full_grads()
             m["grad_norm"] = engine.step()

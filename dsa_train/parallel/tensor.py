@@ -1,7 +1,8 @@
 """Tensor parallelism with megatron-core's ColumnParallelLinear / RowParallelLinear.
 
 MLA: `q_b_proj` (or `q_proj`) and `kv_b_proj` column-parallel by heads, `o_proj` row-parallel;
-each TP rank runs H / TP heads (MHA and absorbed MQA forms alike: W_UK / W_UV are per-head
+each TP rank runs H / TP heads (MLA's forward runs whatever heads it holds; `TensorParallelHeads`
+sums the shared latent's gradient over TP and gathers every head's values for the KL target) (MHA and absorbed MQA forms alike: W_UK / W_UV are per-head
 views of its kv_b_proj shard). The low-rank projections (q_a_proj, kv_a_proj_with_mqa), their
 norms and the lightning indexer are replicated; the indexer sees the same detached inputs on
 every TP rank, its KL target is built from all heads (queries and log-sum-exps gathered over
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from dsa_train.model.moe import MLP, MoE
+from dsa_train.parallel.comm import all_gather_nograd, copy_to_group
 from dsa_train.parallel.groups import ParallelState
 
 
@@ -121,9 +123,22 @@ def average_over_group(param: torch.Tensor, group, size: int) -> None:
     param.register_hook(hook)
 
 
-def shard_tensor_parallel(model: nn.Module, state: ParallelState) -> None:
-    from dsa_train.parallel.attention import ParallelMLA
+class TensorParallelHeads:
+    """Head placement of an MLA layer whose heads are split over the TP group (`MLA.heads`)."""
 
+    def __init__(self, state: ParallelState):
+        self.group = state.tp_group
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """Identity; the gradient is summed over TP (every rank's heads read the latent KV)."""
+        return copy_to_group(x, self.group)
+
+    def gather(self, x: torch.Tensor, dim: int = 2) -> torch.Tensor:
+        """Every head's values (no gradient): the indexer's KL target sums attention over all heads."""
+        return all_gather_nograd(x, dim, self.group)
+
+
+def shard_tensor_parallel(model: nn.Module, state: ParallelState) -> None:
     tp = state.sizes.tensor
     for layer in model.model.layers:
         attn = layer.self_attn
@@ -133,8 +148,7 @@ def shard_tensor_parallel(model: nn.Module, state: ParallelState) -> None:
             attn.q_proj = column_parallel(attn.q_proj, state)
         attn.kv_b_proj = column_parallel(attn.kv_b_proj, state)
         attn.o_proj = row_parallel(attn.o_proj, state)
-        attn.num_heads = attn.num_heads // tp
-        ParallelMLA.convert(attn, state)
+        attn.heads = TensorParallelHeads(state)
         for p in attn.indexer.parameters():
             average_over_group(p, state.tp_group, tp)
         if isinstance(layer.mlp, MoE):

@@ -34,11 +34,11 @@ def main(argv: list[str] | None = None) -> int:
 def _train(cfg) -> None:
     from dsa_train.engine.signals import exit_if_preempted_earlier
     from dsa_train.parallel.groups import destroy_parallel
-    from dsa_train.parallel.trainer import train
+    from dsa_train.engine.trainer import train
 
     exit_if_preempted_earlier(cfg.run_dir)
     try:
-        train(cfg)
+        train(cfg, distributed=True)
     finally:
         destroy_parallel()
 

@@ -79,6 +79,34 @@ def indexer_topk_ref(
     return torch.cat(all_idx, dim=1), torch.cat(all_val, dim=1)
 
 
+@torch.no_grad()
+def indexer_topk_at_positions_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    doc_start: torch.Tensor,
+    topk: int,
+    query_positions: torch.Tensor,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k for queries at global `query_positions` [Tq] (context parallelism: a rank holds some
+    of the sequence's queries) over every key. q [B, Tq, H, D], w [B, Tq, H]; k [B, T, D] and
+    doc_start [B, T] of the whole sequence -> (indices [B, Tq, topk] int32, scores fp32)."""
+    B, Tq, H, _ = q.shape
+    chunk = chunk_size or query_chunk_size(Tq, per_query_elems=B * H * k.shape[1])
+    all_idx, all_val = [], []
+    for q0 in range(0, Tq, chunk):
+        pos = query_positions[q0 : q0 + chunk]
+        k0, k1 = int(doc_start[:, pos].min()), int(pos.max()) + 1
+        scores = index_scores_block(q[:, q0 : q0 + chunk], k[:, k0:k1], w[:, q0 : q0 + chunk])
+        s = torch.arange(k0, k1, device=k.device)
+        valid = (s[None, None, :] <= pos[None, :, None]) & (s[None, None, :] >= doc_start[:, pos, None])
+        idx, val = topk_from_scores(scores.masked_fill(~valid, float("-inf")), topk, key_offset=k0)
+        all_idx.append(idx)
+        all_val.append(val)
+    return torch.cat(all_idx, dim=1), torch.cat(all_val, dim=1)
+
+
 def gather_index_scores(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, indices: torch.Tensor
 ) -> torch.Tensor:
