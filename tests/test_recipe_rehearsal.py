@@ -7,7 +7,7 @@ the composed recipe only:
     probes, router bias rate, top-k relative to the sequence), its ZeRO stage and recompute mode,
     its model dtype;
   * shrunk: the model to a tiny one of the same architecture (random init instead of a
-    checkpoint), the data to the bundled corpus and short sequences, every stage to 2 steps of one
+    checkpoint), the data to the bundled corpus and short sequences, every stage to 1 step of one
     sequence per data-parallel rank, and every parallel degree above 1 to 2 (the 671B sparse
     layout CP 32 x EP 256 x DP 32 becomes a 4-rank CP 2 x EP 2 x DP 2 run). A one-process recipe
     (demo, small_32k) runs on the largest shipped layout's shrunk degrees instead: one process is
@@ -35,7 +35,7 @@ TINY_ARCH = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size
              "n_routed_experts": 4, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2,
              "index_n_heads": 4, "index_head_dim": 32}
 SEQ_LEN = 64  # a multiple of 2 * CP (= 4) and well above the shrunk top-k
-STEPS = 2
+STEPS = 1
 
 
 def shipped_recipes() -> list[str]:
