@@ -13,6 +13,12 @@ Ops (fwd = forward only, fwd+bwd = forward and backward):
   indexer_topk       fwd      ours | megatron (DSAIndexer._compute_index_scores + causal mask + torch.topk)
   dense_indexer_kl   fwd+bwd  ours | megatron (index scores + compute_dsa_indexer_loss, sparse_loss=False)
   sparse_indexer_kl  fwd+bwd  ours | megatron (index scores + compute_dsa_indexer_loss, sparse_loss=True)
+  dense_attention    fwd+bwd  ours (MHA form q/k 192, v 128 on CUDA) | sdpa (causal) | fa2 (flash_attn_func,
+                              causal, v zero-padded to the q/k head dim; CUDA only)
+  dense_warmup       fwd+bwd  ours: what one warm-up layer runs, dense attention forward (no grad,
+                              keeps lse) + the eq. 3 indexer KL from that lse, forward and backward
+                              | fa2 (FlashAttention-2 forward + backward on the same q/k/v; the
+                              target is warm-up <= 2x fa2) | sdpa (the same with SDPA)
 megatron and sdpa points run under an address-space cap (--mem-cap-gb above the child's start, CPU only)
 so that a quadratic allocation fails cleanly instead of exhausting the machine.
 
@@ -38,16 +44,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SHAPES = {
     # CPU: small enough for 2 cores; the ratios between impls are what matters there
-    "cpu": dict(H=16, D=160, DV=128, K=512, HI=8, DI=64, H_MHA=16, D_MHA=48),
+    "cpu": dict(H=16, D=160, DV=128, K=512, HI=8, DI=64, H_MHA=16, D_MHA=48, DV_MHA=32),
     # GPU: the 671B model's attention layer (MQA 576/512, k = 2048, 64 x 128 indexer, MHA 192)
-    "cuda": dict(H=128, D=576, DV=512, K=2048, HI=64, DI=128, H_MHA=128, D_MHA=192),
+    "cuda": dict(H=128, D=576, DV=512, K=2048, HI=64, DI=128, H_MHA=128, D_MHA=192, DV_MHA=128),
 }
 OPS = {
     "sparse_mla": ["ours", "megatron", "sdpa"],
     "indexer_topk": ["ours", "megatron"],
     "dense_indexer_kl": ["ours", "megatron"],
     "sparse_indexer_kl": ["ours", "megatron"],
+    "dense_attention": ["ours", "sdpa", "fa2"],
+    "dense_warmup": ["ours", "fa2", "sdpa"],
 }
+CUDA_ONLY = {"fa2"}
 
 
 def rss_mb() -> float:
@@ -82,6 +91,11 @@ def flops(op: str, impl: str, T: int, s: dict) -> float:
         return 2 * causal * (s["H_MHA"] * s["D_MHA"] + 3 * s["HI"] * s["DI"])
     if op == "sparse_indexer_kl":
         return 2 * selected_keys(T, s["K"]) * (s["H"] * s["D"] + 3 * s["HI"] * s["DI"])
+    attention_fwd_bwd = 3.5 * 2 * s["H_MHA"] * causal * (s["D_MHA"] + s["DV_MHA"])
+    if op == "dense_attention" or (op == "dense_warmup" and impl != "ours"):
+        return attention_fwd_bwd
+    if op == "dense_warmup":  # attention forward + the KL (q.k for the target, indexer fwd + bwd)
+        return 2 * s["H_MHA"] * causal * (s["D_MHA"] + s["DV_MHA"]) + flops("dense_indexer_kl", impl, T, s)
     raise ValueError(op)
 
 
@@ -106,14 +120,31 @@ def make_inputs(op, T, s, dev, dtype):
         x["indices"] = idx[None].to(torch.int32).to(dev)
         x["q"] = rnd(B, T, s["H"], s["D"], scale=0.5)
         x["kv"] = rnd(B, T, s["D"], scale=0.5)
-    if op in ("indexer_topk", "dense_indexer_kl", "sparse_indexer_kl"):
+    if op in ("indexer_topk", "dense_indexer_kl", "sparse_indexer_kl", "dense_warmup"):
         x["q_idx"] = rnd(B, T, s["HI"], s["DI"], scale=0.3)
         x["k_idx"] = rnd(B, T, s["DI"], scale=0.3)
         x["w_idx"] = rnd(B, T, s["HI"], dt=torch.float32) * (s["HI"] * s["DI"]) ** -0.5
-    if op == "dense_indexer_kl":
+    if op in ("dense_indexer_kl", "dense_attention", "dense_warmup"):
         x["q_main"] = rnd(B, T, s["H_MHA"], s["D_MHA"], scale=0.5)
         x["k_main"] = rnd(B, T, s["H_MHA"], s["D_MHA"], scale=0.5)
+    if op in ("dense_attention", "dense_warmup"):
+        x["v_main"] = rnd(B, T, s["H_MHA"], s["DV_MHA"], scale=0.5)
     return x
+
+
+def dense_attention_baseline(impl, q, k, v, scale):
+    """Causal attention fwd + bwd by SDPA or FlashAttention-2 on [B, T, H, D] tensors."""
+    import torch
+
+    if impl == "fa2":
+        from flash_attn import flash_attn_func  # FA2 wants one head dim: v zero-padded to q/k's
+
+        v_pad = torch.nn.functional.pad(v, (0, q.shape[-1] - v.shape[-1]))
+        o = flash_attn_func(q, k, v_pad, softmax_scale=scale, causal=True)[..., : v.shape[-1]]
+    else:
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale)
+    o.backward(torch.ones_like(o))
 
 
 def run_point(op, impl, T, device, dtype_name):
@@ -216,6 +247,32 @@ def run_point(op, impl, T, device, dtype_name):
                     sc, x["indices"].long().clamp(min=0), x["q"][0].unsqueeze(1), kvh, scale, 1.0,
                     sparse_loss=True, pg_collection=_ONE_RANK)
                 loss.backward()
+    elif op in ("dense_attention", "dense_warmup"):
+        mha_scale = s["D_MHA"] ** -0.5
+        if impl in ("sdpa", "fa2"):
+            if impl == "fa2" and dev.type != "cuda":
+                raise RuntimeError("FlashAttention-2 (flash_attn) runs on CUDA only: no point on the CPU")
+
+            def fn():
+                q, k, v = grads_of(x["q_main"], x["k_main"], x["v_main"])
+                dense_attention_baseline(impl, q, k, v, mha_scale)
+        elif op == "dense_attention":
+            f = K.dense_attention if impl == "ours" else K.dense_attention_ref
+
+            def fn():
+                q, k, v = grads_of(x["q_main"], x["k_main"], x["v_main"])
+                o, _ = f(q, k, v, mha_scale, x["doc_start"])
+                o.backward(torch.ones_like(o))
+        else:  # the warm-up layer: main attention frozen (forward + lse), indexer KL fwd + bwd
+            attn = K.dense_attention if impl == "ours" else K.dense_attention_ref
+            kl_fn = K.dense_indexer_kl if impl == "ours" else K.dense_indexer_kl_ref
+
+            def fn():
+                with torch.no_grad():
+                    _, lse = attn(x["q_main"], x["k_main"], x["v_main"], mha_scale, x["doc_start"])
+                qi, ki, wi = grads_of(x["q_idx"], x["k_idx"], x["w_idx"])
+                kl, _ = kl_fn(qi, ki, wi, x["q_main"], x["k_main"], mha_scale, x["doc_start"], lse_main=lse)
+                kl.backward()
     else:
         raise ValueError(op)
 
@@ -371,6 +428,8 @@ def main() -> None:
         impls = OPS[op] + (["ref"] if args.device == "cuda" else [])
         for impl in impls:
             if args.impls and impl not in args.impls:
+                continue
+            if impl in CUDA_ONLY and args.device != "cuda":
                 continue
             for T in seq_lens:
                 if impl == "megatron" and args.megatron_max_t and T > args.megatron_max_t:
