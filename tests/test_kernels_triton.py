@@ -170,6 +170,28 @@ def test_radix_select_low_bit_differences_and_multiple_tiles():
         assert torch.equal(idx.cpu(), ridx) and torch.equal(val.cpu(), rval)
 
 
+def test_radix_select_never_selects_non_finite_scores():
+    # +inf and NaN scores (from non-finite indexer inputs) are dropped as the reference drops them:
+    # never selected, the k best finite keys are, and the -1 slots stay at the row's tail
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(1, 4, 300, generator=g)
+    scores[0, 0, ::7] = float("inf")
+    scores[0, 1, ::5] = float("nan")
+    scores[0, 2, :290] = float("nan")  # only 10 finite keys
+    scores[0, 3, 50:] = float("-inf")
+    scores[0, 3, :50:2] = float("inf")
+    for topk in (8, 64):
+        idx, val = _select_chunk(scores.to(DEV), 0, topk, block=128)
+        ridx, rval = topk_from_scores(scores, topk)
+        assert torch.equal(idx.cpu(), ridx) and torch.equal(val.cpu(), rval)
+        sel = idx.cpu().long()
+        picked = torch.gather(scores, -1, sel.clamp(min=0))
+        assert torch.isfinite(picked[sel >= 0]).all()
+        n_valid = (sel >= 0).sum(-1)
+        assert (sel[..., :][torch.arange(topk)[None, None] >= n_valid[..., None]] == -1).all()  # -1 tail
+        assert n_valid[0, 2] == min(topk, 10)
+
+
 def test_indexer_fp8_scores_match_dequantized_reference():
     B, T, H, D = 1, 33, 4, 160  # two channel groups, the second partial
     g = torch.Generator().manual_seed(0)
@@ -230,6 +252,67 @@ def test_sparse_indexer_kl_without_grad():
     rkl, _ = sparse_indexer_kl_ref(qi, ki, wi, idx, qm, kv, lse, 0.3)
     assert not kl.requires_grad
     torch.testing.assert_close(kl, rkl, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("K", [1, 5, 32, 64])
+def test_sparse_indexer_kl_small_k(K):
+    # K <= 64: one or two slot tiles, where the gradient pass reads the target scratch right after
+    # it was written (the race a missing barrier allowed on a GPU)
+    B, T, HI, DI, H, D = 1, 70, 2, 16, 2, 24
+    qi, ki, wi = _indexer_inputs(B, T, HI, DI, seed=K)
+    g = torch.Generator().manual_seed(K)
+    qm, kv = torch.randn(B, T, H, D, generator=g).to(DEV), torch.randn(B, T, D, generator=g).to(DEV)
+    idx = causal_indices(B, T, K, seed=K, drop=0.2)
+    _, lse = sparse_mla_ref(qm, kv, idx, 0.25, 16)
+    res = sparse_indexer_kl_triton(qi, ki, wi, idx, qm, kv, lse, 0.25)
+    ref = sparse_indexer_kl_ref(qi, ki, wi, idx, qm, kv, lse, 0.25)
+    _check_kl(res, ref, (qi, ki, wi))
+
+
+def test_slot_counts_stop_at_the_minus_one_tail():
+    from dsa_kernels.ops.sparse_mla.kernel import slot_counts
+
+    idx = torch.tensor([[[3, -1, 5, -1, -1], [-1, -1, -1, -1, -1], [0, 1, 2, 3, 4], [-1, -1, -1, -1, 7]]],
+                       dtype=torch.int32)
+    assert slot_counts(idx).tolist() == [[3, 0, 5, 5]]
+
+
+def _relative_error(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("kind", ["sparse", "dense"])
+def test_kl_gradients_precision_bf16(kind):
+    """The precision contract of the KL gradients with bf16 inputs (the model's dtype): within 1%
+    (relative L2) of the gradients computed in float64 on the same bf16 values. Compiled, the
+    gradient dots take bf16 operands with fp32 accumulation; interpreted, fp32."""
+    B, T, HI, DI, H, D, K = 1, 40, 4, 32, 4, 48, 24
+    g = torch.Generator().manual_seed(7)
+    qi, ki, wi = (torch.randn(*s, generator=g).bfloat16().to(DEV) for s in ((B, T, HI, DI), (B, T, DI), (B, T, HI)))
+    wi = wi.float()
+    qm = torch.randn(B, T, H, D, generator=g).bfloat16().to(DEV)
+    kv = torch.randn(B, T, D, generator=g).bfloat16().to(DEV)
+    scale = D**-0.5
+    ds = doc_start([[25, 15]])
+    if kind == "sparse":
+        idx = causal_indices(B, T, K, seed=7, drop=0.1)
+        _, lse = sparse_mla_ref(qm.double(), kv.double(), idx, scale, 32)
+        run = lambda q, k, w, cast: sparse_indexer_kl_triton(q, k, w, idx, qm, kv, lse.float(), scale) if cast else \
+            sparse_indexer_kl_ref(q, k, w, idx, qm.double(), kv.double(), lse, scale)  # noqa: E731
+    else:
+        km = kv[:, :, None, :]
+        run = lambda q, k, w, cast: dense_indexer_kl_triton(q, k, w, qm, km, scale, ds) if cast else \
+            dense_indexer_kl_ref(q, k, w, qm.double(), km.double(), scale, ds)  # noqa: E731
+    ins = [x.clone().requires_grad_() for x in (qi, ki, wi)]
+    kl, _ = run(*ins, True)
+    grads = torch.autograd.grad(kl, ins)
+    ins64 = [x.detach().double().requires_grad_() for x in (qi, ki, wi)]
+    kl64, _ = run(*ins64, False)
+    grads64 = torch.autograd.grad(kl64, ins64)
+    assert grads[0].dtype == torch.bfloat16 and grads[1].dtype == torch.bfloat16
+    assert abs(float(kl.detach()) - float(kl64.detach())) <= 1e-3 * abs(float(kl64.detach())) + 1e-4
+    for name, a, b in zip(("q_I", "k_I", "w"), grads, grads64):
+        assert _relative_error(a, b) < 1e-2, (name, _relative_error(a, b))
 
 
 @pytest.mark.parametrize("form", ["mha", "mqa"])

@@ -8,15 +8,17 @@ scores over the row's keys,
     dKL/dI = P * softmax(I) - p
 
 so a row needs one streaming pass for (A = sum p log p, B = sum p I, P, online logsumexp of I)
-and, for the gradient, a second pass once logsumexp(I) is known. Because the loss is a scalar
-leaf of the graph, the gradient w.r.t. the indexer tensors (dq_I, dk_I, dw) is computed in the
-forward call (as Liger-Kernel's fused cross entropy does) and only scaled by grad_output in
-backward; nothing of size [T, T] or [heads, T, K] is kept.
+and, for the gradient, a second pass once logsumexp(I) is known. The autograd forward launches
+the kernels without their gradient pass (GRAD=False); backward launches them again with it and
+scales dq_I, dk_I, dw by grad_output, so no gradient tensor is kept from forward to backward and
+nothing of size [T, T] or [heads, T, K] is kept either. The gradient dots take operands at the
+inputs' precision (bf16 -> tensor cores with fp32 accumulation; fp32 -> IEEE fp32, never TF32).
+Each program walks only up to its row's last valid slot (`slot_counts`).
 
 Sparse (eq. 4), one program per query token: the K selected slots are walked in tiles; p is
 rebuilt from the main-attention forward's lse (`exp(scale q_h . kv[s] - lse_h)` summed over head
 blocks, the 576-dim dot split into 64-channel pieces) and stored in a [B, T, K] fp32 scratch for
-the second pass; I = sum_j w_j ReLU(q_I,j . k_I[s]) with all indexer heads of the token as the
+the second pass (read back after a block barrier: other threads wrote it); I = sum_j w_j ReLU(q_I,j . k_I[s]) with all indexer heads of the token as the
 M dimension of one dot. dk_I of the selected rows is scattered with atomic adds.
 
 Dense (eq. 3), flash-style: kernel 1 computes each main head's log-sum-exp over the row's
@@ -24,7 +26,7 @@ causal + document window (online, never storing logits); kernel 2 (one program p
 BLOCK_M queries) walks key tiles, rebuilding the head-averaged target tile from those lse values
 and the indexer score tile, and keeps per-row running statistics; its second pass (gradient)
 recomputes the tiles, forms g = P softmax(I) - p and accumulates dq_I in the program's own rows
-(plain read-modify-write), dw in registers, and dk_I for the key tile over all indexer heads
+and dw in the program's own rows (plain read-modify-write), and dk_I for the key tile over all indexer heads
 before one atomic add. Memory: O(T * heads) (the lse table and the gradients).
 """
 
