@@ -6,7 +6,7 @@ out-of-memory stays local). On the CPU "ours" is what the dispatcher runs there,
 PyTorch reference; on CUDA it is the Triton kernel, and "ref" is the reference on the GPU.
 
     python benchmarks/kernels.py --device cpu                        # T = 1K..16K, CPU shapes
-    python benchmarks/kernels.py --device cuda --seq-lens 4096 8192 16384 32768 65536 131072
+    python benchmarks/kernels.py --device cuda                       # T = 8K..128K, the 671B layer's shapes
 
 Ops (fwd = forward only, fwd+bwd = forward and backward):
   sparse_mla         fwd+bwd  ours | megatron (unfused_dsa_fn: [b, heads, T, T] masked scores) | sdpa (dense causal)
@@ -361,13 +361,17 @@ def write_outputs(rows, args):
     lines = [f"# DSA op benchmark ({args.device})", "", f"Command: `{meta['command']}`  ",
              f"Machine: {meta['machine']}, torch {meta['torch']}, {args.dtype}  ",
              f"Shapes: {SHAPES[args.device]}  ", meta["note"], "",
-             "| op | impl | T | time (s) | TFLOPS | peak extra (MB) |", "|---|---|---|---|---|---|"]
+             "time / ours: this impl's time over ours at the same op and T (> 1: ours is faster)", "",
+             "| op | impl | T | time (s) | TFLOPS | time / ours | peak extra (MB) |", "|---|---|---|---|---|---|---|"]
+    ours = {(r["op"], r["seq_len"]): r["seconds"] for r in rows if r["impl"] == "ours" and "error" not in r}
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['op']} | {r['impl']} | {r['seq_len']} | - | - | {r['error'][:90]} |")
+            lines.append(f"| {r['op']} | {r['impl']} | {r['seq_len']} | - | - | - | {r['error'][:90]} |")
         else:
+            mine = ours.get((r["op"], r["seq_len"]))
+            ratio = f"{r['seconds'] / mine:.2f}" if mine else "-"
             lines.append(f"| {r['op']} | {r['impl']} | {r['seq_len']} | {r['seconds']:.3f} | "
-                         f"{r['tflops']:.4f} | {r['peak_extra_mb']:.0f} |")
+                         f"{r['tflops']:.4f} | {ratio} | {r['peak_extra_mb']:.0f} |")
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     try:
@@ -417,7 +421,7 @@ def main() -> None:
     if args.child:
         return child(args)
     seq_lens = args.seq_lens or ([1024, 2048, 4096, 8192, 16384] if args.device == "cpu"
-                                 else [4096, 8192, 16384, 32768, 65536, 131072])
+                                 else [8192, 16384, 32768, 65536, 131072])
     rows, done = [], set()
     base = os.path.join(args.out_dir, f"kernels_{args.device}.json")
     if args.resume and os.path.exists(base):
