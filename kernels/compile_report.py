@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -178,6 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--json", action="store_true",
                      help="also print the rows as a JSON list on the last line")
     args = parser.parse_args(argv)
+
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        # under the interpreter @triton.jit gives interpreted functions, which cannot be compiled:
+        # run the report in a fresh process without it
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        cmd = [sys.executable, "-m", "dsa_kernels.compile_report", *(sys.argv[1:] if argv is None else argv)]
+        return subprocess.run(cmd, env=env).returncode
 
     try:
         import triton  # noqa: F401

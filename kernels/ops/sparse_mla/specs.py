@@ -22,7 +22,8 @@ def _tensors():
 def _config(launch) -> str:
     a = launch.args
     keys = [k for k in a if k.startswith("BLOCK_") or k in ("SPLIT_V", "SPLIT")]
-    return " ".join(f"{k}={a[k]}" for k in keys) + f" warps={launch.num_warps} grid={launch.grid}"
+    stages = f" stages={launch.num_stages}" if launch.num_stages else ""
+    return " ".join(f"{k}={a[k]}" for k in keys) + f" warps={launch.num_warps}{stages} grid={launch.grid}"
 
 
 @register("sparse_mla_fwd", attention=True)
