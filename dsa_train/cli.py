@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "launch": "dsa_train.parallel.launch",  # torchrun / Slurm (sbatch from the recipe's cluster group)
     "plan": "dsa_train.parallel.plan",  # per-GPU memory and step-time estimate of a recipe
     "kernels": "dsa_kernels.compile_report",  # `kernels report --arch sm_90a`: compile gate without a GPU
+    "report": "dsa_train.logging.report",  # per-stage summary and PNG plots of a run
 }
 
 log = logging.getLogger("dsa_train")
@@ -68,7 +69,7 @@ def run_hydra(argv: list[str], train) -> int:
     @hydra.main(config_path=str(recipes_dir()), config_name=DEFAULT_RECIPE, version_base=None)
     def train_main(cfg: DictConfig) -> None:
         try:
-            train_cfg = to_train_config(cfg)
+            train_cfg = to_train_config(cfg, check_environment=True)
         except (ConfigError, MissingMandatoryValue) as err:
             sys.exit(f"dsa-train: invalid recipe: {err}")
         try:

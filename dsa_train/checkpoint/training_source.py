@@ -8,9 +8,12 @@ Files are opened memory-mapped, so tensors are paged in only as the export reads
 The state dict does not carry the model config; it is found, in this order, in
   1. `config.json` inside the step directory (Hugging Face form),
   2. the `config` argument (a Hugging Face directory or a config.json),
-  3. the run's Hydra config (`<run_dir>/.hydra/config.yaml`): `model.pretrained` (its
-     config.json) or `model.arch` (tiny_config(**arch), vocab_size from the embedding).
-The tokenizer is the run's `data.tokenizer` (the bundled one when unset).
+  3. the run's Hydra config (`<run_dir>/.hydra/config.yaml`, interpolations resolved):
+     `model.pretrained` (its config.json) or `model.arch` (tiny_config(**arch), vocab_size from
+     the embedding).
+Relative paths in the run's config are tried here and from the directory the run started in.
+The tokenizer is the run's `data.tokenizer` (the bundled one when unset; else the run's own
+export's copy). `index_topk` becomes the top-k of the last sparse stage the checkpoint trained.
 """
 
 from __future__ import annotations
@@ -129,14 +132,108 @@ def _concat_slices(name: str, parts: list[tuple[int, int, int, torch.Tensor, Pat
     return torch.cat([item[3] for item in ordered], dim=dim), ordered[0][4]
 
 
-def _hydra_config(step_dir: Path) -> dict | None:
+@dataclass
+class RunConfig:
+    """The run's saved Hydra config (`<run_dir>/.hydra/config.yaml`), interpolations resolved
+    (`data.tokenizer: ${model.pretrained}`), and where relative paths in it start from: the
+    directory the run was started in, found by taking the saved run_dir off the config's directory."""
+
+    values: dict
+    run_dir: Path  # the directory holding .hydra/
+    started_in: Path | None
+
+    def path(self, value: str | None) -> Path | None:
+        """An existing path the run's `value` names (relative: from where the run started, or here)."""
+        if not value:
+            return None
+        p = Path(value)
+        candidates = [p] if p.is_absolute() else [p, *([self.started_in / p] if self.started_in else [])]
+        return next((c for c in candidates if c.exists()), None)
+
+
+def _hydra_config(step_dir: Path) -> RunConfig | None:
+    from omegaconf import OmegaConf
+
     for parent in [step_dir, *step_dir.parents][:5]:
         f = parent / ".hydra" / "config.yaml"
         if f.is_file():
-            from omegaconf import OmegaConf
-
-            return OmegaConf.to_container(OmegaConf.load(f), resolve=False)
+            conf = OmegaConf.load(f)
+            try:
+                values = _as_trained(conf)
+            except Exception:  # an interpolation that does not resolve here: resolve key by key
+                values = _resolve_leniently(conf)
+            saved_run_dir = Path(str(values.get("run_dir") or ""))
+            started_in = None
+            if str(saved_run_dir) not in ("", ".") and not saved_run_dir.is_absolute():
+                run_dir = parent.resolve()
+                if run_dir.parts[-len(saved_run_dir.parts):] == saved_run_dir.parts:
+                    started_in = Path(*run_dir.parts[: -len(saved_run_dir.parts)])
+            return RunConfig(values, parent, started_in)
     return None
+
+
+def _as_trained(conf) -> dict:
+    """The saved recipe as the run trained it: checked against the schema and with its profile
+    applied (Hydra saves the composition; `profile=smoke` changes it at start-up)."""
+    from omegaconf import OmegaConf
+
+    from ..config.profile import apply_profile
+    from ..config.schema import TrainConfig
+
+    train_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), conf))
+    apply_profile(train_cfg, announce=False)
+    return OmegaConf.to_container(OmegaConf.structured(train_cfg), resolve=True, enum_to_str=True)
+
+
+def _resolve_leniently(conf) -> dict:
+    from omegaconf import DictConfig, OmegaConf
+
+    def walk(node):
+        if isinstance(node, DictConfig):
+            out = {}
+            for key in node.keys():
+                try:
+                    out[key] = walk(node[key])
+                except Exception:
+                    out[key] = OmegaConf.to_container(node, resolve=False).get(key)
+            return out
+        return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+
+    return walk(conf)
+
+
+def _run_tokenizer(run: RunConfig | None, step_dir: Path) -> Path:
+    """The tokenizer the run trained with: its `data.tokenizer` (null: the bundled one), found
+    where the run started; else the tokenizer files the run's own export copied."""
+    if run is None:
+        return BUNDLED_TOKENIZER_DIR
+    tokenizer = (run.values.get("data") or {}).get("tokenizer")
+    if tokenizer in (None, "bundled"):
+        return BUNDLED_TOKENIZER_DIR
+    found = run.path(str(tokenizer))
+    if found is not None:
+        return found
+    export = run.run_dir / "export"
+    if (export / "tokenizer.json").is_file():
+        return export
+    raise CheckpointError(
+        f"the run's tokenizer {tokenizer} (data.tokenizer in {run.run_dir / '.hydra' / 'config.yaml'}) does not exist "
+        f"here{f' (nor under {run.started_in})' if run.started_in else ''}, and the run has no export with a "
+        "tokenizer; pass --tokenizer DIR (the checkpoint the run started from)"
+    )
+
+
+def _trained_topk(run: RunConfig | None, step_dir: Path, default: int) -> int:
+    """index_topk for the export: the top-k of the last sparse stage this checkpoint trained."""
+    from .export import trained_index_topk
+
+    stages = list(((run.values if run else {}).get("stages") or {}).values())
+    state_file = step_dir / "trainer_state.json"
+    if not stages or not state_file.is_file():
+        return default
+    state = json.loads(state_file.read_text())
+    ran = state.get("stage_index", 0) + (1 if state.get("stage_step", 0) > 0 else 0)
+    return trained_index_topk(((s.get("attention"), s.get("topk")) for s in stages[:ran]), default)
 
 
 def _config_from_path(path: Path) -> DSAConfig:
@@ -147,14 +244,20 @@ def _config_from_path(path: Path) -> DSAConfig:
         raise CheckpointError(f"{path}: {e}") from e
 
 
-def _resolve_config(step_dir: Path, state: dict, config: str | os.PathLike | None, hydra: dict | None) -> DSAConfig:
+def _resolve_config(step_dir: Path, state: dict, config: str | os.PathLike | None, hydra: RunConfig | None) -> DSAConfig:
     if (step_dir / CONFIG_FILE).is_file():
         return _config_from_path(step_dir)
     if config is not None:
         return _config_from_path(Path(config))
-    model = (hydra or {}).get("model") or {}
+    model = (hydra.values if hydra else {}).get("model") or {}
     if model.get("pretrained"):
-        return _config_from_path(Path(model["pretrained"]))
+        found = hydra.path(model["pretrained"])
+        if found is None:
+            raise CheckpointError(
+                f"the run's model.pretrained {model['pretrained']} does not exist here and {step_dir} has no "
+                "config.json; pass --config with the model's Hugging Face directory (or config.json)"
+            )
+        return _config_from_path(found)
     if hydra is not None and "model.embed_tokens.weight" in state:
         arch = dict(model.get("arch") or {})
         arch.setdefault("vocab_size", int(state["model.embed_tokens.weight"].shape[0]))
@@ -198,12 +301,8 @@ def open_training_checkpoint(path: str | os.PathLike, config: str | os.PathLike 
     if cfg.num_nextn_predict_layers and not any(n.startswith(mtp_prefix) for n in state):
         cfg.num_nextn_predict_layers = 0  # trained without the MTP module (as loaded)
     check_state_dict(state, files, cfg, step_dir)
-    tokenizer = ((hydra or {}).get("data") or {}).get("tokenizer")
-    if tokenizer in (None, "bundled"):
-        tokenizer_dir = BUNDLED_TOKENIZER_DIR
-    else:
-        tokenizer_dir = Path(tokenizer)
-    return TrainingCheckpoint(step_dir, cfg, state, files, tokenizer_dir)
+    cfg.index_topk = _trained_topk(hydra, step_dir, cfg.index_topk)
+    return TrainingCheckpoint(step_dir, cfg, state, files, _run_tokenizer(hydra, step_dir))
 
 
 def is_training_checkpoint(path: str | os.PathLike) -> bool:

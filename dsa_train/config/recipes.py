@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 from importlib import resources
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue
+from omegaconf.errors import MissingMandatoryValue, ValidationError
 
 from dsa_train.config.schema import TrainConfig
 from dsa_train.config.store import register_configs
-from dsa_train.config.validate import ConfigError, validate
+from dsa_train.config.profile import apply_profile
+from dsa_train.config.validate import ConfigError, _require, collect_problems, environment_problems, validate
 
 DEFAULT_RECIPE = "demo"
 
@@ -38,19 +40,38 @@ def compose_recipe(recipe: str = DEFAULT_RECIPE, overrides: list[str] | None = N
         return compose(config_name=recipe, overrides=list(overrides or []))
 
 
-def to_train_config(cfg: DictConfig) -> TrainConfig:
-    """Resolve interpolations, convert to dataclasses and run the semantic checks."""
-    try:
-        train_cfg = OmegaConf.to_object(cfg)
-    except MissingMandatoryValue as err:
-        key = getattr(err, "full_key", None) or "a field"
-        raise ConfigError(
-            f"{key} has no value (??? in the recipe): set it on the command line, e.g. {key}=..."
-            + (" (a Hugging Face checkpoint directory)" if key == "model.pretrained" else "")
-        ) from None
-    assert isinstance(train_cfg, TrainConfig), type(train_cfg)
-    validate(train_cfg)
+def to_train_config(cfg: DictConfig, check_environment: bool = False) -> TrainConfig:
+    """Resolve interpolations, convert to dataclasses, apply the profile and run the semantic
+    checks (with `check_environment`, also those against this machine and launch). One
+    ConfigError lists every problem found, missing values included."""
+    with collect_problems():
+        missing = _missing_keys(OmegaConf.to_container(cfg, resolve=False))
+        for key in missing:
+            _require(False, key, f"has no value (??? in the recipe): set it on the command line, e.g. {key}=..."
+                     + (" (a Hugging Face checkpoint directory)" if key == "model.pretrained" else ""))
+        if missing:  # check the rest as if they were null
+            cfg = copy.deepcopy(cfg)
+            for key in missing:
+                OmegaConf.update(cfg, key, None, force_add=True)
+        try:
+            train_cfg = OmegaConf.to_object(cfg)
+        except (MissingMandatoryValue, ValidationError):
+            return None  # a missing field that cannot be null: reported above
+        assert isinstance(train_cfg, TrainConfig), type(train_cfg)
+        apply_profile(train_cfg)
+        validate(train_cfg)
+        if check_environment:
+            environment_problems(train_cfg, model_known="model.pretrained" not in missing)
     return train_cfg
+
+
+def _missing_keys(node, prefix: str = "") -> list[str]:
+    """Dotted keys whose value is ??? (not resolving interpolations, which may point at them)."""
+    if isinstance(node, dict):
+        return [k for key, value in node.items() for k in _missing_keys(value, f"{prefix}{key}.")]
+    if isinstance(node, list):
+        return [k for i, value in enumerate(node) for k in _missing_keys(value, f"{prefix}{i}.")]
+    return [prefix[:-1]] if node == "???" else []
 
 
 def load_recipe(recipe: str = DEFAULT_RECIPE, overrides: list[str] | None = None) -> TrainConfig:

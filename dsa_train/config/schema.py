@@ -225,10 +225,38 @@ class ClusterConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """A way to run a recipe (recipes/profile/*.yaml), applied over the composed recipe by
+    `dsa_train.config.profile.apply_profile`. `none` changes nothing; `smoke` runs every stage of
+    the recipe for real in one CPU process in a few minutes (tiny batch, short sequences, a few
+    steps) and keeps everything else. Null fields leave the recipe's value."""
+
+    name: str = "none"
+    run_suffix: str = ""  # appended to the run directory (runs/<run_name><run_suffix>)
+    device: Device | None = None
+    one_process: bool = False  # every parallel size 1, ZeRO 0, no recompute
+    steps: int | None = None  # each stage: min(its steps, this)
+    warmup_steps: int | None = None  # each stage: min(its warmup_steps, this)
+    global_batch_size: int | None = None
+    micro_batch_size: int | None = None
+    seq_len: int | None = None
+    topk: int | None = None  # sparse stages: min(their top-k, this), below seq_len
+    topk_recall_queries: int | None = None  # sparse stages: min(theirs, this)
+    dtype: DType | None = None
+    probe_batches: int | None = None
+    data_sources: list[str] | None = None  # used only when the recipe has no data.sources
+    num_workers: int | None = None
+    # A from-scratch model (model.arch): these fields override the recipe's (shrink it). With
+    # model.pretrained the checkpoint is the architecture and the recipe's arch is dropped.
+    arch: dict[str, Any] = field(default_factory=dict)
+    checkpoint_every_n_steps: int | None = None
+
+
+@dataclass
 class TrainConfig:
     run_name: str = "demo"
     # Deterministic per run (never ${now:...}: every torchrun rank would resolve its own).
-    run_dir: str = "runs/${run_name}"
+    run_dir: str = "runs/${run_name}${profile.run_suffix}"
     seed: int = 1234
     # torch.use_deterministic_algorithms(True) and deterministic cuBLAS workspace.
     deterministic: bool = False
@@ -246,3 +274,4 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)

@@ -16,6 +16,7 @@ from dsa_train.config.schema import (
     ModelConfig,
     OptimConfig,
     ParallelConfig,
+    ProfileConfig,
     StageConfig,
     TrainConfig,
 )
@@ -31,6 +32,7 @@ GROUP_SCHEMAS = {
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
     "cluster": ClusterConfig,
+    "profile": ProfileConfig,
 }
 
 

@@ -1,27 +1,127 @@
-"""Checks that a structured config cannot express by types alone. Every error names its key."""
+"""Checks that a structured config cannot express by types alone. Every problem names its key.
+
+`validate` reports every problem of a recipe at once: each `_require` that fails inside
+`collect_problems()` adds one line, and the block raises one ConfigError listing them all (a
+user fixes them in one attempt, not one per run). Outside such a block `_require` raises at once.
+`environment_problems` adds what depends on the machine the run starts on (CUDA present, one
+process or a launcher, the model's context length); the command line checks both together.
+"""
 
 from __future__ import annotations
 
-from dsa_train.config.schema import Attention, TrainConfig, Trainable
+import contextlib
+import os
+
+from dsa_train.config.schema import Attention, Device, TrainConfig, Trainable
 
 
 class ConfigError(ValueError):
-    pass
+    """A recipe problem; `problems` holds one `key: message` line per problem."""
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        self.problems = list(problems) if problems else [message]
+        super().__init__(message)
+
+    @classmethod
+    def of(cls, problems: list[str]) -> "ConfigError":
+        if len(problems) == 1:
+            return cls(problems[0], problems)
+        lines = "\n".join(f"  - {p}" for p in problems)
+        return cls(f"{len(problems)} problems in the recipe (fix them all, then run again):\n{lines}", problems)
+
+
+_collected: list[str] | None = None  # problems of the open collect_problems() block
 
 
 def _require(ok: bool, key: str, message: str) -> None:
-    if not ok:
+    if ok:
+        return
+    if _collected is None:
         raise ConfigError(f"{key}: {message}")
+    _collected.append(f"{key}: {message}")
+
+
+@contextlib.contextmanager
+def collect_problems():
+    """Collect the failed `_require`s (and ConfigErrors raised) inside the block; at its end raise
+    one ConfigError naming them all. Nested blocks add to the outer one."""
+    global _collected
+    if _collected is not None:  # nested: the outer block reports
+        yield _collected
+        return
+    _collected = problems = []
+    try:
+        try:
+            yield problems
+        except ConfigError as err:
+            problems.extend(err.problems)
+    finally:
+        _collected = None
+    if problems:
+        raise ConfigError.of(list(dict.fromkeys(problems)))
 
 
 def validate(cfg: TrainConfig) -> None:
+    with collect_problems():
+        _validate(cfg)
+
+
+def environment_problems(cfg: TrainConfig, model_known: bool = True) -> None:
+    """Checks against this machine and launch: CUDA availability, a parallel layout in one
+    process, sequences longer than the model's positions (read from model.pretrained's
+    config.json, or the from-scratch arch; not checked when `model_known` is false). Inside collect_problems() they add to the list."""
+    if cfg.device == Device.cuda:
+        import torch
+
+        _require(torch.cuda.is_available(), "device",
+                 "cuda requested but no CUDA device is available; use device=cpu (or profile=smoke)")
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        p = cfg.parallel
+        for key in ("tensor_parallel", "context_parallel", "expert_parallel"):
+            size = getattr(p, key)
+            _require(size == 1, f"parallel.{key}",
+                     f"{size}: one process runs one rank; set it to 1 (parallel=single or profile=smoke), "
+                     "or start the recipe with `dsa-train launch`")
+        _require(p.data_parallel in (-1, 1), "parallel.data_parallel",
+                 f"{p.data_parallel}: one process runs one rank; set it to 1 or -1, or use `dsa-train launch`")
+    max_pos = _max_positions(cfg) if model_known else None
+    if max_pos is not None:
+        _require(cfg.data.seq_len <= max_pos, "data.seq_len",
+                 f"{cfg.data.seq_len}-token sequences are longer than the model's max_position_embeddings="
+                 f"{max_pos}; lower data.seq_len")
+
+
+def _max_positions(cfg: TrainConfig) -> int | None:
+    import json
+    from pathlib import Path
+
+    if cfg.model.pretrained is not None:
+        config_json = Path(cfg.model.pretrained) / "config.json"
+        if not config_json.is_file():
+            _require(False, "model.pretrained", f"{cfg.model.pretrained} has no config.json; pass a Hugging Face "
+                     "checkpoint directory (DeepSeek-V3 / V3.1 / V3.2 layout)")
+            return None
+        try:
+            return int(json.loads(config_json.read_text())["max_position_embeddings"])
+        except (ValueError, KeyError, TypeError):
+            return None
+    if "max_position_embeddings" in cfg.model.arch:
+        return int(cfg.model.arch["max_position_embeddings"])
+    from dsa_train.model.config import tiny_config
+
+    return tiny_config().max_position_embeddings
+
+
+def _validate(cfg: TrainConfig) -> None:
     _require(bool(cfg.stages), "stages", "a recipe needs at least one stage")
     _require(
         cfg.model.pretrained is None or not cfg.model.arch,
         "model.arch",
         "architecture fields only apply to a from-scratch model (model.pretrained is set)",
     )
-    _require(bool(cfg.data.sources), "data.sources", "no data sources given")
+    _require(bool(cfg.data.sources), "data.sources",
+             "no data sources given: set data.sources=[/data/*.jsonl] (files, globs or hub names; "
+             "[bundled] for the bundled corpus)")
     _require(cfg.data.seq_len >= 2, "data.seq_len", f"must be >= 2, got {cfg.data.seq_len}")
     _require(cfg.data.micro_batch_size >= 1, "data.micro_batch_size", "must be >= 1")
     _require(cfg.probe_batches >= 0, "probe_batches", "must be >= 0")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from io import StringIO
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from dsa_train.config import TrainConfig
+from dsa_train.logging.report import KL_CAPTURED_NOTE, PROBE_NOTE
 
 COLUMNS = [("lm_loss", "LM loss"), ("indexer_kl_captured", "indexer KL captured"), ("topk_recall", "top-k recall")]
 
@@ -53,4 +55,10 @@ def format_summary(cfg: TrainConfig, result) -> str:
         console.print(f"export (V3.2 Hugging Face layout): {result.export_dir}")
     if result.wandb_run_id is not None:
         console.print(f"W&B run id: {result.wandb_run_id}")
+        offline = sorted(Path(cfg.logging.wandb_dir).glob(f"wandb/offline-run-*-{result.wandb_run_id}"))
+        if offline:
+            console.print(f"upload the offline W&B run: wandb sync {offline[-1]}")
+    console.print(PROBE_NOTE)
+    console.print(KL_CAPTURED_NOTE)
+    console.print(f"per-stage report and plots (loss, KL-captured, recall, lr, MFU): dsa-train report {result.run_dir}")
     return buffer.getvalue()

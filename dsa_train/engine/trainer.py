@@ -21,6 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 from dsa_train.config import Attention, ConfigError, Device, StageConfig, TrainConfig, validate
+from dsa_train.checkpoint.export import trained_index_topk
 from dsa_train.engine import checkpoint as ckpt
 from dsa_train.engine import faults
 from dsa_train.engine.engine import Engine
@@ -31,8 +32,8 @@ from dsa_train.engine.signals import PreemptionHandler, Preempted, mark_preempte
 from dsa_train.engine.step import forward_backward
 from dsa_train.engine.summary import format_summary, summary_metrics
 from dsa_train.logging.perf import memory_metrics, peak_flops_per_device, throughput_metrics
-from dsa_train.logging.progress import StageProgress
-from dsa_train.logging.wandb_run import WandbRun
+from dsa_train.logging.progress import StageProgress, describe_step
+from dsa_train.logging.wandb_run import METRICS_FILE, WandbRun
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,8 @@ class Trainer:
                 )
         else:
             self._resume()
-        self.wandb = WandbRun(cfg.logging, self.config_dict(), run_id=self.state.wandb_run_id)
+        self.wandb = WandbRun(cfg.logging, self.config_dict(), run_id=self.state.wandb_run_id,
+                              metrics_path=self.metrics_path())
         self.state.wandb_run_id = self.wandb.id
         self.result.wandb_run_id = self.wandb.id
 
@@ -192,6 +194,10 @@ class Trainer:
             cfg.logging.wandb_mode = WandbMode.disabled
             cfg.logging.progress_bar = False
         return cfg
+
+    def metrics_path(self) -> Path | None:
+        """`<run_dir>/metrics.jsonl`, written by rank 0 (`dsa-train report` reads it)."""
+        return self.run_dir / METRICS_FILE if self.rank == 0 else None
 
     def tokenizer_dir(self) -> str:
         from dsa_train.data import BUNDLED_TOKENIZER_DIR
@@ -249,7 +255,8 @@ class Trainer:
         wandb = getattr(self, "wandb", None)
         if wandb is not None and wandb.id != self.state.wandb_run_id:  # resumed after W&B started (deferred)
             wandb.finish()
-            self.wandb = WandbRun(self.cfg.logging, self.config_dict(), run_id=self.state.wandb_run_id)
+            self.wandb = WandbRun(self.cfg.logging, self.config_dict(), run_id=self.state.wandb_run_id,
+                               metrics_path=self.metrics_path())
             self.state.wandb_run_id = self.result.wandb_run_id = self.wandb.id
 
     def _check_same_model(self, path: Path, loaded: ckpt.Checkpoint) -> None:
@@ -451,7 +458,12 @@ class Trainer:
             stage.topk or self.model.config.index_topk, stage_trainable=stage.trainable.value,
         )
         tokens_per_step = stage.global_batch_size * self.cfg.data.seq_len
+        dp_size = getattr(self, "dp_size", 1)
+        log.info("%s", describe_step(name, stage.global_batch_size, self.cfg.data.seq_len, self.cfg.data.micro_batch_size,
+                                     dp_size, flops, self.peak_flops, self.device.type, stage.steps - self.state.stage_step))
         progress.start_stage(name, stage.steps, self.state.stage_step)
+        within_step_hook = self.model.register_forward_hook(progress.micro_batch_hook(
+            lambda: self.state.global_step + 1, stage.global_batch_size // (self.cfg.data.micro_batch_size * dp_size)))
         while self.state.stage_step < stage.steps:
             self.check_preemption(engine)
             step_number = self.state.global_step + 1
@@ -496,6 +508,7 @@ class Trainer:
             every = self.cfg.checkpoint.every_n_steps
             if every and self.state.stage_step % every == 0 and self.state.stage_step < stage.steps:
                 self.save(engine)
+        within_step_hook.remove()
         self.probe(name, stage, "end")
         self.state.stage_index += 1
         self.state.stage_step = 0
@@ -534,6 +547,9 @@ class Trainer:
             progress.close()
             if self.preemption is not None:
                 self.preemption.restore()
+        # the export selects as the model was last trained: index_topk = the last sparse stage's top-k
+        self.model.config.index_topk = trained_index_topk(
+            ((s.attention.value, s.topk) for s in self.cfg.stages.values()), self.model.config.index_topk)
         if self.cfg.checkpoint.export:
             self.export()
         self.result.summary = self.state.summary

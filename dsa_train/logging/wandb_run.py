@@ -7,17 +7,59 @@
   goes on; `wandb sync <run dir>` uploads it later. If offline cannot start either (e.g. a shared
   W&B service holding a stale run of the same id), it retries with a service of its own, and
   failing that trains on without W&B, saying so at error level. W&B never stops a run.
+
+Beside W&B, every logged value also goes to `<run_dir>/metrics.jsonl` (one JSON object per
+line: `{"step": N, "metrics": {...}}`; a first `{"run": {...}}` line per start or resume with the
+run's stages and the W&B run's directory), whatever the W&B mode: `dsa-train report RUN_DIR`
+reads it, and it needs no W&B account.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
+import time
+from pathlib import Path
 from typing import Any
 
 from dsa_train.config import LoggingConfig, WandbMode
 
 log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLog:
+    """Appends logged values to a JSONL file (flushed per line, so a crash keeps what was logged)."""
+
+    def __init__(self, path: str | os.PathLike, header: dict[str, Any]):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "a", encoding="utf-8")
+        self._write({"run": {**header, "time": time.time()}})
+
+    def _write(self, record: dict) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(record, default=_json_value) + "\n")
+            self.file.flush()
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self._write({"step": step, "metrics": {k: _json_value(v) for k, v in metrics.items()}})
+
+    def summary(self, values: dict[str, float]) -> None:
+        self._write({"summary": {k: _json_value(v) for k, v in values.items()}})
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+def _json_value(value):
+    value = float(value) if hasattr(value, "__float__") and not isinstance(value, (int, bool)) else value
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def resolve_mode(mode: WandbMode) -> str:
@@ -33,9 +75,22 @@ def resolve_mode(mode: WandbMode) -> str:
 class WandbRun:
     """A W&B run, or nothing when disabled. `id` is None when disabled."""
 
-    def __init__(self, cfg: LoggingConfig, config: dict[str, Any], run_id: str | None = None):
+    def __init__(self, cfg: LoggingConfig, config: dict[str, Any], run_id: str | None = None,
+                 metrics_path: str | os.PathLike | None = None):
         self.mode = resolve_mode(cfg.wandb_mode)
         self.run = None
+        self.metrics = None
+        try:
+            self._init_wandb(cfg, config, run_id)
+        finally:
+            if metrics_path is not None:
+                self.metrics = MetricsLog(metrics_path, {
+                    "run_name": config.get("run_name"), "stages": config.get("stages", {}),
+                    "wandb_mode": self.mode, "wandb_run_dir": str(Path(self.dir).parent) if self.dir else None,
+                    "wandb_run_id": self.id,
+                })
+
+    def _init_wandb(self, cfg: LoggingConfig, config: dict[str, Any], run_id: str | None) -> None:
         if self.mode == "disabled":
             return
         import wandb
@@ -86,15 +141,22 @@ class WandbRun:
         return self.run.dir if self.run is not None else None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.metrics is not None:
+            self.metrics.log(metrics, step)
         if self.run is not None:
             self.run.log(metrics, step=step)
 
     def set_summary(self, values: dict[str, float]) -> None:
+        if self.metrics is not None:
+            self.metrics.summary(values)
         if self.run is not None:
             for key, value in values.items():
                 self.run.summary[key] = value
 
     def finish(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
         if self.run is not None:
             self.run.finish()
             self.run = None
