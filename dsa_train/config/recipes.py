@@ -13,7 +13,7 @@ from omegaconf.errors import MissingMandatoryValue, ValidationError
 from dsa_train.config.schema import TrainConfig
 from dsa_train.config.store import register_configs
 from dsa_train.config.profile import apply_profile
-from dsa_train.config.validate import ConfigError, _require, collect_problems, environment_problems, validate
+from dsa_train.config.validate import ConfigError, collect_problems, environment_problems, problem, validate
 
 DEFAULT_RECIPE = "demo"
 
@@ -47,7 +47,7 @@ def to_train_config(cfg: DictConfig, check_environment: bool = False) -> TrainCo
     with collect_problems():
         missing = _missing_keys(OmegaConf.to_container(cfg, resolve=False))
         for key in missing:
-            _require(False, key, f"has no value (??? in the recipe): set it on the command line, e.g. {key}=..."
+            problem(f"{key} has no value (??? in the recipe): set it on the command line, e.g. {key}=..."
                      + (" (a Hugging Face checkpoint directory)" if key == "model.pretrained" else ""))
         if missing:  # check the rest as if they were null
             cfg = copy.deepcopy(cfg)

@@ -34,11 +34,15 @@ _collected: list[str] | None = None  # problems of the open collect_problems() b
 
 
 def _require(ok: bool, key: str, message: str) -> None:
-    if ok:
-        return
+    if not ok:
+        problem(f"{key}: {message}")
+
+
+def problem(text: str) -> None:
+    """One problem (a line naming its key): raised at once, or collected inside collect_problems()."""
     if _collected is None:
-        raise ConfigError(f"{key}: {message}")
-    _collected.append(f"{key}: {message}")
+        raise ConfigError(text)
+    _collected.append(text)
 
 
 @contextlib.contextmanager
