@@ -91,6 +91,37 @@ def test_sparse_mla_values_and_grads(d_v, d_r, H, K):
     torch.testing.assert_close(dkv, rdkv, rtol=1e-4, atol=1e-5)
 
 
+def test_sparse_mla_deterministic_backward(monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) the backward stages every dkv contribution and
+    reduces in a fixed order (no atomics into shared rows): same gradients as the reference, and
+    bitwise the same on a rerun. A small stage budget forces several query chunks."""
+    import dsa_kernels.ops.sparse_mla.kernel as smk
+
+    monkeypatch.setattr(smk, "DETERMINISTIC_STAGE_ELEMS", 2 * 9 * 40 * 5)  # 5 tokens per chunk
+    torch.manual_seed(0)
+    B, T, H, d_v, d_r, K = 2, 19, 3, 32, 8, 9
+    q = torch.randn(B, T, H, d_v + d_r, device=DEV, requires_grad=True)
+    kv = torch.randn(B, T, d_v + d_r, device=DEV, requires_grad=True)
+    idx = causal_indices(B, T, K, empty_rows=[(1, 3)])
+    idx[0, 10, :3] = 4  # a key selected three times by one query
+    go = torch.randn(B, T, H, d_v, generator=torch.Generator().manual_seed(1)).to(DEV)
+
+    def grads(fn):
+        o, lse = fn(q, kv, idx, (d_v + d_r) ** -0.5, d_v)
+        return torch.autograd.grad((o * go).sum() + lse.sum(), (q, kv))
+
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        first, second = grads(sparse_mla_triton), grads(sparse_mla_triton)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    ref = grads(sparse_mla_ref)
+    for a, b, r in zip(first, second, ref):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-5)
+
+
 def test_sparse_mla_never_reads_empty_slots_as_token_0():
     B, T, H, D, d_v = 1, 5, 2, 48, 32
     q = torch.randn(B, T, H, D, device=DEV)

@@ -22,8 +22,12 @@ registers), p is recomputed from the saved lse, dS = p (dP - delta) scale. Each 
 parts owns half of the latent columns (part 0 also the rope columns): it accumulates its slice
 of dq in registers (written once) and scatters its slice of dkv[idx] = dS^T q + p^T dO (latent)
 and dS^T q_rope (rope) with fp32 atomic adds, because a key row is selected by many queries.
-The summation order of those atomics is not deterministic (see docs/kernels.md). Duplicated
-indices in a row add twice (as in the reference).
+The summation order of those atomics is not deterministic; under
+`torch.use_deterministic_algorithms(True)` the backward instead stages each contribution
+(DETERMINISTIC=True: one add per address of a zeroed [head blocks, B, C, K, D] buffer, query
+chunk by chunk)
+and reduces them in a fixed order (head blocks summed in order, then `index_add_`, which is
+deterministic on CUDA in that mode). Duplicated indices in a row add twice (as in the reference).
 """
 
 from __future__ import annotations
@@ -109,7 +113,7 @@ def _sparse_mla_fwd_kernel(
 
 @triton.jit
 def _sparse_mla_bwd_kernel(
-    Q, KV, IDX, NSLOT, DO, LSE, DELTA, DQ, DKV,
+    Q, KV, IDX, NSLOT, DO, LSE, DELTA, DQ, DKV, STAGE,
     stride_qb, stride_qt, stride_qh,
     stride_kvb, stride_kvt,
     stride_ib, stride_it,
@@ -117,15 +121,17 @@ def _sparse_mla_bwd_kernel(
     stride_dob, stride_dot, stride_doh,
     stride_lb, stride_lt,
     stride_dkb, stride_dkt,
-    H, scale, scale_log2,
+    stride_sh, stride_sb, stride_st, stride_sk,
+    H, T0, scale, scale_log2,
     D_V: tl.constexpr, D_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
-    BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, DETERMINISTIC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     hb = pid // SPLIT
     part = pid % SPLIT
-    t = tl.program_id(1).to(tl.int64)
+    tc = tl.program_id(1).to(tl.int64)  # token within this launch's chunk [T0, T0 + grid)
+    t = T0 + tc
     b = tl.program_id(2).to(tl.int64)
     DVS: tl.constexpr = BLOCK_DV // SPLIT  # latent columns of dq / dkv owned by this program
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -179,7 +185,13 @@ def _sparse_mla_bwd_kernel(
         kv_c = tl.load(rows + offs_c[None, :], mask=valid[:, None] & mask_c[None, :], other=0.0)
         dq_c += tl.dot(ds_c, kv_c)
         dkv_c = tl.dot(tl.trans(ds_c), q_c) + tl.dot(tl.trans(p.to(do_c.dtype)), do_c)  # [BLOCK_K, DVS]
-        drows = dkv_base + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_dkt
+        if DETERMINISTIC:
+            # this (head block, token, slot)'s own row of the zeroed stage: each address receives
+            # exactly one add, so the value is exact and the order does not matter
+            stage_tok = STAGE + hb * stride_sh + b * stride_sb + tc * stride_st  # scalar pointer
+            drows = stage_tok + (offs_k * stride_sk)[:, None]  # int32 offsets: K * D < 2^31
+        else:
+            drows = dkv_base + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_dkt
         tl.atomic_add(drows + offs_c[None, :], dkv_c, mask=valid[:, None] & mask_c[None, :], sem="relaxed")
         if part == 0:
             dq_r += tl.dot(ds_c, kvr)
@@ -207,10 +219,11 @@ def fwd_blocks(H: int, D_V: int, D_R: int) -> dict:
                 SPLIT_V=2 if block_dv >= 512 else 1)
 
 
-def bwd_blocks(H: int, D_V: int, D_R: int) -> dict:
+def bwd_blocks(H: int, D_V: int, D_R: int, deterministic: bool = False) -> dict:
     block_dv = pow2(D_V)
-    return dict(BLOCK_H=min(pow2(H), 64), BLOCK_K=32, BLOCK_DV=block_dv, BLOCK_DR=pow2(max(D_R, 1)),
-                BLOCK_D=min(block_dv, 64), SPLIT=2 if block_dv >= 512 else 1)
+    # deterministic: 16-key tiles (with 32 the stage addressing spilled 68-104 B in the compile report)
+    return dict(BLOCK_H=min(pow2(H), 64), BLOCK_K=16 if deterministic else 32, BLOCK_DV=block_dv,
+                BLOCK_DR=pow2(max(D_R, 1)), BLOCK_D=min(block_dv, 64), SPLIT=2 if block_dv >= 512 else 1)
 
 
 def plan_fwd(q, kv, indices, n_slots, out, lse, scale: float, d_v: int) -> Launch:
@@ -236,14 +249,19 @@ def plan_fwd(q, kv, indices, n_slots, out, lse, scale: float, d_v: int) -> Launc
     )
 
 
-def plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float, d_v: int) -> Launch:
-    """The backward launch: dq [B, T, H, D] (q's dtype), dkv [B, T, D] fp32 (zeroed, atomics)."""
+def plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float, d_v: int,
+             t0: int = 0, n_tokens: int | None = None, stage=None) -> Launch:
+    """The backward launch for tokens [t0, t0 + n_tokens): dq [B, T, H, D] (q's dtype) and either
+    dkv [B, T, D] fp32 (zeroed, atomics) or, deterministic, stage [head blocks, B, C, K, D] fp32
+    (C >= n_tokens, zeroed) receiving every (head block, token, slot)'s dkv contribution."""
     B, T, H, D = q.shape
-    blocks = bwd_blocks(H, d_v, D - d_v)
+    det = stage is not None
+    blocks = bwd_blocks(H, d_v, D - d_v, det)
+    st = stage if det else dkv
     return Launch(
-        _sparse_mla_bwd_kernel, (triton.cdiv(H, blocks["BLOCK_H"]) * blocks["SPLIT"], T, B),
+        _sparse_mla_bwd_kernel, (triton.cdiv(H, blocks["BLOCK_H"]) * blocks["SPLIT"], T - t0 if n_tokens is None else n_tokens, B),
         dict(
-            Q=q, KV=kv, IDX=indices, NSLOT=n_slots, DO=dout, LSE=lse, DELTA=delta, DQ=dq, DKV=dkv,
+            Q=q, KV=kv, IDX=indices, NSLOT=n_slots, DO=dout, LSE=lse, DELTA=delta, DQ=dq, DKV=dkv, STAGE=st,
             stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
             stride_kvb=kv.stride(0), stride_kvt=kv.stride(1),
             stride_ib=indices.stride(0), stride_it=indices.stride(1),
@@ -251,8 +269,10 @@ def plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float, d
             stride_dob=dout.stride(0), stride_dot=dout.stride(1), stride_doh=dout.stride(2),
             stride_lb=lse.stride(0), stride_lt=lse.stride(1),
             stride_dkb=dkv.stride(0), stride_dkt=dkv.stride(1),
-            H=H, scale=scale, scale_log2=scale * LOG2E,
-            D_V=d_v, D_R=D - d_v, **blocks,
+            stride_sh=st.stride(0) if det else 0, stride_sb=st.stride(1) if det else 0,
+            stride_st=st.stride(2) if det else 0, stride_sk=st.stride(3) if det else 0,
+            H=H, T0=t0, scale=scale, scale_log2=scale * LOG2E,
+            D_V=d_v, D_R=D - d_v, **blocks, DETERMINISTIC=det,
         ),
         num_warps=8 if blocks["BLOCK_DV"] >= 256 else 4,
     )
@@ -279,5 +299,32 @@ def sparse_mla_bwd(q, kv, indices, n_slots, out, lse, dout, dlse, scale: float, 
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     if q.shape[0] * q.shape[1] == 0 or q.shape[2] == 0:
         return dq.zero_(), dkv.to(kv.dtype)
-    plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale, d_v).run()
+    if not torch.are_deterministic_algorithms_enabled():
+        plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale, d_v).run()
+        return dq, dkv.to(kv.dtype)
+    # deterministic: per query chunk, stage every contribution, sum the head blocks in order, then
+    # index_add_ into dkv (deterministic on CUDA under torch.use_deterministic_algorithms), chunk
+    # after chunk; slower and needs the stage buffer, but bitwise reproducible
+    B, T, H, D = q.shape
+    K = indices.shape[-1]
+    n_hb = triton.cdiv(H, bwd_blocks(H, d_v, D - d_v)["BLOCK_H"])
+    chunk = deterministic_chunk(B, T, K, D, n_hb)
+    stage = torch.empty((n_hb, B, chunk, K, D), dtype=torch.float32, device=q.device)
+    for t0 in range(0, T, chunk):
+        c = min(chunk, T - t0)
+        stage.zero_()
+        plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale, d_v, t0, c, stage).run()
+        contrib = stage[:, :, :c].sum(0)  # [B, c, K, D]
+        idx = indices[:, t0:t0 + c]
+        for b in range(B):
+            valid = idx[b] >= 0
+            dkv[b].index_add_(0, idx[b][valid].long(), contrib[b][valid])
     return dq, dkv.to(kv.dtype)
+
+
+DETERMINISTIC_STAGE_ELEMS = 1 << 26  # fp32 elements of the deterministic backward's stage (256 MB)
+
+
+def deterministic_chunk(B: int, T: int, K: int, D: int, n_hb: int) -> int:
+    """Query tokens per chunk of the deterministic backward (its stage is [n_hb, B, C, K, D])."""
+    return max(1, min(T, DETERMINISTIC_STAGE_ELEMS // max(n_hb * B * K * D, 1)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...registry import SHAPES_671B, KernelCase, register
-from .kernel import plan_bwd, plan_fwd
+from .kernel import deterministic_chunk, plan_bwd, plan_fwd
 
 
 def _tensors():
@@ -21,7 +21,7 @@ def _tensors():
 
 def _config(launch) -> str:
     a = launch.args
-    keys = [k for k in a if k.startswith("BLOCK_") or k in ("SPLIT_V", "SPLIT")]
+    keys = [k for k in a if k.startswith("BLOCK_") or k in ("SPLIT_V", "SPLIT", "DETERMINISTIC")]
     stages = f" stages={launch.num_stages}" if launch.num_stages else ""
     return " ".join(f"{k}={a[k]}" for k in keys) + f" warps={launch.num_warps}{stages} grid={launch.grid}"
 
@@ -44,4 +44,10 @@ def _bwd():
     dkv = torch.empty(kv.shape, dtype=torch.float32, device="meta")
     n_slots = torch.empty(idx.shape[:2], dtype=torch.int32, device="meta")
     launch = plan_bwd(q, kv, idx, n_slots, dout, lse, delta, dq, dkv, scale, d_v)
-    return [KernelCase(_config(launch), launch)]
+    # the deterministic option (under torch.use_deterministic_algorithms): staged stores, no atomics
+    B, T, H, D = q.shape
+    n_hb = launch.grid[0] // launch.args["SPLIT"]
+    chunk = deterministic_chunk(B, T, idx.shape[-1], D, n_hb)
+    stage = torch.empty(n_hb, B, chunk, idx.shape[-1], D, dtype=torch.float32, device="meta")
+    det = plan_bwd(q, kv, idx, n_slots, dout, lse, delta, dq, dkv, scale, d_v, T - chunk, chunk, stage)
+    return [KernelCase(_config(launch), launch), KernelCase("deterministic " + _config(det), det)]
