@@ -20,7 +20,7 @@ from ..model.indexer import LightningIndexer
 from .errors import CheckpointError
 from .export import ExportOptions, ExportResult, natural_key, v32_config_json, write_hf_dir
 from .hf_layout import is_hf_dir
-from .loader import open_checkpoint
+from .loader import fresh_indexer_tensor, open_checkpoint
 from .training_source import open_training_checkpoint
 
 log = logging.getLogger(__name__)
@@ -29,11 +29,11 @@ log = logging.getLogger(__name__)
 def fresh_indexer_tensors(config: DSAConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Initialized indexer parameters of every layer (MTP included), one layer at a time."""
     n_layers = config.num_hidden_layers + (config.num_nextn_predict_layers or 0)
+    shapes = {name: p.shape for name, p in LightningIndexer(config).named_parameters()}
     for i in range(n_layers):
-        indexer = LightningIndexer(config)
-        indexer.reset_parameters(config.initializer_range)
-        for name, p in indexer.named_parameters():
-            yield f"model.layers.{i}.self_attn.indexer.{name}", p.detach()
+        for name, shape in shapes.items():
+            full = f"model.layers.{i}.self_attn.indexer.{name}"
+            yield full, fresh_indexer_tensor(full, shape, config.initializer_range, torch.float32)
 
 
 def export_checkpoint(

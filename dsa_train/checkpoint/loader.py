@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,14 +158,28 @@ def load_pretrained(
     return model
 
 
+def fresh_indexer_tensor(name: str, shape, std: float, dtype: torch.dtype) -> torch.Tensor:
+    """The initial value of one fresh indexer tensor (a dense checkpoint has none): k_norm weight 1
+    and bias 0, the projections normal(0, std) (LightningIndexer's initialization) drawn from a
+    generator seeded by the tensor's name. It depends on nothing else -- not on the RNG state,
+    the load order or the parallel layout -- so every rank that holds an indexer, under any
+    layout, starts from the same values as the single-process load."""
+    if name.endswith("k_norm.weight"):
+        return torch.ones(shape, dtype=dtype)
+    if name.endswith("k_norm.bias"):
+        return torch.zeros(shape, dtype=dtype)
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=g).to(dtype)
+
+
 def _init_indexers(model, names, dtype, param_filter, shard_fn) -> None:
     kept = [n for n in names if param_filter is None or param_filter(n)]
     shapes = dict((n, p.shape) for n, p in model.named_parameters())
+    std = model.config.initializer_range
     for name in kept:
-        assign(model, name, torch.empty(shapes[name], dtype=target_dtype(name, dtype)))
-    model.init_indexers()  # meta parameters (not kept) are left as they are
-    if shard_fn is not None:
-        params = dict(model.named_parameters())
-        for name in kept:
-            t = shard_fn(name, params[name].data)
-            assign(model, name, t if t is not None else torch.empty(shapes[name], device="meta"))
+        t = fresh_indexer_tensor(name, shapes[name], std, target_dtype(name, dtype))
+        if shard_fn is not None:
+            t = shard_fn(name, t)
+            if t is None:
+                continue
+        assign(model, name, t)

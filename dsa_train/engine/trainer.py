@@ -73,13 +73,20 @@ def check_single_process(cfg: TrainConfig) -> None:
             raise ConfigError(f"{key}={size}: the single-process trainer runs one rank; set it to 1")
 
 
-def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
+def build_model(cfg: TrainConfig, vocab_size: int, parallel_state=None) -> torch.nn.Module:
+    """The model of the recipe. With a parallel layout and a pretrained checkpoint, this rank's
+    part only, already parallelized (meta-device start-up: dsa_train.parallel.startup)."""
     import dsa_train
     from dsa_train.data import check_vocab
     from dsa_train.model import DSAForCausalLM, tiny_config
 
     dtype = getattr(torch, cfg.model.dtype.value)
-    if cfg.model.pretrained is not None:
+    if cfg.model.pretrained is not None and parallel_state is not None and parallel_state.sizes.world > 1:
+        from dsa_train.parallel.startup import load_parallel_pretrained
+
+        model = load_parallel_pretrained(cfg.model.pretrained, parallel_state, dtype, recompute=cfg.parallel.recompute,
+                                         grouped_experts=cfg.parallel.grouped_experts)
+    elif cfg.model.pretrained is not None:
         model = dsa_train.from_pretrained(cfg.model.pretrained, dtype=dtype)
     else:
         arch = {"vocab_size": vocab_size, **cfg.model.arch}
@@ -118,12 +125,13 @@ class Trainer:
         seed_everything(cfg.seed)
 
         self.loader = build_dataloader(DataConfig(**dataclasses.asdict(cfg.data)), dp_rank=self.dp_rank, dp_size=self.dp_size)
-        self.model = build_model(cfg, self.loader.tokenizer.vocab_size).to(self.device)
+        self.model = build_model(cfg, self.loader.tokenizer.vocab_size, self.parallel).to(self.device)
         if self.parallel is not None:
-            from dsa_train.parallel.model import parallelize_model
+            if getattr(self.model, "dsa_parallel_state", None) is None:  # else built parallel (meta-device start-up)
+                from dsa_train.parallel.model import parallelize_model
 
-            self.model = parallelize_model(self.model, self.parallel, recompute=cfg.parallel.recompute,
-                                           grouped_experts=cfg.parallel.grouped_experts)
+                self.model = parallelize_model(self.model, self.parallel, recompute=cfg.parallel.recompute,
+                                               grouped_experts=cfg.parallel.grouped_experts)
             log.info("%s", self.parallel.describe())
         self.model.train()
         max_pos = self.model.config.max_position_embeddings

@@ -155,9 +155,14 @@ class DSAForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def init_indexers(self) -> None:
-        """Fresh indexers (a dense V3 checkpoint has none); see LightningIndexer's docstring."""
-        for layer in self.model.layers:
-            layer.self_attn.indexer.reset_parameters(self.config.initializer_range)
+        """Fresh indexers (a dense V3 checkpoint has none): each tensor's value depends only on its
+        name (checkpoint.loader.fresh_indexer_tensor), the same under any parallel layout."""
+        from ..checkpoint.loader import fresh_indexer_tensor
+
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if ".indexer." in name:
+                    p.copy_(fresh_indexer_tensor(name, p.shape, self.config.initializer_range, p.dtype))
 
     def cast(self, dtype: torch.dtype) -> "DSAForCausalLM":
         """Cast parameters to dtype, keeping the indexer's weights_proj / k_norm in fp32. Buffers

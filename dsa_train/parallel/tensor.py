@@ -69,6 +69,13 @@ def _mark_tp(param: torch.Tensor, dim: int) -> None:
     set_tensor_model_parallel_attributes(param, True, dim, 1)
 
 
+def _copy_in(shard: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy the full layer's slice into the new shard; nothing to copy from a meta-device model
+    (meta-device start-up, parallel/startup.py: the shard is loaded from the checkpoint later)."""
+    if not source.is_meta:
+        shard.copy_(source)
+
+
 def column_parallel(linear: nn.Linear, state: ParallelState) -> nn.Module:
     tp, r = state.sizes.tensor, state.tp_rank
     out_f, in_f = linear.weight.shape
@@ -78,11 +85,11 @@ def column_parallel(linear: nn.Linear, state: ParallelState) -> nn.Module:
     )
     n = out_f // tp
     with torch.no_grad():
-        layer.weight.copy_(linear.weight[r * n : (r + 1) * n])
+        _copy_in(layer.weight, linear.weight[r * n : (r + 1) * n])
         layer.weight.dsa_shard = (0, r * n, (r + 1) * n)
         _mark_tp(layer.weight, 0)
         if linear.bias is not None:
-            layer.bias.copy_(linear.bias[r * n : (r + 1) * n])
+            _copy_in(layer.bias, linear.bias[r * n : (r + 1) * n])
             layer.bias.dsa_shard = (0, r * n, (r + 1) * n)
             _mark_tp(layer.bias, 0)
     return layer.to(linear.weight.device)
@@ -97,11 +104,11 @@ def row_parallel(linear: nn.Linear, state: ParallelState) -> nn.Module:
     )
     n = in_f // tp
     with torch.no_grad():
-        layer.weight.copy_(linear.weight[:, r * n : (r + 1) * n])
+        _copy_in(layer.weight, linear.weight[:, r * n : (r + 1) * n])
         layer.weight.dsa_shard = (1, r * n, (r + 1) * n)
         _mark_tp(layer.weight, 1)
         if linear.bias is not None:
-            layer.bias.copy_(linear.bias)
+            _copy_in(layer.bias, linear.bias)
     return layer.to(linear.weight.device)
 
 
