@@ -180,13 +180,6 @@ def main(argv: list[str] | None = None) -> int:
                      help="also print the rows as a JSON list on the last line")
     args = parser.parse_args(argv)
 
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        # under the interpreter @triton.jit gives interpreted functions, which cannot be compiled:
-        # run the report in a fresh process without it
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        cmd = [sys.executable, "-m", "dsa_kernels.compile_report", *(sys.argv[1:] if argv is None else argv)]
-        return subprocess.run(cmd, env=env).returncode
-
     try:
         import triton  # noqa: F401
     except Exception as err:
@@ -204,6 +197,13 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             print(f"dsa-train kernels report: unknown op {unknown[0]!r}; ops: {', '.join(OPS)}", file=sys.stderr)
             return 2
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        # under the interpreter @triton.jit gives interpreted functions, which cannot be compiled:
+        # run the report in a fresh process without it
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        cmd = [sys.executable, "-m", "dsa_kernels.compile_report", *(sys.argv[1:] if argv is None else argv)]
+        return subprocess.run(cmd, env=env).returncode
+
     t0 = time.perf_counter()
     rows = report(args.arch, args.ops)
     print(f"# dsa-train kernels report --arch {args.arch}: {len(rows)} kernels, 671B shapes, "
