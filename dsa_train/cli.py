@@ -6,6 +6,8 @@
     dsa-train prepare-data ...              pre-tokenize a corpus (dsa_train.data.prepare)
     dsa-train export|inspect|make-tiny-checkpoint ...
                                             checkpoint tools (dsa_train.checkpoint.cli)
+    dsa-train launch|plan|report|kernels ...
+    dsa-train --help                        subcommands, shipped recipes and profiles, one line each
 """
 
 from __future__ import annotations
@@ -26,7 +28,70 @@ SUBCOMMANDS = {
     "report": "dsa_train.logging.report",  # per-stage summary and PNG plots of a run
 }
 
+# one line each for `dsa-train --help`
+SUBCOMMAND_HELP = {
+    "launch": "start a recipe on several processes: `launch torchrun ...` or `launch slurm [--dry-run] ...`",
+    "plan": "per-GPU memory and step time of a recipe's layout, before submitting it",
+    "report": "per-stage summary and PNG plots of a run directory (no W&B needed)",
+    "export": "training checkpoint or run directory -> DeepSeek-V3.2-Exp Hugging Face layout (--fp8 --ue8m0)",
+    "inspect": "architecture, parameter count, dtypes and key check of a Hugging Face checkpoint",
+    "make-tiny-checkpoint": "a tiny random checkpoint in the V3.1-Terminus layout (FP8), for rehearsals",
+    "prepare-data": "pre-tokenize and pack a corpus into fixed-length sequences",
+    "kernels": "`kernels report`: compile the Triton kernels for a GPU architecture without a GPU",
+}
+
 log = logging.getLogger("dsa_train")
+
+
+def _first_sentence(path) -> str:
+    """The first sentence of a YAML file's leading comment block."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("#").strip())
+    text = " ".join(lines)
+    end = text.find(". ")
+    text = text if end < 0 else text[: end + 1]
+    return text if len(text) <= 110 else text[:107].rsplit(" ", 1)[0] + " ..."
+
+
+def usage() -> str:
+    from dsa_train.config import recipes_dir
+
+    recipes = recipes_dir()
+    shipped = sorted(p for p in recipes.glob("*.yaml") if p.stem != "base")
+    profiles = sorted((recipes / "profile").glob("*.yaml"))
+    width = max(len(p.stem) for p in shipped + profiles) + 2
+    sub_width = max(map(len, SUBCOMMANDS)) + 2
+    out = [
+        "usage: dsa-train [--config-name RECIPE] [profile=PROFILE] [key=value ...]   train with a recipe",
+        "       dsa-train SUBCOMMAND [--help] ...",
+        "",
+        "Continued pretraining of DeepSeek-V3-architecture checkpoints into DeepSeek Sparse Attention models",
+        "(the two stages of the DeepSeek-V3.2 report: dense warm-up of the indexer, then sparse training).",
+        "",
+        f"recipes (--config-name NAME or recipe=NAME; in {recipes}):",
+        *[f"  {p.stem:<{width}}{_first_sentence(p)}" for p in shipped],
+        "",
+        "profiles (profile=NAME, with any recipe):",
+        *[f"  {p.stem:<{width}}{_first_sentence(p)}" for p in profiles],
+        "",
+        "subcommands:",
+        *[f"  {name:<{sub_width}}{SUBCOMMAND_HELP.get(name, '')}" for name in SUBCOMMANDS],
+        "",
+        "examples:",
+        "  dsa-train                                       the demo (tiny model, bundled corpus, CPU, minutes)",
+        "  dsa-train --config-name v3.2_warmup --cfg job   print the composed recipe, run nothing",
+        "  dsa-train make-tiny-checkpoint /tmp/tiny-v3.1",
+        "  dsa-train --config-name v3.2_warmup profile=smoke model.pretrained=/tmp/tiny-v3.1",
+        "  dsa-train launch torchrun --nproc-per-node 8 --config-name v3.2_warmup model.pretrained=/ckpt/V3.1 "
+        "data.sources=[...]",
+        "",
+        "Any recipe key can be overridden (stages.sparse.steps=100); unknown keys are refused with suggestions.",
+        "Hydra's own options: dsa-train --hydra-help. Docs: README.md, docs/recipes.md, docs/training.md.",
+    ]
+    return "\n".join(out)
 
 
 def run_subcommand(name: str, argv: list[str]) -> int:
@@ -77,6 +142,12 @@ def run_hydra(argv: list[str], train) -> int:
         except ConfigError as err:
             sys.exit(f"dsa-train: {err}")
 
+    from dsa_train.config.overrides import check_overrides
+
+    try:  # unknown keys with suggestions, before Hydra's bare "not in StageConfig"
+        check_overrides(hydra_argv(argv), recipes_dir())
+    except ConfigError as err:
+        sys.exit(f"dsa-train: {err}")
     saved_argv = sys.argv
     sys.argv = [saved_argv[0] if saved_argv else "dsa-train", *hydra_argv(argv)]
     try:
@@ -88,15 +159,19 @@ def run_hydra(argv: list[str], train) -> int:
 
 def train_app(argv: list[str]) -> int:
     from dsa_train.engine import train
-    from dsa_train.runtime import limit_heap_fragmentation
+    from dsa_train.runtime import limit_heap_fragmentation, quiet_third_party
 
     limit_heap_fragmentation()  # chunked DSA ops otherwise fragment glibc's heap (dsa_train/runtime.py)
+    quiet_third_party()
 
     return run_hydra(argv, train)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["help"] or (any(a in ("-h", "--help") for a in argv) and not (argv and argv[0] in SUBCOMMANDS)):
+        print(usage())
+        return 0
     if argv and argv[0] in SUBCOMMANDS:
         return run_subcommand(argv[0], argv[1:])
     return train_app(argv)

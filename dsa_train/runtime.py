@@ -25,3 +25,16 @@ def limit_heap_fragmentation(threshold_bytes: int = 1 << 20) -> bool:
         return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes)))
     except (OSError, AttributeError):
         return False
+
+
+def quiet_third_party(rank: int = 0) -> None:
+    """Silence warnings a user cannot act on, and on ranks other than 0 all warnings (rank 0 prints
+    each once per job): megatron-core's import-time "Transformer Engine and Apex are not installed"
+    (it falls back to torch implementations, which dsa_train does not use for its optimizer anyway)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*Transformer Engine and Apex are not installed.*")
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"(megatron|transformer_engine|apex)(\..*)?$")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron|transformer_engine|apex|deepspeed)(\..*)?$")
+    if rank != 0:
+        warnings.simplefilter("ignore")

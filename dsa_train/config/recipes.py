@@ -40,7 +40,7 @@ def compose_recipe(recipe: str = DEFAULT_RECIPE, overrides: list[str] | None = N
         return compose(config_name=recipe, overrides=list(overrides or []))
 
 
-def to_train_config(cfg: DictConfig, check_environment: bool = False) -> TrainConfig:
+def to_train_config(cfg: DictConfig, check_environment: bool = False, world_size: int | None = None) -> TrainConfig:
     """Resolve interpolations, convert to dataclasses, apply the profile and run the semantic
     checks (with `check_environment`, also those against this machine and launch). One
     ConfigError lists every problem found, missing values included."""
@@ -61,7 +61,7 @@ def to_train_config(cfg: DictConfig, check_environment: bool = False) -> TrainCo
         apply_profile(train_cfg)
         validate(train_cfg)
         if check_environment:
-            environment_problems(train_cfg, model_known="model.pretrained" not in missing)
+            environment_problems(train_cfg, model_known="model.pretrained" not in missing, world_size=world_size)
     return train_cfg
 
 

@@ -70,16 +70,30 @@ def validate(cfg: TrainConfig) -> None:
         _validate(cfg)
 
 
-def environment_problems(cfg: TrainConfig, model_known: bool = True) -> None:
-    """Checks against this machine and launch: CUDA availability, a parallel layout in one
-    process, sequences longer than the model's positions (read from model.pretrained's
+def environment_problems(cfg: TrainConfig, model_known: bool = True, world_size: int | None = None) -> None:
+    """Checks against this machine and launch: CUDA availability, the parallel layout against the
+    world size (`world_size`, else $WORLD_SIZE: one process needs every size 1), sequences longer than the model's positions (read from model.pretrained's
     config.json, or the from-scratch arch; not checked when `model_known` is false). Inside collect_problems() they add to the list."""
     if cfg.device == Device.cuda:
         import torch
 
         _require(torch.cuda.is_available(), "device",
                  "cuda requested but no CUDA device is available; use device=cpu (or profile=smoke)")
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        from dsa_train.parallel.groups import resolve_sizes
+
+        try:
+            sizes = resolve_sizes(cfg.parallel, world)
+        except ConfigError as err:
+            problem(str(err))
+        else:
+            for name, stage in cfg.stages.items():
+                per_step = cfg.data.micro_batch_size * sizes.data
+                _require(stage.global_batch_size % per_step == 0, f"stages.{name}.global_batch_size",
+                         f"{stage.global_batch_size} is not a multiple of data.micro_batch_size * data-parallel size "
+                         f"= {cfg.data.micro_batch_size} * {sizes.data}")
+    else:
         p = cfg.parallel
         for key in ("tensor_parallel", "context_parallel", "expert_parallel"):
             size = getattr(p, key)

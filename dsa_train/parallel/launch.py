@@ -211,11 +211,33 @@ def torchrun_main(argv: list[str]) -> int:
 
         nproc = max(torch.cuda.device_count(), 1)
     recipe, overrides = split_recipe_args(rest)
+    problems = check_recipe(recipe, overrides, nproc * args.nnodes)
+    if problems:  # one message from the launcher; no worker is started (nothing to restart)
+        print(f"dsa-train launch torchrun: {problems}", file=sys.stderr)
+        return 2
     cmd = torchrun_command(recipe, overrides, nproc, args.nnodes, args.master_addr, args.master_port, args.run_id,
                            max_restarts=args.max_restarts)
     env = {**os.environ, **RESTART_ENV}
     env.setdefault("DS_ACCELERATOR", "cuda" if nproc and _has_cuda() else "cpu")
     return subprocess.call(cmd, env=env)
+
+
+def check_recipe(recipe: str, overrides: list[str], world_size: int) -> str | None:
+    """The recipe's problems (unknown keys, values, the layout against `world_size`, CUDA on this
+    node) as one message, or None: checked here, before any worker starts, so that a configuration
+    error is reported once instead of by every rank and every torchrun restart."""
+    from dsa_train.config import ConfigError, recipes_dir
+    from dsa_train.config.overrides import check_overrides
+    from dsa_train.config.recipes import compose_recipe, to_train_config
+
+    try:
+        check_overrides(["--config-name", recipe, *overrides], recipes_dir())
+        to_train_config(compose_recipe(recipe, overrides), check_environment=True, world_size=world_size)
+    except ConfigError as err:
+        return f"invalid recipe: {err}"
+    except Exception as err:  # Hydra: a recipe or group option that does not exist
+        return f"invalid recipe: {str(err).splitlines()[0]}"
+    return None
 
 
 def _has_cuda() -> bool:

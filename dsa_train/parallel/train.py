@@ -15,9 +15,11 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     from dsa_train.cli import run_hydra
-    from dsa_train.runtime import limit_heap_fragmentation
+    from dsa_train.runtime import limit_heap_fragmentation, quiet_third_party
 
     limit_heap_fragmentation()  # chunked DSA ops otherwise fragment glibc's heap (dsa_train/runtime.py)
+    rank = int(os.environ.get("RANK", "0"))
+    quiet_third_party(rank)  # warnings once per job (rank 0), none the user cannot act on
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _cuda() else "cuda")
     # A W&B service inherited from the launching process (WANDB_SERVICE, set by any process that
@@ -26,8 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop("WANDB_SERVICE", None)
     argv = sys.argv[1:] if argv is None else list(argv)
     # only rank 0 lets Hydra write its .hydra/ files and log file into the shared run directory
-    if int(os.environ.get("RANK", "0")) != 0:
-        argv = [*argv, "hydra.output_subdir=null", "hydra/job_logging=stdout"]
+    # (and logs once per job: other ranks log warnings and errors only)
+    if rank != 0:
+        argv = [*argv, "hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.job_logging.root.level=WARNING"]
     return run_hydra(argv, _train)
 
 
