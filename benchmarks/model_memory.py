@@ -79,7 +79,7 @@ def run_stage(stage_name: str, seq_len: int, topk: int | None) -> dict:
     peak = peak_mb()
     return {
         "bench": "model_memory", "recipe": RECIPE, "stage": stage_name, "seq_len": seq_len,
-        "topk": stage.topk or model.config.index_topk if stage.attention.value == "sparse" else None,
+        "topk": (stage.topk or model.config.index_topk) if stage.attention.value == "sparse" else None,
         "dtype": cfg.model.dtype.value, "heads": model.config.num_attention_heads, "layers": 1,
         "seconds": round(seconds, 1), "rss_before_mb": round(before, 1), "peak_rss_mb": round(peak, 1),
         "extra_mb": round(peak - before, 1), "loss": metrics["loss"],
