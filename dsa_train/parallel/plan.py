@@ -1,7 +1,7 @@
 """`dsa-train plan`: per-GPU memory and step-time estimate of a recipe on its cluster layout.
 
     dsa-train plan [--config-name R | recipe=R] [overrides ...] [--peak-tflops 989] [--mfu 0.35]
-                   [--gpu-gb 80] [--net-gbps 50] [--json]
+                   [--gpu-gb 80] [--net-gbps 50] [--json] [--trace [--rank R]]
 
 Per rank and per stage (the largest stage decides whether it fits):
   parameters   dense ones replicated over DP x CP (or sharded by ZeRO-3), MLA heads / MLPs / shared
@@ -18,6 +18,9 @@ Per rank and per stage (the largest stage decides whether it fits):
   DSA buffers  per layer the top-k indices (T_loc x k int32) and, with CP, the all-gathered
                latent KV (T x 576) and indexer keys (T x 128); plus the chunked kernels' working
                set (query chunks are sized to 2^24 fp32 elements).
+`--trace` also builds rank R of the layout at the full world size under a fake process group and
+traces one training step of the largest stage under FakeTensorMode (dsa_train.parallel.trace):
+the per-category peak beside these figures; `--json` prints it as one JSON object on the last line.
 Step time: training FLOPs of the stage (dsa_train.model.flops, indexer included) at the given
 MFU, plus the data-parallel gradient reduction and the expert all-to-all at --net-gbps per GPU
 (not overlapped: an upper bound). The CPU check in tests/test_parallel_plan.py compares the memory
@@ -273,7 +276,37 @@ def parse_opts(argv):
     p.add_argument("--net-gbps", type=float, default=50.0, help="network GB/s per GPU (400 Gb/s IB = 50)")
     p.add_argument("--world", type=int, default=None, help="ranks (default: cluster.nodes x procs/GPUs per node)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--trace", action="store_true",
+                   help="also trace one training step of rank --rank at the full world size (dsa_train.parallel.trace)")
+    p.add_argument("--rank", type=int, default=0, help="the rank --trace builds (default 0)")
     return p.parse_known_args(argv)
+
+
+def traced_plan(cfg, opts, plan: dict) -> dict:
+    """`--trace`: the traced peak of the plan's largest stage beside the plan's figures (bytes)."""
+    from dsa_train.parallel.trace import trace_step
+
+    stage = max(plan["stages"], key=lambda s: s["total_gib"])
+    traced = trace_step(cfg, rank=opts.rank, world=plan["layout"]["world"], stage_name=stage["stage"])
+    planned = {k: int(v * GiB) for k, v in stage["gib"].items()}
+    return {
+        "world_size": traced["world_size"], "rank": traced["rank"], "stage": stage["stage"],
+        "traced_peak_bytes": traced["peak_total"], "planned_peak_bytes": int(stage["total_gib"] * GiB),
+        "gpu_memory_bytes": int(opts.gpu_gb * 1e9), "traced": traced["peak"], "planned": planned,
+        "layout": traced["layout"], "trace_seconds": round(traced["seconds"], 1),
+        "fits": traced["peak_total"] <= opts.gpu_gb * 1e9 * opts.usable,
+    }
+
+
+def format_trace(t: dict) -> str:
+    out = [f"trace: rank {t['rank']} of {t['world_size']}, stage {t['stage']}, one step "
+           f"({t['trace_seconds']} s): peak {t['traced_peak_bytes'] / GiB:.2f} GiB traced, "
+           f"{t['planned_peak_bytes'] / GiB:.2f} GiB planned"]
+    for k in t["traced"]:
+        plan = t["planned"].get(k)
+        out.append(f"  {k:13s} traced {t['traced'][k] / GiB:8.3f} GiB   planned "
+                   + (f"{plan / GiB:8.3f} GiB" if plan is not None else "       - (in gradients)"))
+    return "\n".join(out)
 
 
 def main(argv: list[str]) -> int:
@@ -294,6 +327,11 @@ def main(argv: list[str]) -> int:
     except ConfigError as err:
         print(f"dsa-train plan: {err}", file=sys.stderr)
         return 2
+    if opts.trace:
+        trace = traced_plan(cfg, opts, plan)
+        print(format_plan(plan) if not opts.json else "")
+        print(json.dumps(trace) if opts.json else format_trace(trace))
+        return 0 if trace["fits"] else 1
     print(json.dumps(plan, indent=1) if opts.json else format_plan(plan))
     return 0 if plan["fits"] else 1
 

@@ -65,10 +65,19 @@ def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
     Parameters get their loaded dtype (`target_dtype`: fp32 for the indexer's weights_proj / k_norm),
     buffers created by the parallel wrappers on the meta device (expert-load counters) zeros."""
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    replaced: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
-        for key, p in module._parameters.items():
-            if p is not None and p.is_meta:
-                _swap_in(p, torch.empty(p.shape, dtype=target_dtype(names[id(p)], dtype), device=device))
+        for key, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) in replaced:  # a tied parameter already given a new object
+                module._parameters[key] = replaced[id(p)]
+            elif p.is_meta:
+                data = torch.empty(p.shape, dtype=target_dtype(names[id(p)], dtype), device=device)
+                if _is_fake(data):  # `dsa-train plan --trace`: fake tensors cannot be swapped in
+                    replaced[id(p)] = module._parameters[key] = _replacement(p, data)
+                else:
+                    _swap_in(p, data)
         for key, b in module._buffers.items():
             if b is not None and b.is_meta:
                 module._buffers[key] = torch.zeros(b.shape, dtype=b.dtype, device=device)
@@ -86,6 +95,22 @@ def _swap_in(param: torch.nn.Parameter, data: torch.Tensor) -> None:
     param._backward_hooks = None
     for hook in hooks:
         param.register_hook(hook)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _replacement(param: torch.nn.Parameter, data: torch.Tensor) -> torch.nn.Parameter:
+    """A new Parameter holding `data` with `param`'s attributes and gradient hooks."""
+    new = torch.nn.Parameter(data, requires_grad=param.requires_grad)
+    new.__dict__.update(param.__dict__)
+    new._backward_hooks = None
+    for hook in (param._backward_hooks or {}).values():
+        new.register_hook(hook)
+    return new
 
 
 def load_parallel_pretrained(

@@ -1,0 +1,313 @@
+"""`dsa-train plan --trace`: one rank of the recipe's real layout, traced for one training step.
+
+    dsa-train plan --trace [--rank R] [--world N] [--json] --config-name R [overrides ...]
+
+Rank R (default 0) of the recipe's full world size, in one CPU process, without allocating it:
+  1. torch.distributed on the `fake` backend (torch.testing's FakeStore: collectives return at
+     once) and megatron-core's groups for the recipe's TP / CP / EP at that world size;
+  2. the model on the meta device, parallelized as the trainer does (`parallelize_model`, the
+     same code as the meta-device start-up), materialized under FakeTensorMode (tensors with
+     shapes, dtypes and storages but no memory), the stage's parameters set trainable;
+  3. one training step of the recipe's largest stage: the trainer's `forward_backward` on one
+     micro-batch of `data.micro_batch_size` x `data.seq_len` tokens (its CP share on this rank),
+     then the optimizer step. The step is DeepSpeed's ZeRO-1/2 as it lays out memory, run with
+     real torch ops on fake tensors (DeepSpeed itself does not run under FakeTensorMode): fp32
+     master weights and AdamW moments for this rank's partition (dense parameters over DP x CP,
+     experts over expert-DP), gradients reduced into fp32 buffers -- this rank's partition under
+     ZeRO-2 (plus one reduce bucket), the whole trainable set under ZeRO-1 -- AdamW (foreach) on
+     the partition, and the updated partition all-gathered back into the bf16 parameters.
+A TorchDispatchMode counts every live storage by category (parameters, gradients, optimizer
+state, activations, DSA buffers: what the lightning indexer and the DSA kernels allocate,
+communication buffers: what collectives write) and keeps the categories at the peak.
+
+Data-dependent values (the MoE's per-rank token counts, `.item()` of metrics) have no value
+under FakeTensorMode: token counts are taken as balanced routing (every expert gets
+tokens * top-k / experts; the aux-loss-free bias keeps loads near that), other scalars as 1
+(integers and floats; the optimizer's step count) or False -- they feed metrics only.
+
+Cost: every op runs once under FakeTensorMode (~0.1-1 ms each on this CPU). The reference
+(chunked) kernels run many small chunks: under context parallelism the top-k selection takes
+~1650 chunk iterations per layer at the 671B sparse shapes, which puts a full 671B trace beyond
+minutes here (docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+import weakref
+from collections import defaultdict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+GiB = 2**30
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "dsa_buffers", "comm_buffers")
+_DSA_FILES = ("indexer", "kernels/")  # allocations from these source files are DSA buffers
+
+
+class MemoryTrace(TorchDispatchMode):
+    """Counts live storages (fake or real) by category; records the categories at the peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, list] = {}  # storage key -> [nbytes, category]
+        self.current: dict[str, int] = defaultdict(int)
+        self.peak_total = 0
+        self.peak: dict[str, int] = {}
+        self.phase = "activations"  # or "optimizer"
+        self.balanced: dict[int, int] = {}  # storage key -> balanced element value (MoE counts)
+
+    # -------------------------------------------------------------- accounting
+    @staticmethod
+    def key(t: torch.Tensor) -> int:
+        return t.untyped_storage()._cdata
+
+    def add(self, t: torch.Tensor, category: str) -> None:
+        st = t.untyped_storage()
+        k = st._cdata
+        if k in self.live:
+            return
+        n = st.nbytes()
+        self.live[k] = [n, category]
+        self.current[category] += n
+        weakref.finalize(st, self._free, k)
+        total = sum(self.current.values())
+        if total > self.peak_total:
+            self.peak_total = total
+            self.peak = dict(self.current)
+
+    def _free(self, k: int) -> None:
+        entry = self.live.pop(k, None)
+        if entry is not None:
+            self.current[entry[1]] -= entry[0]
+
+    def retag(self, t: torch.Tensor, category: str) -> None:
+        entry = self.live.get(self.key(t))
+        if entry is None:
+            self.add(t, category)
+        elif entry[1] != category:
+            self.current[entry[1]] -= entry[0]
+            self.current[category] += entry[0]
+            entry[1] = category
+
+    def _category_of_new(self, func) -> str:
+        ns = func.namespace
+        if ns in ("c10d", "_c10d_functional"):
+            return "comm_buffers"
+        if self.phase == "optimizer":
+            return "optimizer"
+        f = sys._getframe(2)
+        while f is not None:
+            name = f.f_code.co_filename
+            if "dsa_train" in name or "kernels" in name:
+                if any(part in name for part in _DSA_FILES):
+                    return "dsa_buffers"
+            f = f.f_back
+        return "activations"
+
+    # -------------------------------------------------------------- dispatch
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        if func is aten._local_scalar_dense.default:
+            return self._scalar(args[0])
+        if func in (aten.bincount.default,):
+            return self._bincount(*args, **kwargs)
+        out = func(*args, **kwargs)
+        category = self._category_of_new(func)
+        for t in _tensors(out):
+            self.add(t, category)
+        if func.namespace in ("c10d", "_c10d_functional"):
+            outs = list(_tensors(out)) + [a for a in _tensors(args) if isinstance(a, torch.Tensor)]
+            for t in outs:  # collectives write into buffers allocated just before them
+                if self.key(t) in self.live and self.live[self.key(t)][1] == "activations":
+                    self.retag(t, "comm_buffers")
+            src = next((a for a in _tensors(args) if self.key(a) in self.balanced), None)
+            if src is not None:  # the exchanged token counts are balanced too
+                for t in _tensors(args):
+                    self.balanced.setdefault(self.key(t), self.balanced[self.key(src)])
+        return out
+
+    def _bincount(self, x, weights=None, minlength=0):
+        n = max(int(minlength), 1)
+        out = torch.zeros(n, dtype=torch.int64, device=x.device)
+        self.balanced[self.key(out)] = max(x.numel() // n, 1)
+        self.add(out, self._category_of_new(torch.ops.aten.bincount.default))
+        return out
+
+    def _scalar(self, t: torch.Tensor):
+        value = self.balanced.get(self.key(t))
+        if t.dtype == torch.bool:
+            return False
+        if t.is_floating_point():
+            return 1.0
+        return value if value is not None else 1
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+# ------------------------------------------------------------------ ZeRO optimizer step
+class TracedZeroStep:
+    """DeepSpeed ZeRO-1/2's memory layout for one step, with real ops on (fake) tensors."""
+
+    def __init__(self, trainable, sizes, zero_stage: int, trace: MemoryTrace, bucket: int):
+        self.trace = trace
+        self.zero = zero_stage
+        dense = [p for _, p in trainable if getattr(p, "allreduce", True) is not False]
+        expert = [p for _, p in trainable if getattr(p, "allreduce", True) is False]
+        self.groups = [(dense, sizes.dense_dp), (expert, sizes.expert_dp)]
+        self.bucket = bucket
+        trace.phase = "optimizer"
+        self.masters, self.grads = [], []
+        for params, shard in self.groups:
+            n = sum(p.numel() for p in params)
+            if not n:
+                continue
+            part = math.ceil(n / shard) if zero_stage >= 1 else n
+            self.masters.append(torch.zeros(part, dtype=torch.float32, requires_grad=False))
+            # ZeRO-2: this rank's partition of the fp32 gradients; ZeRO-1: all of them
+            g = torch.zeros(part if zero_stage >= 2 else n, dtype=torch.float32)
+            trace.retag(g, "gradients")
+            self.grads.append((g, part))
+        trace.phase = "activations"
+        self.master_params = [torch.nn.Parameter(m) for m in self.masters]
+        for mp, (g, part) in zip(self.master_params, self.grads):
+            mp.grad = g.narrow(0, 0, part)
+        self.optimizer = torch.optim.AdamW(self.master_params, lr=1e-5, foreach=True)
+        self._reduce_buffer = None
+        for params, _ in self.groups:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._reduce)
+
+    def _reduce(self, p: torch.Tensor) -> None:
+        """As ZeRO's gradient hooks: the gradient goes into a reduce bucket (fp32), is reduced over
+        the data-parallel ranks and lands in the fp32 gradient buffer; the parameter's own
+        gradient is freed."""
+        if self._reduce_buffer is None:
+            total = sum(p.numel() for params, _ in self.groups for p in params)
+            self._reduce_buffer = torch.empty(min(self.bucket, total), dtype=torch.float32)
+            self.trace.retag(self._reduce_buffer, "comm_buffers")
+        n = min(p.numel(), self._reduce_buffer.numel())
+        self._reduce_buffer[:n].copy_(p.grad.reshape(-1)[:n])
+        p.grad = None
+
+    def step(self) -> None:
+        self.trace.phase = "optimizer"
+        self.optimizer.step()  # AdamW moments are created here (fp32, the partition's size)
+        self.trace.phase = "activations"
+        # updated partitions back into the (bf16) parameters: cast, then all-gather per bucket
+        for params, shard in self.groups:
+            for p in params:
+                flat = torch.empty(min(p.numel(), self.bucket), dtype=p.dtype)
+                self.trace.retag(flat, "comm_buffers")
+                del flat
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for st in self.optimizer.state.values() for t in st.values()
+                   if isinstance(t, torch.Tensor))
+
+
+class _TraceEngine:
+    """What `forward_backward` needs of an engine: the model and a backward."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+
+# ------------------------------------------------------------------ the trace
+def init_fake_world(parallel, rank: int, world: int):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dsa_train.parallel.groups import ParallelState, resolve_sizes
+
+    sizes = resolve_sizes(parallel, world)
+    if dist.is_initialized():
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    ps.initialize_model_parallel(tensor_model_parallel_size=sizes.tensor, context_parallel_size=sizes.context,
+                                 expert_model_parallel_size=sizes.expert, create_gloo_process_groups=False)
+    return ParallelState(sizes)
+
+
+def close_fake_world() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def trace_step(cfg, rank: int = 0, world: int | None = None, stage_name: str | None = None):
+    """Trace one step of `stage_name` (default: the recipe's last stage) on rank `rank`; returns
+    the per-category peak in bytes and what was traced."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dsa_train.checkpoint.skeleton import empty_model
+    from dsa_train.engine.step import forward_backward
+    from dsa_train.engine.trainable import set_trainable
+    from dsa_train.parallel.model import parallelize_model
+    from dsa_train.parallel.plan import REDUCE_BUCKET, model_config_of
+    from dsa_train.parallel.startup import materialize
+
+    cl = cfg.cluster
+    world = world or cl.nodes * (cl.procs_per_node or cl.gpus_per_node)
+    model_cfg, _ = model_config_of(cfg)
+    stage_name = stage_name or list(cfg.stages)[-1]
+    stage = cfg.stages[stage_name]
+    dtype = getattr(torch, cfg.model.dtype.value)
+    start = time.perf_counter()
+    state = init_fake_world(cfg.parallel, rank, world)
+    try:
+        sizes = state.sizes
+        model = empty_model(model_cfg)
+        with torch.device("meta"):
+            parallelize_model(model, state, recompute=cfg.parallel.recompute, grouped_experts=cfg.parallel.grouped_experts)
+        trace = MemoryTrace()
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake, trace:
+            materialize(model, torch.device("cpu"), dtype)
+            for module in model.modules():  # runtime buffers in the model dtype, as the loader casts them
+                for key, buf in module._buffers.items():
+                    if buf is not None and buf.is_floating_point() and key in module._non_persistent_buffers_set:
+                        module._buffers[key] = buf.to(dtype)
+            for t in list(model.parameters()) + list(model.buffers()):
+                trace.retag(t, "parameters")
+            model.train()
+            trainable = set_trainable(model, stage.trainable)
+            zero = TracedZeroStep(trainable, sizes, cfg.parallel.zero_stage, trace, REDUCE_BUCKET)
+            T, B = cfg.data.seq_len, cfg.data.micro_batch_size
+            ids = torch.zeros(B, T, dtype=torch.long)
+            batch = {"input_ids": ids, "labels": ids.clone(),
+                     "position_ids": torch.arange(T).expand(B, T).contiguous()}
+            forward_backward(_TraceEngine(model), [batch], stage)
+            zero.step()
+        peak = {c: int(trace.peak.get(c, 0)) for c in CATEGORIES}
+        return {
+            "world_size": world, "rank": rank, "stage": stage_name, "layers": model_cfg.num_hidden_layers,
+            "peak": peak, "peak_total": int(trace.peak_total),
+            "layout": {"tp": sizes.tensor, "cp": sizes.context, "ep": sizes.expert, "dp": sizes.data,
+                       "zero": cfg.parallel.zero_stage, "recompute": cfg.parallel.recompute},
+            "seconds": time.perf_counter() - start,
+        }
+    finally:
+        close_fake_world()

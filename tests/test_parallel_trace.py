@@ -1,0 +1,28 @@
+"""`dsa-train plan --trace`: rank 0 of a 2-rank EP 2 x ZeRO-2 layout of the shipped demo recipe
+(bf16, the 671B recipes' dtype), built on the meta device under torch's fake process group and
+traced for one training step under FakeTensorMode. Its per-category peak agrees with the analytic
+plan where both count the same thing: the rank's parameters, its ZeRO-2 gradient partition plus
+the reduce bucket, and its AdamW state (fp32 master + moments, plan incl. the update's temporaries).
+(The 671B traces take longer than minutes on this CPU: docs/distributed.md.)"""
+
+import json
+import os
+import subprocess
+import sys
+
+
+def test_trace_of_an_ep2_zero2_rank_matches_the_plan():
+    cmd = [sys.executable, "-m", "dsa_train.cli", "plan", "--trace", "--json", "--world", "2", "--config-name", "demo",
+           "parallel=zero2", "parallel.expert_parallel=2", "data.seq_len=64", "model.dtype=bfloat16"]
+    out = subprocess.run(cmd, env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    t = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (t["world_size"], t["rank"], t["layout"]["ep"], t["layout"]["zero"]) == (2, 0, 2, 2)
+    for key in ("traced_peak_bytes", "planned_peak_bytes", "gpu_memory_bytes"):
+        assert t[key] > 0
+    traced, planned = t["traced"], t["planned"]
+    assert set(planned) <= set(traced) and "comm_buffers" in traced
+    assert abs(traced["parameters"] / planned["parameters"] - 1) < 0.02, t
+    assert abs((traced["gradients"] + traced["comm_buffers"]) / planned["gradients"] - 1) < 0.2, t
+    assert abs(traced["optimizer"] / planned["optimizer"] - 1) < 0.2, t
+    assert t["traced_peak_bytes"] == sum(traced.values())
