@@ -121,13 +121,15 @@ def hydra_argv(argv: list[str]) -> list[str]:
 
 def run_hydra(argv: list[str], train) -> int:
     """Compose the recipe from `argv` as a Hydra app, check it, and call `train(TrainConfig)`.
-    A bad recipe or a ConfigError raised by the trainer exits with its message, no traceback.
+    A bad recipe or any project error (`dsa_train.errors.DSATrainError`) raised by the trainer
+    exits with its one line and code 2, no traceback (Preempted, a SystemExit, exits 75).
     (`dsa-train` and the per-rank `python -m dsa_train.parallel.train` both run through here.)"""
     import hydra
     from omegaconf import DictConfig
     from omegaconf.errors import MissingMandatoryValue
 
     from dsa_train.config import ConfigError, DEFAULT_RECIPE, recipes_dir, register_configs, to_train_config
+    from dsa_train.errors import report, run_reporting
 
     register_configs()
 
@@ -136,11 +138,14 @@ def run_hydra(argv: list[str], train) -> int:
         try:
             train_cfg = to_train_config(cfg, check_environment=True)
         except (ConfigError, MissingMandatoryValue) as err:
-            sys.exit(f"dsa-train: invalid recipe: {err}")
-        try:
+            raise SystemExit(report(ConfigError(f"invalid recipe: {err}")))
+        # Hydra prints any exception with a traceback: project errors leave as their one line here
+        def run_training() -> None:
             train(train_cfg)
-        except ConfigError as err:
-            sys.exit(f"dsa-train: {err}")
+
+        code = run_reporting(run_training)
+        if code:
+            raise SystemExit(code)
 
     from dsa_train.config.overrides import check_overrides
 
@@ -168,12 +173,15 @@ def train_app(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dsa_train.errors import run_reporting
+
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["help"] or (any(a in ("-h", "--help") for a in argv) and not (argv and argv[0] in SUBCOMMANDS)):
         print(usage())
         return 0
     if argv and argv[0] in SUBCOMMANDS:
-        return run_subcommand(argv[0], argv[1:])
+        # every subcommand's project errors end here as one line (dsa_train/errors.py)
+        return run_reporting(lambda: run_subcommand(argv[0], argv[1:]))
     return train_app(argv)
 
 

@@ -47,12 +47,12 @@ def test_inspect_exits_nonzero_when_the_checkpoint_cannot_load(tmp_path, capsys)
 
     shard = sorted((tmp_path / "t").glob("model-*.safetensors"))[0]
     shard.write_bytes(shard.read_bytes()[:100])
-    assert dsa_train_main(["inspect", str(tmp_path / "t")]) == 1
+    assert dsa_train_main(["inspect", str(tmp_path / "t")]) == 2  # unreadable: one line (dsa_train/errors.py)
     assert "truncated" in capsys.readouterr().err
 
 
 def test_export_reports_a_bad_source_and_bad_sizes(tmp_path, capsys):
-    assert dsa_train_main(["export", str(tmp_path), str(tmp_path / "out")]) == 1
+    assert dsa_train_main(["export", str(tmp_path), str(tmp_path / "out")]) == 2  # one line (dsa_train/errors.py)
     assert "neither a Hugging Face model directory nor a training checkpoint" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         dsa_train_main(["export", str(tmp_path), str(tmp_path / "out"), "--max-shard-size", "lots"])

@@ -30,7 +30,8 @@ def test_jsonl_with_custom_field_and_empty_documents_skipped(tmp_path):
     assert dataset.column_names == ["text"]
     stats = DocumentStats()
     assert texts_of(dataset, stats) == ["first doc", "last doc"]
-    assert (stats.n_documents, stats.n_empty_skipped) == (2, 3)
+    # "" and whitespace are empty documents; null (like a record without the field) is counted apart
+    assert (stats.n_documents, stats.n_empty_skipped, stats.n_missing_text) == (2, 2, 1)
 
 
 def test_txt_one_document_per_file_or_per_paragraph(tmp_path):

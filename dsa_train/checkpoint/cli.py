@@ -2,11 +2,12 @@
 
     dsa-train export SRC OUT [--dtype bfloat16|float32] [--fp8] [--ue8m0] [--max-shard-size 5GB]
                              [--tokenizer DIR] [--config HF_DIR_OR_CONFIG_JSON]
-    dsa-train inspect PATH [--config HF_DIR_OR_CONFIG_JSON]
+    dsa-train inspect PATH [--config HF_DIR_OR_CONFIG_JSON] [--check-values]
     dsa-train make-tiny-checkpoint OUT [--seed N] [--dense]
 
-Exit status: 0 on success, 1 when the checkpoint cannot be read, loaded or written (the message
-names the tensor and file), 2 for usage errors.
+Exit status: 0 on success; 2 with one line `dsa-train <command>: <problem> — <fix>` when the
+checkpoint cannot be read, loaded or written (the line names the tensor and file) and for usage
+errors; 1 when `inspect` reports a problem in its report.
 """
 
 from __future__ import annotations
@@ -43,10 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"), help="shard size cap (default 5GB)")
     e.add_argument("--tokenizer", help="directory whose tokenizer files are copied (default: the source's)")
     e.add_argument("--config", help="model config for a training checkpoint without one (HF dir or config.json)")
+    e.add_argument("--no-verify-checksums", action="store_true",
+                   help="training checkpoint: check file sizes only, and accept one without manifest.json")
 
-    i = sub.add_parser("inspect", help="architecture, parameters, dtypes, quantization, missing/unexpected keys")
+    i = sub.add_parser("inspect", help="architecture, parameters, dtypes, quantization, missing/unexpected keys "
+                       "(from headers only; --check-values reads the values)")
     i.add_argument("path")
     i.add_argument("--config", help="model config for a training checkpoint without one")
+    i.add_argument("--check-values", action="store_true",
+                   help="read every tensor and check for NaN/inf (by default only the headers are read)")
 
     t = sub.add_parser("make-tiny-checkpoint", help="tiny random checkpoint in the DeepSeek-V3.1-Terminus layout")
     t.add_argument("out")
@@ -62,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
         from .convert import export_checkpoint
         from .export import ExportOptions
 
+        from . import training_source
+
+        training_source.VERIFY_CHECKSUMS = not args.no_verify_checksums
         options = ExportOptions(dtype=getattr(torch, args.dtype), fp8=args.fp8, ue8m0=args.ue8m0,
                                 max_shard_bytes=args.max_shard_size)
         start = time.perf_counter()
@@ -73,9 +82,9 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "inspect":
         from .inspection import inspect_checkpoint
 
-        report = inspect_checkpoint(args.path, args.config)
+        report = inspect_checkpoint(args.path, args.config, check_values=args.check_values)
         print(report.text())
-        return 1 if report.error else 0
+        return 1 if report.error or report.bad_values else 0
     if args.command == "make-tiny-checkpoint":
         from .tiny import make_tiny_checkpoint
 
@@ -87,15 +96,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .errors import CheckpointError
+    from dsa_train.errors import run_reporting
 
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return run(args)
-    except CheckpointError as e:
-        print(f"dsa-train {args.command}: {e}", file=sys.stderr)
-        return 1
+    return run_reporting(lambda: run(args), prefix=f"dsa-train {args.command}")
 
 
 if __name__ == "__main__":

@@ -60,6 +60,15 @@ def _weight_map(path: Path) -> dict[str, str]:
             raise TypeError("weight_map is not an object")
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{index} is not a valid safetensors index ({e!r}); re-download or re-export it") from e
+    for name, fname in weight_map.items():
+        # shard names are file names inside the checkpoint directory (checked by name, not by
+        # resolving: a Hugging Face cache snapshot holds symlinks into its blob store)
+        parts = Path(str(fname)).parts
+        if not isinstance(fname, str) or not parts or Path(fname).is_absolute() or ".." in parts:
+            raise CheckpointError(
+                f"{index} maps tensor {name} to {fname!r}, outside the checkpoint directory {path}; refusing to "
+                "open it", fix="an index names shard files inside its own directory: regenerate the index or "
+                "re-download the checkpoint")
     return weight_map
 
 

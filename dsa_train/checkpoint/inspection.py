@@ -63,13 +63,64 @@ def human(n: float, unit: str = "") -> str:
 class Report:
     lines: list[str] = field(default_factory=list)
     error: str | None = None
+    bad_values: str | None = None  # --check-values: tensors holding NaN / inf
 
     def add(self, key: str, value: str) -> None:
         self.lines.append(f"{key + ':':<16}{value}")
 
     def text(self) -> str:
-        status = f"CANNOT LOAD: {self.error}" if self.error else "loads"
+        if self.error:
+            status = f"CANNOT LOAD: {self.error}"
+        elif self.bad_values:
+            status = f"loads, but BAD VALUES: {self.bad_values}"
+        else:
+            status = "loads"
         return "\n".join(self.lines + [f"{'status:':<16}{status}"])
+
+
+HEADERS_ONLY = "not read: names, shapes and dtypes come from the headers; --check-values reads every tensor for NaN/inf"
+
+
+def nonfinite_counts(tensors) -> tuple[int, list[str]]:
+    """Read `(name, tensor)` pairs one at a time; -> (tensors read, 'name (k NaN, m inf)' for each
+    tensor that is not all finite)."""
+    import torch
+
+    read, bad = 0, []
+    for name, t in tensors:
+        read += 1
+        if not (t.is_floating_point() or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)):
+            continue
+        x = t.float()
+        nan = int(torch.isnan(x).sum())
+        inf = int(torch.isinf(x).sum())
+        if nan or inf:
+            bad.append(f"{name} ({nan} NaN, {inf} inf of {x.numel()})")
+    return read, bad
+
+
+def _add_value_check(r: Report, tensors, check: bool) -> None:
+    if not check:
+        r.add("values", HEADERS_ONLY)
+        return
+    read, bad = nonfinite_counts(tensors)
+    if bad:
+        r.add("values", f"{len(bad)} of {read} tensors hold NaN/inf")
+        r.bad_values = f"{len(bad)} tensors hold NaN/inf: " + ", ".join(bad[:6]) + (" ..." if len(bad) > 6 else "")
+    else:
+        r.add("values", f"all {read} tensors finite (every value read)")
+
+
+def _hf_tensors(hf):
+    from .safetensors_file import SafetensorsReader
+
+    by_file: dict = {}
+    for e in hf.entries.values():
+        by_file.setdefault(e.file, []).append(e)
+    for file, entries in by_file.items():
+        with SafetensorsReader(file) as reader:
+            for e in entries:
+                yield e.name, reader.read(e)
 
 
 def _describe_config(r: Report, cfg: DSAConfig) -> None:
@@ -92,7 +143,7 @@ def _describe_params(r: Report, shapes: dict, cfg: DSAConfig) -> None:
           f"+ {human(c.mtp)} MTP")
 
 
-def inspect_hf(path: Path) -> Report:
+def inspect_hf(path: Path, check_values: bool = False) -> Report:
     r = Report()
     plan = examine_checkpoint(path)
     cfg, m = plan.config, plan.match
@@ -120,6 +171,7 @@ def inspect_hf(path: Path) -> Report:
     r.add("missing", _names(m.missing) + (f"; indexer: {len(m.missing_indexer)} tensors (initialized on load)"
                                           if m.dense else ""))
     r.add("unexpected", _names(m.unexpected))
+    _add_value_check(r, _hf_tensors(plan.hf), check_values)
     try:
         raise_if_unloadable(m, plan.path, cfg)
     except CheckpointError as e:
@@ -127,7 +179,7 @@ def inspect_hf(path: Path) -> Report:
     return r
 
 
-def inspect_training(path: Path, config: str | None) -> Report:
+def inspect_training(path: Path, config: str | None, check_values: bool = False) -> Report:
     from .training_source import open_training_checkpoint
 
     r = Report()
@@ -141,6 +193,7 @@ def inspect_training(path: Path, config: str | None) -> Report:
     r.add("dtypes", ", ".join(f"{d} {n} tensors" for d, n in sorted(hist.items())))
     r.add("missing", "none")
     r.add("unexpected", "none")
+    _add_value_check(r, ckpt.state.items(), check_values)
     return r
 
 
@@ -151,11 +204,12 @@ def _names(names: list[str], n: int = 8) -> str:
     return f"{len(names)}: " + ", ".join(names[:n]) + more
 
 
-def inspect_checkpoint(path: str | os.PathLike, config: str | None = None) -> Report:
-    """The report; CheckpointError when the files themselves cannot be read."""
+def inspect_checkpoint(path: str | os.PathLike, config: str | None = None, check_values: bool = False) -> Report:
+    """The report; CheckpointError when the files themselves cannot be read. From headers only,
+    unless `check_values`: then every tensor is read and checked for NaN / inf."""
     from .training_source import is_training_checkpoint
 
     path = Path(path)
     if is_training_checkpoint(path):
-        return inspect_training(path, config)
-    return inspect_hf(path)  # raises with what is missing when it is neither
+        return inspect_training(path, config, check_values)
+    return inspect_hf(path, check_values)  # raises with what is missing when it is neither

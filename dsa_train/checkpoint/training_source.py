@@ -62,11 +62,30 @@ def _layout_file(model_file: Path) -> Path:
     return model_file.with_name(f"layout{rank_part}.json")
 
 
+VERIFY_CHECKSUMS = True  # `dsa-train export --no-verify-checksums` turns the sha256 check off
+
+
+def verify_model_files(step_dir: Path, checksums: bool | None = None) -> None:
+    """Check the model files, layouts and config.json of a training checkpoint against its
+    manifest (engine/checkpoint.py) before exporting them: a corrupt checkpoint is never exported."""
+    from dsa_train.engine.checkpoint import CorruptCheckpoint, UnverifiedCheckpoint, verify_checkpoint
+
+    checksums = VERIFY_CHECKSUMS if checksums is None else checksums
+    names = [f.name for f in step_dir.iterdir() if f.name.startswith(("model", "layout", "config.json"))]
+    try:
+        verify_checkpoint(step_dir, checksums=checksums, files=names)
+    except CorruptCheckpoint as e:
+        raise CheckpointError(str(e), fix="export an earlier step_* directory of the run") from e
+    except UnverifiedCheckpoint as e:
+        raise CheckpointError(e.problem, fix=e.fix) from e
+
+
 def _read_state(step_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
     """The full model state of a checkpoint written by one or several ranks. Several ranks write
     a `layout*.json` beside their model file: tensors listed there are tensor-parallel slices
     ([dim, start, stop]) and are concatenated; other tensors found in several files are replicas
     (same shape; the first is taken); expert-parallel ranks hold disjoint experts."""
+    verify_model_files(step_dir)
     state: dict[str, torch.Tensor] = {}
     files: dict[str, Path] = {}
     slices: dict[str, list[tuple[int, int, int, torch.Tensor, Path]]] = {}

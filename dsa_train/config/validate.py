@@ -13,10 +13,12 @@ import contextlib
 import os
 
 from dsa_train.config.schema import Attention, Device, TrainConfig, Trainable
+from dsa_train.errors import DSATrainError
 
 
-class ConfigError(ValueError):
-    """A recipe problem; `problems` holds one `key: message` line per problem."""
+class ConfigError(DSATrainError, ValueError):
+    """A recipe problem; `problems` holds one `key: message` line per problem (dsa_train/errors.py:
+    printed as one line per problem, exit 2)."""
 
     def __init__(self, message: str, problems: list[str] | None = None):
         self.problems = list(problems) if problems else [message]
@@ -161,6 +163,7 @@ def _validate(cfg: TrainConfig) -> None:
         _require(stage.steps >= 1, f"{key}.steps", "must be >= 1")
         _require(stage.lr > 0, f"{key}.lr", "must be > 0")
         _require(stage.warmup_steps >= 0, f"{key}.warmup_steps", "must be >= 0")
+        _check_stage_together(key, stage)
         _require(0.0 <= stage.min_lr_ratio <= 1.0, f"{key}.min_lr_ratio", "must be within [0, 1]")
         _require(stage.lm_loss_coef >= 0 and stage.indexer_loss_coef >= 0,
                  f"{key}.lm_loss_coef", "loss coefficients must be >= 0")
@@ -187,6 +190,37 @@ def _validate(cfg: TrainConfig) -> None:
         if stage.topk is not None:
             _require(stage.topk >= 1, f"{key}.topk", "must be >= 1")
         _require(stage.topk_recall_queries >= 0, f"{key}.topk_recall_queries", "must be >= 0")
+
+
+def _check_stage_together(key: str, stage) -> None:
+    """Values of one stage that are valid alone but make no sense together (issue 13, class 9)."""
+    from dsa_train.config.schema import Decay
+
+    _require(stage.decay != Decay.constant or stage.min_lr_ratio == 0.0, f"{key}.min_lr_ratio",
+             f"{stage.min_lr_ratio:g} has no effect with {key}.decay=constant; set decay=cosine or linear, "
+             "or remove min_lr_ratio")
+    _require(stage.attention != Attention.dense or stage.topk is None, f"{key}.topk",
+             f"top-{stage.topk} selection has no effect in a dense stage; set {key}.attention=sparse or remove topk")
+
+
+def doubtful_values(cfg: TrainConfig) -> list[str]:
+    """Values that are allowed but rarely meant together: warnings the trainer logs at start-up
+    (errors would refuse the short smoke runs people make from a shipped recipe)."""
+    out = []
+    for name, stage in cfg.stages.items():
+        key = f"stages.{name}"
+        if stage.warmup_steps > stage.steps:
+            out.append(f"{key}.warmup_steps: {stage.warmup_steps} warm-up steps are longer than the stage "
+                       f"({key}.steps={stage.steps}): the lr never reaches {key}.lr={stage.lr:g} (at most "
+                       f"{stage.lr * stage.steps / stage.warmup_steps:g}); lower warmup_steps or raise steps")
+        if cfg.logging.log_every > stage.steps:
+            out.append(f"logging.log_every: {cfg.logging.log_every} is more than {key}.steps={stage.steps}: "
+                       f"no step of stage {name} is logged to W&B; lower logging.log_every")
+    every = cfg.checkpoint.every_n_steps
+    if every and all(every >= stage.steps for stage in cfg.stages.values()):
+        out.append(f"checkpoint.every_n_steps: {every} is not below any stage's steps: checkpoints are written only "
+                   "at stage ends, so a crash loses up to a whole stage; lower checkpoint.every_n_steps")
+    return out
 
 
 def _check_signals(names: list[str]) -> None:

@@ -26,7 +26,7 @@ import torch
 from dsa_train.data.packing import doc_start_mask, num_rows, pack_row
 from dsa_train.data.prepare import (DOC_OFFSETS_FILE, FORMAT_NAME, FORMAT_VERSION, INDEX_FILE,
                                     prepare_data)
-from dsa_train.data.sources import sources_fingerprint
+from dsa_train.data.sources import DataSourceError, DataSourceNotFound, sources_fingerprint
 from dsa_train.data.tokenizer import Tokenizer
 
 
@@ -66,29 +66,29 @@ class PackedDataset(torch.utils.data.Dataset):
         self.path = Path(path).expanduser()
         index_path = self.path / INDEX_FILE
         if not index_path.is_file():
-            raise FileNotFoundError(f"{index_path} not found: {self.path} is not a prepared "
+            raise DataSourceNotFound(f"{index_path} not found: {self.path} is not a prepared "
                                     f"dataset. Create it with `dsa-train prepare-data --out "
                                     f"{self.path} ...`.")
         self.index = json.loads(index_path.read_text())
         if self.index.get("format") != FORMAT_NAME or self.index.get("version") != FORMAT_VERSION:
-            raise ValueError(f"{index_path}: format {self.index.get('format')!r} version "
+            raise DataSourceError(f"{index_path}: format {self.index.get('format')!r} version "
                              f"{self.index.get('version')!r}, expected {FORMAT_NAME!r} version "
                              f"{FORMAT_VERSION}. Re-run `dsa-train prepare-data`.")
         if tokenizer is not None:
             self.check_tokenizer(tokenizer)
         self.seq_len = int(seq_len if seq_len is not None else self.index["seq_len"])
         if self.seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
+            raise DataSourceError(f"seq_len must be >= 1, got {self.seq_len}")
         self.n_tokens = int(self.index["n_tokens"])
         self.token_dtype = np.dtype(self.index["token_dtype"])
         tokens_path = self.path / self.index["tokens_file"]
         expected_bytes = self.n_tokens * self.token_dtype.itemsize
         if not tokens_path.is_file() or tokens_path.stat().st_size != expected_bytes:
-            raise ValueError(f"{tokens_path} is missing or truncated (expected {expected_bytes} "
+            raise DataSourceError(f"{tokens_path} is missing or truncated (expected {expected_bytes} "
                              f"bytes). Re-run `dsa-train prepare-data --overwrite`.")
         self.num_sequences = num_rows(self.n_tokens, self.seq_len)
         if self.num_sequences == 0:
-            raise ValueError(f"{self.path} holds {self.n_tokens} tokens, fewer than seq_len + 1 = "
+            raise DataSourceError(f"{self.path} holds {self.n_tokens} tokens, fewer than seq_len + 1 = "
                              f"{self.seq_len + 1}: not a single training sequence. Add data or "
                              f"lower data.seq_len.")
         self._tokens: np.ndarray | None = None  # opened lazily: memmaps must not be pickled
@@ -97,7 +97,7 @@ class PackedDataset(torch.utils.data.Dataset):
     def check_tokenizer(self, tokenizer: Tokenizer) -> None:
         recorded_hash, recorded_vocab = self.index["tokenizer_hash"], self.index["vocab_size"]
         if recorded_hash != tokenizer.content_hash or recorded_vocab != tokenizer.vocab_size:
-            raise ValueError(
+            raise DataSourceError(
                 f"{self.path} was tokenized with a different tokenizer: recorded "
                 f"{self.index.get('tokenizer_path')} (vocab {recorded_vocab}, hash "
                 f"{recorded_hash[:12]}), but the run uses {tokenizer.path} (vocab "

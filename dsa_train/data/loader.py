@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from dsa_train.data.dataset import PackedDataset, collate_sequences
+from dsa_train.data.sources import DataSourceError
 from dsa_train.data.tokenizer import Tokenizer
 
 
@@ -117,9 +118,10 @@ class PackedDataLoader:
                       if k != "dp_rank" and state_dict.get(k) != v}
         if mismatched:
             details = ", ".join(f"{k}: saved {a!r} vs now {b!r}" for k, (a, b) in mismatched.items())
-            raise ValueError(f"Data loader state does not match this run ({details}); exact "
-                             f"resume needs the same data, seq_len, seed, dp_size and "
-                             f"micro_batch_size.")
+            raise DataSourceError(f"Data loader state does not match this run ({details}); exact "
+                                  f"resume needs the same data, seq_len, seed, dp_size and "
+                                  f"micro_batch_size.", fix="resume with the settings the checkpoint was "
+                                  "written with, or start a new run_dir")
         self.state = DataLoaderState(epoch=int(state_dict["epoch"]),
                                      batch_in_epoch=int(state_dict["batch_in_epoch"]))
         self._batch_iter = None

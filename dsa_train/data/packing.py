@@ -44,11 +44,13 @@ class PackingConfig:
 def frame_document(token_ids: Sequence[int], bos_id: int | None, eos_id: int | None,
                    add_bos: bool = True, add_eos: bool = True) -> list[int]:
     """``[bos] + token_ids + [eos]`` with each special token optional."""
+    from dsa_train.data.tokenizer import TokenizerError
+
     if add_bos and bos_id is None:
-        raise ValueError("add_bos=True but the tokenizer has no BOS token: set data.add_bos=false "
+        raise TokenizerError("add_bos=True but the tokenizer has no BOS token: set data.add_bos=false "
                          "or name bos_token in the tokenizer's tokenizer_config.json.")
     if add_eos and eos_id is None:
-        raise ValueError("add_eos=True but the tokenizer has no EOS token: set data.add_eos=false "
+        raise TokenizerError("add_eos=True but the tokenizer has no EOS token: set data.add_eos=false "
                          "or name eos_token in the tokenizer's tokenizer_config.json.")
     return ([bos_id] if add_bos else []) + list(token_ids) + ([eos_id] if add_eos else [])
 

@@ -17,6 +17,7 @@ The stream does not depend on ``seq_len``: packing into rows is a view computed 
 from __future__ import annotations
 
 import argparse
+import logging
 import json
 import os
 import shutil
@@ -28,8 +29,12 @@ from typing import Sequence
 import numpy as np
 
 from dsa_train.data.packing import frame_document, num_rows
-from dsa_train.data.sources import DocumentStats, iter_texts, load_documents
+from dsa_train.data.sources import DataSourceError, DocumentStats, iter_texts, load_documents
 from dsa_train.data.tokenizer import Tokenizer, load_tokenizer
+
+class PreparedDataExists(DataSourceError, FileExistsError):
+    """prepare-data would replace a prepared dataset without --overwrite."""
+
 
 FORMAT_NAME = "dsa_train.pretokenized"
 FORMAT_VERSION = 1
@@ -64,7 +69,7 @@ def prepare_data(sources: Sequence[str] | str, tokenizer: Tokenizer | str | None
         tokenizer = load_tokenizer(tokenizer)
     out_dir = Path(out_dir)
     if (out_dir / INDEX_FILE).exists() and not overwrite:
-        raise FileExistsError(f"{out_dir} already holds a prepared dataset; pass --overwrite "
+        raise PreparedDataExists(f"{out_dir} already holds a prepared dataset; pass --overwrite "
                               f"(overwrite=True) to replace it, or choose another --out.")
     start_time = time.time()
     dtype = token_dtype_for_vocab(tokenizer.vocab_size)
@@ -79,7 +84,7 @@ def prepare_data(sources: Sequence[str] | str, tokenizer: Tokenizer | str | None
     stats = DocumentStats()
     doc_offsets = [0]
     with open(tmp_dir / TOKENS_FILE, "wb") as tokens_file:
-        for texts in iter_texts(dataset, stats):
+        for texts in iter_texts(dataset, stats, sources=sources):
             framed = [frame_document(ids, tokenizer.bos_id, tokenizer.eos_id, add_bos, add_eos)
                       for ids in tokenizer.encode_batch(texts)]
             for doc in framed:
@@ -91,8 +96,12 @@ def prepare_data(sources: Sequence[str] | str, tokenizer: Tokenizer | str | None
                       file=sys.stderr, end="\r")
     if stats.n_documents == 0:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise ValueError(f"Sources {sources} hold no non-empty documents "
-                         f"({stats.n_empty_skipped} empty ones skipped); nothing to train on.")
+        raise DataSourceError(f"Sources {sources} hold no non-empty documents "
+                         f"({stats.n_empty_skipped} empty ones skipped, {stats.n_missing_text} without the "
+                         f"{text_field!r} field); nothing to train on.")
+    skipped = stats.describe_skipped(text_field)
+    if skipped:  # never silent: the count is also in the index (n_records_without_text_skipped)
+        logging.getLogger(__name__).warning("prepare-data: %s: %s", ", ".join(map(str, sources)), skipped)
     np.asarray(doc_offsets, dtype=np.int64).tofile(tmp_dir / DOC_OFFSETS_FILE)
     n_tokens = doc_offsets[-1]
     index = {
@@ -104,6 +113,7 @@ def prepare_data(sources: Sequence[str] | str, tokenizer: Tokenizer | str | None
         "doc_offsets_file": DOC_OFFSETS_FILE,
         "n_documents": stats.n_documents,
         "n_empty_documents_skipped": stats.n_empty_skipped,
+        "n_records_without_text_skipped": stats.n_missing_text,
         "vocab_size": tokenizer.vocab_size,
         "tokenizer_hash": tokenizer.content_hash,
         "tokenizer_path": str(tokenizer.path),

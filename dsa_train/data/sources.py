@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Union
 
 import datasets
+
+from dsa_train.errors import DSATrainError
 
 BUNDLED_SOURCE = "bundled"
 BUNDLED_CORPUS = Path(__file__).resolve().parents[1] / "assets" / "corpus" / "demo_corpus.jsonl"
@@ -45,8 +48,13 @@ _GLOB_CHARS = set("*?[")
 TextDataset = Union[datasets.Dataset, datasets.IterableDataset]
 
 
-class DataSourceError(ValueError):
-    """A data source exists but cannot be used as given (empty, missing field, ...)."""
+class DataSourceError(DSATrainError, ValueError):
+    """A data source exists but cannot be used as given (empty, missing field, a line that is not
+    JSON or not UTF-8, ...). The message names the file (and line)."""
+
+
+class DataSourceNotFound(DataSourceError, FileNotFoundError):
+    """A data source path, directory or glob that names no data file."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,21 @@ class DocumentStats:
 
     n_documents: int = 0  # non-empty documents yielded
     n_empty_skipped: int = 0  # empty / whitespace-only documents skipped
+    n_missing_text: int = 0  # records without the text field (or with null): skipped, and logged
+
+    def skip(self, text: object) -> None:
+        """Count a document that is skipped (is_empty_text(text))."""
+        if text is None:
+            self.n_missing_text += 1
+        else:
+            self.n_empty_skipped += 1
+
+    def describe_skipped(self, text_field: str = "text") -> str | None:
+        """A warning line when records without the text field were skipped, else None."""
+        if not self.n_missing_text:
+            return None
+        return (f"{self.n_missing_text} record(s) had no {text_field!r} field (or null) and were skipped "
+                f"({self.n_documents} documents used); set data.text_field if the text is under another name")
 
 
 def builder_for_file(path: str | Path) -> str | None:
@@ -98,7 +121,7 @@ def resolve_source(spec: str) -> list[ResolvedSource]:
         matches = sorted(p for p in glob.glob(expanded, recursive=True) if os.path.isfile(p))
         resolved = _group_files(spec, matches)
         if not resolved:
-            raise FileNotFoundError(
+            raise DataSourceNotFound(
                 f"Data source glob {spec!r} matched no .txt/.jsonl/.json/.parquet file. Check "
                 f"the pattern (use '**' for sub-directories) or list the files explicitly.")
         return resolved
@@ -107,7 +130,7 @@ def resolve_source(spec: str) -> list[ResolvedSource]:
         files = sorted(str(p) for p in path.rglob("*") if p.is_file())
         resolved = _group_files(spec, files)
         if not resolved:
-            raise FileNotFoundError(
+            raise DataSourceNotFound(
                 f"Data source directory {path} has no .txt/.jsonl/.json/.parquet files. Put the "
                 f"documents there or point data.sources at the files themselves.")
         return resolved
@@ -118,7 +141,7 @@ def resolve_source(spec: str) -> list[ResolvedSource]:
                 f"Supported: .txt, .jsonl, .json, .parquet (optionally compressed, e.g. .gz).")
         return _group_files(spec, [str(path)])
     if _looks_like_local_path(spec):
-        raise FileNotFoundError(
+        raise DataSourceNotFound(
             f"Data source {path} does not exist. Fix the path in data.sources (relative paths "
             f"are resolved from the working directory {os.getcwd()}), or use 'bundled' for the "
             f"bundled demo corpus.")
@@ -176,13 +199,67 @@ def load_resolved_source(source: ResolvedSource, text_field: str = "text", *,
     kwargs = {}
     if source.builder == "text":
         if txt_sample_by not in ("document", "paragraph"):
-            raise ValueError(f"txt_sample_by must be 'document' (one document per .txt file) or "
+            raise DataSourceError(f"txt_sample_by must be 'document' (one document per .txt file) or "
                              f"'paragraph' (split on blank lines), got {txt_sample_by!r}")
         kwargs["sample_by"] = txt_sample_by
         text_field = "text"  # the text builder always produces a `text` column
-    dataset = datasets.load_dataset(source.builder, data_files=list(source.files), split="train",
-                                    streaming=streaming, cache_dir=cache_dir, **kwargs)
+    try:
+        dataset = datasets.load_dataset(source.builder, data_files=list(source.files), split="train",
+                                        streaming=streaming, cache_dir=cache_dir, **kwargs)
+    except Exception as err:  # DatasetGenerationError, UnicodeDecodeError, ArrowInvalid, ...
+        raise unreadable_source_error([source], err) from err
     return _select_text_column(dataset, source, text_field, streaming)
+
+
+def _open_text(path: str):
+    import bz2
+    import gzip
+    import lzma
+
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(Path(path).suffix.lower(), open)
+    return opener(path, "rb")
+
+
+def first_bad_line(source: ResolvedSource) -> str | None:
+    """`<file>:<line>: <problem>` for the first line of a local .jsonl/.txt source that is not
+    UTF-8 (or, for JSON lines, not a JSON object); None when every line reads."""
+    for path in source.files:
+        if Path(path).suffix.lower() in (".zst", ".lz4") or builder_for_file(path) == "parquet":
+            continue
+        json_lines = source.builder == "json" and not Path(path).name.lower().removesuffix(
+            Path(path).suffix if Path(path).suffix.lower() in _COMPRESSION_SUFFIXES else "").endswith(".json")
+        try:
+            with _open_text(path) as f:
+                for number, raw in enumerate(f, 1):
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as err:
+                        return (f"{path}:{number}: bytes that are not UTF-8 ({err.reason} at byte {err.start} "
+                                f"of the line: {raw[max(0, err.start - 10):err.start + 10]!r})")
+                    if json_lines and line.strip():
+                        try:
+                            record = json.loads(line)
+                        except ValueError as err:
+                            return f"{path}:{number}: not a JSON line ({err}): {line.strip()[:80]!r}"
+                        if not isinstance(record, dict):
+                            return f"{path}:{number}: a JSON line must be an object, got {type(record).__name__}"
+        except OSError as err:
+            return f"{path}: cannot be read ({err})"
+    return None
+
+
+def unreadable_source_error(sources: list[ResolvedSource], err: BaseException) -> DataSourceError:
+    """The DataSourceError for a failure while reading `sources`: names the file and line."""
+    for source in sources:
+        where = first_bad_line(source) if source.builder != "hub" else None
+        if where is not None:
+            return DataSourceError(f"data source {where}",
+                                   fix="fix or delete that line (or remove the file from data.sources), then run again")
+    files = [f for s in sources for f in s.files] or [s.spec for s in sources]
+    cause = getattr(err, "__cause__", None) or err
+    return DataSourceError(f"data source {', '.join(files[:3])}{' ...' if len(files) > 3 else ''} cannot be read: "
+                           f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}",
+                           fix="check that the files are .jsonl (one JSON object per line), .json, .txt (UTF-8) or .parquet")
 
 
 def load_documents(sources: list[str] | str, text_field: str = "text", *, streaming: bool = False,
@@ -197,7 +274,7 @@ def load_documents(sources: list[str] | str, text_field: str = "text", *, stream
     if isinstance(sources, str):
         sources = [sources]
     if not sources:
-        raise ValueError("data.sources is empty: give at least one source (e.g. ['bundled']).")
+        raise DataSourceError("data.sources is empty: give at least one source (e.g. ['bundled']).")
     parts = [load_resolved_source(resolved, text_field, streaming=streaming,
                                   txt_sample_by=txt_sample_by, split=split, cache_dir=cache_dir)
              for spec in sources for resolved in resolve_source(spec)]
@@ -209,14 +286,25 @@ def is_empty_text(text: object) -> bool:
 
 
 def iter_texts(dataset: TextDataset, stats: DocumentStats | None = None,
-               batch_size: int = 1000) -> Iterator[list[str]]:
-    """Yield lists of non-empty document texts (up to ``batch_size``), counting skipped ones."""
+               batch_size: int = 1000, sources: list[str] | None = None) -> Iterator[list[str]]:
+    """Yield lists of non-empty document texts (up to ``batch_size``), counting skipped ones.
+    A record that cannot be decoded raises DataSourceError naming the file and line of
+    ``sources`` (the source strings the dataset was loaded from)."""
     stats = stats if stats is not None else DocumentStats()
-    for batch in dataset.iter(batch_size=batch_size):
+    batches = dataset.iter(batch_size=batch_size)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as err:  # e.g. UnicodeDecodeError from a string column with bad bytes
+            if sources is None:
+                raise
+            raise unreadable_source_error([r for spec in sources for r in resolve_source(spec)], err) from err
         texts = []
         for text in batch["text"]:
             if is_empty_text(text):
-                stats.n_empty_skipped += 1
+                stats.skip(text)
                 continue
             if not isinstance(text, str):
                 raise DataSourceError(f"Document text must be a string, got {type(text).__name__}"

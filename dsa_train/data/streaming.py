@@ -17,6 +17,7 @@ exactly the batches an uninterrupted loader would.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -24,8 +25,11 @@ import torch
 
 from dsa_train.data.dataset import collate_sequences
 from dsa_train.data.packing import frame_document, pack_row
-from dsa_train.data.sources import DocumentStats, is_empty_text, load_documents
+from dsa_train.data.sources import (DataSourceError, DocumentStats, is_empty_text, load_documents, resolve_source,
+                                    unreadable_source_error)
 from dsa_train.data.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 _TOKENIZE_BATCH = 64  # documents tokenized per encode_batch call
 
@@ -51,6 +55,7 @@ class StreamingPackedLoader:
         self.add_bos, self.add_eos = add_bos, add_eos
         self.shuffle_buffer = shuffle_buffer
         self.stats = DocumentStats()
+        self.text_field = text_field
         self._documents = load_documents(self.sources, text_field, streaming=True,
                                          txt_sample_by=txt_sample_by, split=split,
                                          cache_dir=hf_cache_dir)
@@ -67,7 +72,15 @@ class StreamingPackedLoader:
         if self.shuffle_buffer > 0:
             documents = documents.shuffle(seed=self.seed, buffer_size=self.shuffle_buffer)
             documents.set_epoch(epoch)
-        for example in documents:
+        examples = iter(documents)
+        while True:
+            try:
+                example = next(examples)
+            except StopIteration:
+                return
+            except Exception as err:  # a line that is not JSON / not UTF-8: name the file and line
+                raise unreadable_source_error(
+                    [r for spec in self.sources for r in resolve_source(spec)], err) from err
             yield example["text"]
 
     def _framed_documents(self, epoch: int, first_doc: int,
@@ -88,7 +101,11 @@ class StreamingPackedLoader:
             if index < first_doc or index % self.dp_size != self.dp_rank:
                 continue
             if is_empty_text(text):
-                self.stats.n_empty_skipped += 1
+                self.stats.skip(text)
+                if text is None and self.stats.n_missing_text in (1, 1000):
+                    log.warning("data: a record without the %r field (or null) was skipped (%d so far); "
+                                "set data.text_field if the text is under another name", self.text_field,
+                                self.stats.n_missing_text)
                 continue
             self.stats.n_documents += 1
             pending.append((index, text))
@@ -162,7 +179,8 @@ class StreamingPackedLoader:
                       if state_dict.get(k) != v}
         if mismatched:
             details = ", ".join(f"{k}: saved {a!r} vs now {b!r}" for k, (a, b) in mismatched.items())
-            raise ValueError(f"Streaming data loader state does not match this run ({details}).")
+            raise DataSourceError(f"Streaming data loader state does not match this run ({details})",
+                                  fix="resume with the settings the checkpoint was written with, or start a new run_dir")
         if state_dict.get("dp_rank") != self.dp_rank:
             raise ValueError(f"Streaming data loader state was saved by dp_rank "
                              f"{state_dict.get('dp_rank')}, this is dp_rank {self.dp_rank}: "

@@ -17,6 +17,16 @@ from typing import Sequence
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from dsa_train.errors import DSATrainError
+
+
+class TokenizerError(DSATrainError, ValueError):
+    """A tokenizer that cannot be used (or does not fit the model); the message says the fix."""
+
+
+class TokenizerNotFound(TokenizerError, FileNotFoundError):
+    pass
+
 BUNDLED_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
 
 # Special-token spellings tried (in order) when tokenizer_config.json does not name them.
@@ -79,7 +89,7 @@ def _resolve_special_id(backend: HFTokenizer, configured: str | None,
     if configured is not None:
         token_id = backend.token_to_id(configured)
         if token_id is None:
-            raise ValueError(f"{tokenizer_json.parent / 'tokenizer_config.json'} names {what} "
+            raise TokenizerError(f"{tokenizer_json.parent / 'tokenizer_config.json'} names {what} "
                              f"{configured!r}, but {tokenizer_json} has no such token.")
         return token_id
     for token in candidates:
@@ -97,13 +107,13 @@ def resolve_tokenizer_json(path_or_dir: str | Path | None) -> Path:
     if path.is_dir():
         candidate = path / "tokenizer.json"
         if not candidate.is_file():
-            raise FileNotFoundError(
+            raise TokenizerNotFound(
                 f"No tokenizer.json in directory {path}. Point data.tokenizer at a Hugging Face "
                 f"checkpoint folder that has a tokenizer.json, at a tokenizer.json file, or leave "
                 f"it null to use the bundled demo tokenizer.")
         return candidate
     if not path.is_file():
-        raise FileNotFoundError(
+        raise TokenizerNotFound(
             f"Tokenizer not found: {path} does not exist. Pass a checkpoint directory holding "
             f"tokenizer.json, a tokenizer.json file, or null for the bundled demo tokenizer.")
     return path
@@ -122,7 +132,7 @@ def load_tokenizer(path_or_dir: str | Path | None = None) -> Tokenizer:
     try:
         backend = HFTokenizer.from_file(str(tokenizer_json))
     except Exception as err:  # tokenizers raises a bare Exception on malformed files
-        raise ValueError(f"Could not read tokenizer {tokenizer_json}: {err}. Is it a Hugging "
+        raise TokenizerError(f"Could not read tokenizer {tokenizer_json}: {err}. Is it a Hugging "
                          f"Face `tokenizers` tokenizer.json?") from err
     # Literal special-token strings inside documents (e.g. "<|eos|>" in scraped text) are
     # tokenized as plain text: only the packer inserts BOS/EOS ids.
@@ -149,7 +159,7 @@ def check_vocab(tokenizer_vocab_size: int, model_vocab_size: int) -> None:
     for ~128.8K tokens) is fine; fewer rows would index out of bounds in the embedding.
     """
     if tokenizer_vocab_size > model_vocab_size:
-        raise ValueError(
+        raise TokenizerError(
             f"Tokenizer vocab size {tokenizer_vocab_size} exceeds the model's vocab_size "
             f"{model_vocab_size} (embedding rows): token ids up to {tokenizer_vocab_size - 1} "
             f"would index past the embedding. Fix: set model.vocab_size >= "

@@ -30,15 +30,19 @@ Guarantees (docs/reliability.md):
   untouched.
 * Old checkpoints are pruned to `keep_last` only after the new one is committed, and the one just
   written is never pruned.
-* A failed save (e.g. ENOSPC) removes its temporary directory and raises CheckpointSaveError
-  naming the checkpoint that is still intact.
+* A failed save removes its temporary directory and raises CheckpointSaveError naming the
+  checkpoint that is still intact and the fix for the cause (space, permission, other I/O). A
+  single-process save that runs out of space first prunes what a successful save would prune
+  (all but the newest keep_last - 1 older checkpoints, never the newest) and tries once more.
 * Loading verifies the manifest (sizes always, sha256 unless disabled) and raises
   CorruptCheckpoint naming the file; `find_resume_checkpoint` falls back to the newest
-  checkpoint that verifies.
+  checkpoint that verifies. A checkpoint without a manifest cannot be verified: it raises
+  UnverifiedCheckpoint (the run stops and says how to proceed) unless checksums are disabled.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -51,6 +55,7 @@ from typing import Callable
 import torch
 
 from dsa_train.engine import faults
+from dsa_train.errors import DSATrainError
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +69,16 @@ CORRUPT_PREFIX = "corrupt_"
 MANIFEST_VERSION = 1
 
 
-class CorruptCheckpoint(RuntimeError):
+class CorruptCheckpoint(DSATrainError, RuntimeError):
     """A checkpoint whose files do not match its manifest (or cannot be read)."""
 
 
-class CheckpointSaveError(RuntimeError):
+class UnverifiedCheckpoint(DSATrainError, RuntimeError):
+    """A checkpoint without a manifest: its files cannot be checked, so it is not used unless the
+    user says to trust it (checkpoint.verify_checksums=false). Not moved aside: it may be fine."""
+
+
+class CheckpointSaveError(DSATrainError, RuntimeError):
     """A save that failed; the previous checkpoints are untouched."""
 
 
@@ -84,6 +94,9 @@ class TrainerState:
     # non-finite policy: steps skipped in total and in a row (up to the last completed step)
     nonfinite_skipped: int = 0
     nonfinite_consecutive: int = 0
+    # the recipe (resolved TrainConfig as a dict) the checkpoint was written under: a resume
+    # compares it with the recipe it is given (engine/recipe_change.py); None in older checkpoints
+    recipe: dict | None = None
 
 
 @dataclass
@@ -194,6 +207,7 @@ def save_checkpoint(
     world_size: int = 1,
     barrier: Callable[[], None] | None = None,
     model_layout: dict | None = None,
+    _retrying: list[str] | None = None,
 ) -> Path:
     """Write a checkpoint atomically (see the module docstring) and prune to `keep_last`.
 
@@ -204,7 +218,8 @@ def save_checkpoint(
     barrier = barrier or (lambda: None)
     final = directory / f"{PREFIX}{state.global_step:08d}"
     tmp = directory / f"{TMP_PREFIX}{final.name}"
-    write_faults = faults.WriteFaults(state.global_step)
+    # the fault switch's `enospc` models a disk that is full until a checkpoint is pruned
+    write_faults = faults.WriteFaults(state.global_step, disk_freed=bool(_retrying))
     try:
         if rank == 0:
             directory.mkdir(parents=True, exist_ok=True)
@@ -255,14 +270,56 @@ def save_checkpoint(
     except OSError as err:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        previous = [p for p in list_checkpoints(directory) if p != final] if directory.is_dir() else []
-        intact = f"the newest complete checkpoint is still {previous[-1]}" if previous else "there was no earlier checkpoint"
-        raise CheckpointSaveError(
-            f"saving checkpoint {final} failed: {err}. Nothing was deleted: {intact}. "
-            f"Free space under {directory} (or lower checkpoint.keep_last, or point checkpoint.dir elsewhere) "
-            "and run the same command again: it resumes from that checkpoint."
-        ) from err
+        if _is_out_of_space(err) and world_size == 1 and not _retrying:
+            pruned = make_room(directory, keep_last, final)
+            if pruned:
+                log.warning("saving %s failed (%s): pruned %s to make room (checkpoint.keep_last=%d), trying again",
+                            final, err.strerror or err, ", ".join(p.name for p in pruned), keep_last)
+                return save_checkpoint(directory, state, model, engine_state, data_state, rng, keep_last, rank=rank,
+                                       world_size=world_size, barrier=barrier, model_layout=model_layout,
+                                       _retrying=[p.name for p in pruned])
+        raise save_error(directory, final, err, _retrying) from err
     return final
+
+
+def _is_out_of_space(err: OSError) -> bool:
+    return err.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def make_room(directory: Path, keep_last: int, final: Path) -> list[Path]:
+    """After a save of `final` ran out of space: delete the checkpoints that a successful save
+    would prune anyway (all but the newest keep_last - 1 older than `final`), never the newest
+    complete one. Nothing when keep_last is 0 (keep all)."""
+    if keep_last <= 0:
+        return []
+    older = [p for p in list_checkpoints(directory) if step_of(p) < step_of(final)]
+    doomed = older[:-max(keep_last - 1, 1)]
+    for old in doomed:
+        shutil.rmtree(old)
+    return doomed
+
+
+def save_error(directory: Path, final: Path, err: OSError, pruned: list[str] | None = None) -> CheckpointSaveError:
+    """The message for a failed save: what failed, what is intact, and the fix that works for it."""
+    previous = [p for p in list_checkpoints(directory) if p != final] if directory.is_dir() else []
+    intact = f"the newest complete checkpoint is still {previous[-1]}" if previous else "there was no earlier checkpoint"
+    deleted = (f"Pruned {', '.join(pruned)} (checkpoint.keep_last) to make room, not enough" if pruned
+               else "Nothing was deleted")
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return CheckpointSaveError(
+            f"saving checkpoint {final} failed: {err}: {directory} is not writable (a permission problem, not a full "
+            f"disk). Nothing was deleted: {intact}",
+            fix="make the directory writable, or point checkpoint.dir (or run_dir) at a writable one, and run the same "
+                "command again: it resumes from that checkpoint")
+    if _is_out_of_space(err):
+        return CheckpointSaveError(
+            f"saving checkpoint {final} failed: {err}. {deleted}: {intact}",
+            fix=f"Free space under {directory} (or point checkpoint.dir at a larger disk, or lower checkpoint.keep_last: "
+                "a save that runs out of space then prunes older checkpoints first, never the newest) and run the same "
+                "command again: it resumes from that checkpoint")
+    return CheckpointSaveError(
+        f"saving checkpoint {final} failed: {err}. Nothing was deleted: {intact}",
+        fix=f"check the storage under {directory} and run the same command again: it resumes from that checkpoint")
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
@@ -334,7 +391,14 @@ def verify_checkpoint(path: str | os.PathLike, checksums: bool = True, files: li
     path = Path(path)
     manifest = read_manifest(path)
     if manifest is None:
-        log.warning("checkpoint %s has no %s (written by an older version): not verified", path, MANIFEST)
+        if checksums:
+            raise UnverifiedCheckpoint(
+                f"checkpoint {path} has no {MANIFEST}, so its files cannot be verified (written by an older "
+                "version, or the manifest was removed); corrupt weights would go unnoticed",
+                fix="if you trust it, run again with checkpoint.verify_checksums=false (dsa-train export: "
+                    "--no-verify-checksums); otherwise move it out of the directory to use an older checkpoint")
+        log.warning("checkpoint %s has no %s (written by an older version): not verified "
+                    "(checkpoint.verify_checksums=false)", path, MANIFEST)
         return
     for name, entry in manifest["files"].items():
         if files is not None and name not in files:

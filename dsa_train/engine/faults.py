@@ -35,9 +35,15 @@ import signal
 import time
 from dataclasses import dataclass
 
+from dsa_train.errors import DSATrainError
+
 ENV = "DSA_FAULT"
-KINDS = ("crash", "sigkill", "sigterm", "sigusr1", "hang", "nan", "enospc")
+KINDS = ("crash", "sigkill", "sigterm", "sigusr1", "sigint", "hang", "nan", "enospc", "erofs")
 POINTS = ("step", "mid_step", "checkpoint", "commit")
+
+
+class FaultSwitchError(DSATrainError, ValueError):
+    """A malformed DSA_FAULT (one line, exit 2)."""
 
 
 class InjectedFault(RuntimeError):
@@ -55,7 +61,7 @@ class Fault:
     def point(self) -> str:
         if self.kind == "nan":
             return "mid_step"
-        if self.kind == "enospc":
+        if self.kind in ("enospc", "erofs"):
             return "checkpoint"
         return self.at
 
@@ -71,25 +77,25 @@ def parse(spec: str) -> list[Fault]:
             key, sep, value = item.partition("=")
             key, value = key.strip(), value.strip()
             if not sep or not key:
-                raise ValueError(f"{ENV}: {item.strip()!r} in {part!r} is not key=value")
+                raise FaultSwitchError(f"{ENV}: {item.strip()!r} in {part!r} is not key=value")
             fields[key] = value
         unknown = set(fields) - {"step", "kind", "at", "rank", "restart"}
         if unknown:
-            raise ValueError(f"{ENV}: unknown key(s) {sorted(unknown)} in {part!r}; keys: step, kind, at, rank, restart")
+            raise FaultSwitchError(f"{ENV}: unknown key(s) {sorted(unknown)} in {part!r}; keys: step, kind, at, rank, restart")
         if "step" not in fields:
-            raise ValueError(f"{ENV}: {part!r} has no step=N")
+            raise FaultSwitchError(f"{ENV}: {part!r} has no step=N")
         kind = fields.get("kind", "crash")
         at = fields.get("at", "step")
         if kind not in KINDS:
-            raise ValueError(f"{ENV}: kind={kind!r} in {part!r}; one of {', '.join(KINDS)}")
+            raise FaultSwitchError(f"{ENV}: kind={kind!r} in {part!r}; one of {', '.join(KINDS)}")
         if at not in POINTS:
-            raise ValueError(f"{ENV}: at={at!r} in {part!r}; one of {', '.join(POINTS)}")
+            raise FaultSwitchError(f"{ENV}: at={at!r} in {part!r}; one of {', '.join(POINTS)}")
         try:
             step = int(fields["step"])
             rank = None if fields.get("rank", "*") == "*" else int(fields["rank"])
             restart = None if fields.get("restart", "0") == "*" else int(fields.get("restart", "0"))
         except ValueError:
-            raise ValueError(f"{ENV}: step, rank and restart must be integers (rank/restart may be *) in {part!r}")
+            raise FaultSwitchError(f"{ENV}: step, rank and restart must be integers (rank/restart may be *) in {part!r}")
         faults.append(Fault(step=step, kind=kind, at=at, rank=rank, restart=restart))
     return faults
 
@@ -128,7 +134,7 @@ def fire(fault: Fault) -> None:
     if fault.kind == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)  # the signal is delivered asynchronously
-    if fault.kind in ("sigterm", "sigusr1"):
+    if fault.kind in ("sigterm", "sigusr1", "sigint"):
         os.kill(os.getpid(), getattr(signal, fault.kind.upper()))
         return
     if fault.kind == "hang":
@@ -136,6 +142,8 @@ def fire(fault: Fault) -> None:
             time.sleep(3600)
     if fault.kind == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device ({ENV}: injected on {where})")
+    if fault.kind == "erofs":
+        raise OSError(errno.EROFS, f"Read-only file system ({ENV}: injected on {where})")
 
 
 def at(point: str, step: int) -> None:
@@ -155,8 +163,9 @@ class WriteFaults:
     """The checkpoint writer's hook: fires `at=checkpoint` faults (and `enospc`) for the
     checkpoint of `step` on the second chunk written, so part of a file is already on disk."""
 
-    def __init__(self, step: int):
-        self.faults = _matching("checkpoint", step)
+    def __init__(self, step: int, disk_freed: bool = False):
+        # `enospc` stands for a full disk: it no longer fires once a checkpoint was pruned for room
+        self.faults = [f for f in _matching("checkpoint", step) if not (disk_freed and f.kind == "enospc")]
         self.chunks = 0
 
     def on_write(self) -> None:

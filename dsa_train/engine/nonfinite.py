@@ -17,9 +17,11 @@ import math
 
 import torch
 
+from dsa_train.errors import DSATrainError
 
-class NonFiniteError(RuntimeError):
-    pass
+
+class NonFiniteError(DSATrainError, RuntimeError):
+    """Non-finite values under the `stop` policy (one line, exit 2: a restart would hit the same step)."""
 
 
 def grads_are_finite(engine) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -23,11 +24,14 @@ EXIT_PREEMPTED = 75  # os.EX_TEMPFAIL
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 
 
-class Preempted(SystemExit):
-    """A run stopped by a preemption signal after writing its checkpoint."""
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
-    def __init__(self, message: str, result=None, checkpoint=None):
-        super().__init__(EXIT_PREEMPTED)
+
+class Preempted(SystemExit):
+    """A run stopped by a preemption signal (or Ctrl-C) after writing its checkpoint."""
+
+    def __init__(self, message: str, result=None, checkpoint=None, code: int = EXIT_PREEMPTED):
+        super().__init__(code)
         self.message = message
         self.result = result  # TrainResult so far
         self.checkpoint = checkpoint
@@ -47,24 +51,57 @@ def resolve(names) -> list[signal.Signals]:
     return out
 
 
+class Interrupted(SystemExit):
+    """A second Ctrl-C: stop at once, without the checkpoint (exit 130)."""
+
+    def __init__(self, message: str):
+        super().__init__(EXIT_INTERRUPTED)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class PreemptionHandler:
-    """Installs handlers for `names` (main thread only) that record the first signal received.
+    """Installs handlers for `names` and, with `interrupt`, for SIGINT (Ctrl-C), in the main thread
+    only; they record the first signal received. Ctrl-C is handled like a preemption signal
+    (checkpoint at the next step boundary, exit 130); a second Ctrl-C raises `Interrupted` at once.
     `restore()` puts the previous handlers back."""
 
-    def __init__(self, names=DEFAULT_SIGNALS):
+    def __init__(self, names=DEFAULT_SIGNALS, interrupt: bool = True):
         self.received: int | None = None
         self._previous: dict[int, object] = {}
         if threading.current_thread() is not threading.main_thread():
             log.warning("preemption signals not handled: the trainer does not run in the main thread")
             return
-        for sig in resolve(names):
+        sigs = resolve(names)
+        if interrupt and signal.SIGINT not in sigs:
+            sigs.append(signal.SIGINT)
+        for sig in sigs:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
         if self.received is None:
             self.received = signum
-            log.warning("received %s: checkpointing at the next step boundary, then exiting (code %d)",
-                        signal.Signals(signum).name, EXIT_PREEMPTED)
+            if signum == signal.SIGINT:
+                log.warning("Ctrl-C: checkpointing at the next step boundary, then exiting (code %d); "
+                            "press Ctrl-C again to stop at once without the checkpoint", EXIT_INTERRUPTED)
+            else:
+                log.warning("received %s: checkpointing at the next step boundary, then exiting (code %d)",
+                            signal.Signals(signum).name, EXIT_PREEMPTED)
+        elif signum == signal.SIGINT:
+            self.restore()  # a third Ctrl-C gets Python's default
+            message = ("dsa-train: stopped by a second Ctrl-C before the checkpoint: the steps since the last "
+                       "checkpoint are lost; run the same command again to resume from it")
+            print(message, file=sys.stderr, flush=True)
+            raise Interrupted(message)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_INTERRUPTED if self.received == signal.SIGINT else EXIT_PREEMPTED
+
+    def describe(self) -> str:
+        return "Ctrl-C (SIGINT)" if self.received == signal.SIGINT else self.name
 
     @property
     def requested(self) -> bool:

@@ -21,14 +21,15 @@ import torch
 from omegaconf import OmegaConf
 
 from dsa_train.config import Attention, ConfigError, Device, StageConfig, TrainConfig, validate
-from dsa_train.checkpoint.export import trained_index_topk
+from dsa_train.config.validate import doubtful_values
 from dsa_train.engine import checkpoint as ckpt
-from dsa_train.engine import faults
+from dsa_train.engine import faults, recipe_change
 from dsa_train.engine.engine import Engine
 from dsa_train.engine.nonfinite import NonFiniteError, check_step, poison
 from dsa_train.engine.probe import measure, probe_batches
+from dsa_train.engine.run_lock import lock_run
 from dsa_train.engine.rng import load_rng_state, rng_state, seed_everything, set_deterministic
-from dsa_train.engine.signals import PreemptionHandler, Preempted, mark_preempted
+from dsa_train.engine.signals import EXIT_PREEMPTED, PreemptionHandler, Preempted, mark_preempted
 from dsa_train.engine.step import forward_backward
 from dsa_train.engine.summary import format_summary, summary_metrics
 from dsa_train.logging.perf import memory_metrics, peak_flops_per_device, throughput_metrics
@@ -109,6 +110,8 @@ class Trainer:
         from dsa_train.data import DataConfig, build_dataloader
 
         validate(cfg)
+        for doubt in doubtful_values(cfg):  # allowed, but rarely meant: said at start-up, not silent
+            log.warning("%s", doubt)
         self.parallel = None  # ParallelState with N ranks
         self.reduction = None  # how a step's numbers combine over ranks (None: one process)
         self.rank, self.world_size, self.dp_rank, self.dp_size = 0, 1, 0, 1
@@ -158,17 +161,24 @@ class Trainer:
         self.resume_rng: dict | None = None
         self.result = TrainResult(run_dir=self.run_dir)
         self.last_saved_step: int | None = None
+        self.finished: str | None = None  # set by a resume of a run whose stages are all done
         self.preemption: PreemptionHandler | None = None
-        if cfg.checkpoint.resume is False:
-            existing = ckpt.list_checkpoints(cfg.checkpoint.dir)
-            if existing:
-                raise ConfigError(
-                    f"checkpoint.resume=false but {cfg.checkpoint.dir} already holds checkpoints "
-                    f"(newest {existing[-1].name}); a fresh run would prune them. Resume (checkpoint.resume=auto), "
-                    "or start fresh under a new run_dir / checkpoint.dir"
-                )
-        else:
-            self._resume()
+        # one run per run_dir (rank 0 holds the lock for all ranks; released when the run ends)
+        self.run_locks = lock_run(self.run_dir, cfg.checkpoint.dir) if self.rank == 0 else []
+        try:
+            if cfg.checkpoint.resume is False:
+                existing = ckpt.list_checkpoints(cfg.checkpoint.dir)
+                if existing:
+                    raise ConfigError(
+                        f"checkpoint.resume=false but {cfg.checkpoint.dir} already holds checkpoints "
+                        f"(newest {existing[-1].name}); a fresh run would prune them. Resume (checkpoint.resume=auto), "
+                        "or start fresh under a new run_dir / checkpoint.dir"
+                    )
+            else:
+                self._resume()
+        except BaseException:
+            self.release_run_lock()
+            raise
         self.wandb = WandbRun(cfg.logging, self.config_dict(), run_id=self.state.wandb_run_id,
                               metrics_path=self.metrics_path())
         self.state.wandb_run_id = self.wandb.id
@@ -206,6 +216,10 @@ class Trainer:
     def metrics_path(self) -> Path | None:
         """`<run_dir>/metrics.jsonl`, written by rank 0 (`dsa-train report` reads it)."""
         return self.run_dir / METRICS_FILE if self.rank == 0 else None
+
+    def release_run_lock(self) -> None:
+        for lock in getattr(self, "run_locks", []):
+            lock.release()
 
     def tokenizer_dir(self) -> str:
         from dsa_train.data import BUNDLED_TOKENIZER_DIR
@@ -249,10 +263,7 @@ class Trainer:
         if rejected:
             log.warning("resume: falling back to %s, the newest checkpoint that verifies", path)
         self._check_same_model(path, loaded)
-        if loaded.state.stage_index < len(self.stage_names) and loaded.state.stage_step >= self.cfg.stages[
-            self.stage_names[loaded.state.stage_index]
-        ].steps:
-            raise ConfigError(f"checkpoint {path} is past the end of its stage in this recipe")
+        self._check_same_recipe(path, loaded.state)
         self.model.load_state_dict(loaded.model)
         self.loader.load_state_dict(loaded.data)
         self.state = loaded.state
@@ -266,6 +277,17 @@ class Trainer:
             self.wandb = WandbRun(self.cfg.logging, self.config_dict(), run_id=self.state.wandb_run_id,
                                metrics_path=self.metrics_path())
             self.state.wandb_run_id = self.result.wandb_run_id = self.wandb.id
+
+    def _check_same_recipe(self, path: Path, state: ckpt.TrainerState) -> None:
+        """Apply the safe recipe changes since the checkpoint (logged), refuse the rest; a finished
+        run says so (engine/recipe_change.py)."""
+        if state.recipe is None:
+            log.warning("resume: %s was written before checkpoints recorded their recipe: recipe changes not checked", path)
+        else:
+            for change in recipe_change.compare(state.recipe, self.config_dict(), state.stage_index, state.stage_step, path):
+                log.warning("resume: %s", change)
+        if state.stage_index >= len(self.stage_names):
+            self.finished = recipe_change.finished_message(self.stage_names, state.global_step, path, self.run_dir / "export")
 
     def _check_same_model(self, path: Path, loaded: ckpt.Checkpoint) -> None:
         """ConfigError when the checkpoint was written for another model than this recipe's."""
@@ -300,6 +322,7 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _save(self, engine, data_state, rng) -> None:
+        self.state.recipe = self.config_dict()
         path = ckpt.save_checkpoint(
             self.cfg.checkpoint.dir,
             self.state,
@@ -393,17 +416,20 @@ class Trainer:
             return
         if self.last_saved_step != self.state.global_step:
             self.save(engine)
-        name = self.preemption.name if received else "a preemption signal (on another rank)"
+        name = self.preemption.describe() if received else "a preemption signal (on another rank)"
         message = (
-            f"preempted by {name} at global step {self.state.global_step}: checkpoint written to "
-            f"{self.cfg.checkpoint.dir}; run the same command again to resume"
+            f"{'interrupted' if 'SIGINT' in name else 'preempted'} by {name} at global step "
+            f"{self.state.global_step}: checkpoint written to {self.cfg.checkpoint.dir}; run the same command "
+            "again to resume"
         )
         log.warning(message)
         self.result.preempted = True
         self.result.summary = self.state.summary
         self.wandb.finish()
-        mark_preempted(self.run_dir)  # a torchrun restart on this allocation exits at once
-        raise Preempted(message, result=self.result)
+        code = self.preemption.exit_code if received else EXIT_PREEMPTED
+        if code == EXIT_PREEMPTED:
+            mark_preempted(self.run_dir)  # a torchrun restart on this allocation exits at once
+        raise Preempted(message, result=self.result, code=code)
 
     def nonfinite_step(self, engine: Engine, bad: list[str], before: tuple[dict, dict]) -> None:
         """Apply the non-finite policy to the step just computed (its update not applied)."""
@@ -545,6 +571,19 @@ class Trainer:
         return metrics
 
     def run(self) -> TrainResult:
+        try:
+            return self._run()
+        finally:
+            self.release_run_lock()
+
+    def _run(self) -> TrainResult:
+        if self.finished:  # resumed a finished run: say so, no training, no export, no summary table
+            log.warning(self.finished)
+            if self.rank == 0:
+                print(f"dsa-train: {self.finished}")
+            self.result.summary = self.state.summary
+            self.wandb.finish()
+            return self.result
         progress = StageProgress(self.cfg.logging.progress_bar)
         signals = self.cfg.fault_tolerance.preemption_signals
         self.preemption = PreemptionHandler(signals) if signals else None

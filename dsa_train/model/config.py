@@ -13,7 +13,58 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from dsa_train.errors import DSATrainError
+
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "kimi_k2", "deepseek_v2")
+
+
+class ModelConfigError(DSATrainError, ValueError):
+    """A model config.json that does not describe a model this code can build (a field of the
+    wrong type, inconsistent sizes, another architecture). Names the field and what it expects."""
+
+
+class ModelConfigNotFound(ModelConfigError, FileNotFoundError):
+    pass
+
+
+_EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+             "dict": "an object"}
+_ROPE_NUMBERS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+def _type_ok(value: Any, kind: str) -> bool:
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, {"bool": bool, "str": str, "dict": dict}[kind])
+
+
+def type_problems(d: dict[str, Any]) -> list[str]:
+    """One line per config.json value whose JSON type does not match the field's (e.g.
+    `"hidden_size": "192"`), from the DSAConfig annotations; unknown keys are not checked."""
+    problems = []
+    annotations = {f.name: str(f.type) for f in fields(DSAConfig)}
+    for key, value in d.items():
+        ann = annotations.get(key)
+        if ann is None or key in ("extra", "has_indexer_weights"):
+            continue
+        kinds = [part.strip() for part in ann.split("|")]
+        if value is None and "None" in kinds:
+            continue
+        if key.endswith("_token_id") and isinstance(value, list) and all(_type_ok(v, "int") for v in value):
+            continue  # transformers allows several end tokens
+        kinds = [k for k in kinds if k != "None"]
+        if kinds and kinds[0] in _EXPECTED and not any(_type_ok(value, k) for k in kinds):
+            problems.append(f"{key} is {json.dumps(value)} ({type(value).__name__}), expected {_EXPECTED[kinds[0]]}"
+                            + (" or null" if "None" in ann else ""))
+    rope = d.get("rope_scaling")
+    if isinstance(rope, dict):
+        for key in _ROPE_NUMBERS:
+            if key in rope and rope[key] is not None and not _type_ok(rope[key], "float"):
+                problems.append(f"rope_scaling.{key} is {json.dumps(rope[key])} ({type(rope[key]).__name__}), "
+                                "expected a number")
+    return problems
 
 
 @dataclass
@@ -130,18 +181,22 @@ class DSAConfig:
         if self.index_topk < 1:
             problems.append(f"index_topk must be >= 1, got {self.index_topk}")
         if problems:
-            raise ValueError("invalid model config:\n  - " + "\n  - ".join(problems))
+            raise ModelConfigError("invalid model config:\n  - " + "\n  - ".join(problems))
 
     # ------------------------------------------------------------------ HF I/O
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "DSAConfig":
         model_type = d.get("model_type", "deepseek_v3")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
+            raise ModelConfigError(
                 f"config.json has model_type={model_type!r}; dsa_train supports the DeepSeek-V3 "
                 f"architecture family {SUPPORTED_MODEL_TYPES}. Is this the right checkpoint?"
             )
         d = dict(d)
+        wrong = type_problems(d)
+        if wrong:
+            raise ModelConfigError("config.json has values of the wrong type: " + "; ".join(wrong),
+                                   fix="correct them in config.json (numbers without quotes)")
         if "num_mtp_layers" in d and "num_nextn_predict_layers" not in d:
             d["num_nextn_predict_layers"] = d.pop("num_mtp_layers")
         known = {f.name for f in fields(cls)} - {"extra", "has_indexer_weights"}
@@ -164,7 +219,7 @@ class DSAConfig:
         if kwargs.get("rope_scaling"):
             rtype = kwargs["rope_scaling"].get("rope_type", kwargs["rope_scaling"].get("type"))
             if rtype not in ("yarn", "default", None):
-                raise ValueError(f"rope_scaling type {rtype!r} is not supported (yarn or none)")
+                raise ModelConfigError(f"rope_scaling type {rtype!r} is not supported (yarn or none)")
         kwargs["model_type"] = model_type
         kwargs["has_indexer_weights"] = model_type == "deepseek_v32"
         if model_type == "deepseek_v32":
@@ -177,16 +232,21 @@ class DSAConfig:
     def from_pretrained(cls, path: str | os.PathLike) -> "DSAConfig":
         cfg_file = os.path.join(path, "config.json") if os.path.isdir(path) else str(path)
         if not os.path.exists(cfg_file):
-            raise FileNotFoundError(
+            raise ModelConfigNotFound(
                 f"no config.json at {cfg_file}: pass a Hugging Face model directory "
                 "(config.json + *.safetensors)"
             )
         with open(cfg_file) as f:
             try:
                 d = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{cfg_file} is not valid JSON: {e}") from e
-        return cls.from_hf_dict(d)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ModelConfigError(f"{cfg_file} is not valid JSON: {e}") from e
+        if not isinstance(d, dict):
+            raise ModelConfigError(f"{cfg_file} holds a JSON {type(d).__name__}, not an object")
+        try:
+            return cls.from_hf_dict(d)
+        except ModelConfigError as e:
+            raise ModelConfigError(f"{cfg_file}: {e.problem}", fix=e.fix) from e
 
     def to_hf_dict(self) -> dict[str, Any]:
         """config.json in the DeepSeek-V3.2-Exp layout (model_type deepseek_v32)."""

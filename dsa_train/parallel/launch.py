@@ -219,7 +219,38 @@ def torchrun_main(argv: list[str]) -> int:
                            max_restarts=args.max_restarts)
     env = {**os.environ, **RESTART_ENV}
     env.setdefault("DS_ACCELERATOR", "cuda" if nproc and _has_cuda() else "cpu")
-    return subprocess.call(cmd, env=env)
+    return run_torchrun(cmd, env)
+
+
+def run_torchrun(cmd: list[str], env: dict[str, str]) -> int:
+    """Run torchrun (torch.distributed.run, in this process) with `cmd`'s arguments. A rank that
+    failed with a project error (one line, exit 2: dsa_train/errors.py) ends the launch with that
+    line and code 2, not with torchrun's ChildFailedError traceback; a preempted job exits 75; any
+    other failure prints torchrun's failure summary and exits 1."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import parse_args, run
+
+    from dsa_train.engine.signals import EXIT_PREEMPTED
+    from dsa_train.errors import EXIT_USER_ERROR
+
+    assert cmd[1:3] == ["-m", "torch.distributed.run"], cmd
+    os.environ.update(env)  # the workers inherit this process's environment
+    try:
+        run(parse_args(cmd[3:]))
+    except ChildFailedError as err:
+        _, failure = err.get_first_failure()
+        data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+        message = str(data.get("original") or failure.message or "")
+        if failure.exitcode == EXIT_USER_ERROR and message.startswith("dsa-train"):
+            print(message, file=sys.stderr)
+            return EXIT_USER_ERROR
+        print(err.format_msg(), file=sys.stderr)
+        return EXIT_PREEMPTED if failure.exitcode == EXIT_PREEMPTED else 1
+    except SignalException as err:  # SIGTERM / SIGINT to the launcher: torchrun stopped the workers
+        print(f"dsa-train launch torchrun: stopped by {err.sigval.name}", file=sys.stderr)
+        return 128 + int(err.sigval)
+    return 0
 
 
 def check_recipe(recipe: str, overrides: list[str], world_size: int) -> str | None:

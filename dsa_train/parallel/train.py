@@ -14,6 +14,13 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dsa_train.errors import exit_if_failed_earlier, run_reporting
+
+    # a torchrun restart after an error that a restart cannot fix (bad recipe, full disk, ...):
+    # exit 2 before loading anything (dsa_train/errors.py)
+    code = run_reporting(exit_if_failed_earlier)
+    if code:
+        return code
     from dsa_train.cli import run_hydra
     from dsa_train.runtime import limit_heap_fragmentation, quiet_third_party
 
