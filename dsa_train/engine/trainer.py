@@ -21,6 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 from dsa_train.config import Attention, ConfigError, Device, StageConfig, TrainConfig, validate
+from dsa_train.checkpoint.export import trained_index_topk
 from dsa_train.config.validate import doubtful_values
 from dsa_train.engine import checkpoint as ckpt
 from dsa_train.engine import faults, recipe_change
