@@ -23,7 +23,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -140,4 +139,3 @@ def test_recipe_rehearsal(recipe, tmp_path):
         assert set(summary.get(name, {})) == {"start", "end"}, (name, summary, logs)
         for when in ("start", "end"):
             assert all(v == v for v in summary[name][when].values()), summary  # no NaN
-    Path(tmp_path / "elapsed").write_text(f"{elapsed:.1f}")
