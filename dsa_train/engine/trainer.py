@@ -564,7 +564,8 @@ class Trainer:
                 metrics[key] = value
             else:
                 metrics[f"train/{key}"] = value
-        metrics.update(throughput_metrics(tokens, elapsed, flops, self.peak_flops))
+        # tokens: the whole job's step; MFU per device divides by every device's peak
+        metrics.update(throughput_metrics(tokens, elapsed, flops, self.peak_flops, num_devices=self.world_size))
         metrics.update(memory_metrics(self.device))
         metrics["progress/stage"] = stage_index
         metrics["progress/global_step"] = self.state.global_step

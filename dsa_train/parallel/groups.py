@@ -7,7 +7,10 @@ Layout (megatron order `tp-cp-ep-dp`, no pipeline parallelism):
 Dense parameters are replicated over DP x CP (their gradients are averaged there: that group is
 what DeepSpeed sees as "data parallel"); tensor-parallel shards live in the TP group; routed
 experts are sharded over the EP group and replicated over the expert-data-parallel group.
-Backend: NCCL with CUDA, gloo on the CPU.
+Backend: with CUDA `cpu:gloo,cuda:nccl` (device collectives on NCCL; CPU tensors made on purpose
+for bookkeeping, `device="cpu"`, on gloo: megatron-core's groups inherit both), gloo without it.
+`DSA_TRAIN_BACKEND=gloo` forces gloo. With `DSA_STRICT_DEVICES=1` every collective checks that its
+tensors are on the compute device (`dsa_train.parallel.strict_devices`).
 """
 
 from __future__ import annotations
@@ -87,8 +90,12 @@ def check_model_divisibility(sizes: ParallelSizes, model_config) -> None:
         )
 
 
+CUDA_BACKEND = "cpu:gloo,cuda:nccl"
+
+
 def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() and os.environ.get("DSA_TRAIN_BACKEND") != "gloo" else "gloo"
+    """Both backends with CUDA (NCCL rejects CPU tensors; gloo takes the CPU-side bookkeeping)."""
+    return CUDA_BACKEND if torch.cuda.is_available() and os.environ.get("DSA_TRAIN_BACKEND") != "gloo" else "gloo"
 
 
 def init_distributed(timeout_minutes: int = 30) -> None:
@@ -96,7 +103,7 @@ def init_distributed(timeout_minutes: int = 30) -> None:
     if dist.is_initialized():
         return
     backend = default_backend()
-    if backend == "nccl":
+    if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
 
@@ -107,8 +114,11 @@ class ParallelState:
     def __init__(self, sizes: ParallelSizes):
         from megatron.core import parallel_state as ps
 
+        from dsa_train.parallel.strict_devices import compute_device
+
         self.sizes = sizes
         self.ps = ps
+        self.device = compute_device()  # where collective tensors live (NCCL: CUDA tensors only)
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.cp_group = ps.get_context_parallel_group()
         self.dp_group = ps.get_data_parallel_group()  # without CP
@@ -137,7 +147,10 @@ def init_parallel(parallel: ParallelConfig) -> ParallelState:
     global _STATE
     from megatron.core import parallel_state as ps
 
+    from dsa_train.parallel import strict_devices
+
     init_distributed()
+    strict_devices.install()  # only with DSA_STRICT_DEVICES=1
     sizes = resolve_sizes(parallel, dist.get_world_size())
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
@@ -159,9 +172,12 @@ def destroy_parallel() -> None:
     global _STATE
     from megatron.core import parallel_state as ps
 
+    from dsa_train.parallel import strict_devices
+
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     _STATE = None
+    strict_devices.uninstall()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = tiny_config(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                       num_hidden_layers=2, num_nextn_predict_layers=1 if args.mtp else 0, index_topk=args.topk,
                       max_position_embeddings=max(4096, args.seq_len))
-    ref_model = DSAForCausalLM(cfg)
+    ref_model = DSAForCausalLM(cfg).to(state.device)
     if args.bf16:
         ref_model = ref_model.cast(torch.bfloat16)
     init_model = copy.deepcopy(ref_model)
@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     # near-zero gradients (sums that cancel) into O(lr) parameter differences at eps 1e-8, which
     # would hide real mismatches behind a loose tolerance.
     optim = OptimConfig(grad_clip=1.0, eps=args.adam_eps)
-    batches = make_batches(args.steps, args.global_batch, args.seq_len, cfg.vocab_size, seed=1)
+    batches = [{k: v.to(state.device) for k, v in b.items()}
+               for b in make_batches(args.steps, args.global_batch, args.seq_len, cfg.vocab_size, seed=1)]
 
     # ---- reference: one process, the whole global batch per step
     ref_engine = Engine(ref_model, stage, optim)
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(json.dumps(result) + "\n")
         all_failures += failures
 
-    ok = torch.tensor([0.0 if all_failures else 1.0])
+    ok = torch.tensor([0.0 if all_failures else 1.0], device=state.device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     destroy_parallel()
     return 0 if ok.item() == 1.0 else 1
@@ -213,7 +214,8 @@ def launch(nproc: int, args: list[str], out_path: str, timeout: float = 400) -> 
     """Run the self-test under torchrun on this machine (CPU, gloo) -> (rc, rank-0 results, log)."""
     import subprocess
 
-    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "OMP_NUM_THREADS": "1",
+           "DSA_STRICT_DEVICES": os.environ.get("DSA_STRICT_DEVICES", "1")}  # collectives checked (strict_devices)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={free_port()}", "-m", "dsa_train.parallel.selftest", *args, "--out", out_path]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
