@@ -12,6 +12,8 @@ Keys (all optional except `step`):
              sigterm, sigusr1   the signal to the own process (preemption path)
              hang     sleep forever (a stuck rank; for timeout handling)
              nan      make the step's loss and gradients NaN (the non-finite policy path)
+             inf_grad make one gradient element +inf where the engine keeps it (ZeRO-2: its
+                      gradient partition), the loss finite: only the gradient check sees it
              enospc   OSError(ENOSPC) from the checkpoint writer (a full disk)
     at       step       at the start of the step, before its data is read (default)
              mid_step   after forward/backward, before the optimizer update
@@ -38,7 +40,8 @@ from dataclasses import dataclass
 from dsa_train.errors import DSATrainError
 
 ENV = "DSA_FAULT"
-KINDS = ("crash", "sigkill", "sigterm", "sigusr1", "sigint", "hang", "nan", "enospc", "erofs")
+KINDS = ("crash", "sigkill", "sigterm", "sigusr1", "sigint", "hang", "nan", "inf_grad", "enospc", "erofs")
+POISON_KINDS = ("nan", "inf_grad")  # fire after backward, through the trainer
 POINTS = ("step", "mid_step", "checkpoint", "commit")
 
 
@@ -59,7 +62,7 @@ class Fault:
     restart: int | None = 0  # None: every attempt
 
     def point(self) -> str:
-        if self.kind == "nan":
+        if self.kind in POISON_KINDS:
             return "mid_step"
         if self.kind in ("enospc", "erofs"):
             return "checkpoint"
@@ -149,7 +152,7 @@ def fire(fault: Fault) -> None:
 def at(point: str, step: int) -> None:
     """Fire the process-level faults (crash, signals, hang) registered for `point` of `step`."""
     for fault in _matching(point, step):
-        if fault.kind != "nan":
+        if fault.kind not in POISON_KINDS:
             fire(fault)
 
 
@@ -157,6 +160,12 @@ def poison_step(step: int) -> bool:
     """True when a `kind=nan` fault is set for `step` (the trainer then makes its loss and
     gradients NaN)."""
     return any(f.kind == "nan" for f in _matching("mid_step", step))
+
+
+def inf_gradient_step(step: int) -> bool:
+    """True when a `kind=inf_grad` fault is set for `step` on this rank (the trainer then makes
+    one of the gradients it holds +inf)."""
+    return any(f.kind == "inf_grad" for f in _matching("mid_step", step))
 
 
 class WriteFaults:

@@ -24,13 +24,19 @@ class NonFiniteError(DSATrainError, RuntimeError):
     """Non-finite values under the `stop` policy (one line, exit 2: a restart would hit the same step)."""
 
 
-def grads_are_finite(engine) -> bool:
-    """True when every gradient the engine will apply is finite. An engine that keeps gradients
-    elsewhere (DeepSpeed ZeRO partitions) provides `grads_are_finite()` itself."""
-    own = getattr(engine, "grads_are_finite", None)
+def gradient_tensors(engine) -> list[torch.Tensor]:
+    """The gradients this rank's engine will apply. An engine that keeps them elsewhere than
+    `p.grad` (DeepSpeed ZeRO-2/3: in its gradient partitions) lists them in `gradient_tensors()`."""
+    own = getattr(engine, "gradient_tensors", None)
     if callable(own):
-        return bool(own())
-    flags = [torch.isfinite(p.grad).all() for _, p in engine.trainable if p.grad is not None]
+        return list(own())
+    return [p.grad for _, p in engine.trainable if p.grad is not None]
+
+
+def grads_are_finite(engine) -> bool:
+    """True when every gradient this rank holds is finite. Under ZeRO each rank holds only its
+    partition: the trainer combines the ranks' answers (`any_rank`)."""
+    flags = [torch.isfinite(g).all() for g in gradient_tensors(engine) if g.numel()]
     return bool(torch.stack(flags).all()) if flags else True
 
 
@@ -45,7 +51,14 @@ def check_step(metrics: dict[str, float], engine) -> list[str]:
 def poison(metrics: dict[str, float], engine) -> None:
     """The `kind=nan` fault: make the step's loss and one gradient NaN."""
     metrics["loss"] = math.nan
-    for _, p in engine.trainable:
-        if p.grad is not None:
-            p.grad.fill_(math.nan)
-            break
+    poison_gradient(engine, math.nan)
+
+
+def poison_gradient(engine, value: float = math.inf) -> None:
+    """The `kind=inf_grad` fault: one element of one gradient this rank holds (wherever the
+    engine keeps it) becomes `value`; the loss stays finite, so only the gradient check sees it."""
+    with torch.no_grad():
+        for g in gradient_tensors(engine):
+            if g.numel():
+                g.view(-1)[0] = value
+                return

@@ -26,7 +26,7 @@ from dsa_train.config.validate import doubtful_values
 from dsa_train.engine import checkpoint as ckpt
 from dsa_train.engine import faults, recipe_change
 from dsa_train.engine.engine import Engine
-from dsa_train.engine.nonfinite import NonFiniteError, check_step, poison
+from dsa_train.engine.nonfinite import NonFiniteError, check_step, poison, poison_gradient
 from dsa_train.engine.probe import measure, probe_batches
 from dsa_train.engine.run_lock import lock_run
 from dsa_train.engine.rng import load_rng_state, rng_state, seed_everything, set_deterministic
@@ -515,6 +515,8 @@ class Trainer:
             faults.at("mid_step", step_number)
             if faults.poison_step(step_number):
                 poison(step_metrics, engine)
+            if faults.inf_gradient_step(step_number):
+                poison_gradient(engine)
             bad = check_step(step_metrics, engine)
             skipped = self.any_rank(bool(bad))
             if skipped:

@@ -217,6 +217,21 @@ class DeepSpeedEngine:
             out[name] = g / self.state.sizes.dense_dp
         return out
 
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        """The gradients this rank holds between backward and step, where DeepSpeed keeps them:
+        ZeRO-2 reduces each bucket during backward into this rank's partition buffer
+        (`grads_in_partition`; `p.grad` is then released), ZeRO-3 into its flat partition
+        buffer; ZeRO-0/1 keep them in `p.grad` until `step` reduces them."""
+        opt = self.ds.optimizer
+        grads = [p.grad for _, p in self.trainable if p.grad is not None]
+        for name in ("grads_in_partition", "grad_partitions_flat_buffer"):
+            buffer = getattr(opt, name, None)
+            if isinstance(buffer, torch.Tensor):
+                grads.append(buffer)
+        for group in (getattr(opt, "averaged_gradients", None) or {}).values():
+            grads.extend(g for g in (group or []) if isinstance(g, torch.Tensor))
+        return grads
+
     def step(self) -> float:
         """Reduce, clip, update, advance the schedule, clear gradients. Returns the pre-clip norm."""
         if not self.own_norm:
@@ -309,13 +324,17 @@ class DeepSpeedEngine:
         return {"optimizer": self.ds.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        """This rank's optimizer partition and the schedule (same layout as when saved; the
-        model's parameters, fp32 masters included, come from the model checkpoint)."""
-        if self.zero_stage >= 1:
-            # ZeRO optimizers take the list of every data-parallel rank's state and read their own
+        """This rank's optimizer partition, its fp32 master weights and the schedule (same layout
+        as when saved). The masters come from the saved optimizer state, never from the model's
+        bf16 weights: rebuilding them from bf16 would drop every update below bf16 resolution
+        (at the sparse stage's lr 7.3e-6 most of them) at each resume."""
+        optimizer = self.ds.optimizer
+        if self.zero_stage >= 1 or hasattr(optimizer, "fp32_groups_flat_partition"):  # ZeRO / BF16_Optimizer
+            # they take the list of every data-parallel rank's state and read their own entry;
+            # each rank saved its own partition (`engine.rank<r>.pt`), so this rank's goes everywhere
             n = self.state.sizes.dense_dp
-            self.ds.optimizer.load_state_dict([state["optimizer"]] * n, load_optimizer_states=True,
-                                              load_from_fp32_weights=False)
+            optimizer.load_state_dict([state["optimizer"]] * n, load_optimizer_states=True,
+                                      load_from_fp32_weights=True)
         else:
-            self.ds.optimizer.load_state_dict(state["optimizer"])
+            optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
