@@ -220,3 +220,41 @@ def test_every_expert_gemm_path_equals_the_expert_modules(path):
     want = [x2.grad] + [e.gate_proj.weight.grad for e in experts]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_gradients_accumulate_in_fp32_by_default():
+    """Two micro-batches of a bf16 model: with optim.grad_accum_dtype float32 (default) the
+    step's gradient is the fp32 sum of the micro-batches' bf16 gradients; with bfloat16 it is
+    their bf16 sum (rounded at the addition)."""
+    from dsa_train.config import Attention, DType, OptimConfig, StageConfig, Trainable
+    from dsa_train.engine import Engine, forward_backward
+    from dsa_train.model import DSAForCausalLM, tiny_config
+
+    assert OptimConfig().grad_accum_dtype == DType.float32
+    stage = StageConfig(attention=Attention.dense, trainable=Trainable.all, lm_loss_coef=1.0, indexer_loss_coef=0.0,
+                        lr=1e-5, steps=1)
+    torch.manual_seed(0)
+    model = DSAForCausalLM(tiny_config(num_hidden_layers=1, num_nextn_predict_layers=0)).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=g, device="cpu")
+    micro = [{"input_ids": ids[i : i + 1], "labels": ids[i : i + 1].roll(-1, 1),
+              "position_ids": torch.arange(32, device="cpu")[None]} for i in range(2)]
+    name = "model.layers.0.self_attn.o_proj.weight"
+    param = dict(model.named_parameters())[name]
+
+    def grad_of(batches, accum):
+        engine = Engine(model, stage, OptimConfig(grad_accum_dtype=accum))
+        forward_backward(engine, batches, stage)
+        grad = (engine.masters[name].grad if param.grad is None else param.grad).clone()
+        engine.zero_grad()
+        return grad
+
+    # each micro-batch's own bf16 gradient, weighted as in the two-micro-batch step (n_i / N = 1/2:
+    # a power of two, so the halved backward is exact)
+    parts = [grad_of([mb], DType.bfloat16) * 0.5 for mb in micro]
+    fp32 = grad_of(micro, DType.float32)
+    bf16 = grad_of(micro, DType.bfloat16)
+    assert fp32.dtype == torch.float32 and bf16.dtype == torch.bfloat16
+    assert torch.equal(fp32, parts[0].float() + parts[1].float())
+    assert torch.equal(bf16, parts[0] + parts[1])
+    assert not torch.equal(fp32, bf16.float())  # the bf16 sum rounds

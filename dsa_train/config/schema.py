@@ -122,6 +122,12 @@ class OptimConfig:
     weight_decay: float = 0.1
     # Max global gradient L2 norm; 0 disables clipping (the norm is still logged).
     grad_clip: float = 1.0
+    # dtype in which gradients of bf16 parameters are accumulated over micro-batches and reduced
+    # over data parallel. float32 (default, as Megatron's accumulate_allreduce_grads_in_fp32):
+    # each micro-batch's bf16 gradient is added into an fp32 buffer (the fp32 master's gradient;
+    # DeepSpeed's grad_accum_dtype and communication_data_type fp32). bfloat16: in the
+    # parameters' dtype (half the gradient memory and traffic, rounding at every addition).
+    grad_accum_dtype: DType = DType.float32
 
 
 @dataclass

@@ -6,6 +6,9 @@ distributed work replaces it by a DeepSpeed / Megatron-backed engine with the sa
 
 Parameters stored in a low-precision dtype (bfloat16) get an fp32 master copy: AdamW updates the
 master and the model parameter is its rounded copy, so small updates are not lost to rounding.
+With `optim.grad_accum_dtype: float32` (default) each micro-batch's bf16 gradient is added into the
+master's fp32 gradient right after its backward (the parameter's own gradient is then released),
+so accumulation over micro-batches rounds in fp32, not bf16.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class Engine:
         self.optimizer = build_optimizer(self.optimized, optim, stage.lr)
         self.scheduler = build_scheduler(self.optimizer, stage)
         self.grad_clip = optim.grad_clip
+        self.accumulate_fp32 = getattr(optim.grad_accum_dtype, "value", optim.grad_accum_dtype) == "float32"
 
     @property
     def lr(self) -> float:
@@ -41,12 +45,26 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+        if self.accumulate_fp32 and self.masters:
+            for name, param in self.trainable:
+                master = self.masters.get(name)
+                if master is not None and param.grad is not None:
+                    if master.grad is None:
+                        master.grad = param.grad.float()
+                    else:
+                        master.grad.add_(param.grad)
+                    param.grad = None
+
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        """The gradients `step` will apply (fp32 masters' for accumulated bf16 parameters)."""
+        grads = [p.grad for _, p in self.trainable if p.grad is not None]
+        return grads + [m.grad for m in self.masters.values() if m.grad is not None]
 
     def step(self) -> float:
         """Clip, update, advance the schedule, clear gradients. Returns the pre-clip grad norm."""
         for name, param in self.trainable:
             master = self.masters.get(name)
-            if master is not None:
+            if master is not None and not self.accumulate_fp32:
                 master.grad = None if param.grad is None else param.grad.float()
         params = [p for _, p in self.optimized]
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf

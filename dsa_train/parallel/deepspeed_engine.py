@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from dsa_train.config import OptimConfig, StageConfig
+from dsa_train.config import ConfigError, OptimConfig, StageConfig
 from dsa_train.engine.schedule import build_scheduler
 from dsa_train.engine.trainable import set_trainable
 from dsa_train.parallel.groups import MegatronMPU, ParallelState
@@ -65,7 +65,8 @@ def param_groups(trainable: list[tuple[str, torch.nn.Parameter]], optim: OptimCo
     return groups
 
 
-def deepspeed_config(zero_stage: int, micro_batch_size: int, dp_size: int, bf16: bool, grad_clip: float) -> dict:
+def deepspeed_config(zero_stage: int, micro_batch_size: int, dp_size: int, bf16: bool, grad_clip: float,
+                     grad_fp32: bool = True) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": 1,
@@ -83,12 +84,13 @@ def deepspeed_config(zero_stage: int, micro_batch_size: int, dp_size: int, bf16:
     if zero_stage == 3:
         cfg["zero_optimization"].update({"stage3_param_persistence_threshold": 0, "overlap_comm": False})
     if bf16:
-        # bf16 parameters and gradients (accumulated in the parameters' dtype over micro-batches, as
-        # the single-process engine does), fp32 master weights in the ZeRO optimizer. (fp32
-        # accumulation, `data_types.grad_accum_dtype: fp32`, makes DeepSpeed use its BF16_Optimizer
-        # for ZeRO-1, whose gradient norm and updates disagree with the single-process run under
-        # caller-driven accumulation.)
+        # bf16 parameters, fp32 master weights in the ZeRO optimizer; gradients accumulated over
+        # micro-batches and reduced over data parallel in fp32 (`optim.grad_accum_dtype`, default)
+        # or in bf16. DeepSpeed has no fp32 accumulation for bf16 without ZeRO (ConfigError below).
         cfg["bf16"] = {"enabled": True}
+        if grad_fp32:
+            cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+            cfg["communication_data_type"] = "fp32"
     return cfg
 
 
@@ -159,8 +161,15 @@ class DeepSpeedEngine:
         # norm averages MoE parameters over data parallel. Here the norm is computed (each
         # parameter counted once over TP/EP shards) and the clipping done by this class.
         self.own_norm = zero_stage == 0 and not bf16
+        grad_fp32 = getattr(optim.grad_accum_dtype, "value", optim.grad_accum_dtype) == "float32"
+        if bf16 and grad_fp32 and zero_stage == 0:
+            raise ConfigError(
+                "optim.grad_accum_dtype=float32 with bf16 parameters needs ZeRO (DeepSpeed accumulates bf16 "
+                "gradients in bf16 without it): set parallel.zero_stage to 1, 2 or 3, or optim.grad_accum_dtype=bfloat16"
+            )
         self.ds_config = deepspeed_config(
-            zero_stage, micro_batch_size, state.sizes.dense_dp, bf16, 0.0 if self.own_norm else optim.grad_clip
+            zero_stage, micro_batch_size, state.sizes.dense_dp, bf16, 0.0 if self.own_norm else optim.grad_clip,
+            grad_fp32=grad_fp32,
         )
         self.grad_clip = optim.grad_clip
         self.zero_stage = zero_stage
@@ -221,13 +230,15 @@ class DeepSpeedEngine:
         """The gradients this rank holds between backward and step, where DeepSpeed keeps them:
         ZeRO-2 reduces each bucket during backward into this rank's partition buffer
         (`grads_in_partition`; `p.grad` is then released), ZeRO-3 into its flat partition
-        buffer; ZeRO-0/1 keep them in `p.grad` until `step` reduces them."""
+        buffer; bf16 ZeRO-1 with fp32 accumulation (DeepSpeed's BF16_Optimizer) into fp32 flat
+        buffers; otherwise ZeRO-0/1 keep them in `p.grad` until `step` reduces them."""
         opt = self.ds.optimizer
         grads = [p.grad for _, p in self.trainable if p.grad is not None]
         for name in ("grads_in_partition", "grad_partitions_flat_buffer"):
             buffer = getattr(opt, name, None)
             if isinstance(buffer, torch.Tensor):
                 grads.append(buffer)
+        grads.extend(g for g in getattr(opt, "fp32_groups_gradients_flat", None) or [] if isinstance(g, torch.Tensor))
         for group in (getattr(opt, "averaged_gradients", None) or {}).values():
             grads.extend(g for g in (group or []) if isinstance(g, torch.Tensor))
         return grads

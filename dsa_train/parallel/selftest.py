@@ -73,13 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bf16", action="store_true",
                    help="bf16 parameters (fp32 masters on both sides); compare with --rtol ~3e-2")
     p.add_argument("--mtp", action="store_true", help="an MTP layer trained with mtp_loss_coef 0.3")
+    p.add_argument("--grad-accum-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="optim.grad_accum_dtype (bf16 parameters: accumulation and DP reduction dtype)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
     import torch
     import torch.distributed as dist
 
-    from dsa_train.config import Attention, OptimConfig, ParallelConfig, StageConfig, Trainable
+    from dsa_train.config import Attention, DType, OptimConfig, ParallelConfig, StageConfig, Trainable
     from dsa_train.engine.engine import Engine
     from dsa_train.engine.step import train_step as ref_train_step
     from dsa_train.model import DSAForCausalLM, tiny_config
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     # Adam eps 1e-6 (default 1e-8): Adam's update g / (sqrt(v) + eps) turns fp32 rounding noise of
     # near-zero gradients (sums that cancel) into O(lr) parameter differences at eps 1e-8, which
     # would hide real mismatches behind a loose tolerance.
-    optim = OptimConfig(grad_clip=1.0, eps=args.adam_eps)
+    optim = OptimConfig(grad_clip=1.0, eps=args.adam_eps, grad_accum_dtype=DType(args.grad_accum_dtype))
     batches = [{k: v.to(state.device) for k, v in b.items()}
                for b in make_batches(args.steps, args.global_batch, args.seq_len, cfg.vocab_size, seed=1)]
 
