@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from dsa_train.config import ConfigError, OptimConfig, StageConfig
+from dsa_train.config import OptimConfig, StageConfig
 from dsa_train.engine.schedule import build_scheduler
 from dsa_train.engine.trainable import set_trainable
 from dsa_train.parallel.groups import MegatronMPU, ParallelState
@@ -86,7 +86,7 @@ def deepspeed_config(zero_stage: int, micro_batch_size: int, dp_size: int, bf16:
     if bf16:
         # bf16 parameters, fp32 master weights in the ZeRO optimizer; gradients accumulated over
         # micro-batches and reduced over data parallel in fp32 (`optim.grad_accum_dtype`, default)
-        # or in bf16. DeepSpeed has no fp32 accumulation for bf16 without ZeRO (ConfigError below).
+        # or in bf16. DeepSpeed has no fp32 accumulation for bf16 without ZeRO (bf16 there, warned).
         cfg["bf16"] = {"enabled": True}
         if grad_fp32:
             cfg["data_types"] = {"grad_accum_dtype": "fp32"}
@@ -163,10 +163,11 @@ class DeepSpeedEngine:
         self.own_norm = zero_stage == 0 and not bf16
         grad_fp32 = getattr(optim.grad_accum_dtype, "value", optim.grad_accum_dtype) == "float32"
         if bf16 and grad_fp32 and zero_stage == 0:
-            raise ConfigError(
-                "optim.grad_accum_dtype=float32 with bf16 parameters needs ZeRO (DeepSpeed accumulates bf16 "
-                "gradients in bf16 without it): set parallel.zero_stage to 1, 2 or 3, or optim.grad_accum_dtype=bfloat16"
+            log.warning(
+                "optim.grad_accum_dtype=float32: DeepSpeed has no fp32 gradient accumulation for bf16 parameters "
+                "without ZeRO, so this stage accumulates and reduces them in bf16; set parallel.zero_stage >= 1 for fp32"
             )
+            grad_fp32 = False
         self.ds_config = deepspeed_config(
             zero_stage, micro_batch_size, state.sizes.dense_dp, bf16, 0.0 if self.own_norm else optim.grad_clip,
             grad_fp32=grad_fp32,
@@ -228,9 +229,10 @@ class DeepSpeedEngine:
 
     def gradient_tensors(self) -> list[torch.Tensor]:
         """The gradients this rank holds between backward and step, where DeepSpeed keeps them:
-        ZeRO-2 reduces each bucket during backward into this rank's partition buffer
-        (`grads_in_partition`; `p.grad` is then released), ZeRO-3 into its flat partition
-        buffer; bf16 ZeRO-1 with fp32 accumulation (DeepSpeed's BF16_Optimizer) into fp32 flat
+        ZeRO-2 reduces each bucket during backward and accumulates this rank's partition over the
+        step's backwards (`all_grad_tensors`, caller-driven accumulation; `grads_in_partition` /
+        `averaged_gradients` at the boundary; `p.grad` is released), ZeRO-3 into its flat
+        partition buffer; bf16 ZeRO-1 with fp32 accumulation (DeepSpeed's BF16_Optimizer) into fp32 flat
         buffers; otherwise ZeRO-0/1 keep them in `p.grad` until `step` reduces them."""
         opt = self.ds.optimizer
         grads = [p.grad for _, p in self.trainable if p.grad is not None]
@@ -239,8 +241,9 @@ class DeepSpeedEngine:
             if isinstance(buffer, torch.Tensor):
                 grads.append(buffer)
         grads.extend(g for g in getattr(opt, "fp32_groups_gradients_flat", None) or [] if isinstance(g, torch.Tensor))
-        for group in (getattr(opt, "averaged_gradients", None) or {}).values():
-            grads.extend(g for g in (group or []) if isinstance(g, torch.Tensor))
+        for name in ("all_grad_tensors", "averaged_gradients"):  # {param group: [tensor]}
+            for group in (getattr(opt, name, None) or {}).values():
+                grads.extend(g for g in (group or []) if isinstance(g, torch.Tensor))
         return grads
 
     def step(self) -> float:
