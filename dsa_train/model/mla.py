@@ -269,7 +269,7 @@ class MLA(nn.Module):
             q_t = q_abs[:, j : j + 1].expand(B, t + 1, *q_abs.shape[2:])
             idx_t = topk_indices[:, j : j + 1].expand(B, t + 1, topk_indices.shape[-1])
             recall = K.dense_mass_recall(q_t, kv_all[:, : t + 1], idx_t, self.scale, doc_start[:, : t + 1],
-                                         torch.tensor([t]))
+                                         torch.tensor([t], device=q_abs.device))
             total = total + recall.float() * B
         aux.topk_recall_sum = total
         aux.topk_recall_count = float(B * len(local))
