@@ -62,3 +62,15 @@ def test_launcher_side_config_error_exits_once_without_starting_workers(tmp_path
     assert len(errors) == 1 and "stages.sparse.global_batch_size" in proc.stderr, proc.stderr
     assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "runs").exists()  # no rank started
+
+
+def test_sbatch_of_the_warmup_recipe_asks_for_cpus_and_memory_and_warns_of_node_local_paths(tmp_path, capsys):
+    from dsa_train.parallel.launch import render_sbatch
+
+    script, _ = render_sbatch("v3.2_warmup", ["model.pretrained=/tmp/V3.1-Terminus", "data.sources=[/data/a.jsonl]"],
+                              workdir="/shared/project")
+    assert "#SBATCH --cpus-per-task=64" in script and "#SBATCH --mem=0" in script
+    assert "OMP_NUM_THREADS:-8}" in script  # 64 cores over 8 ranks per node
+    warnings = capsys.readouterr().err
+    assert "model.pretrained=/tmp/V3.1-Terminus is on a node-local path" in warnings
+    assert "run_dir" not in warnings  # /shared/project/runs/... is not node-local

@@ -136,7 +136,14 @@ class Trainer:
 
                 self.model = parallelize_model(self.model, self.parallel, recompute=cfg.parallel.recompute,
                                                grouped_experts=cfg.parallel.grouped_experts)
-            log.info("%s", self.parallel.describe())
+            # every rank's layout, logged once by rank 0 (other ranks log warnings only)
+            import torch.distributed as dist
+
+            layouts = [None] * self.world_size
+            dist.all_gather_object(layouts, self.parallel.describe())
+            if self.rank == 0:
+                for layout in layouts:
+                    log.info("%s", layout)
         self.model.train()
         max_pos = self.model.config.max_position_embeddings
         if cfg.data.seq_len > max_pos:

@@ -6,13 +6,15 @@ one row per stage (steps, training loss / LM loss / KL-captured / top-k recall a
 first and last steps, throughput, MFU, and the probe values at the stage's start and end) and
 writes into `<run_dir>/report/`:
 
-    loss.png         training loss and LM loss per step (stages shaded)
+    loss.png         training loss and LM loss per step
     indexer.png      indexer KL (eq. 3 / eq. 4) and KL-captured per step
     topk_recall.png  top-k recall of the dense attention mass (sparse stages)
     lr.png           learning rate
     throughput.png   tokens/s and MFU
 
-Noisy per-step curves are drawn faint with a moving average on top. A resumed run logs some
+Each PNG has a row per metric and a column per stage (own y-axis: the sparse stage's small LM
+loss fall is visible beside the pre-training's large one), probe values at the stage's start and
+end as black diamonds. Noisy per-step curves are drawn faint with a moving average on top. A resumed run logs some
 steps twice; the last value of a step wins.
 """
 
@@ -229,56 +231,82 @@ def _moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
+PROBE_OF = {"train/lm_loss": "lm_loss", "train/indexer_kl": "indexer_kl",
+            "train/indexer_kl_captured": "indexer_kl_captured", "train/topk_recall": "topk_recall"}
+
+
 def write_plots(data: RunData, out_dir: Path) -> list[Path]:
+    """One PNG per panel: a row per metric, a column per stage (each with its own y-axis, so that a
+    stage's change is visible next to a larger one of another stage), probe values as markers."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import PercentFormatter
 
     out_dir.mkdir(parents=True, exist_ok=True)
     names = stage_names(data)
     steps = sorted(data.steps)
-    spans = []  # (stage name, first step, last step)
+    spans = []  # (stage index, name, steps of the stage)
     for index, name in enumerate(names):
         in_stage = [s for s in steps if int(data.steps[s]["progress/stage"]) == index]
         if in_stage:
-            spans.append((name, in_stage[0], in_stage[-1]))
+            spans.append((index, name, in_stage))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+
+    def has(key, in_stage):
+        return any(isinstance(data.steps[s].get(key), (int, float)) for s in in_stage)
+
     written = []
     for panel, series in PANELS.items():
-        present = [(key, label) for key, label in series if any(
-            isinstance(data.steps[s].get(key), (int, float)) for s in steps)]
-        if not present:
+        rows = [(key, label) for key, label in series if has(key, steps)]
+        columns = [span for span in spans if any(has(key, span[2]) for key, _ in rows)]
+        if not rows or not columns:
             continue
-        fig, axes = plt.subplots(len(present), 1, figsize=(9, 3.2 * len(present)), sharex=True, squeeze=False)
-        for ax, (key, label) in zip(axes[:, 0], present):
-            for i, (name, first, last) in enumerate(spans):
-                ax.axvspan(first - 0.5, last + 0.5, color=colors[i % len(colors)], alpha=0.08)
-                xs = [s for s in steps if first <= s <= last and isinstance(data.steps[s].get(key), (int, float))]
-                if not xs:
-                    continue
+        fig, axes = plt.subplots(len(rows), len(columns), figsize=(4.6 * len(columns) + 0.8, 3.0 * len(rows) + 0.6),
+                                 squeeze=False)
+        for c, (index, name, in_stage) in enumerate(columns):
+            color = colors[index % len(colors)]
+            attention = data.stages.get(name, {}).get("attention")
+            for r, (key, label) in enumerate(rows):
+                ax = axes[r, c]
+                xs = [s for s in in_stage if isinstance(data.steps[s].get(key), (int, float))]
                 ys = [data.steps[s][key] for s in xs]
-                color = colors[i % len(colors)]
-                window = max(1, len(xs) // 15)
-                if window > 1:
-                    ax.plot(xs, ys, color=color, alpha=0.3, linewidth=0.8)
-                    ax.plot(xs, _moving_average(ys, window), color=color, linewidth=1.8,
-                            label=f"{name} (moving average of {window})")
+                window = max(1, len(xs) // 12)
+                if not xs:
+                    ax.text(0.5, 0.5, "not measured in this stage", ha="center", va="center",
+                            transform=ax.transAxes, color="gray", fontsize=9)
+                elif window > 1:
+                    ax.plot(xs, ys, color=color, alpha=0.3, linewidth=0.8, label="per step")
+                    ax.plot(xs, _moving_average(ys, window), color=color, linewidth=2.0,
+                            label=f"moving average ({window} steps)")
                 else:
-                    ax.plot(xs, ys, color=color, linewidth=1.8, marker="o" if len(xs) < 10 else None, label=name)
-            if key == "train/indexer_kl_captured":
-                ax.axhline(0.0, color="gray", linewidth=0.8, linestyle="--")
-                ax.text(steps[0], 0.0, " 0 = uniform over causal keys", va="bottom", fontsize=8, color="gray")
-            if key == "perf/mfu":
-                ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
-            ax.set_ylabel(label if len(label) < 30 else label.replace(" (", "\n("))
-            ax.grid(alpha=0.3)
-            ax.legend(loc="best", fontsize=8)
-        axes[-1, 0].set_xlabel("global step")
+                    ax.plot(xs, ys, color=color, linewidth=2.0, marker="o" if len(xs) < 10 else None, label="per step")
+                probe = data.probes.get(name, {})
+                probe_key = PROBE_OF.get(key)
+                points = [(x, probe.get(when, {}).get(probe_key)) for x, when in
+                          ((in_stage[0] - 0.5, "start"), (in_stage[-1] + 0.5, "end"))]
+                points = [(x, y) for x, y in points if y is not None]
+                if probe_key and points:
+                    ax.plot(*zip(*points), linestyle="--", color="black", marker="D", markersize=5, linewidth=0.8,
+                            label="probe batches (start, end)")
+                if key == "train/indexer_kl_captured" and xs:
+                    ax.axhline(0.0, color="gray", linewidth=0.8, linestyle=":")
+                if key == "perf/mfu":
+                    ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=2))
+                if r == 0:
+                    ax.set_title(f"{name}" + (f" ({attention})" if attention else ""))
+                if c == 0:
+                    ax.set_ylabel(label if len(label) < 28 else label.replace(" (", "\n(").replace(" of ", "\nof "))
+                if r == len(rows) - 1:
+                    ax.set_xlabel("global step")
+                ax.grid(alpha=0.3)
+                if xs:
+                    ax.legend(loc="best", fontsize=7)
         fig.suptitle(f"{data.run_dir.name}: {panel.replace('_', ' ')}")
         fig.tight_layout()
         path = out_dir / f"{panel}.png"
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
     return written

@@ -96,12 +96,17 @@ def render_sbatch(recipe: str, overrides: list[str], python: str | None = None, 
              "#SBATCH --ntasks-per-node=1"]
     if cl.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={cl.gpus_per_node}")
-    if cl.cpus_per_task:
-        lines.append(f"#SBATCH --cpus-per-task={cl.cpus_per_task}")
-    for key in ("partition", "account", "qos", "time", "mem"):
+    cpus_per_task, mem = task_resources(cl, nproc)
+    if cpus_per_task:
+        lines.append(f"#SBATCH --cpus-per-task={cpus_per_task}")
+    if mem:
+        lines.append(f"#SBATCH --mem={mem}")
+    for key in ("partition", "account", "qos", "time"):
         value = getattr(cl, key)
         if value:
             lines.append(f"#SBATCH --{key}={value}")
+    for warning in node_local_paths(cfg, Path(workdir or os.getcwd())):
+        print(f"dsa-train launch slurm: warning: {warning}", file=sys.stderr)
     lines.append(f"#SBATCH --output={run_dir}/slurm-%j.out")
     lines.append("#SBATCH --open-mode=append")  # a requeued job appends to its log
     if cl.signal:
@@ -127,7 +132,7 @@ cd {shlex.quote(workdir or os.getcwd())}
 FIRST_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
 export MASTER_ADDR=$(getent ahostsv4 "$FIRST_NODE" | awk 'NR==1 {{print $1}}')
 MASTER_ADDR=${{MASTER_ADDR:-$FIRST_NODE}}
-export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{max(1, (cl.cpus_per_task or nproc) // nproc)}}}
+export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{max(1, (cpus_per_task or nproc) // nproc)}}}
 # torchrun restarts (--max_restarts={cl.max_restarts}) need a fresh rendezvous store per attempt
 {chr(10).join(f"export {k}={v}" for k, v in RESTART_ENV.items())}
 {setup}
@@ -161,6 +166,40 @@ exit $RC
     script = "\n".join(lines) + "\n" + body
     path = run_dir / "launch" / f"{cfg.run_name}.sbatch"
     return script, path
+
+
+# Defaults for GPU nodes when the cluster group leaves them unset: the one task per node (torchrun
+# and its ranks) gets 8 CPU cores per GPU (data loader workers, host-side work; H100/H200 nodes have
+# 96-224 cores), and on a whole 8-GPU node all of its memory (--mem=0: the job owns the node).
+CPUS_PER_GPU = 8
+WHOLE_NODE_GPUS = 8
+NODE_LOCAL_PREFIXES = ("/tmp", "/var/tmp", "/dev/shm", "/run/user", "/scratch/local", "/local")
+
+
+def task_resources(cl, nproc: int) -> tuple[int | None, str | None]:
+    """(--cpus-per-task, --mem) of the one task per node: the cluster group's, else the defaults."""
+    cpus = cl.cpus_per_task or (CPUS_PER_GPU * cl.gpus_per_node if cl.gpus_per_node else None)
+    mem = cl.mem or ("0" if cl.gpus_per_node >= WHOLE_NODE_GPUS else None)
+    return cpus, mem
+
+
+def node_local_paths(cfg, workdir: Path) -> list[str]:
+    """Warnings for paths a multi-node (or requeued) job would see only on one node (relative
+    paths count from `workdir`, where the job starts)."""
+    paths = {"model.pretrained": cfg.model.pretrained, "run_dir": cfg.run_dir, "checkpoint.dir": cfg.checkpoint.dir,
+             "data.tokenizer": cfg.data.tokenizer, "data.cache_dir": cfg.data.cache_dir}
+    paths.update({f"data.sources[{i}]": src for i, src in enumerate(cfg.data.sources)})
+    tmpdir = os.environ.get("TMPDIR")
+    prefixes = NODE_LOCAL_PREFIXES + ((tmpdir,) if tmpdir and tmpdir != "/" else ())
+    out = []
+    for key, value in paths.items():
+        if not value:
+            continue
+        resolved = str((workdir / str(value)).resolve()) if "://" not in str(value) else ""
+        if any(resolved == p or resolved.startswith(p.rstrip("/") + "/") for p in prefixes):
+            out.append(f"{key}={value} is on a node-local path: the other nodes (and a requeued job on another "
+                       "node) will not find it; put it on a shared file system")
+    return out
 
 
 def slurm_main(argv: list[str]) -> int:
