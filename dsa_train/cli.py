@@ -152,7 +152,7 @@ def run_hydra(argv: list[str], train) -> int:
     try:  # unknown keys with suggestions, before Hydra's bare "not in StageConfig"
         check_overrides(hydra_argv(argv), recipes_dir())
     except ConfigError as err:
-        sys.exit(f"dsa-train: {err}")
+        raise SystemExit(report(err))
     saved_argv = sys.argv
     sys.argv = [saved_argv[0] if saved_argv else "dsa-train", *hydra_argv(argv)]
     try:
