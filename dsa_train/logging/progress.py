@@ -97,9 +97,10 @@ class StageProgress:
 
 
 # Model FLOPs utilization assumed for the up-front step-time estimate (the measured MFU is logged
-# as perf/mfu from the first step on). CPU: the demo recipe measures 1-3% of the nominal peak on
-# a 2-core machine (chunked attention, small matrices); GPU: a typical 671B-class training MFU.
-ASSUMED_MFU = {"cpu": 0.02, "cuda": 0.35}
+# as perf/mfu from the first step on). CPU: the demo recipe measured 0.33% of the nominal peak on
+# the 2-core dev machine shared with six other jobs (tiny smoke models 0.05-0.15%: small matrices,
+# chunked attention); 1% assumes an idle machine. GPU: a typical 671B-class training MFU.
+ASSUMED_MFU = {"cpu": 0.01, "cuda": 0.35}
 
 
 def describe_step(name: str, sequences: int, seq_len: int, micro_batch_size: int, data_parallel: int,
