@@ -135,7 +135,7 @@ def test_training_checkpoint_without_config_json(trained, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(step, run / "checkpoints" / step.name)
     (run / "checkpoints" / step.name / "config.json").unlink()
-    assert checkpoint_cli(["export", str(run), str(tmp_path / "no_config")]) == 1
+    assert checkpoint_cli(["export", str(run), str(tmp_path / "no_config")]) == 2  # one line (dsa_train/errors.py)
     assert checkpoint_cli(["export", str(run), str(tmp_path / "a"), "--dtype", "float32", "--config", str(root / "terminus")]) == 0
     (run / ".hydra").mkdir()
     (run / ".hydra" / "config.yaml").write_text(f"model:\n  pretrained: {root / 'terminus'}\n  arch: {{}}\ndata:\n  tokenizer: null\n")

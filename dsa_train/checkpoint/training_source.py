@@ -85,7 +85,6 @@ def _read_state(step_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Path
     a `layout*.json` beside their model file: tensors listed there are tensor-parallel slices
     ([dim, start, stop]) and are concatenated; other tensors found in several files are replicas
     (same shape; the first is taken); expert-parallel ranks hold disjoint experts."""
-    verify_model_files(step_dir)
     state: dict[str, torch.Tensor] = {}
     files: dict[str, Path] = {}
     slices: dict[str, list[tuple[int, int, int, torch.Tensor, Path]]] = {}
@@ -313,6 +312,7 @@ def open_training_checkpoint(path: str | os.PathLike, config: str | os.PathLike 
     step_dir = find_step_dir(path)
     if step_dir is None:
         raise CheckpointError(f"{path} is neither a Hugging Face model directory nor a training checkpoint (no {MODEL_FILE_GLOB})")
+    verify_model_files(step_dir)
     state, files = _read_state(step_dir)
     hydra = _hydra_config(step_dir)
     cfg = _resolve_config(step_dir, state, config, hydra)
