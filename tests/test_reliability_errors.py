@@ -400,19 +400,33 @@ def test_read_only_checkpoint_dir_is_a_permission_problem(tmp_path, monkeypatch,
 
 
 # ------------------------------------------------------------------ 4. resume with a changed recipe
-@pytest.fixture
-def stopped_in_sparse(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def stopped_in_sparse_once(tmp_path_factory):
     """A run stopped by a crash at global step 4: its newest checkpoint is step 3, one step into
-    the sparse stage (warm-up 2 steps, sparse 2)."""
+    the sparse stage (warm-up 2 steps, sparse 2). Trained once for the module."""
     from dsa_train.engine import faults, train
 
-    run_dir = tmp_path / "run"
-    monkeypatch.setenv(faults.ENV, "step=4,kind=crash")
-    with pytest.raises(faults.InjectedFault):
-        train(tiny(run_dir))
-    monkeypatch.delenv(faults.ENV)
+    run_dir = tmp_path_factory.mktemp("stopped") / "run"
+    os.environ[faults.ENV] = "step=4,kind=crash"
+    try:
+        with pytest.raises(faults.InjectedFault):
+            train(tiny(run_dir))
+    finally:
+        del os.environ[faults.ENV]
     assert read_latest(run_dir / "checkpoints") == "step_00000003"
     return run_dir
+
+
+@pytest.fixture
+def stopped_in_sparse(stopped_in_sparse_once, tmp_path):
+    """A copy of that run for one test (the run_dir path is part of the recipe: kept the same)."""
+    import shutil
+
+    backup = tmp_path / "backup"
+    shutil.copytree(stopped_in_sparse_once, backup)
+    yield stopped_in_sparse_once
+    shutil.rmtree(stopped_in_sparse_once)
+    shutil.copytree(backup, stopped_in_sparse_once)
 
 
 def test_resume_applies_a_longer_stage_and_says_so(stopped_in_sparse, caplog):
