@@ -19,9 +19,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/dsa-train
 
-# The whole CPU test suite (GPU-only tests are deselected; run them with `-m gpu` on a GPU).
+# The whole CPU test suite. Deselected: GPU-only tests (run them with `-m gpu` on a GPU) and
+# benchmark-scale `long` checks (tens of minutes on 2 cores; run them with `-m long`).
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -m "not gpu" -q
+	TRITON_INTERPRET=1 $(PY) -m pytest -m "not gpu and not long" -q
 
 clean:
 	rm -rf $(VENV) runs outputs .pytest_cache
