@@ -93,7 +93,7 @@ def rehearsal_overrides(recipe: str) -> tuple[int, list[str]]:
         if topk is not None:
             # the same fraction of the sequence, kept well below it (sparse must select)
             out.append(f"{key}.topk={min(max(8, SEQ_LEN * int(topk) // seq_len_recipe), SEQ_LEN // 4)}")
-        else:
+        elif stage.attention == "sparse":  # the model's index_topk would cover the short sequence
             out.append(f"{key}.topk={SEQ_LEN // 4}")
         if int(stage.topk_recall_queries):
             out.append(f"{key}.topk_recall_queries={min(int(stage.topk_recall_queries), 8)}")

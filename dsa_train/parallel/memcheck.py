@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(state.rank)
     micro = args.global_batch // state.sizes.data
     for _ in range(args.steps):
-        mbs = [{"input_ids": torch.randint(0, ARCH["vocab_size"], (1, args.seq_len), generator=g),
-                "position_ids": torch.arange(args.seq_len)[None]} for _ in range(micro)]
+        mbs = [{"input_ids": torch.randint(0, ARCH["vocab_size"], (1, args.seq_len), generator=g, device="cpu"),
+                "position_ids": torch.arange(args.seq_len, device="cpu")[None]} for _ in range(micro)]
         for mb in mbs:
             mb["labels"] = torch.roll(mb["input_ids"], -1, 1)
         forward_backward(engine, mbs, stage, reduction=parallel_reduction(state))
