@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(VENV)/bin/dsa-train
 
 # The whole CPU test suite. Deselected: GPU-only tests (run them with `-m gpu` on a GPU) and
-# benchmark-scale `long` checks (tens of minutes on 2 cores; run them with `-m long`).
+# the benchmark-scale `long` check (tens of minutes on 2 cores; run it with `-m long`).
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -m "not gpu and not long" -q
 
