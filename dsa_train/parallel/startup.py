@@ -31,17 +31,9 @@ from dsa_train.checkpoint.errors import CheckpointError
 from dsa_train.checkpoint.loader import fresh_indexer_tensor, open_checkpoint
 from dsa_train.checkpoint.skeleton import empty_model, target_dtype
 from dsa_train.parallel.groups import ParallelState
+from dsa_train.parallel.model import full_tensor_slice
 
 log = logging.getLogger(__name__)
-
-
-def shard_slice(t: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """The part of `full` (the single-process tensor) that `t` (a rank's parameter) holds."""
-    shard = getattr(t, "dsa_shard", None)
-    if shard is None:
-        return full
-    dim, start, stop = shard
-    return full.narrow(dim, start, stop - start)
 
 
 def held_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -139,7 +131,7 @@ def load_parallel_pretrained(
     loaded: set[str] = set()
 
     def slice_for(name: str, full: torch.Tensor) -> torch.Tensor:
-        return shard_slice(held[name], full)
+        return full_tensor_slice(held[name], full)
 
     with torch.no_grad():
         for name, t in plan.tensors(dtype, param_filter=held.__contains__, shard_fn=slice_for):
@@ -154,7 +146,7 @@ def load_parallel_pretrained(
             for name in plan.match.missing_indexer:
                 if name in held:
                     full = fresh_indexer_tensor(name, full_shapes[name], std, held[name].dtype)
-                    held[name].copy_(shard_slice(held[name], full))
+                    held[name].copy_(full_tensor_slice(held[name], full))
                     loaded.add(name)
     missing = [n for n in held if n not in loaded and not _runtime_buffer(model, n)]
     if missing:
