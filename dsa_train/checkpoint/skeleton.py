@@ -44,17 +44,11 @@ def parameters_on_meta():
         nn.init.normal_ = original_normal
 
 
-class _UninitializedModel(DSAForCausalLM):
-    def init_weights(self) -> None:
-        """Nothing to initialize: every parameter is on the meta device and gets loaded. (Random
-        init ops on meta tensors would also pull in torch's Python decompositions, ~180 MB.)"""
-
-
 def empty_model(config: DSAConfig) -> DSAForCausalLM:
+    """No init: every parameter is on the meta device and gets loaded. (Random init ops on meta
+    tensors would also pull in torch's Python decompositions, ~180 MB.)"""
     with parameters_on_meta():
-        model = _UninitializedModel(config)
-    model.__class__ = DSAForCausalLM
-    return model
+        return DSAForCausalLM(config, init_weights=False)
 
 
 def target_dtype(name: str, dtype: torch.dtype) -> torch.dtype:

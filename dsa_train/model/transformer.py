@@ -126,7 +126,9 @@ class DSAModel(nn.Module):
 class DSAForCausalLM(nn.Module):
     """DeepSeek-V3 / V3.2 causal LM whose attention runs dense MLA or DeepSeek Sparse Attention."""
 
-    def __init__(self, config: DSAConfig):
+    def __init__(self, config: DSAConfig, *, init_weights: bool = True):
+        """init_weights=False leaves parameters as constructed (the meta-device start-up builds the
+        model with parameters on meta and loads every one of them: nothing to initialize)."""
         super().__init__()
         config.validate()
         self.config = config
@@ -135,7 +137,8 @@ class DSAForCausalLM(nn.Module):
         # context parallelism, applied from outside (dsa_train.parallel.context.ContextParallel):
         # an object whose `for_sequence(T, device)` gives this rank's CP handle; None: one process
         self.context_parallel = None
-        self.init_weights()
+        if init_weights:
+            self.init_weights()
 
     # ------------------------------------------------------------------ init
     @torch.no_grad()
