@@ -23,7 +23,7 @@ from dsa_kernels import (  # noqa: E402
     sparse_mla_ref,
 )
 from dsa_kernels.ops.indexer_kl.function import dense_indexer_kl_triton, sparse_indexer_kl_triton  # noqa: E402
-from dsa_kernels.ops.indexer_topk import index_scores_ref, topk_from_scores  # noqa: E402
+from dsa_kernels.ops.indexer_topk import index_scores_ref, indexer_topk_at_positions_ref, topk_from_scores  # noqa: E402
 from dsa_kernels.ops.indexer_topk.kernel import (  # noqa: E402
     _select_chunk,
     index_scores_triton,
@@ -179,6 +179,30 @@ def test_indexer_topk_many_ties_and_negative_zero():
     idx, val = indexer_topk_triton(q, k, w, ds, topk)
     ridx, rval = indexer_topk_ref(q, k, w, ds, topk)
     assert torch.equal(idx, ridx) and torch.equal(val, rval)
+
+
+@pytest.mark.parametrize("dtype,topk,rank", [(torch.float32, 12, 1), (torch.bfloat16, 64, 0)])
+def test_indexer_topk_context_parallel_positions_use_the_kernel(monkeypatch, dtype, topk, rank):
+    # a CP rank's queries (chunks r and 2*cp-1-r of the zigzag layout, parallel/context.py) over
+    # the whole sequence, through the entry point on the Triton path; odd H_I and D_I, packed
+    # documents, several key spans per query tile, and one key whose scores are non-finite
+    from dsa_train.parallel.context import local_positions
+
+    monkeypatch.setenv("DSA_KERNELS", "triton")
+    B, T, H, D, cp = 2, 72, 3, 24, 3
+    q, k, w = grid_values((B, T, H, D), seed=7), grid_values((B, T, D), seed=8), grid_values((B, T, H), seed=9)
+    k[1, 40] = float("inf")  # row 1: key 40 scores inf/NaN for every query -> never selected
+    q, k = q.to(dtype), k.to(dtype)
+    ds = doc_start([[30, 5, 37], [72]])
+    p = local_positions(T, cp, rank, device=DEV)
+    ridx, rval = indexer_topk_at_positions_ref(q[:, p], k, w[:, p], ds, topk, p)
+    idx, val = K.indexer_topk(q[:, p], k, w[:, p], ds, topk, query_positions=p)
+    assert torch.equal(idx, ridx) and torch.equal(val, rval)
+    assert not (idx[1] == 40).any() and (idx[0] == 40).any()  # dropped only where non-finite
+    idx, val = indexer_topk_triton(q[:, p], k, w[:, p], ds, topk, chunk_size=9, query_positions=p, key_span=64)
+    assert torch.equal(idx, ridx) and torch.equal(val, rval)
+    with pytest.raises(ValueError, match="query_positions must be"):
+        K.indexer_topk(q[:, :8], k, w[:, :8], ds, topk, query_positions=torch.arange(9, device=DEV))
 
 
 def test_radix_select_low_bit_differences_and_multiple_tiles():

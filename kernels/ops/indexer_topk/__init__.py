@@ -32,14 +32,12 @@ def indexer_topk(q, k, w, doc_start, topk, chunk_size=None, query_positions=None
     """CUDA tensors (or DSA_KERNELS=triton) -> the Triton kernels; otherwise the reference.
     query_positions [Tq]: q and w hold only the queries at these global positions of the
     sequence that k and doc_start describe (a context-parallel rank's share); None: all of them."""
-    if query_positions is not None:
-        # The Triton score kernel indexes q by global position; serving a context-parallel rank's
-        # chunks needs a query-row offset in it. Until then: the reference (chunked).
-        return indexer_topk_at_positions_ref(q, k, w, doc_start, topk, query_positions, chunk_size)
     if _use_triton(q, k, w):
         from .kernel import indexer_topk_triton
 
-        return indexer_topk_triton(q, k, w, doc_start, topk)
+        return indexer_topk_triton(q, k, w, doc_start, topk, chunk_size, query_positions=query_positions)
+    if query_positions is not None:
+        return indexer_topk_at_positions_ref(q, k, w, doc_start, topk, query_positions, chunk_size)
     return indexer_topk_ref(q, k, w, doc_start, topk, chunk_size)
 
 

@@ -1,16 +1,19 @@
 """Lightning indexer scores (eq. 1) fused with a radix top-k selection (eq. 2): Triton.
 
-Specification: `indexer_topk.indexer_topk_ref`. Queries are processed in chunks of C rows; for a
+Specification: `indexer_topk.indexer_topk_ref` (`indexer_topk_at_positions_ref` with query
+positions). Queries are processed in chunks of C rows; for a
 chunk only a [B, C, W] fp32 score block exists (W = the chunk's key window), never [T, T]:
 
-1. `_index_scores_kernel` (grid: query tiles x key tiles x batch) computes
-   `sum_j w[t, j] * ReLU(q[t, j] . k[s])` for a BLOCK_M x BLOCK_N tile, head by head (one
-   [BLOCK_M, D] x [D, BLOCK_N] dot per indexer head, the key tile loaded once), applies the
-   causal + document mask (-inf), and canonicalizes -0.0 to +0.0 (ReLU gives many exact zeros,
-   times a negative weight -0.0; both must tie). Tiles entirely above the diagonal or before
-   every document start of the tile skip the dots. An FP8 path takes e4m3 q/k with one fp32
-   scale per token (per head for q) per 128 channels and multiplies the per-group dot products
-   by the two scales.
+1. `_index_scores_kernel` (grid: query tiles x key spans x batch) keeps a tile of BLOCK_Q
+   queries resident as one [BLOCK_Q * H_I, D] operand (all indexer heads of each query) and
+   streams the keys of its span past it, BLOCK_N at a time: one dot per key tile gives every
+   head's logits, ReLU, times w, summed over each query's heads -> `sum_j w[t, j] * ReLU(q[t, j] .
+   k[s])`; then the causal + document mask (-inf) and -0.0 canonicalized to +0.0 (ReLU gives many
+   exact zeros, times a negative weight -0.0; both must tie). Key tiles outside the rows' live
+   range skip the dot. Query rows carry their global position (`positions`), so a
+   context-parallel rank's chunks are scored like any others. An FP8 path takes e4m3 q/k with
+   one fp32 scale per token (per head for q) per 128 channels and multiplies the per-group dot
+   products by the two scales.
 2. `_radix_topk_kernel` (one program per query row) selects the k largest scores exactly with
    an MSB-first radix select over the order-preserving uint32 image of the fp32 scores: four
    passes of an 8-bit histogram (`tl.histogram`, masked to the keys that match the prefix so
@@ -37,7 +40,7 @@ DEFAULT_SCORE_BUDGET = 1 << 26  # fp32 elements of one query chunk's [B, C, W] s
 
 @triton.jit
 def _index_scores_kernel(
-    Q, KI, W, DS, S, QS, KS,
+    Q, KI, W, POS, DS, S, QS, KS,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt,
     stride_wb, stride_wt,
@@ -45,53 +48,88 @@ def _index_scores_kernel(
     stride_sb, stride_sc,
     stride_qsb, stride_qst, stride_qsh,
     stride_ksb, stride_kst,
-    q0, q1, k0, W_LEN,
+    r0, r1, k0, W_LEN,
     HI: tl.constexpr, DI: tl.constexpr,
     FP8: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    KEY_SPAN: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    """Scores of BLOCK_Q query rows (local rows r0 + ..., global positions POS[row]) over the
+    KEY_SPAN keys of window columns [pid_n * KEY_SPAN, ...): the rows' BLOCK_Q x H_I query
+    vectors are loaded once as one [BLOCK_Q * BLOCK_HI, D] operand (row = query * BLOCK_HI +
+    head) and the keys stream past it, BLOCK_N at a time."""
+    pid_q = tl.program_id(0)
     pid_n = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    offs_c = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row in the chunk
-    offs_t = q0 + offs_c  # query position
-    mask_m = offs_t < q1
-    offs_w = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # column in the window
-    offs_s = k0 + offs_w  # key position
-    mask_n = offs_w < W_LEN
-    ds = tl.load(DS + b * stride_db + offs_t, mask=mask_m, other=2147483647).to(tl.int32)
+    M: tl.constexpr = BLOCK_Q * BLOCK_HI
+    ONE_D: tl.constexpr = DI <= BLOCK_D  # the whole head dim in one resident tile
 
-    t_max = tl.minimum(q0 + pid_m * BLOCK_M + BLOCK_M, q1) - 1
-    s_min = k0 + pid_n * BLOCK_N
-    s_max = s_min + BLOCK_N - 1
-    live = (s_min <= t_max) & (s_max >= tl.min(ds, 0))
+    offs_c = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)  # row in the chunk
+    mask_q = r0 + offs_c < r1
+    t = tl.load(POS + r0 + offs_c, mask=mask_q, other=-1).to(tl.int32)  # global query position
+    ds = tl.load(DS + b * stride_db + t, mask=mask_q, other=2147483647).to(tl.int32)
+    t_max = tl.max(t, 0)
+    ds_min = tl.min(ds, 0)
 
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if live:
-        for h in range(HI):
-            logits = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # flattened (query, head) rows of the resident operand
+    offs_r = tl.arange(0, M)
+    row_r = (r0 + pid_q * BLOCK_Q + offs_r // BLOCK_HI).to(tl.int64)
+    head_r = offs_r % BLOCK_HI
+    mask_r = (row_r < r1) & (head_r < HI)
+    w_r = tl.load(W + b * stride_wb + row_r * stride_wt + head_r, mask=mask_r, other=0.0).to(tl.float32)
+    q_base = Q + b * stride_qb + row_r[:, None] * stride_qt + head_r[:, None] * stride_qh
+    offs_d = tl.arange(0, BLOCK_D)
+    if ONE_D:
+        q_res = tl.load(q_base + offs_d[None, :], mask=mask_r[:, None] & (offs_d[None, :] < DI), other=0.0)
+        if FP8:
+            qs_r = tl.load(QS + b * stride_qsb + row_r * stride_qst + head_r * stride_qsh, mask=mask_r, other=0.0)
+
+    # live key columns of this span: [lo, hi) (causal: s <= t_max; documents: s >= ds_min)
+    span0 = pid_n * KEY_SPAN
+    span1 = tl.minimum(span0 + KEY_SPAN, W_LEN)
+    lo = tl.maximum(span0, ((ds_min - k0) // BLOCK_N) * BLOCK_N)
+    hi = tl.minimum(span1, t_max - k0 + 1)
+    out = S + b * stride_sb + offs_c[:, None].to(tl.int64) * stride_sc
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_w = n0 + tl.arange(0, BLOCK_N)  # column in the window
+        offs_s = k0 + offs_w  # key position
+        mask_n = offs_w < span1
+        k_base = KI + b * stride_kb + offs_s[:, None].to(tl.int64) * stride_kt
+        if ONE_D:
+            k = tl.load(k_base + offs_d[None, :], mask=mask_n[:, None] & (offs_d[None, :] < DI), other=0.0)
+            logits = tl.dot(q_res, tl.trans(k))  # [M, BLOCK_N]
+            if FP8:
+                ks = tl.load(KS + b * stride_ksb + offs_s.to(tl.int64) * stride_kst, mask=mask_n, other=0.0)
+                logits = logits * qs_r[:, None] * ks[None, :]
+        else:  # head dim wider than one tile: stream q in D chunks too (one FP8 scale group each)
+            logits = tl.zeros([M, BLOCK_N], dtype=tl.float32)
             for d0 in range(0, DI, BLOCK_D):
-                offs_d = d0 + tl.arange(0, BLOCK_D)
-                mask_d = offs_d < DI
-                q = tl.load(Q + b * stride_qb + offs_t[:, None].to(tl.int64) * stride_qt + h * stride_qh + offs_d[None, :],
-                            mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-                k = tl.load(KI + b * stride_kb + offs_s[:, None].to(tl.int64) * stride_kt + offs_d[None, :],
-                            mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+                dd = d0 + offs_d
+                q = tl.load(q_base + dd[None, :], mask=mask_r[:, None] & (dd[None, :] < DI), other=0.0)
+                k = tl.load(k_base + dd[None, :], mask=mask_n[:, None] & (dd[None, :] < DI), other=0.0)
                 part = tl.dot(q, tl.trans(k))
                 if FP8:
                     g = d0 // 128
-                    qs = tl.load(QS + b * stride_qsb + offs_t.to(tl.int64) * stride_qst + h * stride_qsh + g,
-                                 mask=mask_m, other=0.0)
+                    qs = tl.load(QS + b * stride_qsb + row_r * stride_qst + head_r * stride_qsh + g,
+                                 mask=mask_r, other=0.0)
                     ks = tl.load(KS + b * stride_ksb + offs_s.to(tl.int64) * stride_kst + g, mask=mask_n, other=0.0)
                     part = part * qs[:, None] * ks[None, :]
                 logits += part
-            wh = tl.load(W + b * stride_wb + offs_t.to(tl.int64) * stride_wt + h, mask=mask_m, other=0.0).to(tl.float32)
-            acc += wh[:, None] * tl.maximum(logits, 0.0)
-    acc = tl.where(acc == 0.0, 0.0, acc)  # -0.0 -> +0.0
-    valid = (offs_s[None, :] <= offs_t[:, None]) & (offs_s[None, :] >= ds[:, None]) & mask_n[None, :]
-    acc = tl.where(valid, acc, float("-inf"))
-    ptrs = S + b * stride_sb + offs_c[:, None].to(tl.int64) * stride_sc + offs_w[None, :]
-    tl.store(ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+        # ReLU keeping NaN (as torch.relu): a non-finite score must stay non-finite to be dropped
+        weighted = w_r[:, None] * tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL)  # [M, BLOCK_N]
+        acc = tl.sum(tl.reshape(weighted, (BLOCK_Q, BLOCK_HI, BLOCK_N)), axis=1)  # sum over heads
+        acc = tl.where(acc == 0.0, 0.0, acc)  # -0.0 -> +0.0
+        valid = (offs_s[None, :] <= t[:, None]) & (offs_s[None, :] >= ds[:, None])
+        acc = tl.where(valid, acc, float("-inf"))
+        tl.store(out + offs_w[None, :], acc, mask=mask_q[:, None] & mask_n[None, :])
+    # dead columns of the span (before every document start of the rows, or after every row)
+    dead = tl.full([BLOCK_Q, BLOCK_N], float("-inf"), tl.float32)
+    for n0 in range(span0, tl.minimum(lo, span1), BLOCK_N):
+        offs_w = n0 + tl.arange(0, BLOCK_N)
+        tl.store(out + offs_w[None, :], dead, mask=mask_q[:, None] & (offs_w[None, :] < tl.minimum(lo, span1)))
+    for n0 in range(tl.maximum(hi, span0), span1, BLOCK_N):
+        offs_w = n0 + tl.arange(0, BLOCK_N)
+        tl.store(out + offs_w[None, :], dead, mask=mask_q[:, None] & (offs_w[None, :] < span1))
 
 
 @triton.jit
@@ -181,23 +219,39 @@ def quantize_fp8_groups(x: torch.Tensor, group: int = FP8_GROUP, ue8m0: bool = F
     return q.contiguous(), scale.contiguous()
 
 
-def score_blocks(C: int, W_LEN: int, DI: int):
-    return (64 if C >= 64 else pow2(C)), (64 if W_LEN >= 64 else pow2(W_LEN)), min(pow2(DI), 128)
+SCORE_ROWS = 256  # (query, head) rows of the resident query operand: 4 queries x 64 indexer heads
+KEY_SPAN_TILES = 16  # key tiles one score program streams past its resident queries
 
 
-def plan_scores(q, k, w, doc_start, scores, q0: int, q1: int, k0: int, qs=None, ks=None) -> Launch:
-    """Score launch for queries [q0, q1) over keys [k0, q1): q [B, T, H_I, D_I], k [B, T, D_I],
-    w [B, T, H_I] fp32, doc_start [B, T], scores [B, C, W] fp32 (C = q1 - q0, W = q1 - k0);
-    qs [B, T, H_I, G] / ks [B, T, G] fp32 scales for e4m3 q/k (None: 16-bit or fp32 q/k)."""
-    B, T, HI, DI = q.shape
-    C, W_LEN = q1 - q0, q1 - k0
+def score_blocks(C: int, W_LEN: int, HI: int, DI: int) -> tuple[int, int, int, int]:
+    """(BLOCK_Q, BLOCK_HI, BLOCK_N, BLOCK_D): BLOCK_Q queries x BLOCK_HI (>= H_I) heads form the
+    resident operand (at least 16 rows for tl.dot), BLOCK_N keys per streamed tile."""
+    block_hi = pow2(HI, 1)
+    block_q = max(16 // block_hi, min(max(SCORE_ROWS // block_hi, 1), pow2(C, 1)))
+    return block_q, block_hi, (64 if W_LEN >= 64 else pow2(W_LEN)), min(pow2(DI), 128)
+
+
+def plan_scores(q, k, w, doc_start, scores, positions, r0: int, r1: int, k0: int, qs=None, ks=None,
+                key_span: int | None = None) -> Launch:
+    """Score launch for the local query rows [r0, r1) over the key window [k0, k0 + W):
+    q [B, Tq, H_I, D_I] and w [B, Tq, H_I] fp32 (local rows), positions [Tq] int32 (global
+    position of each local row: arange(T) without context parallelism), k [B, T, D_I] and
+    doc_start [B, T] (the whole sequence), scores [B, r1 - r0, W] fp32 (every entry written;
+    -inf where masked); qs [B, Tq, H_I, G] / ks [B, T, G] fp32 scales for e4m3 q/k (None: 16-bit
+    or fp32 q/k). key_span: keys per program (a multiple of BLOCK_N; default 16 tiles)."""
+    B, Tq, HI, DI = q.shape
+    C, W_LEN = r1 - r0, scores.shape[2]
     fp8 = qs is not None
-    block_m, block_n, block_d = score_blocks(C, W_LEN, DI)
+    block_q, block_hi, block_n, block_d = score_blocks(C, W_LEN, HI, DI)
+    span = key_span or KEY_SPAN_TILES * block_n
+    if span % block_n:
+        raise ValueError(f"key_span={span} must be a multiple of the key tile {block_n}")
     dummy = scores
     return Launch(
-        _index_scores_kernel, (triton.cdiv(C, block_m), triton.cdiv(W_LEN, block_n), B),
+        _index_scores_kernel, (triton.cdiv(C, block_q), triton.cdiv(W_LEN, span), B),
         dict(
-            Q=q, KI=k, W=w, DS=doc_start, S=scores, QS=qs if fp8 else dummy, KS=ks if fp8 else dummy,
+            Q=q, KI=k, W=w, POS=positions, DS=doc_start, S=scores,
+            QS=qs if fp8 else dummy, KS=ks if fp8 else dummy,
             stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
             stride_kb=k.stride(0), stride_kt=k.stride(1),
             stride_wb=w.stride(0), stride_wt=w.stride(1),
@@ -206,11 +260,11 @@ def plan_scores(q, k, w, doc_start, scores, q0: int, q1: int, k0: int, qs=None, 
             stride_qsb=qs.stride(0) if fp8 else 0, stride_qst=qs.stride(1) if fp8 else 0,
             stride_qsh=qs.stride(2) if fp8 else 0,
             stride_ksb=ks.stride(0) if fp8 else 0, stride_kst=ks.stride(1) if fp8 else 0,
-            q0=q0, q1=q1, k0=k0, W_LEN=W_LEN,
+            r0=r0, r1=r1, k0=k0, W_LEN=W_LEN,
             HI=HI, DI=DI, FP8=fp8,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+            BLOCK_Q=block_q, BLOCK_HI=block_hi, BLOCK_N=block_n, BLOCK_D=block_d, KEY_SPAN=span,
         ),
-        num_warps=4,
+        num_warps=8,
     )
 
 
@@ -235,10 +289,10 @@ def plan_select(scores, idx, val, k0: int, topk: int, block: int | None = None) 
     )
 
 
-def _score_chunk(q, k, w, doc_start, q0, q1, k0, qs=None, ks=None):
+def _score_chunk(q, k, w, doc_start, positions, r0, r1, k0, k_end, qs=None, ks=None, key_span=None):
     B = q.shape[0]
-    scores = torch.empty((B, q1 - q0, q1 - k0), dtype=torch.float32, device=q.device)
-    plan_scores(q, k, w, doc_start, scores, q0, q1, k0, qs, ks).run()
+    scores = torch.empty((B, r1 - r0, k_end - k0), dtype=torch.float32, device=q.device)
+    plan_scores(q, k, w, doc_start, scores, positions, r0, r1, k0, qs, ks, key_span).run()
     return scores
 
 
@@ -252,6 +306,21 @@ def _select_chunk(scores: torch.Tensor, k0: int, topk: int, block: int | None = 
     return torch.gather(idx, -1, order), val
 
 
+def _query_positions(query_positions, Tq: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (positions on the device as int32 [Tq], the same on the CPU as int64)."""
+    if query_positions is None:
+        pos = torch.arange(Tq)
+    else:
+        pos = query_positions.detach().to("cpu", torch.int64)
+        if pos.shape != (Tq,):
+            raise ValueError(f"query_positions must be [Tq] = [{Tq}] (one global position per query row); "
+                             f"got shape {tuple(pos.shape)}")
+    if Tq and (int(pos.min()) < 0 or int(pos.max()) >= T):
+        raise ValueError(f"query_positions must lie in [0, {T}) (the key sequence length); "
+                         f"got [{int(pos.min())}, {int(pos.max())}]")
+    return pos.to(device=device, dtype=torch.int32), pos
+
+
 @torch.no_grad()
 def indexer_topk_triton(
     q: torch.Tensor,
@@ -262,24 +331,31 @@ def indexer_topk_triton(
     chunk_size: int | None = None,
     fp8: bool = False,
     score_budget_elems: int = DEFAULT_SCORE_BUDGET,
+    query_positions: torch.Tensor | None = None,
+    key_span: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `indexer_topk_ref`; `fp8=True` scores with e4m3 q/k (per-token,
-    per-128-channel scales; q's scales are per head too)."""
-    B, T, HI, DI = q.shape
+    """Same contract as `indexer_topk_ref` (with `query_positions`: as
+    `indexer_topk_at_positions_ref`: q [B, Tq, H_I, D_I] and w [B, Tq, H_I] hold the queries at
+    these global positions [Tq] of the sequence k [B, T, D_I] / doc_start [B, T] describe);
+    `fp8=True` scores with e4m3 q/k (per-token, per-128-channel scales; q's per head too)."""
+    B, Tq, HI, DI = q.shape
+    T = k.shape[1]
     q, k = interp_upcast(q.contiguous()), interp_upcast(k.contiguous())
     w = w.float().contiguous()
     doc_start = doc_start.contiguous()
+    pos_dev, pos = _query_positions(query_positions, Tq, T, q.device)
     qs = ks = None
     if fp8:
         q, qs = quantize_fp8_groups(q)
         k, ks = quantize_fp8_groups(k)
-    chunk = chunk_size or max(1, min(T, score_budget_elems // max(B * T, 1)))
-    ds_cpu = doc_start.min(dim=0).values.cpu()  # key window start per query (min over the batch)
+    chunk = chunk_size or max(1, min(Tq, score_budget_elems // max(B * T, 1)))
+    ds_cpu = doc_start.min(dim=0).values.cpu()  # key window start per position (min over the batch)
     all_idx, all_val = [], []
-    for q0 in range(0, T, chunk):
-        q1 = min(T, q0 + chunk)
-        k0 = int(ds_cpu[q0:q1].min())
-        scores = _score_chunk(q, k, w, doc_start, q0, q1, k0, qs, ks)
+    for r0 in range(0, Tq, chunk):
+        r1 = min(Tq, r0 + chunk)
+        p = pos[r0:r1]
+        k0, k_end = int(ds_cpu[p].min()), int(p.max()) + 1  # the chunk's key window [k0, k_end)
+        scores = _score_chunk(q, k, w, doc_start, pos_dev, r0, r1, k0, k_end, qs, ks, key_span)
         idx, val = _select_chunk(scores, k0, topk)
         del scores
         all_idx.append(idx)
@@ -287,7 +363,7 @@ def indexer_topk_triton(
     return torch.cat(all_idx, dim=1), torch.cat(all_val, dim=1)
 
 
-def index_scores_triton(q, k, w, doc_start, q0: int, q1: int, fp8: bool = False):
+def index_scores_triton(q, k, w, doc_start, q0: int, q1: int, fp8: bool = False, key_span: int | None = None):
     """Masked scores of queries [q0, q1) over their key window (testing / benchmarking helper)
     -> ([B, C, W] fp32 with -inf, k0)."""
     q, k = interp_upcast(q.contiguous()), interp_upcast(k.contiguous())
@@ -296,4 +372,6 @@ def index_scores_triton(q, k, w, doc_start, q0: int, q1: int, fp8: bool = False)
         q, qs = quantize_fp8_groups(q)
         k, ks = quantize_fp8_groups(k)
     k0 = int(doc_start[:, q0:q1].min())
-    return _score_chunk(q, k, w.float().contiguous(), doc_start.contiguous(), q0, q1, k0, qs, ks), k0
+    pos = torch.arange(q.shape[1], device=q.device, dtype=torch.int32)
+    return _score_chunk(q, k, w.float().contiguous(), doc_start.contiguous(), pos, q0, q1, k0, q1, qs, ks,
+                        key_span), k0

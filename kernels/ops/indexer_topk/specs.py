@@ -18,7 +18,7 @@ def _chunk():
 
 def _config(launch) -> str:
     a = launch.args
-    keys = [k for k in a if k.startswith("BLOCK") or k in ("FP8",)]
+    keys = [k for k in a if k.startswith("BLOCK") or k in ("FP8", "KEY_SPAN")]
     return " ".join(f"{k}={a[k]}" for k in keys) + f" warps={launch.num_warps} grid={launch.grid}"
 
 
@@ -31,15 +31,16 @@ def _scores():
     w = torch.empty(B, T, s["H_I"], dtype=torch.float32, **meta)
     ds = torch.empty(B, T, dtype=torch.int64, **meta)
     scores = torch.empty(B, C, q1 - k0, dtype=torch.float32, **meta)
+    pos = torch.empty(T, dtype=torch.int32, **meta)
     cases = []
     q = torch.empty(B, T, s["H_I"], s["D_I"], dtype=torch.bfloat16, **meta)
-    launch = plan_scores(q, k, w, ds, scores, q0, q1, k0)
+    launch = plan_scores(q, k, w, ds, scores, pos, q0, q1, k0)
     cases.append(KernelCase("bf16 " + _config(launch), launch))
     q8 = torch.empty(B, T, s["H_I"], s["D_I"], dtype=torch.float8_e4m3fn, **meta)
     k8 = torch.empty(B, T, s["D_I"], dtype=torch.float8_e4m3fn, **meta)
     qs = torch.empty(B, T, s["H_I"], 1, dtype=torch.float32, **meta)
     ks = torch.empty(B, T, 1, dtype=torch.float32, **meta)
-    launch = plan_scores(q8, k8, w, ds, scores, q0, q1, k0, qs, ks)
+    launch = plan_scores(q8, k8, w, ds, scores, pos, q0, q1, k0, qs, ks)
     cases.append(KernelCase("fp8 " + _config(launch), launch))
     return cases
 
