@@ -311,8 +311,7 @@ def test_sparse_indexer_kl_without_grad():
 
 @pytest.mark.parametrize("K", [1, 5, 32, 64])
 def test_sparse_indexer_kl_small_k(K):
-    # K <= 64: one or two slot tiles, where the gradient pass reads the target scratch right after
-    # it was written (the race a missing barrier allowed on a GPU)
+    # K <= 64: one or two slot tiles of the KL kernel, one tile of the target kernel
     B, T, HI, DI, H, D = 1, 70, 2, 16, 2, 24
     qi, ki, wi = _indexer_inputs(B, T, HI, DI, seed=K)
     g = torch.Generator().manual_seed(K)
@@ -321,6 +320,26 @@ def test_sparse_indexer_kl_small_k(K):
     _, lse = sparse_mla_ref(qm, kv, idx, 0.25, 16)
     res = sparse_indexer_kl_triton(qi, ki, wi, idx, qm, kv, lse, 0.25)
     ref = sparse_indexer_kl_ref(qi, ki, wi, idx, qm, kv, lse, 0.25)
+    _check_kl(res, ref, (qi, ki, wi))
+
+
+def test_sparse_indexer_kl_target_head_blocks_and_token_chunks(monkeypatch):
+    # Sigma_h P formed once per token by the target kernel: 70 main heads (two head blocks, the
+    # second partial, summed in order in the scratch), D = 40 split 32 + 8, bf16 main inputs,
+    # K = 48 with -1 tails and empty rows, and tokens in chunks of 6 (the scratch reused)
+    import dsa_kernels.ops.indexer_kl.function as kl_function
+
+    B, T, HI, DI, H, D, K = 2, 17, 3, 16, 70, 40, 48
+    monkeypatch.setattr(kl_function, "TARGET_CHUNK_ELEMS", B * K * 6)
+    qi, ki, wi = _indexer_inputs(B, T, HI, DI, seed=11)
+    g = torch.Generator().manual_seed(11)
+    qm = torch.randn(B, T, H, D, generator=g).to(DEV).bfloat16()
+    kv = torch.randn(B, T, D, generator=g).to(DEV).bfloat16()
+    idx = causal_indices(B, T, K, seed=11, drop=0.3)
+    idx[1, 4] = -1
+    _, lse = sparse_mla_ref(qm, kv, idx, 0.15, 32)
+    res = sparse_indexer_kl_triton(qi, ki, wi, idx, qm, kv, lse, 0.15)
+    ref = sparse_indexer_kl_ref(qi, ki, wi, idx, qm, kv, lse, 0.15)
     _check_kl(res, ref, (qi, ki, wi))
 
 

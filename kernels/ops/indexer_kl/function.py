@@ -7,7 +7,7 @@ import torch
 
 from ..._triton_common import interp_upcast
 from ..sparse_mla.kernel import slot_counts
-from .kernel import LOG2E, plan_dense_kl, plan_dense_lse, plan_sparse_kl
+from .kernel import LOG2E, TARGET_CHUNK_ELEMS, plan_dense_kl, plan_dense_lse, plan_sparse_kl, plan_sparse_kl_target
 
 
 class _FusedKL(torch.autograd.Function):
@@ -51,19 +51,26 @@ def sparse_indexer_kl_triton(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_
     lse = lse_main.detach().float().contiguous()
     dev = q_idx.device
 
+    H = q_main.shape[2]
+    n_slots = slot_counts(idx) if B * T > 0 else None
+    # tokens per launch pair: the [B, C, K] fp32 head-summed target scratch stays <= 256 MB
+    chunk = max(1, min(T, TARGET_CHUNK_ELEMS // max(B * K, 1)))
+
     def run(need: bool):
         kl = torch.empty((B, T), dtype=torch.float32, device=dev)
         klu = torch.empty((B, T), dtype=torch.float32, device=dev)
         if need:
-            p_scr = torch.empty((B, T, K), dtype=torch.float32, device=dev)
             dq = torch.empty((B, T, HI, DI), dtype=torch.float32, device=dev)
             dk = torch.zeros((B, T, DI), dtype=torch.float32, device=dev)
             dw = torch.empty((B, T, HI), dtype=torch.float32, device=dev)
         else:
-            p_scr = dq = dk = dw = kl
-        if B * T > 0:
-            plan_sparse_kl(qi, ki, wi, idx, slot_counts(idx), qm, kvm, lse, p_scr, kl, klu, dq, dk, dw, scale,
-                           need).run()
+            dq = dk = dw = kl
+        p_sum = torch.empty((B, chunk, K), dtype=torch.float32, device=dev) if B * T > 0 else None
+        for t0 in range(0, T if B > 0 else 0, chunk):
+            c = min(chunk, T - t0)
+            # Sigma_h P once per token (query resident, KV gathered once per head block), then the KL
+            plan_sparse_kl_target(qm, kvm, idx, n_slots, lse, p_sum[:, :c], t0, scale).run()
+            plan_sparse_kl(qi, ki, wi, idx, n_slots, p_sum[:, :c], t0, H, kl, klu, dq, dk, dw, need).run()
         return kl.sum(), klu.sum(), ((dq, dk, dw) if need else ())
 
     kl_sum, klu_sum = _FusedKL.apply(q_idx, k_idx, w_idx, run)

@@ -15,11 +15,13 @@ nothing of size [T, T] or [heads, T, K] is kept either. The gradient dots take o
 inputs' precision (bf16 -> tensor cores with fp32 accumulation; fp32 -> IEEE fp32, never TF32).
 Each program walks only up to its row's last valid slot (`slot_counts`).
 
-Sparse (eq. 4), one program per query token: the K selected slots are walked in tiles; p is
-rebuilt from the main-attention forward's lse (`exp(scale q_h . kv[s] - lse_h)` summed over head
-blocks, the 576-dim dot split into 64-channel pieces) and stored in a [B, T, K] fp32 scratch for
-the second pass (read back after a block barrier: other threads wrote it); I = sum_j w_j ReLU(q_I,j . k_I[s]) with all indexer heads of the token as the
-M dimension of one dot. dk_I of the selected rows is scattered with atomic adds.
+Sparse (eq. 4), per chunk of tokens: `_sparse_kl_target_kernel` forms the target Sigma_h P at
+the selected slots once per token (`exp(scale q_h . kv[s] - lse_h)` from the main-attention
+forward's lse; per head block the query stays resident while the selected KV rows stream past;
+head blocks added in a [B, C, K] fp32 scratch in order), then `_sparse_kl_kernel` (one program
+per token) reads p = Sigma_h P / H from that scratch in both passes; I = sum_j w_j ReLU(q_I,j .
+k_I[s]) with all indexer heads of the token as the M dimension of one dot. dk_I of the selected
+rows is scattered with atomic adds.
 
 Dense (eq. 3), flash-style: kernel 1 computes each main head's log-sum-exp over the row's
 causal + document window (online, never storing logits); kernel 2 (one program per block of
@@ -44,25 +46,84 @@ LN2 = 0.6931471805599453
 
 # ----------------------------------------------------------------------------- sparse (eq. 4)
 @triton.jit
+def _sparse_kl_target_kernel(
+    QM, KVM, IDX, NSLOT, LSE, P_SUM,
+    stride_qmb, stride_qmt, stride_qmh,
+    stride_kvb, stride_kvt,
+    stride_ib, stride_it,
+    stride_nb,
+    stride_lb, stride_lt,
+    stride_pb, stride_pt,
+    t0, H, scale_log2,
+    D_A: tl.constexpr, D_B: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
+):
+    """Sigma_h P[t, slot] = sum_h exp(scale q_h . kv[idx[t, slot]] - lse_h) (eq. 4's target before
+    the 1/H normalization) for one token t0 + program, every selected slot -> P_SUM [B, C, K].
+    Head blocks of BLOCK_H: the block's queries stay resident ([BLOCK_H, D_A] + [BLOCK_H, D_B],
+    D = D_A + D_B, e.g. 512 + 64) while the selected KV rows stream past in BLOCK_K-slot tiles;
+    the head blocks' partial sums are added in P_SUM in order (deterministic)."""
+    c = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    t = t0 + c
+    offs_a = tl.arange(0, BLOCK_DA)
+    mask_a = offs_a < D_A
+    offs_bd = tl.arange(0, BLOCK_DB)
+    mask_bd = offs_bd < D_B
+    idx_base = IDX + b * stride_ib + t * stride_it
+    kv_base = KVM + b * stride_kvb
+    p_base = P_SUM + b * stride_pb + c * stride_pt
+    n_slots = tl.load(NSLOT + b * stride_nb + t)  # slots after the last valid one are all -1
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
+        q_ptrs = QM + b * stride_qmb + t * stride_qmt + offs_h[:, None] * stride_qmh
+        q_a = tl.load(q_ptrs + offs_a[None, :], mask=mask_h[:, None] & mask_a[None, :], other=0.0)
+        if D_B > 0:
+            q_b = tl.load(q_ptrs + D_A + offs_bd[None, :], mask=mask_h[:, None] & mask_bd[None, :], other=0.0)
+        lse = tl.load(LSE + b * stride_lb + t * stride_lt + offs_h, mask=mask_h, other=float("-inf"))
+        lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)  # as the reference
+        for k0 in range(0, n_slots, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            idx = tl.load(idx_base + offs_k, mask=offs_k < n_slots, other=-1)
+            valid = idx >= 0
+            rows = kv_base + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_kvt
+            kv_a = tl.load(rows + offs_a[None, :], mask=valid[:, None] & mask_a[None, :], other=0.0)
+            s = tl.dot(q_a, tl.trans(kv_a))  # [BLOCK_H, BLOCK_K]
+            if D_B > 0:
+                kv_b = tl.load(rows + D_A + offs_bd[None, :], mask=valid[:, None] & mask_bd[None, :], other=0.0)
+                s += tl.dot(q_b, tl.trans(kv_b))
+            ph = tl.exp2(s * scale_log2 - lse2[:, None])
+            ph = tl.where(mask_h[:, None] & valid[None, :], ph, 0.0)
+            p = tl.sum(ph, 0)
+            if h0 > 0:
+                p += tl.load(p_base + offs_k, mask=offs_k < n_slots, other=0.0)
+            tl.store(p_base + offs_k, p, mask=offs_k < n_slots)
+        # the next head block reads these sums back, possibly in other threads: make them visible
+        tl.debug_barrier()
+
+
+@triton.jit
 def _sparse_kl_kernel(
-    QI, KI, WI, IDX, NSLOT, QM, KVM, LSE, P_SCR,
+    QI, KI, WI, IDX, NSLOT, P_SUM,
     KL, KLU, DQI, DKI, DWI,
     stride_qib, stride_qit, stride_qih,
     stride_kib, stride_kit,
     stride_wib, stride_wit,
     stride_ib, stride_it,
     stride_nb,
-    stride_qmb, stride_qmt, stride_qmh,
-    stride_kvb, stride_kvt,
-    stride_lb, stride_lt,
-    T, K, H, HI, scale_log2, inv_h,
-    DI: tl.constexpr, D: tl.constexpr,
+    stride_pb, stride_pt,
+    t0, T, HI, inv_h,
+    DI: tl.constexpr,
     GRAD: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    """KL of token t0 + program against its target p = inv_h * P_SUM[slot] (from
+    `_sparse_kl_target_kernel`) -> KL, KLU [B, T]; with GRAD also dq_I, dk_I (atomics), dw."""
+    c = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
+    t = t0 + c
     offs_j = tl.arange(0, BLOCK_HI)
     mask_j = offs_j < HI
     offs_di = tl.arange(0, BLOCK_DI)
@@ -72,10 +133,7 @@ def _sparse_kl_kernel(
     wi = tl.load(WI + b * stride_wib + t * stride_wit + offs_j, mask=mask_j, other=0.0).to(tl.float32)
     idx_base = IDX + b * stride_ib + t * stride_it
     ki_base = KI + b * stride_kib
-    kv_base = KVM + b * stride_kvb
-    q_base = QM + b * stride_qmb + t * stride_qmt
-    lse_base = LSE + b * stride_lb + t * stride_lt
-    p_base = P_SCR + (b * T + t) * K
+    p_base = P_SUM + b * stride_pb + c * stride_pt
     n_slots = tl.load(NSLOT + b * stride_nb + t)  # slots after the last valid one are all -1
 
     m_i = float("-inf")
@@ -90,25 +148,7 @@ def _sparse_kl_kernel(
         valid = idx >= 0
         safe = tl.where(valid, idx, 0).to(tl.int64)
         # target: head-averaged main-attention probabilities at the selected keys
-        p = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            offs_h = h0 + tl.arange(0, BLOCK_H)
-            mask_h = offs_h < H
-            s = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
-            for d0 in range(0, D, BLOCK_D):
-                offs_d = d0 + tl.arange(0, BLOCK_D)
-                mask_d = offs_d < D
-                qm = tl.load(q_base + offs_h[:, None] * stride_qmh + offs_d[None, :],
-                             mask=mask_h[:, None] & mask_d[None, :], other=0.0)
-                kv = tl.load(kv_base + safe[:, None] * stride_kvt + offs_d[None, :],
-                             mask=valid[:, None] & mask_d[None, :], other=0.0)
-                s += tl.dot(qm, tl.trans(kv))
-            lse = tl.load(lse_base + offs_h, mask=mask_h, other=float("-inf"))
-            lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)  # as the reference
-            ph = tl.exp2(s * scale_log2 - lse2[:, None])
-            ph = tl.where(mask_h[:, None] & valid[None, :], ph, 0.0)
-            p += tl.sum(ph, 0)
-        p = p * inv_h
+        p = tl.load(p_base + offs_k, mask=offs_k < n_slots, other=0.0) * inv_h
         # indexer scores at the selected keys
         ki = tl.load(ki_base + safe[:, None] * stride_kit + offs_di[None, :],
                      mask=valid[:, None] & mask_di[None, :], other=0.0)
@@ -124,8 +164,6 @@ def _sparse_kl_kernel(
         b_sum += tl.sum(tl.where(pos, p * tl.where(valid, sc, 0.0), 0.0), 0)
         p_sum += tl.sum(p, 0)
         n_valid += tl.sum(valid.to(tl.int32), 0)
-        if GRAD:
-            tl.store(p_base + offs_k, p, mask=offs_k < n_slots)
 
     has = n_valid > 0
     lse_i = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), 0.0)
@@ -135,9 +173,6 @@ def _sparse_kl_kernel(
     tl.store(KLU + b * T + t, klu)
 
     if GRAD:
-        # the scratch p was written by other threads of this program (another layout): make those
-        # global stores visible before reading them back (the race when K <= BLOCK_K)
-        tl.debug_barrier()
         dqi = tl.zeros([BLOCK_HI, BLOCK_DI], dtype=tl.float32)
         dwi = tl.zeros([BLOCK_HI], dtype=tl.float32)
         for k0 in range(0, n_slots, BLOCK_K):
@@ -145,7 +180,7 @@ def _sparse_kl_kernel(
             idx = tl.load(idx_base + offs_k, mask=offs_k < n_slots, other=-1)
             valid = idx >= 0
             safe = tl.where(valid, idx, 0).to(tl.int64)
-            p = tl.load(p_base + offs_k, mask=offs_k < n_slots, other=0.0)
+            p = tl.load(p_base + offs_k, mask=offs_k < n_slots, other=0.0) * inv_h
             ki = tl.load(ki_base + safe[:, None] * stride_kit + offs_di[None, :],
                          mask=valid[:, None] & mask_di[None, :], other=0.0)
             a = tl.dot(qi, tl.trans(ki))
@@ -343,35 +378,68 @@ def _dense_kl_kernel(
 
 
 # ----------------------------------------------------------------------------- launch plans
-def sparse_blocks(K: int, H: int, D: int, HI: int, DI: int) -> dict:
-    return dict(BLOCK_K=min(pow2(K), 32), BLOCK_H=min(pow2(H), 64), BLOCK_D=min(pow2(D), 64),
-                BLOCK_HI=pow2(HI), BLOCK_DI=pow2(DI))
+TARGET_CHUNK_ELEMS = 1 << 26  # fp32 elements of the [B, C, K] head-summed target scratch (256 MB)
 
 
-def plan_sparse_kl(qi, ki, wi, idx, n_slots, qm, kvm, lse, p_scr, kl, klu, dq, dk, dw, scale: float,
-                   grad: bool) -> Launch:
-    """qi [B, T, H_I, D_I], ki [B, T, D_I], wi [B, T, H_I] fp32, idx [B, T, K] int32,
-    qm [B, T, H, D], kvm [B, T, D], lse [B, T, H] fp32 -> kl, klu [B, T] fp32 and, with grad,
-    dq [B, T, H_I, D_I], dk [B, T, D_I] (zeroed; atomics), dw [B, T, H_I] fp32."""
+def sparse_target_blocks(H: int, D: int) -> dict:
+    """Head block, slot tile, and the split of D into two power-of-two operands (576 = 512 + 64)."""
+    d_a = 16
+    while d_a * 2 <= D:
+        d_a *= 2
+    d_b = max(D - d_a, 0)
+    return dict(BLOCK_H=min(pow2(H), 64), BLOCK_K=64, D_A=min(d_a, D), D_B=d_b, BLOCK_DA=d_a,
+                BLOCK_DB=pow2(max(d_b, 1)))
+
+
+def plan_sparse_kl_target(qm, kvm, idx, n_slots, lse, p_sum, t0: int, scale: float) -> Launch:
+    """qm [B, T, H, D], kvm [B, T, D], idx [B, T, K] int32, n_slots [B, T] int32 (`slot_counts`),
+    lse [B, T, H] fp32 (natural log, from sparse_mla's forward) -> p_sum [B, C, K] fp32: the
+    head-summed target of tokens [t0, t0 + C) at their slots (slots past n_slots untouched)."""
+    B, T, H, D = qm.shape
+    C = p_sum.shape[1]
+    return Launch(
+        _sparse_kl_target_kernel, (C, B),
+        dict(
+            QM=qm, KVM=kvm, IDX=idx, NSLOT=n_slots, LSE=lse, P_SUM=p_sum,
+            stride_qmb=qm.stride(0), stride_qmt=qm.stride(1), stride_qmh=qm.stride(2),
+            stride_kvb=kvm.stride(0), stride_kvt=kvm.stride(1),
+            stride_ib=idx.stride(0), stride_it=idx.stride(1),
+            stride_nb=n_slots.stride(0),
+            stride_lb=lse.stride(0), stride_lt=lse.stride(1),
+            stride_pb=p_sum.stride(0), stride_pt=p_sum.stride(1),
+            t0=t0, H=H, scale_log2=scale * LOG2E,
+            **sparse_target_blocks(H, D),
+        ),
+        num_warps=8,
+    )
+
+
+def sparse_blocks(K: int, HI: int, DI: int) -> dict:
+    return dict(BLOCK_K=min(pow2(K), 32), BLOCK_HI=pow2(HI), BLOCK_DI=pow2(DI))
+
+
+def plan_sparse_kl(qi, ki, wi, idx, n_slots, p_sum, t0: int, H: int, kl, klu, dq, dk, dw, grad: bool) -> Launch:
+    """qi [B, T, H_I, D_I], ki [B, T, D_I], wi [B, T, H_I] fp32, idx [B, T, K] int32, p_sum
+    [B, C, K] fp32 (tokens [t0, t0 + C), from `plan_sparse_kl_target`), H main heads -> kl, klu
+    [B, T] fp32 and, with grad, dq [B, T, H_I, D_I], dk [B, T, D_I] (zeroed; atomics), dw
+    [B, T, H_I] fp32 (rows of those tokens written)."""
     B, T, HI, DI = qi.shape
     K = idx.shape[-1]
-    H, D = qm.shape[2], qm.shape[3]
+    C = p_sum.shape[1]
     return Launch(
-        _sparse_kl_kernel, (T, B),
+        _sparse_kl_kernel, (C, B),
         dict(
-            QI=qi, KI=ki, WI=wi, IDX=idx, NSLOT=n_slots, QM=qm, KVM=kvm, LSE=lse, P_SCR=p_scr,
+            QI=qi, KI=ki, WI=wi, IDX=idx, NSLOT=n_slots, P_SUM=p_sum,
             KL=kl, KLU=klu, DQI=dq, DKI=dk, DWI=dw,
             stride_qib=qi.stride(0), stride_qit=qi.stride(1), stride_qih=qi.stride(2),
             stride_kib=ki.stride(0), stride_kit=ki.stride(1),
             stride_wib=wi.stride(0), stride_wit=wi.stride(1),
             stride_ib=idx.stride(0), stride_it=idx.stride(1),
             stride_nb=n_slots.stride(0),
-            stride_qmb=qm.stride(0), stride_qmt=qm.stride(1), stride_qmh=qm.stride(2),
-            stride_kvb=kvm.stride(0), stride_kvt=kvm.stride(1),
-            stride_lb=lse.stride(0), stride_lt=lse.stride(1),
-            T=T, K=K, H=H, HI=HI, scale_log2=scale * LOG2E, inv_h=1.0 / H,
-            DI=DI, D=D, GRAD=grad,
-            **sparse_blocks(K, H, D, HI, DI),
+            stride_pb=p_sum.stride(0), stride_pt=p_sum.stride(1),
+            t0=t0, T=T, HI=HI, inv_h=1.0 / H,
+            DI=DI, GRAD=grad,
+            **sparse_blocks(K, HI, DI),
         ),
         num_warps=4,
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ...registry import SHAPES_671B, KernelCase, register
-from .kernel import plan_dense_kl, plan_dense_lse, plan_sparse_kl
+from .kernel import TARGET_CHUNK_ELEMS, plan_dense_kl, plan_dense_lse, plan_sparse_kl, plan_sparse_kl_target
 
 
 def _config(launch, prefix="") -> str:
@@ -39,9 +39,12 @@ def _sparse():
     qm = torch.empty(B, T, H, D, dtype=torch.bfloat16, **meta)
     kvm = torch.empty(B, T, D, dtype=torch.bfloat16, **meta)
     lse = torch.empty(B, T, H, dtype=torch.float32, **meta)
-    p_scr = torch.empty(B, T, K, dtype=torch.float32, **meta)
-    launch = plan_sparse_kl(qi, ki, wi, idx, torch.empty(B, T, dtype=torch.int32, **meta), qm, kvm, lse, p_scr, kl, kl, dq, dk, dw, D**-0.5, True)
-    return [KernelCase(_config(launch), launch)]
+    n_slots = torch.empty(B, T, dtype=torch.int32, **meta)
+    C = max(1, min(T, TARGET_CHUNK_ELEMS // (B * K)))  # the launcher's token chunk
+    p_sum = torch.empty(B, C, K, dtype=torch.float32, **meta)
+    target = plan_sparse_kl_target(qm, kvm, idx, n_slots, lse, p_sum, T - C, D**-0.5)
+    launch = plan_sparse_kl(qi, ki, wi, idx, n_slots, p_sum, T - C, H, kl, kl, dq, dk, dw, True)
+    return [KernelCase(_config(target, "target "), target), KernelCase(_config(launch, "kl "), launch)]
 
 
 @register("dense_indexer_kl")
