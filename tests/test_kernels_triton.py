@@ -247,6 +247,33 @@ def test_radix_select_never_selects_non_finite_scores():
         assert n_valid[0, 2] == min(topk, 10)
 
 
+def test_radix_select_bf16_scores_two_passes():
+    # bf16 score blocks: selection over the 16 bits of the bf16 key (two 8-bit passes) equals the
+    # reference's selection on the same bf16 scores: ties (many, after rounding) to the lower
+    # index, +inf / NaN dropped, -inf holes, rows with fewer valid keys than k, several tiles
+    g = torch.Generator().manual_seed(5)
+    scores = (1.0 + torch.rand(1, 5, 300, generator=g) * 2.0**-5).bfloat16()  # ~4 bf16 values
+    scores[0, 0, ::7] = float("inf")
+    scores[0, 1, ::5] = float("nan")
+    scores[0, 2, 20:] = float("-inf")  # 20 valid keys
+    scores[0, 3] = -scores[0, 3]  # negative keys
+    scores[0, 4, 100:] = -0.0
+    scores[0, 4, :100] = 0.0
+    for topk in (1, 64):
+        idx, val = _select_chunk(scores.to(DEV), 3, topk, block=128)
+        ridx, rval = topk_from_scores(scores.float(), topk, key_offset=3)
+        assert torch.equal(idx.cpu(), ridx) and torch.equal(val.cpu(), rval)
+    # end to end: bf16 score blocks in the driver = the reference's top-k of the rounded scores
+    B, T, H, D, topk = 1, 45, 3, 24, 16
+    q, k, w = grid_values((B, T, H, D), seed=12), grid_values((B, T, D), seed=13), grid_values((B, T, H), seed=14)
+    ds = doc_start([[19, 26]])
+    idx, val = indexer_topk_triton(q, k, w, ds, topk, score_dtype=torch.bfloat16)
+    ref, k0 = index_scores_ref(q, k, w, ds, 0, T)  # exact (grid values): the rounding is the same
+    assert not torch.equal(ref.bfloat16().float(), ref)  # the scores need more than bf16's 8 bits
+    ridx, rval = topk_from_scores(ref.bfloat16().float(), topk, key_offset=k0)
+    assert torch.equal(idx, ridx) and torch.equal(val, rval)
+
+
 def test_indexer_fp8_scores_match_dequantized_reference():
     B, T, H, D = 1, 33, 4, 160  # two channel groups, the second partial
     g = torch.Generator().manual_seed(0)

@@ -2,7 +2,7 @@
 
 Specification: `indexer_topk.indexer_topk_ref` (`indexer_topk_at_positions_ref` with query
 positions). Queries are processed in chunks of C rows; for a
-chunk only a [B, C, W] fp32 score block exists (W = the chunk's key window), never [T, T]:
+chunk only a [B, C, W] fp32 (or opt-in bf16) score block exists (W = the chunk's key window), never [T, T]:
 
 1. `_index_scores_kernel` (grid: query tiles x key spans x batch) keeps a tile of BLOCK_Q
    queries resident as one [BLOCK_Q * H_I, D] operand (all indexer heads of each query) and
@@ -15,13 +15,14 @@ chunk only a [B, C, W] fp32 score block exists (W = the chunk's key window), nev
    one fp32 scale per token (per head for q) per 128 channels and multiplies the per-group dot
    products by the two scales.
 2. `_radix_topk_kernel` (one program per query row) selects the k largest scores exactly with
-   an MSB-first radix select over the order-preserving uint32 image of the fp32 scores: four
-   passes of an 8-bit histogram (`tl.histogram`, masked to the keys that match the prefix so
-   far) find the bit pattern of the k-th largest score and how many of its ties to take; a
-   final pass writes the selected keys in index order (all keys above the threshold, plus the
-   first `take` ties, i.e. ties go to the lower index). There is no candidate buffer that
-   could overflow: every pass streams the whole row. Rows with fewer than k valid keys select
-   all of them; the other slots stay -1 (score -inf).
+   an MSB-first radix select over the order-preserving uint32 image of the scores: passes of a
+   histogram (`tl.histogram`, masked to the keys that match the prefix so far; fp32 rows three
+   11-bit digits, bf16 rows two 8-bit digits) find the bit pattern of the k-th largest score
+   and how many of its ties to take; a final pass writes the selected keys in index order (all
+   keys above the threshold, plus the first `take` ties, i.e. ties go to the lower index).
+   There is no candidate buffer that could overflow: every pass streams the whole row. Rows
+   with fewer than k valid keys select all of them; the other slots stay -1 (score -inf);
+   non-finite scores are never selected.
 3. The k selected (score, index) pairs are ordered by a stable descending sort in PyTorch, so
    the output equals the reference's (sorted scores, ties to the lower index).
 """
@@ -121,6 +122,8 @@ def _index_scores_kernel(
         acc = tl.where(acc == 0.0, 0.0, acc)  # -0.0 -> +0.0
         valid = (offs_s[None, :] <= t[:, None]) & (offs_s[None, :] >= ds[:, None])
         acc = tl.where(valid, acc, float("-inf"))
+        if S.dtype.element_ty == tl.bfloat16:  # a bf16 score block: round to nearest even, as torch
+            acc = _round_to_bf16(acc)
         tl.store(out + offs_w[None, :], acc, mask=mask_q[:, None] & mask_n[None, :])
     # dead columns of the span (before every document start of the rows, or after every row)
     dead = tl.full([BLOCK_Q, BLOCK_N], float("-inf"), tl.float32)
@@ -130,6 +133,15 @@ def _index_scores_kernel(
     for n0 in range(tl.maximum(hi, span0), span1, BLOCK_N):
         offs_w = n0 + tl.arange(0, BLOCK_N)
         tl.store(out + offs_w[None, :], dead, mask=mask_q[:, None] & (offs_w[None, :] < span1))
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """fp32 -> the fp32 value of its bf16 rounding to nearest even (integer arithmetic, so the
+    interpreter, which truncates an fp32 -> bf16 cast, and the GPU agree); non-finite unchanged."""
+    u = x.to(tl.uint32, bitcast=True)
+    r = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return tl.where(_finite(x), r.to(tl.float32, bitcast=True), x)
 
 
 @triton.jit
@@ -151,26 +163,33 @@ def _radix_topk_kernel(
     stride_sb, stride_sc,
     stride_ob, stride_oc,
     W_LEN, k0, TOPK,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, DIGIT_BITS: tl.constexpr, PASSES: tl.constexpr,
 ):
+    """Exact top-k of one score row over the top DIGIT_BITS * PASSES bits of the order-preserving
+    uint32 image of its scores (fp32 rows: 32 bits; bf16 rows: the 16 bits a bf16 has), one
+    DIGIT_BITS-wide histogram pass per digit, MSB first, then one pass writing the selection."""
     c = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     row = S + b * stride_sb + c * stride_sc
-    bins = tl.arange(0, 256)
+    NBINS: tl.constexpr = 1 << DIGIT_BITS
+    bins = tl.arange(0, NBINS)
 
     prefix = tl.full((), 0, tl.uint32)
     pmask = prefix
     k_rem = TOPK
-    for i in tl.static_range(4):
-        shift = 24 - 8 * i  # a constexpr expression of the unrolled index (never reassigned)
-        hist = tl.zeros([256], dtype=tl.int32)
+    for i in tl.static_range(PASSES):
+        # a constexpr expression of the unrolled index (never reassigned); the last digit may
+        # overlap the previous one when 32 is not a multiple of DIGIT_BITS: those bits already
+        # agree among the matching keys, so re-fixing them changes nothing
+        shift = max(32 - DIGIT_BITS * (i + 1), 0)
+        hist = tl.zeros([NBINS], dtype=tl.int32)
         for w0 in range(0, W_LEN, BLOCK):
             offs = w0 + tl.arange(0, BLOCK)
-            x = tl.load(row + offs, mask=offs < W_LEN, other=float("-inf"))
+            x = tl.load(row + offs, mask=offs < W_LEN, other=float("-inf")).to(tl.float32)
             key = _sortable(x)
             match = _finite(x) & ((key & pmask) == prefix)
-            digit = ((key >> shift) & 0xFF).to(tl.int32)
-            hist += tl.histogram(digit, 256, mask=match)
+            digit = ((key >> shift) & (NBINS - 1)).to(tl.int32)
+            hist += tl.histogram(digit, NBINS, mask=match)
         if i == 0:
             k_rem = tl.minimum(k_rem, tl.sum(hist, 0))  # fewer valid keys than k: take them all
         total = tl.sum(hist, 0)
@@ -179,17 +198,18 @@ def _radix_topk_kernel(
         bstar = tl.maximum(bstar, 0)
         k_rem = k_rem - tl.sum(tl.where(bins > bstar, hist, 0), 0)
         prefix = prefix | (bstar.to(tl.uint32) << shift)
-        pmask = pmask | (tl.full((), 0xFF, tl.uint32) << shift)
+        pmask = pmask | (tl.full((), NBINS - 1, tl.uint32) << shift)
 
-    # prefix = key of the k-th largest valid score; k_rem = how many of its ties to take
+    # prefix = the top bits of the k-th largest valid score's key; k_rem = how many of its ties
+    # (equal in those bits) to take, in index order
     count = 0
     ties = 0
     out_i = OUT_I + b * stride_ob + c * stride_oc
     out_v = OUT_V + b * stride_ob + c * stride_oc
     for w0 in range(0, W_LEN, BLOCK):
         offs = w0 + tl.arange(0, BLOCK)
-        x = tl.load(row + offs, mask=offs < W_LEN, other=float("-inf"))
-        key = _sortable(x)
+        x = tl.load(row + offs, mask=offs < W_LEN, other=float("-inf")).to(tl.float32)
+        key = _sortable(x) & pmask
         valid = _finite(x)
         gt = valid & (key > prefix)
         eq = (valid & (key == prefix)).to(tl.int32)
@@ -236,8 +256,8 @@ def plan_scores(q, k, w, doc_start, scores, positions, r0: int, r1: int, k0: int
     """Score launch for the local query rows [r0, r1) over the key window [k0, k0 + W):
     q [B, Tq, H_I, D_I] and w [B, Tq, H_I] fp32 (local rows), positions [Tq] int32 (global
     position of each local row: arange(T) without context parallelism), k [B, T, D_I] and
-    doc_start [B, T] (the whole sequence), scores [B, r1 - r0, W] fp32 (every entry written;
-    -inf where masked); qs [B, Tq, H_I, G] / ks [B, T, G] fp32 scales for e4m3 q/k (None: 16-bit
+    doc_start [B, T] (the whole sequence), scores [B, r1 - r0, W] fp32 or bf16 (every entry
+    written, rounded to its dtype; -inf where masked); qs [B, Tq, H_I, G] / ks [B, T, G] fp32 scales for e4m3 q/k (None: 16-bit
     or fp32 q/k). key_span: keys per program (a multiple of BLOCK_N; default 16 tiles)."""
     B, Tq, HI, DI = q.shape
     C, W_LEN = r1 - r0, scores.shape[2]
@@ -272,10 +292,17 @@ def select_block(W_LEN: int) -> int:
     return min(pow2(W_LEN, 128), 1024)
 
 
+def radix_digits(score_dtype: torch.dtype) -> tuple[int, int]:
+    """(DIGIT_BITS, PASSES): fp32 scores 3 x 11 bits (the last digit overlaps the second by one
+    bit); bf16 scores (16 significant key bits) 2 x 8."""
+    return (8, 2) if score_dtype == torch.bfloat16 else (11, 3)
+
+
 def plan_select(scores, idx, val, k0: int, topk: int, block: int | None = None) -> Launch:
-    """Radix-select launch: scores [B, C, W] fp32 -> idx [B, C, topk] int32 (prefilled -1) and
-    val [B, C, topk] fp32 (prefilled -inf), selected keys in index order."""
+    """Radix-select launch: scores [B, C, W] fp32 or bf16 -> idx [B, C, topk] int32 (prefilled
+    -1) and val [B, C, topk] fp32 (prefilled -inf), selected keys in index order."""
     B, C, W_LEN = scores.shape
+    digit_bits, passes = radix_digits(scores.dtype)
     return Launch(
         _radix_topk_kernel, (C, B),
         dict(
@@ -283,15 +310,16 @@ def plan_select(scores, idx, val, k0: int, topk: int, block: int | None = None) 
             stride_sb=scores.stride(0), stride_sc=scores.stride(1),
             stride_ob=idx.stride(0), stride_oc=idx.stride(1),
             W_LEN=W_LEN, k0=k0, TOPK=topk,
-            BLOCK=block or select_block(W_LEN),
+            BLOCK=block or select_block(W_LEN), DIGIT_BITS=digit_bits, PASSES=passes,
         ),
         num_warps=4,
     )
 
 
-def _score_chunk(q, k, w, doc_start, positions, r0, r1, k0, k_end, qs=None, ks=None, key_span=None):
+def _score_chunk(q, k, w, doc_start, positions, r0, r1, k0, k_end, qs=None, ks=None, key_span=None,
+                 score_dtype=torch.float32):
     B = q.shape[0]
-    scores = torch.empty((B, r1 - r0, k_end - k0), dtype=torch.float32, device=q.device)
+    scores = torch.empty((B, r1 - r0, k_end - k0), dtype=score_dtype, device=q.device)
     plan_scores(q, k, w, doc_start, scores, positions, r0, r1, k0, qs, ks, key_span).run()
     return scores
 
@@ -333,11 +361,19 @@ def indexer_topk_triton(
     score_budget_elems: int = DEFAULT_SCORE_BUDGET,
     query_positions: torch.Tensor | None = None,
     key_span: int | None = None,
+    score_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `indexer_topk_ref` (with `query_positions`: as
     `indexer_topk_at_positions_ref`: q [B, Tq, H_I, D_I] and w [B, Tq, H_I] hold the queries at
     these global positions [Tq] of the sequence k [B, T, D_I] / doc_start [B, T] describe);
-    `fp8=True` scores with e4m3 q/k (per-token, per-128-channel scales; q's per head too)."""
+    `fp8=True` scores with e4m3 q/k (per-token, per-128-channel scales; q's per head too).
+    score_dtype=torch.bfloat16 keeps the score block in bf16 (half its bytes) and selects on
+    those rounded scores in two 8-bit radix passes instead of three 11-bit ones: the selection
+    is then `topk_from_scores` of the bf16-rounded scores (same tie and non-finite rules), not
+    of the fp32 scores; the returned scores are the bf16 values. Default fp32: exactly the
+    reference."""
+    if score_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"score_dtype must be torch.float32 or torch.bfloat16; got {score_dtype}")
     B, Tq, HI, DI = q.shape
     T = k.shape[1]
     q, k = interp_upcast(q.contiguous()), interp_upcast(k.contiguous())
@@ -355,7 +391,7 @@ def indexer_topk_triton(
         r1 = min(Tq, r0 + chunk)
         p = pos[r0:r1]
         k0, k_end = int(ds_cpu[p].min()), int(p.max()) + 1  # the chunk's key window [k0, k_end)
-        scores = _score_chunk(q, k, w, doc_start, pos_dev, r0, r1, k0, k_end, qs, ks, key_span)
+        scores = _score_chunk(q, k, w, doc_start, pos_dev, r0, r1, k0, k_end, qs, ks, key_span, score_dtype)
         idx, val = _select_chunk(scores, k0, topk)
         del scores
         all_idx.append(idx)
@@ -363,7 +399,8 @@ def indexer_topk_triton(
     return torch.cat(all_idx, dim=1), torch.cat(all_val, dim=1)
 
 
-def index_scores_triton(q, k, w, doc_start, q0: int, q1: int, fp8: bool = False, key_span: int | None = None):
+def index_scores_triton(q, k, w, doc_start, q0: int, q1: int, fp8: bool = False, key_span: int | None = None,
+                        score_dtype: torch.dtype = torch.float32):
     """Masked scores of queries [q0, q1) over their key window (testing / benchmarking helper)
     -> ([B, C, W] fp32 with -inf, k0)."""
     q, k = interp_upcast(q.contiguous()), interp_upcast(k.contiguous())
@@ -374,4 +411,4 @@ def index_scores_triton(q, k, w, doc_start, q0: int, q1: int, fp8: bool = False,
     k0 = int(doc_start[:, q0:q1].min())
     pos = torch.arange(q.shape[1], device=q.device, dtype=torch.int32)
     return _score_chunk(q, k, w.float().contiguous(), doc_start.contiguous(), pos, q0, q1, k0, q1, qs, ks,
-                        key_span), k0
+                        key_span, score_dtype), k0

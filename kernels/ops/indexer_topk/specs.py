@@ -18,7 +18,7 @@ def _chunk():
 
 def _config(launch) -> str:
     a = launch.args
-    keys = [k for k in a if k.startswith("BLOCK") or k in ("FP8", "KEY_SPAN")]
+    keys = [k for k in a if k.startswith("BLOCK") or k in ("FP8", "KEY_SPAN", "DIGIT_BITS", "PASSES")]
     return " ".join(f"{k}={a[k]}" for k in keys) + f" warps={launch.num_warps} grid={launch.grid}"
 
 
@@ -42,6 +42,9 @@ def _scores():
     ks = torch.empty(B, T, 1, dtype=torch.float32, **meta)
     launch = plan_scores(q8, k8, w, ds, scores, pos, q0, q1, k0, qs, ks)
     cases.append(KernelCase("fp8 " + _config(launch), launch))
+    scores16 = torch.empty(B, C, q1 - k0, dtype=torch.bfloat16, **meta)  # score_dtype=torch.bfloat16
+    launch = plan_scores(q, k, w, ds, scores16, pos, q0, q1, k0)
+    cases.append(KernelCase("bf16 q/k, bf16 score block " + _config(launch), launch))
     return cases
 
 
@@ -50,8 +53,11 @@ def _topk():
     s = SHAPES_671B
     B, T, C, q0, q1, k0 = _chunk()
     meta = dict(device="meta")
-    scores = torch.empty(B, C, q1 - k0, dtype=torch.float32, **meta)
     idx = torch.empty(B, C, s["K"], dtype=torch.int32, **meta)
     val = torch.empty(B, C, s["K"], dtype=torch.float32, **meta)
-    launch = plan_select(scores, idx, val, k0, s["K"])
-    return [KernelCase(_config(launch), launch)]
+    cases = []
+    for dtype, name in ((torch.float32, "fp32 scores "), (torch.bfloat16, "bf16 scores ")):
+        scores = torch.empty(B, C, q1 - k0, dtype=dtype, **meta)
+        launch = plan_select(scores, idx, val, k0, s["K"])
+        cases.append(KernelCase(name + _config(launch), launch))
+    return cases
