@@ -506,3 +506,11 @@ def test_gpu_indexer_topk_and_kl_realistic():
     ridx, rval = indexer_topk_ref(q.bfloat16(), k.bfloat16(), w, ds, topk)
     assert torch.equal(idx, ridx)
     torch.testing.assert_close(val, rval)
+    # a context-parallel rank's queries (CP 4, rank 1 of the zigzag layout), compiled
+    from dsa_train.parallel.context import local_positions
+
+    p = local_positions(T, 4, 1, device=DEV)
+    idx, val = K.indexer_topk(q[:, p].bfloat16(), k.bfloat16(), w[:, p], ds, topk, query_positions=p)
+    ridx, rval = indexer_topk_at_positions_ref(q[:, p].bfloat16(), k.bfloat16(), w[:, p], ds, topk, p)
+    assert torch.equal(idx, ridx)
+    torch.testing.assert_close(val, rval)

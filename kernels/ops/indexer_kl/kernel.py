@@ -387,7 +387,7 @@ def sparse_target_blocks(H: int, D: int) -> dict:
     while d_a * 2 <= D:
         d_a *= 2
     d_b = max(D - d_a, 0)
-    return dict(BLOCK_H=min(pow2(H), 64), BLOCK_K=64, D_A=min(d_a, D), D_B=d_b, BLOCK_DA=d_a,
+    return dict(BLOCK_H=min(pow2(H), 64), BLOCK_K=32, D_A=min(d_a, D), D_B=d_b, BLOCK_DA=d_a,
                 BLOCK_DB=pow2(max(d_b, 1)))
 
 
