@@ -58,6 +58,7 @@ class MemoryTrace(TorchDispatchMode):
         self.peak: dict[str, int] = {}
         self.phase = "activations"  # or "optimizer"
         self.balanced: dict[int, int] = {}  # storage key -> balanced element value (MoE counts)
+        self._transient = 0  # bytes a chunk-loop op held during the current dispatch
 
     # -------------------------------------------------------------- accounting
     @staticmethod
@@ -77,6 +78,24 @@ class MemoryTrace(TorchDispatchMode):
         if total > self.peak_total:
             self.peak_total = total
             self.peak = dict(self.current)
+
+    def _bump(self, nbytes: int, category: str) -> None:
+        """A transient allocation of `nbytes` on top of what is live now: a peak candidate."""
+        total = sum(self.current.values()) + nbytes
+        if total > self.peak_total:
+            self.peak_total = total
+            self.peak = dict(self.current)
+            self.peak[category] = self.peak.get(category, 0) + nbytes
+
+    def chunk_workspace(self, run_worst_chunk) -> None:
+        """Listener of `dsa_kernels.chunk_ops`: a chunk-loop op (one fake dispatch for its whole
+        loop) offers its largest chunk's body; it runs here under a nested counter that ignores
+        what is already live (the op's inputs), and its peak is the op's transient working set."""
+        nested = MemoryTrace()
+        nested.live = {k: [0, "live"] for k in self.live}
+        with nested:
+            run_worst_chunk()
+        self._transient = max(self._transient, nested.peak_total)
 
     def _free(self, k: int) -> None:
         entry = self.live.pop(k, None)
@@ -115,10 +134,14 @@ class MemoryTrace(TorchDispatchMode):
             return self._scalar(args[0])
         if func in (aten.bincount.default,):
             return self._bincount(*args, **kwargs)
+        self._transient = 0
         out = func(*args, **kwargs)
         category = self._category_of_new(func)
         for t in _tensors(out):
             self.add(t, category)
+        if self._transient:  # a chunk-loop op's working set, live only during the op
+            self._bump(self._transient, "dsa_buffers")
+            self._transient = 0
         if func.namespace in ("c10d", "_c10d_functional"):
             outs = list(_tensors(out)) + [a for a in _tensors(args) if isinstance(a, torch.Tensor)]
             for t in outs:  # collectives write into buffers allocated just before them
@@ -260,6 +283,7 @@ def close_fake_world() -> None:
 def trace_step(cfg, rank: int = 0, world: int | None = None, stage_name: str | None = None):
     """Trace one step of `stage_name` (default: the recipe's last stage) on rank `rank`; returns
     the per-category peak in bytes and what was traced."""
+    from dsa_kernels.chunk_ops import workspace_listener
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from dsa_train.checkpoint.skeleton import empty_model
@@ -284,7 +308,7 @@ def trace_step(cfg, rank: int = 0, world: int | None = None, stage_name: str | N
             parallelize_model(model, state, recompute=cfg.parallel.recompute, grouped_experts=cfg.parallel.grouped_experts)
         trace = MemoryTrace()
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        with fake, trace:
+        with fake, trace, workspace_listener(trace.chunk_workspace):
             materialize(model, torch.device("cpu"), dtype)
             for module in model.modules():  # runtime buffers in the model dtype, as the loader casts them
                 for key, buf in module._buffers.items():

@@ -13,11 +13,14 @@ Entry point `indexer_topk(q, k, w, doc_start, topk, chunk_size=None) -> (indices
   key index; non-finite scores are never selected. No gradient (selection only).
 
 Files: `reference.py` (PyTorch, the specification), `kernel.py` (Triton score and radix-select
-kernels, their launch plans and the chunked driver), `specs.py` (the launches the compile
-report compiles at the 671B shapes). No autograd Function: selection has no gradient.
+kernels, their launch plans and the chunked driver), `op.py` (the reference's top-k at query
+positions registered as one torch op, `dsa_kernels::indexer_topk_at_positions`, with a fake
+implementation for the memory trace), `specs.py` (the launches the compile report compiles at the
+671B shapes). No autograd Function: selection has no gradient.
 """
 
 from ..._triton_common import use_triton as _use_triton
+from .op import indexer_topk_at_positions_op
 from .reference import (
     gather_index_scores,
     index_scores_block,
@@ -36,10 +39,11 @@ def indexer_topk(q, k, w, doc_start, topk, chunk_size=None, query_positions=None
         from .kernel import indexer_topk_triton
 
         return indexer_topk_triton(q, k, w, doc_start, topk, chunk_size, query_positions=query_positions)
-    if query_positions is not None:
-        return indexer_topk_at_positions_ref(q, k, w, doc_start, topk, query_positions, chunk_size)
+    if query_positions is not None:  # the chunked reference as one torch op (`op.py`: one fake
+        # dispatch instead of thousands under the memory trace's FakeTensorMode)
+        return indexer_topk_at_positions_op(q, k, w, doc_start, topk, query_positions, chunk_size or 0)
     return indexer_topk_ref(q, k, w, doc_start, topk, chunk_size)
 
 
 __all__ = ["gather_index_scores", "index_scores_block", "index_scores_ref", "indexer_topk",
-           "indexer_topk_at_positions_ref", "indexer_topk_ref", "topk_from_scores"]
+           "indexer_topk_at_positions_op", "indexer_topk_at_positions_ref", "indexer_topk_ref", "topk_from_scores"]

@@ -93,18 +93,31 @@ def indexer_topk_at_positions_ref(
     of the sequence's queries) over every key. q [B, Tq, H, D], w [B, Tq, H]; k [B, T, D] and
     doc_start [B, T] of the whole sequence -> (indices [B, Tq, topk] int32, scores fp32)."""
     B, Tq, H, _ = q.shape
-    chunk = chunk_size or query_chunk_size(Tq, per_query_elems=B * H * k.shape[1])
+    chunk = positions_chunk_size(q, k, chunk_size)
     all_idx, all_val = [], []
     for q0 in range(0, Tq, chunk):
         pos = query_positions[q0 : q0 + chunk]
         k0, k1 = int(doc_start[:, pos].min()), int(pos.max()) + 1
-        scores = index_scores_block(q[:, q0 : q0 + chunk], k[:, k0:k1], w[:, q0 : q0 + chunk])
-        s = torch.arange(k0, k1, device=k.device)
-        valid = (s[None, None, :] <= pos[None, :, None]) & (s[None, None, :] >= doc_start[:, pos, None])
-        idx, val = topk_from_scores(scores.masked_fill(~valid, float("-inf")), topk, key_offset=k0)
+        idx, val = topk_in_window(q[:, q0 : q0 + chunk], k, w[:, q0 : q0 + chunk], doc_start, pos, k0, k1, topk)
         all_idx.append(idx)
         all_val.append(val)
     return torch.cat(all_idx, dim=1), torch.cat(all_val, dim=1)
+
+
+def positions_chunk_size(q: torch.Tensor, k: torch.Tensor, chunk_size: int | None = None) -> int:
+    """Queries per chunk of `indexer_topk_at_positions_ref`: a [chunk * H_I, T] fp32 logit block
+    within `query_chunk_size`'s budget."""
+    B, Tq, H, _ = q.shape
+    return chunk_size or query_chunk_size(Tq, per_query_elems=B * H * k.shape[1])
+
+
+def topk_in_window(q_c, k, w_c, doc_start, pos, k0: int, k1: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of `indexer_topk_at_positions_ref`: queries at global positions `pos` [C]
+    (q_c [B, C, H, D], w_c [B, C, H]) against keys [k0, k1) of k [B, T, D]."""
+    scores = index_scores_block(q_c, k[:, k0:k1], w_c)
+    s = torch.arange(k0, k1, device=k.device)
+    valid = (s[None, None, :] <= pos[None, :, None]) & (s[None, None, :] >= doc_start[:, pos, None])
+    return topk_from_scores(scores.masked_fill(~valid, float("-inf")), topk, key_offset=k0)
 
 
 def gather_index_scores(

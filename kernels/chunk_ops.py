@@ -1,0 +1,61 @@
+"""Query-chunk loops as single torch ops (torch.library custom ops with a fake implementation).
+
+The PyTorch paths of the DSA ops walk the query axis in chunks so that no [T, T] (or T x K x D)
+block ever exists. Run for real that costs nothing extra; under FakeTensorMode
+(`dsa-train plan --trace`, dsa_train/parallel/trace.py) every op of every chunk is one fake
+dispatch (~0.6 ms on a 2-core CPU), and at the 671B shapes under context parallelism the top-k
+alone is ~2000 chunks per layer (> 200 s per layer). A loop registered here is one op:
+
+    @chunk_loop_op("dsa_kernels::indexer_topk_at_positions", fake=outputs, worst_chunk=one_chunk)
+    def indexer_topk_at_positions_op(q: Tensor, ..., chunk_size: int) -> tuple[Tensor, Tensor]:
+        return indexer_topk_at_positions_ref(...)          # the one implementation, run for real
+
+  * for real tensors the op runs the decorated function (the chunk loop itself, unchanged);
+  * under FakeTensorMode it runs `fake(*args)` (empty outputs with the real shapes and dtypes),
+    then offers `worst_chunk(*args)` -- the loop's own per-chunk body on its largest chunk (the
+    most queries against the widest key window) -- to the workspace listeners. The memory trace
+    runs it under its counter and adds that chunk's peak as a transient DSA buffer on top of
+    what is live at the call (the real loop holds one chunk's blocks at a time). Without a
+    listener the body is not run.
+
+Type annotations on the decorated function are torch.library's schema (Tensor, int, float,
+`Tensor | None` ...). The decorated function must not be differentiable itself: call it inside
+an autograd Function (forward / backward) or under no_grad.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+_WORKSPACE_LISTENERS: list[Callable[[Callable[[], object]], None]] = []
+
+
+@contextlib.contextmanager
+def workspace_listener(listener: Callable[[Callable[[], object]], None]):
+    """While active, each chunk-loop op run under FakeTensorMode calls `listener(run_worst_chunk)`."""
+    _WORKSPACE_LISTENERS.append(listener)
+    try:
+        yield
+    finally:
+        _WORKSPACE_LISTENERS.remove(listener)
+
+
+def chunk_loop_op(qualname: str, fake: Callable, worst_chunk: Callable):
+    """Register the decorated chunk loop as the custom op `qualname` (see the module doc)."""
+
+    def deco(fn):
+        op = torch.library.custom_op(qualname, mutates_args=())(fn)
+
+        @op.register_fake
+        def _fake(*args, **kwargs):
+            out = fake(*args, **kwargs)
+            for listener in list(_WORKSPACE_LISTENERS):
+                listener(lambda: worst_chunk(*args, **kwargs))
+            return out
+
+        return op
+
+    return deco
