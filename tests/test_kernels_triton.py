@@ -351,12 +351,12 @@ def test_sparse_indexer_kl_small_k(K):
 
 
 def test_sparse_indexer_kl_target_head_blocks_and_token_chunks(monkeypatch):
-    # Sigma_h P formed once per token by the target kernel: 70 main heads (two head blocks, the
-    # second partial, summed in order in the scratch), D = 40 split 32 + 8, bf16 main inputs,
-    # K = 48 with -1 tails and empty rows, and tokens in chunks of 6 (the scratch reused)
+    # Sigma_h P formed once per token by the target kernel: 130 main heads (two head blocks of
+    # 128, the second partial, summed in order in the scratch), D = 40 split 32 + 8, bf16 main
+    # inputs, K = 48 with -1 tails and empty rows, and tokens in chunks of 6 (the scratch reused)
     import dsa_kernels.ops.indexer_kl.function as kl_function
 
-    B, T, HI, DI, H, D, K = 2, 17, 3, 16, 70, 40, 48
+    B, T, HI, DI, H, D, K = 2, 17, 3, 16, 130, 40, 48
     monkeypatch.setattr(kl_function, "TARGET_CHUNK_ELEMS", B * K * 6)
     qi, ki, wi = _indexer_inputs(B, T, HI, DI, seed=11)
     g = torch.Generator().manual_seed(11)

@@ -13,7 +13,8 @@ from .kernel import TARGET_CHUNK_ELEMS, plan_dense_kl, plan_dense_lse, plan_spar
 def _config(launch, prefix="") -> str:
     a = launch.args
     keys = [k for k in a if k.startswith("BLOCK")]
-    return prefix + " ".join(f"{k}={a[k]}" for k in keys) + f" warps={launch.num_warps} grid={launch.grid}"
+    stages = f" stages={launch.num_stages}" if launch.num_stages else ""
+    return prefix + " ".join(f"{k}={a[k]}" for k in keys) + f" warps={launch.num_warps}{stages} grid={launch.grid}"
 
 
 def _indexer(meta):
