@@ -62,9 +62,11 @@ def test_export_reports_a_bad_source_and_bad_sizes(tmp_path, capsys):
 def test_inspect_a_training_checkpoint(tmp_path, capsys):
     import dsa_train
     from dsa_train.engine.checkpoint import TrainerState, save_checkpoint
+    from dsa_train.engine.sharded_state import model_pieces
 
     model = dsa_train.DSAForCausalLM(dsa_train.tiny_config(num_hidden_layers=1))
-    save_checkpoint(tmp_path / "ckpts", TrainerState(global_step=5), model, None, {}, {}, keep_last=1)
+    save_checkpoint(tmp_path / "ckpts", TrainerState(global_step=5), model_pieces(model), {}, {}, keep_last=1,
+                    config_json=model.config.to_hf_dict())
     assert dsa_train_main(["inspect", str(tmp_path / "ckpts")]) == 0
     out = capsys.readouterr().out
-    assert "training checkpoint (model.pt)" in out and "step_00000005" in out and "status:         loads" in out
+    assert "training checkpoint (state)" in out and "step_00000005" in out and "status:         loads" in out

@@ -42,11 +42,13 @@ def trained(tmp_path_factory):
     """The tiny FP8 Terminus checkpoint (dims not multiples of 128), loaded, trained 3 steps, and
     saved as a dsa_train training checkpoint."""
     from dsa_train.engine.checkpoint import TrainerState, save_checkpoint
+    from dsa_train.engine.sharded_state import model_pieces
 
     root = tmp_path_factory.mktemp("pipeline")
     make_tiny_checkpoint(root / "terminus", seed=1)
     model = train_a_few_steps(dsa_train.from_pretrained(root / "terminus"))
-    step = save_checkpoint(root / "run" / "checkpoints", TrainerState(global_step=3), model, None, {}, {}, keep_last=2)
+    step = save_checkpoint(root / "run" / "checkpoints", TrainerState(global_step=3), model_pieces(model), {}, {},
+                           keep_last=2, config_json=model.config.to_hf_dict())
     return root, model, step
 
 

@@ -1,7 +1,11 @@
-"""The distributed trainer end to end on the tiny demo recipe (2 ranks, CPU, gloo): a run under
-ZeRO-2 + expert parallel 2 that crashes mid-stage resumes from its per-rank checkpoints (model
-shards, ZeRO optimizer partitions) to the same losses as an uninterrupted run; a ZeRO-3 + tensor
-parallel 2 run goes through all three stages and exports a full model that loads."""
+"""The distributed trainer end to end on the tiny demo recipe (2 ranks, CPU, gloo), with the
+sharded, layout-independent checkpoints (engine/sharded_state.py):
+  * a run under the 2-rank demo layout (ZeRO-2 + expert parallel 2) that crashes mid-stage resumes
+    to the same losses as an uninterrupted run;
+  * its mid-stage checkpoint resumes under DP2 x ZeRO-1 (2 ranks) and in one process;
+  * its bytes on disk are its unique state (no tensor stored twice);
+  * `dsa-train export` of the checkpoints equals the single-process model;
+  * a ZeRO-3 + tensor parallel 2 run goes through all three stages and exports a full model that loads."""
 
 import os
 import re
@@ -35,22 +39,46 @@ def _sparse_losses(log):
     return {int(m.group(1)): m.group(2) for m in re.finditer(r"sparse (\d)/3  loss (\S+)", log)}
 
 
-@pytest.mark.slow
-def test_resume_after_crash_matches_uninterrupted_run(tmp_path):
-    extra = ["parallel=zero2", "parallel.expert_parallel=2", "probe_batches=0", "checkpoint.every_n_steps=1",
+EP2_ZERO2 = ["parallel=zero2", "parallel.expert_parallel=2", "probe_batches=0", "checkpoint.every_n_steps=1",
              "checkpoint.export=false"]
-    ref = _run(tmp_path / "ref", extra)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    crashed = _run(tmp_path / "run", extra, fault="step=6,kind=crash")  # global step 6 = sparse step 2
+
+
+def _metrics(run_dir) -> dict[int, dict]:
+    """global step -> that step's metrics (full precision) from the run's metrics.jsonl."""
+    import json
+
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "metrics" in row and "train/loss" in row["metrics"]:
+            out[row["step"]] = row["metrics"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ep2_zero2_run(tmp_path_factory):
+    """The 2-rank demo layout (EP2 x ZeRO-2), uninterrupted, a checkpoint after every step, all kept."""
+    run = tmp_path_factory.mktemp("ep2_zero2") / "ref"
+    out = _run(run, [*EP2_ZERO2, "checkpoint.keep_last=0"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run, out
+
+
+@pytest.mark.slow
+def test_resume_after_crash_matches_uninterrupted_run(tmp_path, ep2_zero2_run):
+    ref_dir, ref = ep2_zero2_run
+    crashed = _run(tmp_path / "run", EP2_ZERO2, fault="step=6,kind=crash")  # global step 6 = sparse step 2
     assert crashed.returncode != 0
-    resumed = _run(tmp_path / "run", extra)
+    resumed = _run(tmp_path / "run", EP2_ZERO2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout + resumed.stderr
     ref_losses, got = _sparse_losses(ref.stdout + ref.stderr), _sparse_losses(resumed.stdout + resumed.stderr)
     assert set(got) == {2, 3} and all(got[s] == ref_losses[s] for s in got), (got, ref_losses)
+    want, exact = _metrics(ref_dir), _metrics(tmp_path / "run")
+    assert all(exact[s]["train/loss"] == want[s]["train/loss"] for s in (6, 7))  # same layout: bit for bit
 
-    # the expert-parallel checkpoint (each rank: its experts + replicated dense tensors) exports
-    # to one complete model
+    # the expert-parallel checkpoint (each rank: its experts + its share of the dense tensors)
+    # exports to one complete model
     export = _export(tmp_path / "run", tmp_path / "offline")
     import dsa_train
 
@@ -59,6 +87,117 @@ def test_resume_after_crash_matches_uninterrupted_run(tmp_path):
     keys = set(model.state_dict())
     assert all(f"model.layers.{i}.mlp.experts.{e}.down_proj.weight" in keys for e in range(n_experts)
                for i in range(model.config.first_k_dense_replace, model.config.num_hidden_layers))
+
+
+def _copy_checkpoint(step_dir, run_dir):
+    import shutil
+
+    ckpts = run_dir / "checkpoints"
+    ckpts.mkdir(parents=True)
+    shutil.copytree(step_dir, ckpts / step_dir.name)
+    (ckpts / "latest").write_text(step_dir.name + "\n")
+    return run_dir
+
+
+def _hf_tensors(d):
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.slow
+def test_checkpoint_resumes_under_other_layouts_and_exports_offline(tmp_path, ep2_zero2_run):
+    """Step 5 (sparse step 1 of 3: AdamW state of every parameter, the experts' in EP partitions)
+    of the EP2 x ZeRO-2 run, continued under DP2 x ZeRO-1 (2 ranks: experts replicated, their
+    state in the dense ZeRO partitions) and in one process, with the same data position.
+    Exact: the first step after the resume (its loss is the forward of the restored weights on the
+    same sequences), and the restored model against the offline export. Tolerance (rel 1e-6): the
+    step after that, whose update summed the expert gradients in another order (EP2: one GEMM over
+    both ranks' tokens; without EP: per-rank GEMMs + an all-reduce; one process: micro-batches
+    accumulated) — fp32 rounding, measured 6e-8 relative."""
+    from dsa_train.config import load_recipe
+    from dsa_train.engine import Trainer
+
+    ref_dir, _ = ep2_zero2_run
+    want = _metrics(ref_dir)
+    step5 = ref_dir / "checkpoints/step_00000005"
+
+    dp2 = _copy_checkpoint(step5, tmp_path / "dp2_zero1")
+    out = _run(dp2, ["parallel=zero2", "parallel.zero_stage=1", "probe_batches=0", "checkpoint.every_n_steps=1",
+                     "checkpoint.export=false"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed from" in out.stdout + out.stderr and "parallel.expert_parallel" in out.stdout + out.stderr
+    got = _metrics(dp2)
+    assert set(got) == {6, 7}
+    assert got[6]["train/loss"] == want[6]["train/loss"]
+    assert got[7]["train/loss"] == pytest.approx(want[7]["train/loss"], rel=1e-6)
+
+    one = _copy_checkpoint(step5, tmp_path / "one")
+    trainer = Trainer(load_recipe("demo", [*TINY, "probe_batches=0", "checkpoint.every_n_steps=1", f"run_dir={one}"]))
+    restored = {n: t.detach().clone() for n, t in trainer.model.state_dict().items()}
+    # `dsa-train export` reads the 2-rank checkpoint offline: the model the single process restored
+    offline = _hf_tensors(_export(step5, tmp_path / "export5"))
+    assert offline.keys() == restored.keys()
+    assert all(torch.equal(offline[n], restored[n]) for n in restored)
+    result = trainer.run()
+    got = {m["progress/global_step"]: m for m in result.history}
+    assert set(got) == {6, 7}
+    assert got[6]["train/loss"] == pytest.approx(want[6]["train/loss"], rel=1e-6)
+    assert got[7]["train/loss"] == pytest.approx(want[7]["train/loss"], rel=1e-6)
+    # the export of the single process's own last checkpoint equals its model's save_pretrained
+    ours, saved = _hf_tensors(_export(one, tmp_path / "export7")), _hf_tensors(one / "export")
+    assert ours.keys() == saved.keys() and all(torch.equal(ours[n], saved[n]) for n in saved)
+
+
+@pytest.mark.slow
+def test_two_rank_checkpoint_bytes_are_its_unique_state(ep2_zero2_run):
+    """No tensor stored twice: the DCP chunks of every tensor tile it exactly once, each stored
+    chunk's byte range is the chunk plus torch.save's fixed framing (measured 1.6 KiB), both ranks
+    wrote a part, and the files add up to the model + AdamW moments of the single-process model."""
+    import json
+    import math
+
+    from dsa_train.engine import sharded_state
+    from dsa_train.engine.checkpoint import read_manifest
+    from dsa_train.model import DSAConfig, DSAForCausalLM
+
+    ref_dir, _ = ep2_zero2_run
+    step = ref_dir / "checkpoints/step_00000005"
+    md = sharded_state.read_metadata(step / "state")
+    model = DSAForCausalLM(DSAConfig.from_hf_dict(json.loads((step / "config.json").read_text())))
+    state = model.state_dict()
+    params = dict(model.named_parameters())
+    # the unique state of the sparse stage (all parameters train; fp32 model: no separate masters)
+    unique = sum(t.numel() * t.element_size() for t in state.values()) + sum(2 * 4 * p.numel() for p in params.values())
+    assert set(md.state_dict_metadata) == ({f"model/{n}" for n in state}
+                                           | {f"optim/{k}/{n}" for k in ("exp_avg", "exp_avg_sq") for n in params})
+    chunk_bytes, chunks = 0, 0
+    for key, v in md.state_dict_metadata.items():
+        assert sum(math.prod(c.sizes) for c in v.chunks) == math.prod(v.size), key  # tiled once (DCP: no overlap)
+        elt = torch.tensor([], dtype=v.properties.dtype).element_size()
+        chunk_bytes += sum(math.prod(c.sizes) for c in v.chunks) * elt
+        chunks += len(v.chunks)
+    assert chunk_bytes == unique
+    assert len(md.storage_data) == chunks  # one stored item per chunk
+    framing = 2048
+    sizes = {}
+    for index, info in md.storage_data.items():
+        meta = md.state_dict_metadata[index.fqn]
+        chunk = next(c for c in meta.chunks if tuple(c.offsets) == tuple(index.offset))
+        payload = math.prod(chunk.sizes) * torch.tensor([], dtype=meta.properties.dtype).element_size()
+        assert payload <= info.length <= payload + framing, index
+        sizes[info.relative_path] = sizes.get(info.relative_path, 0) + info.length
+    files = read_manifest(step)["files"]
+    assert set(sizes) == {"__0_0.distcp", "__1_0.distcp"} and all(sizes.values())  # both ranks wrote a part
+    tensor_files = sum(files[f"state/{f}"]["size"] for f in sizes)
+    assert tensor_files == sum(sizes.values())
+    assert unique <= tensor_files <= unique + framing * chunks
+    on_disk = sum(p.stat().st_size for p in step.rglob("*") if p.is_file())
+    small = on_disk - tensor_files  # metadata, manifest, trainer state, RNG, data position, config
+    assert small < 256 * 1024, small
 
 
 def _export(run_dir, out):

@@ -1,5 +1,6 @@
 """Crash-safe training checkpoints: manifest, `latest` pointer, verification, fallback, pruning,
-full disk, several ranks (engine/checkpoint.py)."""
+full disk, byte-range checksums, the old format refused (engine/checkpoint.py). Several ranks and
+layouts: tests/test_checkpoint_sharded.py."""
 
 import json
 import logging
@@ -13,15 +14,18 @@ from dsa_train.engine import faults, train
 from dsa_train.engine.checkpoint import (
     CheckpointSaveError,
     CorruptCheckpoint,
+    OldFormatCheckpoint,
     TrainerState,
     find_resume_checkpoint,
     list_checkpoints,
     load_checkpoint,
     read_latest,
     read_manifest,
+    read_tensors,
     save_checkpoint,
     verify_checkpoint,
 )
+from dsa_train.engine.sharded_state import GlobalPieces, model_pieces
 from dsa_train.model import DSAForCausalLM, tiny_config
 
 
@@ -32,31 +36,41 @@ def model():
 
 
 def save(directory, step, model, keep_last=2, **kw):
-    engine = {"optimizer": {"step": step, "m": torch.full((3,), float(step))}}
-    return save_checkpoint(directory, TrainerState(global_step=step, stage_step=step), model, engine,
-                           {"epoch": 0, "batch_in_epoch": step}, {"torch": torch.get_rng_state()}, keep_last, **kw)
+    tensors = model_pieces(model)
+    tensors["optim/exp_avg/m"] = GlobalPieces((3,), torch.float32, [((0,), torch.full((3,), float(step)))])
+    return save_checkpoint(directory, TrainerState(global_step=step, stage_step=step), tensors,
+                           {"epoch": 0, "batch_in_epoch": step}, {"torch": torch.get_rng_state()}, keep_last,
+                           config_json=model.config.to_hf_dict(), optimizer={"adam_step": step}, **kw)
 
 
 def test_layout_manifest_and_latest_pointer(tmp_path, model):
     path = save(tmp_path, 3, model)
     assert path.name == "step_00000003" and read_latest(tmp_path) == "step_00000003"
     manifest = read_manifest(path)
-    assert set(manifest["files"]) == {"model.pt", "config.json", "engine.pt", "data.pt", "rng.pt", "trainer_state.json"}
+    assert set(manifest["files"]) == {"state/__0_0.distcp", "state/.metadata", "config.json", "optimizer.json",
+                                      "data.pt", "rng.pt", "trainer_state.json"}
     for name, entry in manifest["files"].items():
-        assert (path / name).stat().st_size == entry["size"] and len(entry["sha256"]) == 64
+        assert (path / name).stat().st_size == entry["size"]
+        if name.endswith(".distcp"):  # one sha256 per written chunk (byte range), checked as it is read
+            assert len(entry["regions"]) == len(model.state_dict()) + 1
+            assert all(len(h) == 64 for h in entry["regions"].values())
+        else:
+            assert len(entry["sha256"]) == 64
     verify_checkpoint(path)
     loaded = load_checkpoint(path)
-    assert loaded.state.global_step == 3 and loaded.data["batch_in_epoch"] == 3
-    assert torch.equal(loaded.model["model.embed_tokens.weight"], model.state_dict()["model.embed_tokens.weight"])
+    assert loaded.state.global_step == 3 and loaded.data["batch_in_epoch"] == 3 and loaded.optimizer["adam_step"] == 3
+    assert torch.equal(read_tensors(path)["model.embed_tokens.weight"], model.state_dict()["model.embed_tokens.weight"])
+    assert torch.equal(read_tensors(path, prefix="optim/exp_avg/")["m"], torch.full((3,), 3.0))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
 def test_truncated_file_is_rejected_and_resume_falls_back(tmp_path, model):
     save(tmp_path, 2, model)
     newest = save(tmp_path, 4, model)
-    data = (newest / "model.pt").read_bytes()
-    (newest / "model.pt").write_bytes(data[: len(data) // 2])
-    with pytest.raises(CorruptCheckpoint, match=r"model.pt has \d+ bytes, the manifest says \d+ \(truncated"):
+    shard = newest / "state/__0_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CorruptCheckpoint, match=r"__0_0.distcp has \d+ bytes, the manifest says \d+ \(truncated"):
         load_checkpoint(newest)
     path, rejected = find_resume_checkpoint(tmp_path)
     assert path.name == "step_00000002" and [p.name for p, _ in rejected] == ["step_00000004"]
@@ -64,12 +78,24 @@ def test_truncated_file_is_rejected_and_resume_falls_back(tmp_path, model):
 
 def test_flipped_bytes_fail_the_checksum(tmp_path, model):
     path = save(tmp_path, 1, model)
-    blob = bytearray((path / "engine.pt").read_bytes())
+    blob = bytearray((path / "data.pt").read_bytes())
     blob[len(blob) // 2] ^= 0xFF
-    (path / "engine.pt").write_bytes(bytes(blob))
-    with pytest.raises(CorruptCheckpoint, match="engine.pt does not match its sha256"):
+    (path / "data.pt").write_bytes(bytes(blob))
+    with pytest.raises(CorruptCheckpoint, match="data.pt does not match its sha256"):
         verify_checkpoint(path)
     verify_checkpoint(path, checksums=False)  # same size: only the checksum sees it (documented)
+
+
+def test_a_flipped_byte_in_the_tensors_fails_the_range_that_holds_it(tmp_path, model):
+    path = save(tmp_path, 1, model)
+    shard = path / "state/__0_0.distcp"
+    blob = bytearray(shard.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    shard.write_bytes(bytes(blob))
+    verify_checkpoint(path)  # sizes only: the tensor files' byte ranges are checked as they are read
+    with pytest.raises(CorruptCheckpoint, match=r"state/__0_0.distcp bytes \d+\+\d+ \(model/.*\) do not match their sha256"):
+        read_tensors(path)
+    assert "m" in read_tensors(path, prefix="optim/exp_avg/")  # a range that is intact reads
 
 
 def test_missing_file_and_missing_manifest(tmp_path, model):
@@ -78,8 +104,16 @@ def test_missing_file_and_missing_manifest(tmp_path, model):
     with pytest.raises(CorruptCheckpoint, match="rng.pt is missing"):
         verify_checkpoint(path)
     (path / "manifest.json").write_text("{not json")
-    with pytest.raises(CorruptCheckpoint, match="manifest.json is unreadable"):
-        verify_checkpoint(path)
+
+
+def test_a_checkpoint_of_the_old_per_rank_format_is_refused_in_one_line(tmp_path, model):
+    old = tmp_path / "step_00000007"
+    old.mkdir()
+    torch.save(model.state_dict(), old / "model.pt")
+    (old / "trainer_state.json").write_text(json.dumps({"global_step": 7}))
+    with pytest.raises(OldFormatCheckpoint, match=r"per-rank format .*dsa-train export") as err:
+        find_resume_checkpoint(tmp_path)
+    assert "\n" not in str(err.value)
 
 
 def test_keep_last_never_prunes_the_checkpoint_just_written(tmp_path, model):
@@ -119,33 +153,6 @@ def test_crash_mid_write_and_before_the_pointer(tmp_path, model, monkeypatch):
     assert find_resume_checkpoint(tmp_path)[0].name == "step_00000003"
 
 
-def test_two_ranks_write_one_checkpoint(tmp_path, model):
-    barrier = threading.Barrier(2)
-    errors = []
-
-    def rank(r):
-        try:
-            save_checkpoint(tmp_path, TrainerState(global_step=5), model if r == 0 else None, {"shard": r},
-                            {"batch_in_epoch": 5, "dp_rank": r}, {"rank": r}, 2, rank=r, world_size=2,
-                            barrier=lambda: barrier.wait(timeout=30))
-        except Exception as e:  # pragma: no cover - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
-    assert not errors
-    path = tmp_path / "step_00000005"
-    files = read_manifest(path)["files"]
-    assert {"data.rank00001.pt", "rng.rank00001.pt", "engine.rank00001.pt", "data.pt", "model.pt"} <= set(files)
-    assert read_manifest(path)["world_size"] == 2
-    one = load_checkpoint(path, rank=1)
-    assert one.data["dp_rank"] == 1 and one.engine == {"shard": 1} and one.rng == {"rank": 1}
-    assert "model.embed_tokens.weight" in one.model  # the model is rank 0's
-    with pytest.raises(CorruptCheckpoint, match="no data.rank00002.pt for rank 2"):
-        load_checkpoint(path, rank=2)
-
-
 def tiny_run(run_dir, *extra):
     return load_recipe("demo", [
         f"run_dir={run_dir}", "~stages.pretrain", "logging.wandb_mode=disabled", "logging.progress_bar=false",
@@ -160,8 +167,8 @@ def test_trainer_falls_back_past_a_corrupt_checkpoint_and_says_so(tmp_path, capl
     first = train(tiny_run(tmp_path / "run"))
     ckpts = tmp_path / "run/checkpoints"
     newest = ckpts / "step_00000004"
-    data = (newest / "model.pt").read_bytes()
-    (newest / "model.pt").write_bytes(data[:-100])  # truncated
+    data = (newest / "state/__0_0.distcp").read_bytes()
+    (newest / "state/__0_0.distcp").write_bytes(data[:-100])  # truncated
     (ckpts / "step_00000003" / "trainer_state.json").write_text("{}")  # and the one before corrupt too
     with caplog.at_level(logging.WARNING, logger="dsa_train.engine.trainer"):
         resumed = train(tiny_run(tmp_path / "run"))  # checkpoint.resume: auto (the default)
@@ -196,3 +203,20 @@ def test_trainer_full_disk_stops_with_the_previous_checkpoint_intact(tmp_path, m
     assert [m["progress/global_step"] for m in resumed.history] == [3, 4]
     state = json.loads((ckpts / "step_00000004" / "trainer_state.json").read_text())
     assert state["global_step"] == 4 and state["stage_index"] == 2
+
+
+def test_async_save_commits_after_the_write_and_resumes_exactly(tmp_path):
+    """checkpoint.async_save: the tensors are written in the background; every step_* that exists
+    is complete and verifies, and a resume from one continues exactly."""
+    import shutil
+
+    first = train(tiny_run(tmp_path / "run", "checkpoint.async_save=true"))
+    ckpts = tmp_path / "run/checkpoints"
+    assert [p.name for p in list_checkpoints(ckpts)] == ["step_00000002", "step_00000003", "step_00000004"]
+    for path in list_checkpoints(ckpts):
+        verify_checkpoint(path)
+    assert read_latest(ckpts) == "step_00000004" and not list(ckpts.glob(".tmp_*"))
+    shutil.rmtree(ckpts / "step_00000004")
+    resumed = train(tiny_run(tmp_path / "run", "checkpoint.async_save=true"))
+    assert [m["progress/global_step"] for m in resumed.history] == [4]
+    assert resumed.history[0]["train/loss"] == first.history[3]["train/loss"]

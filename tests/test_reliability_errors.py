@@ -274,7 +274,7 @@ def test_a_checkpoint_without_manifest_is_not_resumed_or_exported(tmp_path, caps
 
     run_dir, last = _trained_run(tmp_path)
     (last / "manifest.json").unlink()
-    model = last / "model.pt"
+    model = last / "state/__0_0.distcp"
     data = bytearray(model.read_bytes())
     data[len(data) // 2] ^= 0xFF  # a flipped byte in the weights: torch.load would not notice
     model.write_bytes(bytes(data))
@@ -290,12 +290,12 @@ def test_a_checkpoint_without_manifest_is_not_resumed_or_exported(tmp_path, caps
 
 def test_export_verifies_the_training_checkpoint(tmp_path, capsys):
     run_dir, last = _trained_run(tmp_path)
-    model = last / "model.pt"
+    model = last / "state/__0_0.distcp"
     data = bytearray(model.read_bytes())
     data[len(data) // 2] ^= 0xFF
     model.write_bytes(bytes(data))
     assert_one_line(dsa_train(capsys, "export", str(run_dir), str(tmp_path / "out")),
-                    "model.pt does not match its sha256", "export an earlier step_* directory")
+                    "state/__0_0.distcp bytes", "do not match their sha256", "export an earlier step_* directory")
 
 
 def test_an_index_pointing_outside_the_checkpoint_is_refused(tmp_path):

@@ -43,7 +43,9 @@ def run(run_dir: Path, fault: str | None = None, *extra: str, timeout=300):
 
 
 def final_model(run_dir: Path) -> dict:
-    return torch.load(run_dir / "checkpoints" / "step_00000006" / "model.pt", weights_only=True)
+    from dsa_train.engine.checkpoint import read_tensors
+
+    return read_tensors(run_dir / "checkpoints" / "step_00000006")
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +154,10 @@ def test_nan_skip_policy_skips_and_counts(reference, tmp_path):
     assert [m["train/nonfinite_skipped"] for m in history] == [0, 1, 1, 1, 1, 1]
     assert history[0]["train/loss"] == reference[0][0]["train/loss"]
     assert history[1]["optim/grad_norm"] != history[1]["optim/grad_norm"]  # NaN: no update
-    one = torch.load(run_dir / "checkpoints/step_00000001/model.pt", weights_only=True)
-    two = torch.load(run_dir / "checkpoints/step_00000002/model.pt", weights_only=True)
+    from dsa_train.engine.checkpoint import read_tensors
+
+    one = read_tensors(run_dir / "checkpoints/step_00000001")
+    two = read_tensors(run_dir / "checkpoints/step_00000002")
     assert all(torch.equal(one[k], two[k]) for k in one)  # the skipped step changed nothing
     assert all(m["train/loss"] == m["train/loss"] for m in history[2:])  # finite afterwards
 

@@ -1,9 +1,14 @@
 """The model inside a training checkpoint written by `dsa_train.engine` (the export source).
 
-A training checkpoint is `<run_dir>/checkpoints/step_XXXXXXXX/` with the model state dict in
-`model.pt` (engine/checkpoint.py). A checkpoint saved by several ranks may split the model over
-several `model*.pt` files with disjoint keys (e.g. one per expert-parallel rank); they are merged.
-Files are opened memory-mapped, so tensors are paged in only as the export reads them.
+A training checkpoint is `<run_dir>/checkpoints/step_XXXXXXXX/` (engine/checkpoint.py). Its
+tensors are a torch.distributed.checkpoint directory `state/` of global tensors
+(engine/sharded_state.py); the model is `model/<name>`, written in pieces by however many ranks
+and layouts. It is read here offline, in this one process (DCP's `no_dist` reader, no process
+group), one full tensor at a time as the export asks for it (`ShardedModelState`), each byte
+range checked against the manifest's sha256 as it is read.
+
+Checkpoints of earlier versions (one `model*.pt` per rank, tensor-parallel slices described by
+`layout*.json`) are still exported: their files are merged, opened memory-mapped.
 
 The state dict does not carry the model config; it is found, in this order, in
   1. `config.json` inside the step directory (Hugging Face form),
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +39,47 @@ from .skeleton import empty_model
 
 MODEL_FILE_GLOB = "model*.pt"
 STEP_PREFIX = "step_"
+SHARDED_METADATA = "state/.metadata"
+
+
+class ShardedModelState(Mapping):
+    """name -> full model tensor of a sharded checkpoint, read on access (offline DCP). `meta`:
+    name -> a meta-device tensor of the saved shape and dtype (read from the metadata only)."""
+
+    def __init__(self, step_dir: Path, regions: dict | None):
+        from dsa_train.engine import sharded_state
+
+        self.directory = step_dir / "state"
+        self.regions = regions
+        md = sharded_state.read_metadata(self.directory).state_dict_metadata
+        prefix = sharded_state.MODEL
+        self.meta = {k[len(prefix):]: torch.empty(tuple(v.size), dtype=v.properties.dtype, device="meta")
+                     for k, v in md.items() if k.startswith(prefix) and hasattr(v, "size")}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from dsa_train.engine import sharded_state
+
+        if name not in self.meta:
+            raise KeyError(name)
+        ((_, t),) = sharded_state.read_full_tensors(
+            self.directory, [name], regions=self.regions,
+            corrupt=lambda m: CheckpointError(f"{self.directory.parent}: {m}",
+                                              fix="export an earlier step_* directory of the run"))
+        return t
+
+    def __iter__(self):
+        return iter(self.meta)
+
+    def __len__(self) -> int:
+        return len(self.meta)
+
+
+def is_sharded(step_dir: Path) -> bool:
+    return (step_dir / SHARDED_METADATA).is_file()
+
+
+def _has_model(step_dir: Path) -> bool:
+    return is_sharded(step_dir) or any(step_dir.glob(MODEL_FILE_GLOB))
 
 
 @dataclass
@@ -47,10 +94,10 @@ class TrainingCheckpoint:
 def find_step_dir(path: str | os.PathLike) -> Path | None:
     """The step directory for PATH: itself, or the newest step_* under PATH or PATH/checkpoints."""
     path = Path(path)
-    if any(path.glob(MODEL_FILE_GLOB)):
+    if _has_model(path):
         return path
     for base in (path, path / "checkpoints"):
-        steps = [p for p in base.glob(STEP_PREFIX + "*") if p.is_dir() and any(p.glob(MODEL_FILE_GLOB))]
+        steps = [p for p in base.glob(STEP_PREFIX + "*") if p.is_dir() and _has_model(p)]
         if steps:
             return max(steps, key=lambda p: int(p.name[len(STEP_PREFIX):]) if p.name[len(STEP_PREFIX):].isdigit() else -1)
     return None
@@ -71,13 +118,30 @@ def verify_model_files(step_dir: Path, checksums: bool | None = None) -> None:
     from dsa_train.engine.checkpoint import CorruptCheckpoint, UnverifiedCheckpoint, verify_checkpoint
 
     checksums = VERIFY_CHECKSUMS if checksums is None else checksums
-    names = [f.name for f in step_dir.iterdir() if f.name.startswith(("model", "layout", "config.json"))]
-    try:
-        verify_checkpoint(step_dir, checksums=checksums, files=names)
+    if is_sharded(step_dir):  # every tensor file (its size), the metadata (sha256); byte ranges: as read
+        manifest_path = step_dir / "manifest.json"
+        try:
+            listed = json.loads(manifest_path.read_text()).get("files", {}) if manifest_path.is_file() else {}
+        except (ValueError, AttributeError):
+            listed = {}  # unreadable: verify_checkpoint says so below
+        names = [n for n in ("config.json", "trainer_state.json") if (step_dir / n).is_file()]
+        names += [n for n in listed if n.startswith("state/")] or [SHARDED_METADATA]
+    else:
+        names = [f.name for f in step_dir.iterdir() if f.name.startswith(("model", "layout", "config.json"))]
+    try:  # an earlier version's per-rank checkpoint is exported all the same (only resuming refuses it)
+        verify_checkpoint(step_dir, checksums=checksums, files=names, old_format_ok=True)
     except CorruptCheckpoint as e:
         raise CheckpointError(str(e), fix="export an earlier step_* directory of the run") from e
     except UnverifiedCheckpoint as e:
         raise CheckpointError(e.problem, fix=e.fix) from e
+
+
+def _sharded_regions(step_dir: Path, checksums: bool) -> dict | None:
+    if not checksums or not (step_dir / "manifest.json").is_file():
+        return None
+    files = json.loads((step_dir / "manifest.json").read_text())["files"]
+    return {n[len("state/"):]: e.get("regions", {}) for n, e in files.items()
+            if n.startswith("state/") and n != SHARDED_METADATA}
 
 
 def _read_state(step_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
@@ -289,7 +353,7 @@ def _resolve_config(step_dir: Path, state: dict, config: str | os.PathLike | Non
 def check_state_dict(state: dict, files: dict[str, Path], config: DSAConfig, step_dir: Path) -> None:
     """CheckpointError unless the state dict is exactly the model's (names and shapes)."""
     expected = {n: tuple(t.shape) for n, t in empty_model(config).state_dict().items()}
-    for name, t in state.items():
+    for name, t in getattr(state, "meta", state).items():
         if name not in expected:
             raise CheckpointError(
                 f"tensor {name} in {files[name]} is not part of the model the config describes; "
@@ -313,7 +377,11 @@ def open_training_checkpoint(path: str | os.PathLike, config: str | os.PathLike 
     if step_dir is None:
         raise CheckpointError(f"{path} is neither a Hugging Face model directory nor a training checkpoint (no {MODEL_FILE_GLOB})")
     verify_model_files(step_dir)
-    state, files = _read_state(step_dir)
+    if is_sharded(step_dir):
+        state = ShardedModelState(step_dir, _sharded_regions(step_dir, VERIFY_CHECKSUMS))
+        files = {name: step_dir / "state" for name in state}
+    else:
+        state, files = _read_state(step_dir)
     hydra = _hydra_config(step_dir)
     cfg = _resolve_config(step_dir, state, config, hydra)
     mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."

@@ -162,6 +162,10 @@ class CheckpointConfig:
     # On resume, check every file's sha256 against the checkpoint's manifest (sizes are always
     # checked). Reads the checkpoint twice; false for huge checkpoints on trusted storage.
     verify_checksums: bool = True
+    # Write the checkpoint's tensors in the background (torch.distributed.checkpoint.async_save):
+    # training continues after a copy of this rank's pieces; the checkpoint is committed (renamed
+    # into place, `latest` updated) only once every rank's write finished.
+    async_save: bool = False
     # Write `model.save_pretrained(<run_dir>/export)` (V3.2 Hugging Face layout) at the end.
     export: bool = True
 

@@ -107,6 +107,26 @@ class PackedDataLoader:
                 "micro_batch_size": s.batch_size, "num_sequences": s.num_sequences,
                 "seq_len": self.dataset.seq_len}
 
+    def _converted(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """A position saved under another data-parallel size or micro-batch size, as this loader's:
+        the same number of sequences of the epoch consumed (global micro-batches take consecutive
+        entries of the epoch's permutation, so the next step reads the same sequences). Unchanged
+        when the sizes match or the position falls between this loader's micro-batches (then the
+        mismatch is reported)."""
+        s = self.sampler
+        dp, mb = saved.get("dp_size"), saved.get("micro_batch_size")
+        if (dp, mb) == (s.dp_size, s.batch_size) or dp is None or mb is None:
+            return saved
+        consumed = int(saved["batch_in_epoch"]) * dp * mb  # sequences of the epoch used so far
+        saved_batches = saved.get("num_sequences", s.num_sequences) // (dp * mb)
+        epoch = int(saved["epoch"])
+        if int(saved["batch_in_epoch"]) >= saved_batches:  # the saved epoch was over: the next one starts
+            epoch, consumed = epoch + 1, 0
+        if consumed % (s.dp_size * s.batch_size):
+            return saved
+        return {**saved, "epoch": epoch, "batch_in_epoch": consumed // (s.dp_size * s.batch_size),
+                "dp_size": s.dp_size, "micro_batch_size": s.batch_size}
+
     def state_dict(self) -> dict[str, Any]:
         """Position after the batches consumed so far, plus the settings it is valid for."""
         return {**asdict(self.state), **self._settings()}
@@ -114,6 +134,7 @@ class PackedDataLoader:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from ``state_dict``; raises if it was saved under different settings."""
         expected = self._settings()
+        state_dict = self._converted(state_dict)
         mismatched = {k: (state_dict.get(k), v) for k, v in expected.items()
                       if k != "dp_rank" and state_dict.get(k) != v}
         if mismatched:

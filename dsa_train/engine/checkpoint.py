@@ -1,4 +1,5 @@
-"""Training checkpoints: everything needed to continue a run exactly, written crash-safely.
+"""Training checkpoints: everything needed to continue a run exactly, written crash-safely,
+sharded and independent of the parallel layout that wrote them.
 
 Layout of `<checkpoint.dir>/`:
     step_<global step, 8 digits>/   one complete checkpoint (below)
@@ -7,37 +8,41 @@ Layout of `<checkpoint.dir>/`:
     corrupt_step_*/                 a checkpoint that failed verification on resume (kept for a look)
 
 One checkpoint:
-    model.pt           model state dict (rank 0; `model.rank<r>.pt` for ranks that hold other keys)
-    layout.json        written by distributed runs next to each rank's model file
-                       (`layout.rank<r>.json`): {"tensor_parallel": TP, "shards": {name: [dim,
-                       start, stop]}} for tensor-parallel slices; every other tensor of the file
-                       is whole (a replica, or an expert only this expert-parallel rank holds).
-                       `dsa-train export` merges the ranks' files with it.
+    state/             the tensors, a torch.distributed.checkpoint (DCP) directory
+                       (engine/sharded_state.py): `model/<name>` (model values), `optim/master/<name>`
+                       (fp32 masters of bf16 parameters), `optim/exp_avg|exp_avg_sq/<name>` (AdamW
+                       moments), each a *global* tensor of the single-process shape; every rank
+                       writes only its pieces (`__<rank>_0.distcp`), a replica once; `.metadata`
+                       says where each chunk is. Absent optimizer keys at a stage boundary (the next
+                       stage starts with a fresh optimizer).
     config.json        the model's Hugging Face config (so `dsa-train export` needs nothing else)
-    engine.pt          optimizer + LR schedule state, fp32 masters of bf16 parameters (absent
-                       at a stage boundary: the next stage starts with a fresh optimizer);
-                       `engine.rank<r>.pt` for the other ranks that pass their own state
-    data.pt            data loader state (position in the stream); `data.rank<r>.pt` per rank
+    optimizer.json     AdamW's step count and the LR schedule's position (absent at a stage boundary)
+    data.pt            the data loader's position (one for the job: ranks move in lockstep; a
+                       different data-parallel size converts it, data/loader.py)
     rng.pt             python / numpy / torch (/ cuda) RNG states; `rng.rank<r>.pt` per rank
     trainer_state.json stage index and step, global step, tokens, W&B run id, non-finite
-                       counters, summary so far
-    manifest.json      every file above with its size and sha256, written last
+                       counters, summary so far, the recipe
+    manifest.json      every file with its size; the small files with their sha256, the DCP data
+                       files with the sha256 of every byte range (one per written chunk); written last
 
-Guarantees (docs/reliability.md):
+Guarantees (docs/reliability.md, docs/checkpoints.md):
 * A save writes into `.tmp_step_N/`, fsyncs every file and the directory, renames it to `step_N`
   (atomic), fsyncs the parent, then replaces `latest` (write + fsync + rename). A directory named
   `step_*` is therefore always complete; a crash at any point leaves the previous checkpoints
-  untouched.
+  untouched. With `checkpoint.async_save` the tensors are written in the background and the
+  commit (rename + `latest`) happens only once every rank's write finished.
 * Old checkpoints are pruned to `keep_last` only after the new one is committed, and the one just
   written is never pruned.
 * A failed save removes its temporary directory and raises CheckpointSaveError naming the
   checkpoint that is still intact and the fix for the cause (space, permission, other I/O). A
   single-process save that runs out of space first prunes what a successful save would prune
   (all but the newest keep_last - 1 older checkpoints, never the newest) and tries once more.
-* Loading verifies the manifest (sizes always, sha256 unless disabled) and raises
+* Loading checks every file's size, the sha256 of the small files a rank reads, and (while
+  reading) the sha256 of each byte range of the tensor files it reads — nothing else; it raises
   CorruptCheckpoint naming the file; `find_resume_checkpoint` falls back to the newest
   checkpoint that verifies. A checkpoint without a manifest cannot be verified: it raises
-  UnverifiedCheckpoint (the run stops and says how to proceed) unless checksums are disabled.
+  UnverifiedCheckpoint (the run stops and says how to proceed) unless checksums are disabled. A
+  checkpoint in the per-rank format of earlier versions (`model.pt`) raises OldFormatCheckpoint.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from typing import Callable
 import torch
 
 from dsa_train.engine import faults
+from dsa_train.engine import sharded_state as sharded
 from dsa_train.errors import DSATrainError
 
 log = logging.getLogger(__name__)
@@ -66,7 +72,12 @@ LATEST = "latest"
 TMP_PREFIX = ".tmp_"
 OLD_PREFIX = ".old_"
 CORRUPT_PREFIX = "corrupt_"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+OPTIMIZER_FILE = "optimizer.json"
+DATA_FILE = "data.pt"
+CONFIG_FILE = "config.json"
+STATE_DIR = sharded.STATE_DIR
+DCP_METADATA = f"{STATE_DIR}/.metadata"
 
 
 class CorruptCheckpoint(DSATrainError, RuntimeError):
@@ -76,6 +87,11 @@ class CorruptCheckpoint(DSATrainError, RuntimeError):
 class UnverifiedCheckpoint(DSATrainError, RuntimeError):
     """A checkpoint without a manifest: its files cannot be checked, so it is not used unless the
     user says to trust it (checkpoint.verify_checksums=false). Not moved aside: it may be fine."""
+
+
+class OldFormatCheckpoint(DSATrainError, RuntimeError):
+    """A checkpoint in the per-rank format of earlier versions (one `model.pt` / `engine.pt` per
+    rank): this version resumes only sharded checkpoints. Not moved aside: it is intact."""
 
 
 class CheckpointSaveError(DSATrainError, RuntimeError):
@@ -101,24 +117,35 @@ class TrainerState:
 
 @dataclass
 class Checkpoint:
+    """A checkpoint opened for one rank: the small state read, the tensors read on demand into
+    the pieces of the layout now (`load`)."""
+
     path: Path
     state: TrainerState
-    model: dict
-    engine: dict | None
+    optimizer: dict | None  # optimizer.json (None at a stage boundary)
     data: dict
     rng: dict
+    regions: dict | None  # {file under state/: {"offset+length": sha256}}; None: checksums off
+
+    def model_shapes(self) -> dict[str, tuple[int, ...]]:
+        """parameter / buffer name -> global shape of the saved model."""
+        return sharded.global_shapes(self.path / STATE_DIR, sharded.MODEL)
+
+    def saved_keys(self) -> set[str]:
+        return set(sharded.read_metadata(self.path / STATE_DIR).state_dict_metadata)
+
+    def load(self, pieces: dict[str, sharded.GlobalPieces], process_group=None) -> None:
+        """Fill `pieces` (this rank's, any layout) from the checkpoint; every rank calls it."""
+        sharded.load_pieces(self.path / STATE_DIR, pieces, self.regions,
+                            lambda m: CorruptCheckpoint(f"checkpoint {self.path}: {m}"), process_group)
 
 
 def step_of(path: Path) -> int:
     return int(path.name[len(PREFIX):])
 
 
-LAYOUT_STEM = "layout"  # `layout.json` / `layout.rank<r>.json`: how a rank's model file is sharded
-
-
 def rank_file(stem: str, rank: int) -> str:
-    ext = ".json" if stem == LAYOUT_STEM else ".pt"
-    return f"{stem}{ext}" if rank == 0 else f"{stem}.rank{rank:05d}{ext}"
+    return f"{stem}.pt" if rank == 0 else f"{stem}.rank{rank:05d}.pt"
 
 
 # ---------------------------------------------------------------------------------- writing
@@ -194,92 +221,156 @@ def _write_latest(directory: Path, name: str) -> None:
     _fsync_dir(directory)
 
 
+def _io_error(err: BaseException) -> OSError | None:
+    """The OSError behind a failed write (DCP wraps the ranks' errors in a CheckpointException)."""
+    if isinstance(err, OSError):
+        return err
+    failures = getattr(err, "failures", None) or {}
+    for value in failures.values():
+        value = value[0] if isinstance(value, tuple) else value
+        found = _io_error(value) if isinstance(value, BaseException) else None
+        if found is not None:
+            return found
+    cause = err.__cause__ or err.__context__
+    return _io_error(cause) if cause is not None and cause is not err else None
+
+
+@dataclass
+class PendingSave:
+    """A save whose tensors are still being written (`checkpoint.async_save`). `done()` says
+    whether this rank's write finished; `commit()` (every rank, together) waits for it, writes the
+    manifest and commits the checkpoint: before that, `step_N` does not exist."""
+
+    final: Path
+    finish: Callable[[], Path]
+    future: object
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def commit(self) -> Path:
+        return self.finish()
+
+
 def save_checkpoint(
     directory: str | os.PathLike,
     state: TrainerState,
-    model: torch.nn.Module | None,
-    engine_state: dict | None,
+    tensors: dict[str, sharded.GlobalPieces],
     data_state: dict,
     rng: dict,
     keep_last: int,
     *,
+    config_json: dict | None = None,
+    optimizer: dict | None = None,
     rank: int = 0,
     world_size: int = 1,
     barrier: Callable[[], None] | None = None,
-    model_layout: dict | None = None,
+    process_group=None,
+    async_save: bool = False,
     _retrying: list[str] | None = None,
-) -> Path:
+) -> Path | PendingSave:
     """Write a checkpoint atomically (see the module docstring) and prune to `keep_last`.
 
-    Several ranks: every rank calls this with its own `data_state`, `rng` and, when it holds
-    state of its own, `model` / `engine_state` (None otherwise); `barrier` synchronizes them.
-    Rank 0 writes the shared files, merges the ranks' manifests and commits."""
+    Every rank calls this with the pieces of the global tensors it holds (`tensors`, see
+    engine/sharded_state.py: `model_pieces` + `optimizer_pieces`) and its RNG state; rank 0 also
+    writes the shared small files (`config_json`, `optimizer`, `data_state`, the trainer state).
+    `barrier` synchronizes the ranks, `process_group` is the group DCP plans over. With
+    `async_save` the tensors are written in the background: the returned PendingSave commits
+    the checkpoint when every rank calls its `commit()`."""
     directory = Path(directory)
     barrier = barrier or (lambda: None)
     final = directory / f"{PREFIX}{state.global_step:08d}"
     tmp = directory / f"{TMP_PREFIX}{final.name}"
     # the fault switch's `enospc` models a disk that is full until a checkpoint is pruned
     write_faults = faults.WriteFaults(state.global_step, disk_freed=bool(_retrying))
+
+    def failed(err: BaseException):
+        io = _io_error(err)
+        if io is None:
+            raise err
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if _is_out_of_space(io) and world_size == 1 and not _retrying:
+            pruned = make_room(directory, keep_last, final)
+            if pruned:
+                log.warning("saving %s failed (%s): pruned %s to make room (checkpoint.keep_last=%d), trying again",
+                            final, io.strerror or io, ", ".join(p.name for p in pruned), keep_last)
+                return save_checkpoint(directory, state, tensors, data_state, rng, keep_last, config_json=config_json,
+                                       optimizer=optimizer, rank=rank, world_size=world_size, barrier=barrier,
+                                       process_group=process_group, async_save=False,
+                                       _retrying=[p.name for p in pruned])
+        raise save_error(directory, final, io, _retrying) from err
+
+    entries: dict[str, dict] = {}
     try:
         if rank == 0:
             directory.mkdir(parents=True, exist_ok=True)
             _remove_stale(directory)
             tmp.mkdir()
         barrier()
-        entries: dict[str, dict] = {}
-        if model is not None:
-            name = rank_file("model", rank)
-            entries[name] = _write_file(tmp / name, lambda w: torch.save(model.state_dict(), w), write_faults)
-        if model is not None and model_layout is not None:
-            name = rank_file(LAYOUT_STEM, rank)
-            entries[name] = _write_json_file(tmp / name, model_layout, write_faults)
-        if rank == 0 and model is not None and hasattr(model, "config"):
-            entries["config.json"] = _write_json_file(tmp / "config.json", model.config.to_hf_dict(), write_faults)
-        if engine_state is not None:
-            name = rank_file("engine", rank)
-            entries[name] = _write_file(tmp / name, lambda w: torch.save(engine_state, w), write_faults)
-        for stem, obj in (("data", data_state), ("rng", rng)):
-            name = rank_file(stem, rank)
-            entries[name] = _write_file(tmp / name, lambda w, obj=obj: torch.save(obj, w), write_faults)
+        if rank == 0:
+            if config_json is not None:
+                entries[CONFIG_FILE] = _write_json_file(tmp / CONFIG_FILE, config_json, write_faults)
+            if optimizer is not None:
+                entries[OPTIMIZER_FILE] = _write_json_file(tmp / OPTIMIZER_FILE, optimizer, write_faults)
+            entries[DATA_FILE] = _write_file(tmp / DATA_FILE, lambda w: torch.save(data_state, w), write_faults)
+        name = rank_file("rng", rank)
+        entries[name] = _write_file(tmp / name, lambda w: torch.save(rng, w), write_faults)
         if rank == 0:
             entries[STATE_FILE] = _write_json_file(tmp / STATE_FILE, asdict(state), write_faults)
-        if world_size > 1:
-            _write_json_file(tmp / f".manifest.rank{rank:05d}.json", entries, faults.WriteFaults(-1))
-        barrier()
-        if rank == 0:
-            for r in range(1, world_size):
-                part = tmp / f".manifest.rank{r:05d}.json"
-                entries.update(json.loads(part.read_text()))
-                part.unlink()
-            manifest = {"version": MANIFEST_VERSION, "global_step": state.global_step,
-                        "world_size": world_size, "files": dict(sorted(entries.items()))}
-            _write_json_file(tmp / MANIFEST, manifest, faults.WriteFaults(-1))
-            _fsync_dir(tmp)
-            old = None
-            if final.exists():  # the same step saved again (e.g. after a resume): replace it
-                old = directory / f"{OLD_PREFIX}{final.name}"
-                os.replace(final, old)
-            os.replace(tmp, final)
-            _fsync_dir(directory)
-            faults.at("commit", state.global_step)
-            _write_latest(directory, final.name)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-            prune_checkpoints(directory, keep_last, newest=final)
-        barrier()
-    except OSError as err:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if _is_out_of_space(err) and world_size == 1 and not _retrying:
-            pruned = make_room(directory, keep_last, final)
-            if pruned:
-                log.warning("saving %s failed (%s): pruned %s to make room (checkpoint.keep_last=%d), trying again",
-                            final, err.strerror or err, ", ".join(p.name for p in pruned), keep_last)
-                return save_checkpoint(directory, state, model, engine_state, data_state, rng, keep_last, rank=rank,
-                                       world_size=world_size, barrier=barrier, model_layout=model_layout,
-                                       _retrying=[p.name for p in pruned])
-        raise save_error(directory, final, err, _retrying) from err
-    return final
+        writer, future = sharded.save_pieces(tmp / STATE_DIR, tensors, process_group, on_write=write_faults.on_write,
+                                             async_save=async_save)
+    except Exception as err:
+        return failed(err)
+
+    def finish() -> Path:
+        try:
+            if future is not None:
+                future.result()
+            for rel, regions in writer.regions.items():
+                entries[f"{STATE_DIR}/{rel}"] = {"size": (tmp / STATE_DIR / rel).stat().st_size, "regions": regions}
+            if rank == 0:
+                meta = tmp / DCP_METADATA
+                entries[DCP_METADATA] = {"size": meta.stat().st_size, "sha256": _sha256(meta)}
+            _commit(directory, tmp, final, state, entries, keep_last, rank, world_size, barrier)
+        except Exception as err:
+            return failed(err)
+        return final
+
+    if future is not None:
+        return PendingSave(final, finish, future)
+    return finish()
+
+
+def _commit(directory: Path, tmp: Path, final: Path, state: TrainerState, entries: dict, keep_last: int, rank: int,
+            world_size: int, barrier: Callable[[], None]) -> None:
+    """Merge the ranks' manifest parts, write the manifest, rename the directory into place,
+    point `latest` at it and prune."""
+    if world_size > 1:
+        _write_json_file(tmp / f".manifest.rank{rank:05d}.json", entries, faults.WriteFaults(-1))
+    barrier()
+    if rank == 0:
+        for r in range(1, world_size):
+            part = tmp / f".manifest.rank{r:05d}.json"
+            entries.update(json.loads(part.read_text()))
+            part.unlink()
+        manifest = {"version": MANIFEST_VERSION, "global_step": state.global_step,
+                    "world_size": world_size, "files": dict(sorted(entries.items()))}
+        _write_json_file(tmp / MANIFEST, manifest, faults.WriteFaults(-1))
+        _fsync_dir(tmp / STATE_DIR)
+        _fsync_dir(tmp)
+        old = None
+        if final.exists():  # the same step saved again (e.g. after a resume): replace it
+            old = directory / f"{OLD_PREFIX}{final.name}"
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(directory)
+        faults.at("commit", state.global_step)
+        _write_latest(directory, final.name)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        prune_checkpoints(directory, keep_last, newest=final)
+    barrier()
 
 
 def _is_out_of_space(err: OSError) -> bool:
@@ -385,10 +476,28 @@ def read_manifest(path: Path) -> dict | None:
     return manifest
 
 
-def verify_checkpoint(path: str | os.PathLike, checksums: bool = True, files: list[str] | None = None) -> None:
+def is_old_format(path: Path) -> bool:
+    """A checkpoint of the earlier per-rank format (`model.pt` per rank, no `state/`)."""
+    return not (path / STATE_DIR).is_dir() and (path / "model.pt").is_file()
+
+
+def old_format_error(path: Path) -> OldFormatCheckpoint:
+    return OldFormatCheckpoint(
+        f"checkpoint {path} is in the per-rank format of an earlier dsa_train (model.pt per rank); this version "
+        "resumes only sharded checkpoints (state/)",
+        fix=f"export its model with `dsa-train export {path} OUT` and start a new run_dir from it "
+            "(model.pretrained=OUT), or resume it with the dsa_train version that wrote it")
+
+
+def verify_checkpoint(path: str | os.PathLike, checksums: bool = True, files: list[str] | None = None,
+                      old_format_ok: bool = False) -> None:
     """CorruptCheckpoint unless every file in the manifest (or those of `files` it lists) exists
-    with its recorded size and, with `checksums`, its sha256."""
+    with its recorded size and, with `checksums`, the small ones their sha256. The tensor files'
+    byte ranges are checked when a rank reads them (`Checkpoint.load`). `old_format_ok`: verify an
+    earlier version's per-rank checkpoint too (the export reads it), else OldFormatCheckpoint."""
     path = Path(path)
+    if is_old_format(path) and not old_format_ok:
+        raise old_format_error(path)
     manifest = read_manifest(path)
     if manifest is None:
         if checksums:
@@ -411,65 +520,80 @@ def verify_checkpoint(path: str | os.PathLike, checksums: bool = True, files: li
             raise CorruptCheckpoint(
                 f"checkpoint {path}: {name} has {size} bytes, the manifest says {entry['size']} (truncated or overwritten)"
             )
-        if checksums and _sha256(f) != entry["sha256"]:
+        if checksums and "sha256" in entry and _sha256(f) != entry["sha256"]:
             raise CorruptCheckpoint(f"checkpoint {path}: {name} does not match its sha256 in {MANIFEST} (corrupt)")
 
 
-def _rank_files(path: Path, rank: int) -> dict[str, str | None]:
-    """Which file of `path` holds each part for `rank` (rank files fall back to rank 0's)."""
-    out: dict[str, str | None] = {}
-    for stem in ("model", "engine", "data", "rng"):
-        own = rank_file(stem, rank)
-        if (path / own).is_file():
-            out[stem] = own
-        elif stem in ("model", "engine") and (path / rank_file(stem, 0)).is_file():
-            out[stem] = rank_file(stem, 0)
-        else:
-            out[stem] = None
-    return out
+def files_for_rank(path: Path, rank: int) -> list[str]:
+    """The files rank `rank` reads itself (the tensor files only by byte range, checked then) and
+    every tensor file (its size)."""
+    own_rng = rank_file("rng", rank) if (path / rank_file("rng", rank)).is_file() else rank_file("rng", 0)
+    tensor_files = [f"{STATE_DIR}/{p.name}" for p in sharded.dcp_files(path / STATE_DIR)]
+    return [STATE_FILE, CONFIG_FILE, OPTIMIZER_FILE, DATA_FILE, own_rng, DCP_METADATA, *tensor_files]
 
 
 def load_checkpoint(path: str | os.PathLike, *, rank: int = 0, verify: bool = True, checksums: bool = True) -> Checkpoint:
-    """Read checkpoint `path` for `rank`, verifying the files it reads against the manifest."""
+    """Open checkpoint `path` for `rank` (any layout): its small files read and verified, the
+    tensors read later into the pieces of the layout now (`Checkpoint.load`), each byte range
+    checked as it is read."""
     path = Path(path)
-    parts = _rank_files(path, rank)
-    for stem in ("model", "data", "rng"):
-        if parts[stem] is None:
-            raise CorruptCheckpoint(
-                f"checkpoint {path} has no {rank_file(stem, rank)} for rank {rank}"
-                + (" (was it written by fewer ranks? resume with the same world size)" if rank else "")
-            )
+    if is_old_format(path):
+        raise old_format_error(path)
+    if not (path / STATE_DIR / ".metadata").is_file():
+        raise CorruptCheckpoint(f"checkpoint {path} has no {DCP_METADATA} (incomplete)")
+    manifest = None
     if verify:
-        verify_checkpoint(path, checksums, files=[STATE_FILE, *(f for f in parts.values() if f)])
+        verify_checkpoint(path, checksums, files=files_for_rank(path, rank))
+        manifest = read_manifest(path)
+    regions = None
+    if checksums and manifest is not None:
+        regions = {name[len(STATE_DIR) + 1:]: entry.get("regions", {}) for name, entry in manifest["files"].items()
+                   if name.startswith(STATE_DIR + "/") and name != DCP_METADATA}
 
-    def _load(name: str, weights_only: bool):
+    def _load(name: str):
         try:
-            return torch.load(path / name, map_location="cpu", weights_only=weights_only)
+            return torch.load(path / name, map_location="cpu", weights_only=False)
         except Exception as e:  # truncated zip, bad pickle, ...
             raise CorruptCheckpoint(f"checkpoint {path}: cannot read {name} ({type(e).__name__}: {e})") from e
 
+    def _json(name: str):
+        try:
+            return json.loads((path / name).read_text())
+        except (OSError, ValueError) as e:
+            raise CorruptCheckpoint(f"checkpoint {path}: cannot read {name} ({e})") from e
+
     try:
-        state = TrainerState(**json.loads((path / STATE_FILE).read_text()))
-    except (OSError, ValueError, TypeError) as e:
+        state = TrainerState(**_json(STATE_FILE))
+    except TypeError as e:
         raise CorruptCheckpoint(f"checkpoint {path}: cannot read {STATE_FILE} ({e})") from e
+    if not (path / DATA_FILE).is_file():
+        raise CorruptCheckpoint(f"checkpoint {path} has no {DATA_FILE}")
+    rng_name = rank_file("rng", rank) if (path / rank_file("rng", rank)).is_file() else rank_file("rng", 0)
+    if not (path / rng_name).is_file():
+        raise CorruptCheckpoint(f"checkpoint {path} has no {rng_name}")
     return Checkpoint(
         path=path,
         state=state,
-        model=_load(parts["model"], True),
-        engine=_load(parts["engine"], False) if parts["engine"] else None,
-        data=_load(parts["data"], False),
-        rng=_load(parts["rng"], False),
+        optimizer=_json(OPTIMIZER_FILE) if (path / OPTIMIZER_FILE).is_file() else None,
+        data=_load(DATA_FILE),
+        rng=_load(rng_name),
+        regions=regions,
     )
 
 
 def find_resume_checkpoint(
-    directory: str | os.PathLike, checksums: bool = True
+    directory: str | os.PathLike, checksums: bool = True, rank: int = 0
 ) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest checkpoint that verifies, and the newer ones rejected with their reasons."""
+    """The newest checkpoint that verifies (the files `rank` reads; tensor files by size), and
+    the newer ones rejected with their reasons. A checkpoint of the old per-rank format stops the
+    search with OldFormatCheckpoint (it is intact, only unreadable here)."""
     rejected: list[tuple[Path, str]] = []
     for path in reversed(list_checkpoints(directory)):
         try:
-            verify_checkpoint(path, checksums)
+            files = files_for_rank(path, rank) if (path / STATE_DIR).is_dir() else None
+            verify_checkpoint(path, checksums, files=files)
+            if not (path / STATE_DIR / ".metadata").is_file() and read_manifest(path) is not None:
+                raise CorruptCheckpoint(f"checkpoint {path} has no {DCP_METADATA} (incomplete)")
             return path, rejected
         except (CorruptCheckpoint, OSError) as e:
             rejected.append((path, str(e)))
@@ -485,3 +609,19 @@ def quarantine(path: Path) -> Path:
         n += 1
     os.replace(path, target)
     return target
+
+
+def read_tensors(path: str | os.PathLike, prefix: str = sharded.MODEL, checksums: bool = True) -> dict[str, torch.Tensor]:
+    """Offline, in one process: every full global tensor of checkpoint `path` whose key starts
+    with `prefix` (default the model's; "" for all), keyed without the prefix. For small models,
+    tests and tools; `dsa-train export` streams tensor by tensor instead."""
+    path = Path(path)
+    manifest = read_manifest(path) if checksums else None
+    regions = None
+    if manifest is not None:
+        regions = {name[len(STATE_DIR) + 1:]: entry.get("regions", {}) for name, entry in manifest["files"].items()
+                   if name.startswith(STATE_DIR + "/") and name != DCP_METADATA}
+    md = sharded.read_metadata(path / STATE_DIR).state_dict_metadata
+    names = [k[len(prefix):] for k, v in md.items() if k.startswith(prefix) and hasattr(v, "size")]
+    return dict(sharded.read_full_tensors(path / STATE_DIR, names, prefix, regions,
+                                          lambda m: CorruptCheckpoint(f"checkpoint {path}: {m}")))

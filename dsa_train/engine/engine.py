@@ -1,7 +1,8 @@
 """The seam between the training loop and how parameters are updated.
 
 `Engine` owns the model, the optimizer and the schedule of one stage, and exposes what the loop
-needs: backward, step (clip + update + schedule), zero_grad and checkpointable state. The
+needs: backward, step (clip + update + schedule), zero_grad; checkpoints read its optimizer state
+per parameter (engine/sharded_state.py). The
 distributed work replaces it by a DeepSpeed / Megatron-backed engine with the same methods.
 
 Parameters stored in a low-precision dtype (bfloat16) get an fp32 master copy: AdamW updates the
@@ -87,16 +88,5 @@ class Engine:
         for _, param in self.trainable:
             param.grad = None
 
-    def state_dict(self) -> dict:
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "masters": {name: master.detach() for name, master in self.masters.items()},
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        with torch.no_grad():
-            for name, value in state["masters"].items():
-                self.masters[name].copy_(value)
+    # Checkpointed state (fp32 masters, AdamW moments, step, schedule) is read and written per
+    # parameter by engine/sharded_state.py (`fragments`), the same for every engine.

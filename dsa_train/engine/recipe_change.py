@@ -5,6 +5,9 @@ rest naming the keys and how to proceed.
 Applied (each logged as `resume: ...`):
   * any key of logging, checkpoint, fault_tolerance, cluster, run_name, run_dir, probe_batches,
     device: they do not change what is trained;
+  * the parallel layout (parallel.*: world size, TP, CP, EP, DP, ZeRO stage, recompute): sharded
+    checkpoints hold global tensors and each rank reads its own pieces (engine/sharded_state.py);
+    the data position carries over when the global batch stays (data/loader.py);
   * the steps of the stage in progress (more, or fewer but still more than it has done): the
     stage's LR schedule is recomputed for the new length;
   * stages added, or not-yet-started stages removed or changed, after the stage in progress.
@@ -13,7 +16,7 @@ Refused (`RecipeChanged`, a ConfigError):
     top-k, batch size, ...): the optimizer, schedule and data position in the checkpoint belong
     to the old values, so the run would silently keep the old ones or mix them;
   * stages renamed, removed or reordered up to the stage in progress;
-  * model, data, optimizer, parallel, seed and deterministic changes.
+  * model, data, optimizer, seed and deterministic changes.
 A finished run (every stage done) says so instead of training nothing.
 """
 
@@ -27,7 +30,7 @@ from dsa_train.config import ConfigError
 log = logging.getLogger(__name__)
 
 FREE_SECTIONS = ("logging", "checkpoint", "fault_tolerance", "cluster", "run_name", "run_dir", "probe_batches", "device",
-                 "deterministic")
+                 "deterministic", "parallel")
 
 
 class RecipeChanged(ConfigError):

@@ -24,6 +24,7 @@ from dsa_train.config import Attention, ConfigError, Device, StageConfig, TrainC
 from dsa_train.checkpoint.export import trained_index_topk
 from dsa_train.config.validate import doubtful_values
 from dsa_train.engine import checkpoint as ckpt
+from dsa_train.engine import sharded_state
 from dsa_train.engine import faults, recipe_change
 from dsa_train.engine.engine import Engine
 from dsa_train.engine.nonfinite import NonFiniteError, check_step, poison, poison_gradient
@@ -104,8 +105,9 @@ class Trainer:
     parallelized (`dsa_train.parallel.model.parallelize_model`), data sharded by data-parallel
     rank, the DeepSpeed engine per stage, the step's numbers combined over ranks by
     `dsa_train.parallel.step.parallel_reduction`. Rank 0 logs (W&B, progress) and writes the
-    shared files; every rank writes its own model shard and optimizer partition in checkpoints;
-    the export at the end gathers the full model to rank 0."""
+    shared files; in checkpoints every rank writes its pieces of the global tensors (model
+    slices, ZeRO optimizer fragments; a replica once), so they resume under any layout
+    (engine/sharded_state.py); the export at the end gathers the full model to rank 0."""
 
     def __init__(self, cfg: TrainConfig, distributed: bool = False):
         from dsa_train.data import DataConfig, build_dataloader
@@ -117,6 +119,9 @@ class Trainer:
         self.reduction = None  # how a step's numbers combine over ranks (None: one process)
         self.rank, self.world_size, self.dp_rank, self.dp_size = 0, 1, 0, 1
         self.barrier = None  # syncs the ranks around checkpoint commits
+        self.checkpoint_group = None  # the gloo group DCP plans checkpoints over (N ranks)
+        self.pending_save: ckpt.PendingSave | None = None  # checkpoint.async_save: written, not committed
+        self.resume_checkpoint: ckpt.Checkpoint | None = None  # its optimizer state is loaded by run_stage
         if distributed:
             cfg = self._init_ranks(cfg)
         else:
@@ -206,6 +211,9 @@ class Trainer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dp_rank, self.dp_size = state.dp_rank, state.sizes.data
         self.barrier = dist.barrier
+        # DCP's planning collectives run on their own gloo group: CPU objects on any backend, and
+        # an async save's background thread never shares a group with the training collectives
+        self.checkpoint_group = dist.new_group(backend="gloo")
         for name, stage in cfg.stages.items():
             per_step = cfg.data.micro_batch_size * state.sizes.data
             if stage.global_batch_size % per_step:
@@ -242,12 +250,15 @@ class Trainer:
         directory = self.cfg.checkpoint.dir
         checksums = self.cfg.checkpoint.verify_checksums
         while True:
-            path, rejected = ckpt.find_resume_checkpoint(directory, checksums)
+            path, rejected = ckpt.find_resume_checkpoint(directory, checksums, rank=self.rank)
             for bad, reason in rejected:
                 log.warning("resume: rejecting %s: %s", bad, reason)
             if path is not None:
                 try:
                     loaded = ckpt.load_checkpoint(path, rank=self.rank, checksums=checksums)
+                    self._check_same_model(path, loaded)
+                    # this rank's pieces of the model, whatever layout wrote them (collective)
+                    loaded.load(sharded_state.model_pieces(self.model, self.tp_size()), self.checkpoint_group)
                 except ckpt.CorruptCheckpoint as err:  # verified, yet unreadable
                     rejected.append((path, str(err)))
                     log.warning("resume: rejecting %s: %s", path, err)
@@ -270,12 +281,11 @@ class Trainer:
                 break
         if rejected:
             log.warning("resume: falling back to %s, the newest checkpoint that verifies", path)
-        self._check_same_model(path, loaded)
         self._check_same_recipe(path, loaded.state)
-        self.model.load_state_dict(loaded.model)
         self.loader.load_state_dict(loaded.data)
         self.state = loaded.state
-        self.engine_state = loaded.engine
+        self.engine_state = loaded.optimizer
+        self.resume_checkpoint = loaded
         self.resume_rng = loaded.rng
         self.result.summary = self.state.summary
         log.info("resumed from %s (stage %d, step %d)", path, self.state.stage_index, self.state.stage_step)
@@ -297,17 +307,28 @@ class Trainer:
         if state.stage_index >= len(self.stage_names):
             self.finished = recipe_change.finished_message(self.stage_names, state.global_step, path, self.run_dir / "export")
 
+    def tp_size(self) -> int:
+        return self.parallel.sizes.tensor if self.parallel is not None else 1
+
     def _check_same_model(self, path: Path, loaded: ckpt.Checkpoint) -> None:
-        """ConfigError when the checkpoint was written for another model than this recipe's."""
+        """ConfigError when the checkpoint was written for another model than this recipe's
+        (names and global shapes of the saved model tensors against this model's)."""
         import json
 
         saved_cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
         ours = self.model.config.to_hf_dict()
         differ = sorted(k for k in set(saved_cfg) | set(ours) if saved_cfg.get(k) != ours.get(k)) if saved_cfg else []
-        own = self.model.state_dict()
-        mismatch = sorted(set(own) ^ set(loaded.model)) + sorted(
-            k for k in set(own) & set(loaded.model) if own[k].shape != loaded.model[k].shape
-        )
+        own = {k[len(sharded_state.MODEL):]: tuple(v.shape)
+               for k, v in sharded_state.model_pieces(self.model, self.tp_size()).items()}
+        if self.parallel is not None:  # expert parallel: each rank holds only its experts
+            import torch.distributed as dist
+
+            every = [None] * self.world_size
+            dist.all_gather_object(every, own, group=self.checkpoint_group)
+            for part in every:
+                own.update(part)
+        saved = loaded.model_shapes()
+        mismatch = sorted(set(own) ^ set(saved)) + sorted(k for k in set(own) & set(saved) if own[k] != saved[k])
         if mismatch:
             details = ", ".join(f"{k}: {saved_cfg.get(k)!r} (checkpoint) vs {ours.get(k)!r}" for k in differ[:6])
             raise ConfigError(
@@ -318,8 +339,41 @@ class Trainer:
             log.warning("resume: %s has a different model config in %s (same tensors)", path, ", ".join(differ))
 
     def save(self, engine: Engine | None, data_state: dict | None = None, rng: dict | None = None) -> None:
+        self.commit_pending_save()
         with self._gathered():
             self._save(engine, data_state, rng)
+
+    def commit_pending_save(self, when_done: bool = False) -> None:
+        """Commit the checkpoint being written in the background (checkpoint.async_save): now
+        (waiting for the write), or with `when_done` only if every rank's write has finished."""
+        if self.pending_save is None:
+            return
+        if when_done and self.any_rank(not self.pending_save.done()):
+            return
+        pending, self.pending_save = self.pending_save, None
+        path = pending.commit()
+        log.info("checkpoint %s (committed after its background write)", path)
+
+    def load_optimizer_state(self, engine) -> None:
+        """The saved optimizer state (fp32 masters, AdamW moments, step, schedule) into this
+        stage's engine, each rank reading its own ZeRO fragments whatever layout wrote them. The
+        masters come from the checkpoint, never from the model's bf16 weights: rebuilding them from
+        bf16 would drop every update below bf16 resolution (at the sparse stage's lr 7.3e-6 most of
+        them) at each resume."""
+        loaded, meta = self.resume_checkpoint, self.engine_state
+        saved = loaded.saved_keys()
+        pieces = {k: v for k, v in sharded_state.optimizer_pieces(engine, self.tp_size(), create=True).items()
+                  if k in saved}
+        try:
+            loaded.load(pieces, self.checkpoint_group)
+        except ckpt.CorruptCheckpoint as err:
+            if self.barrier is not None:
+                self.barrier()
+            if self.rank == 0 and loaded.path.exists():
+                log.warning("resume: moved the rejected checkpoint to %s", ckpt.quarantine(loaded.path))
+            raise ckpt.CorruptCheckpoint(f"{err.problem}; the checkpoint was moved aside",
+                                         fix="run the same command again: it resumes from the checkpoint before it") from err
+        sharded_state.load_optimizer_meta(engine, meta)
 
     def _gathered(self):
         """ZeRO-3: parameters gathered for the duration (checkpoint writing reads them)."""
@@ -331,33 +385,30 @@ class Trainer:
 
     def _save(self, engine, data_state, rng) -> None:
         self.state.recipe = self.config_dict()
-        path = ckpt.save_checkpoint(
+        tensors = sharded_state.model_pieces(self.model, self.tp_size())
+        if engine is not None:
+            tensors.update(sharded_state.optimizer_pieces(engine, self.tp_size()))
+        saved = ckpt.save_checkpoint(
             self.cfg.checkpoint.dir,
-            self.state,
-            self.model,
-            engine.state_dict() if engine is not None else None,
+            dataclasses.replace(self.state),
+            tensors,
             self.loader.state_dict() if data_state is None else data_state,
             rng_state() if rng is None else rng,
             self.cfg.checkpoint.keep_last,
+            config_json=self.model.config.to_hf_dict() if self.rank == 0 else None,
+            optimizer=sharded_state.optimizer_meta(engine) if engine is not None else None,
             rank=self.rank,
             world_size=self.world_size,
             barrier=self.barrier,
-            model_layout=self.model_layout(),
+            process_group=self.checkpoint_group,
+            async_save=self.cfg.checkpoint.async_save,
         )
         self.last_saved_step = self.state.global_step
-        log.info("checkpoint %s", path)
-
-    def model_layout(self) -> dict | None:
-        """The tensor-parallel slices in this rank's model file, for `dsa-train export`; None:
-        the whole model (one process)."""
-        if self.parallel is None:
-            return None
-        shards = {}
-        for name, p in self.model.state_dict(keep_vars=True).items():
-            shard = getattr(p, "dsa_shard", None)
-            if shard is not None:
-                shards[name] = list(shard)
-        return {"tensor_parallel": self.parallel.sizes.tensor, "shards": shards}
+        if isinstance(saved, ckpt.PendingSave):
+            self.pending_save = saved
+            log.info("checkpoint %s: writing in the background", saved.final)
+        else:
+            log.info("checkpoint %s", saved)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The single-process state dict, gathered to every rank (TP shards concatenated, EP
@@ -424,6 +475,7 @@ class Trainer:
             return
         if self.last_saved_step != self.state.global_step:
             self.save(engine)
+        self.commit_pending_save()
         name = self.preemption.describe() if received else "a preemption signal (on another rank)"
         message = (
             f"{'interrupted' if 'SIGINT' in name else 'preempted'} by {name} at global step "
@@ -450,6 +502,7 @@ class Trainer:
         what = ", ".join(bad)
         if policy.nonfinite == NonFinitePolicy.stop or consecutive > policy.max_consecutive_nonfinite:
             self.save(engine, data_state=before[0], rng=before[1])
+            self.commit_pending_save()
             reason = ("fault_tolerance.nonfinite=stop" if policy.nonfinite == NonFinitePolicy.stop else
                       f"{consecutive} non-finite steps in a row (fault_tolerance.max_consecutive_nonfinite="
                       f"{policy.max_consecutive_nonfinite})")
@@ -483,8 +536,9 @@ class Trainer:
         stage = self.cfg.stages[name]
         engine = self.make_engine(stage)
         if self.engine_state is not None:
-            engine.load_state_dict(self.engine_state)
+            self.load_optimizer_state(engine)
             self.engine_state = None
+        self.resume_checkpoint = None
         if self.resume_rng is not None:
             load_rng_state(self.resume_rng)
             self.resume_rng = None
@@ -552,6 +606,8 @@ class Trainer:
             every = self.cfg.checkpoint.every_n_steps
             if every and self.state.stage_step % every == 0 and self.state.stage_step < stage.steps:
                 self.save(engine)
+            else:
+                self.commit_pending_save(when_done=True)
         within_step_hook.remove()
         self.probe(name, stage, "end")
         self.state.stage_index += 1
@@ -605,6 +661,7 @@ class Trainer:
             progress.close()
             if self.preemption is not None:
                 self.preemption.restore()
+        self.commit_pending_save()
         # the export selects as the model was last trained: index_topk = the last sparse stage's top-k
         self.model.config.index_topk = trained_index_topk(
             ((s.attention.value, s.topk) for s in self.cfg.stages.values()), self.model.config.index_topk)

@@ -1,5 +1,5 @@
 """DeepSpeed engine on megatron-core's process groups: the distributed counterpart of
-`dsa_train.engine.Engine` (same methods: backward, step, zero_grad, lr, state_dict).
+`dsa_train.engine.Engine` (same methods: backward, step, zero_grad, lr).
 
 * ZeRO stage 0/1/2/3 from `parallel.zero_stage`; DeepSpeed's data-parallel group is DP x CP
   (the ranks holding replicas of a dense parameter, `MegatronMPU`), tensor-parallel shards are
@@ -337,21 +337,7 @@ class DeepSpeedEngine:
         self.ds = self.model = self.optimizer = self.scheduler = None
         gc.collect()
 
-    def state_dict(self) -> dict:
-        return {"optimizer": self.ds.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        """This rank's optimizer partition, its fp32 master weights and the schedule (same layout
-        as when saved). The masters come from the saved optimizer state, never from the model's
-        bf16 weights: rebuilding them from bf16 would drop every update below bf16 resolution
-        (at the sparse stage's lr 7.3e-6 most of them) at each resume."""
-        optimizer = self.ds.optimizer
-        if self.zero_stage >= 1 or hasattr(optimizer, "fp32_groups_flat_partition"):  # ZeRO / BF16_Optimizer
-            # they take the list of every data-parallel rank's state and read their own entry;
-            # each rank saved its own partition (`engine.rank<r>.pt`), so this rank's goes everywhere
-            n = self.state.sizes.dense_dp
-            optimizer.load_state_dict([state["optimizer"]] * n, load_optimizer_states=True,
-                                      load_from_fp32_weights=True)
-        else:
-            optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+    # Checkpointed state: engine/sharded_state.py reads and writes this rank's ZeRO fragments of
+    # each parameter (`param._hp_mapping`: fp32 master, AdamW moments) as pieces of global
+    # tensors, so a checkpoint resumes under any layout. The masters always come from the
+    # checkpoint, never from the bf16 weights (that would drop every update below bf16 resolution).

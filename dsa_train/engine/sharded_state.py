@@ -1,0 +1,534 @@
+"""Sharded, layout-independent training state on torch.distributed.checkpoint (DCP).
+
+The tensors of a training checkpoint are *global* tensors, named by what they are, independent of
+how the run was laid out:
+
+    model/<parameter or buffer name>      the model's value, its dtype, its full (single-process) shape
+    optim/master/<parameter name>         fp32 master of a parameter stored in lower precision (bf16)
+    optim/exp_avg/<parameter name>        AdamW first moment, fp32, the parameter's full shape
+    optim/exp_avg_sq/<parameter name>     AdamW second moment
+
+Each rank contributes only the pieces it holds (`GlobalPieces`: boxes of the global tensor with
+their global offsets):
+  * model values: its tensor-parallel slice (`dsa_shard = (dim, start, stop)`) or the whole tensor
+    (replicas and this expert-parallel rank's experts, which keep their global names);
+  * optimizer state: its ZeRO partition. DeepSpeed's ZeRO-1/2 (and its BF16 optimizer) keep one
+    flat fp32 partition per parameter group; the part of a parameter in this rank's partition is
+    a contiguous range of the parameter's flattened (TP-local) tensor (`param._hp_mapping`:
+    `lp_fragment_address`), which is cut into at most 2 * ndim - 1 row-major boxes
+    (`range_boxes`) and shifted by the TP offset. The single-process engine contributes whole
+    tensors.
+Replicas (the same box on several ranks: data-parallel copies of the weights, tensor-parallel
+copies of replicated parameters' optimizer fragments) are proposed by every holder and written by
+one: DCP's global save plan keeps one write item per (name, offset) (`dedup_save_plans`) and
+rejects overlapping or out-of-bounds chunks, so no element is stored twice.
+
+Loading under another layout builds the pieces of the *new* layout (views into the model's
+parameters and the new engine's partitions) and DCP reads the overlapping parts of the saved
+chunks: each rank reads only what it holds. Region checksums: every write item's byte range
+(file, offset, length) gets a sha256 when written (`HashingWriter`); a reader verifies only the
+ranges it reads (`VerifyingReader`). An error on any rank fails the load on every rank (DCP
+gathers the ranks' results), raised as `CorruptCheckpoint`.
+
+Why DCP (docs/checkpoints.md): it composes with our engine as it is. DeepSpeed's universal
+checkpoints convert a ZeRO checkpoint offline after the fact (ds_to_universal) and their loader
+assumes DeepSpeed's own layouts (no single-process engine, EP through DeepSpeed's MoE layer,
+not our megatron-core groups); megatron-core's dist_checkpointing needs its sharded-state-dict
+machinery on every module and its distributed optimizer, which we do not use. DCP takes any
+global tensor described by (offsets, sizes) chunks, plans reads across layouts, deduplicates
+replicas and writes asynchronously; DeepSpeed's fragment mapping gives the chunks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+MODEL = "model/"
+MASTER = "optim/master/"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+STATE_DIR = "state"  # the DCP directory inside a step directory
+
+
+def optim_key(kind: str, name: str) -> str:
+    return f"optim/{kind}/{name}"
+
+
+# ------------------------------------------------------------------------------ global pieces
+class GlobalPieces:
+    """This rank's pieces of one global tensor of `shape`: [(global offsets, tensor view)].
+    Implements the hooks DCP asks a distributed tensor for (`__create_write_items__`,
+    `__create_chunk_list__`); the planners below look a piece up by its offsets."""
+
+    def __init__(self, shape, dtype: torch.dtype, pieces: list[tuple[tuple[int, ...], torch.Tensor]] | None = None):
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        self.pieces: dict[tuple[int, ...], torch.Tensor] = {}
+        for offsets, t in pieces or []:
+            self.add(offsets, t)
+
+    def add(self, offsets, tensor: torch.Tensor) -> None:
+        offsets = tuple(int(o) for o in offsets)
+        if len(offsets) != len(self.shape) or any(o + s > n for o, s, n in zip(offsets, tensor.shape, self.shape)):
+            raise ValueError(f"piece at {offsets} of shape {tuple(tensor.shape)} is outside {tuple(self.shape)}")
+        self.pieces[offsets] = tensor
+
+    def size(self) -> torch.Size:
+        return self.shape
+
+    def numel_held(self) -> int:
+        return sum(t.numel() for t in self.pieces.values())
+
+    def __create_write_items__(self, fqn: str, obj) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=t.shape),
+                    properties=TensorProperties(dtype=self.dtype),
+                    size=self.shape,
+                ),
+            )
+            for offsets, t in self.pieces.items()
+        ]
+
+    def __create_chunk_list__(self) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=t.shape) for o, t in self.pieces.items()]
+
+    def piece(self, offsets) -> torch.Tensor:
+        return self.pieces[tuple(int(o) for o in offsets)]
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _lookup(state_dict: dict, index, fallback):
+    obj = state_dict.get(index.fqn)
+    if isinstance(obj, GlobalPieces):
+        return obj.piece(index.offset)
+    return fallback(index)
+
+
+def _save_planner():
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    class SavePlanner(DefaultSavePlanner):
+        def lookup_object(self, index):
+            return _lookup(self.state_dict, index, super().lookup_object)
+
+    return SavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+def _load_planner():
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class LoadPlanner(DefaultLoadPlanner):
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+            # as DefaultLoadPlanner's without its meta-tensor initialization, which replaces values
+            # that are no tensors (our GlobalPieces) by None; the state dict is flat already
+            self.original_state_dict = self.state_dict = state_dict
+            self.metadata = metadata
+            self.is_coordinator = is_coordinator
+
+        def lookup_tensor(self, index):
+            return _lookup(self.state_dict, index, super().lookup_tensor)
+
+    return LoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+def range_boxes(shape: tuple[int, ...], start: int, numel: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """The contiguous range [start, start + numel) of a row-major tensor of `shape`, as boxes
+    (offsets, sizes, position of the box's first element in the range). Each box is itself
+    contiguous in memory, so it is a view of the range reshaped."""
+    if numel <= 0:
+        return []
+    if len(shape) == 0:
+        return [((), (), 0)]
+    if len(shape) == 1:
+        return [((start,), (numel,), 0)]
+    row = math.prod(shape[1:])
+    end = start + numel
+    out: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+    pos = start
+    while pos < end:
+        r, within = divmod(pos, row)
+        if within == 0 and end - pos >= row:  # whole rows
+            rows = (end - pos) // row
+            out.append(((r, *([0] * (len(shape) - 1))), (rows, *shape[1:]), pos - start))
+            pos += rows * row
+        else:  # part of one row
+            stop = min(end, (r + 1) * row)
+            for offs, sizes, at in range_boxes(tuple(shape[1:]), within, stop - pos):
+                out.append(((r, *offs), (1, *sizes), pos - start + at))
+            pos = stop
+    return out
+
+
+def local_place(param: torch.Tensor, tp_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global shape, offsets of this rank's tensor in it) for a model tensor: a tensor-parallel
+    slice (`dsa_shard`, even splits over `tp_size`) or the whole tensor."""
+    shape, offsets = list(param.shape), [0] * param.dim()
+    shard = getattr(param, "dsa_shard", None)
+    if shard is not None:
+        dim, start, stop = shard
+        shape[dim] = (stop - start) * tp_size
+        offsets[dim] = start
+    return tuple(shape), tuple(offsets)
+
+
+# ------------------------------------------------------------------------------ what a rank holds
+def model_pieces(model: torch.nn.Module, tp_size: int = 1) -> dict[str, GlobalPieces]:
+    """model/<name> -> this rank's tensor of every model state-dict entry (parameters and
+    persistent buffers), placed in the global tensor."""
+    out = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if t is None:
+            continue
+        shape, offsets = local_place(t, tp_size)
+        out[MODEL + name] = GlobalPieces(shape, t.dtype, [(offsets, t.detach())])
+    return out
+
+
+@dataclass
+class Fragment:
+    """The part of one trainable parameter whose update this rank computes: elements
+    [start, start + numel) of the flattened (TP-local) parameter, stepped by `optimizer` as
+    elements [opt_start, opt_start + numel) of its parameter `opt_param` (a flat ZeRO partition,
+    a fp32 master, or the parameter itself)."""
+
+    name: str
+    param: torch.Tensor
+    start: int
+    numel: int
+    optimizer: torch.optim.Optimizer
+    opt_param: torch.Tensor
+    opt_start: int
+
+    def view(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach().view(-1).narrow(0, self.opt_start, self.numel)
+
+    def master(self) -> torch.Tensor | None:
+        """The fp32 master of the fragment; None when the parameter is fp32 (it is its own master)."""
+        return None if self.param.dtype == torch.float32 else self.view(self.opt_param)
+
+    def moments(self, create: bool = False) -> dict[str, torch.Tensor]:
+        state = self.optimizer.state[self.opt_param]
+        if not state:
+            if not create:
+                return {}
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            for key in MOMENTS:
+                state[key] = torch.zeros_like(self.opt_param, memory_format=torch.preserve_format)
+        return {key: self.view(state[key]) for key in MOMENTS if key in state}
+
+
+def fragments(engine) -> list[Fragment]:
+    """The fragments of `engine` (dsa_train.engine.Engine, or the DeepSpeed engine with ZeRO
+    stage 0-2 or its BF16 optimizer) on this rank."""
+    ds = getattr(engine, "ds", None)
+    if ds is None:  # the single-process engine: whole parameters (fp32 masters of bf16 ones)
+        return [Fragment(name, param, 0, param.numel(), engine.optimizer, engine.masters.get(name, param), 0)
+                for name, param in engine.trainable]
+    opt = ds.optimizer
+    if getattr(engine, "zero_stage", 0) == 3:
+        from dsa_train.engine.checkpoint import CheckpointSaveError
+
+        raise CheckpointSaveError(
+            "sharded checkpoints of a stage in progress hold the optimizer's per-parameter fragments; "
+            "ZeRO-3's are not mapped yet (parallel.zero_stage=3)",
+            fix="use parallel.zero_stage=1 or 2 with mid-stage checkpoints, or checkpoint.every_n_steps=0 "
+                "(stage-end checkpoints hold no optimizer state)")
+    if isinstance(opt, torch.optim.Optimizer) and not hasattr(opt, "bit16_groups"):
+        # no ZeRO wrapper (fp32, stage 0): the torch optimizer steps the parameters themselves
+        return [Fragment(name, p, 0, p.numel(), opt, p, 0) for name, p in engine.trainable]
+    flats = getattr(opt, "single_partition_of_fp32_groups", None) or getattr(opt, "fp32_groups_flat_partition")
+    out = []
+    for name, p in engine.trainable:
+        mapping = getattr(p, "_hp_mapping", None)
+        if mapping is None:
+            continue
+        out.append(Fragment(name, p, mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel,
+                            opt.optimizer, flats[mapping.param_group_index], mapping.hp_fragment_address.start))
+    return out
+
+
+def optimizer_pieces(engine, tp_size: int = 1, create: bool = False) -> dict[str, GlobalPieces]:
+    """optim/<kind>/<name> -> this rank's fragments of the fp32 masters and AdamW moments.
+    `create`: make the optimizer's state (zeros) where it has none yet, to load into."""
+    out: dict[str, GlobalPieces] = {}
+    for f in fragments(engine):
+        shape, base = local_place(f.param, tp_size)
+        views = {"master": f.master(), **f.moments(create)}
+        for offs, sizes, at in range_boxes(tuple(f.param.shape), f.start, f.numel):
+            offsets = tuple(b + o for b, o in zip(base, offs))
+            for kind, flat in views.items():
+                if flat is None:
+                    continue
+                key = optim_key(kind, f.name)
+                out.setdefault(key, GlobalPieces(shape, torch.float32)).add(
+                    offsets, flat.narrow(0, at, math.prod(sizes)).view(sizes))
+    return out
+
+
+def optimizer_meta(engine) -> dict:
+    """The optimizer's scalars, the same on every rank: AdamW's step count and the schedule's
+    position (`optimizer.json`)."""
+    steps = {float(f.optimizer.state[f.opt_param]["step"]) for f in fragments(engine)
+             if "step" in f.optimizer.state[f.opt_param]}
+    sched = engine.scheduler
+    return {"adam_step": int(max(steps)) if steps else 0, "scheduler_last_epoch": int(sched.last_epoch),
+            "scheduler_step_count": int(getattr(sched, "_step_count", sched.last_epoch + 1))}
+
+
+def load_optimizer_meta(engine, meta: dict) -> None:
+    """Set AdamW's step count, the schedule's position and the learning rate it implies."""
+    for f in fragments(engine):
+        state = f.optimizer.state[f.opt_param]
+        if "step" in state:
+            state["step"].fill_(float(meta["adam_step"]))
+    sched = engine.scheduler
+    sched.last_epoch = meta["scheduler_last_epoch"]
+    sched._step_count = meta["scheduler_step_count"]
+    lrs = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+    for group, lr in zip(sched.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    sched._last_lr = lrs
+
+
+# ------------------------------------------------------------------------------ storage
+def region_key(offset: int, length: int) -> str:
+    return f"{offset}+{length}"
+
+
+def _sha_range(path: Path, offset: int, length: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(offset)
+        left = length
+        while left:
+            chunk = f.read(min(left, 1 << 22))
+            if not chunk:
+                break
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
+
+
+def hashing_writer(path: Path, on_write: Callable[[], None] | None = None):
+    """A DCP FileSystemWriter that records the sha256 of every byte range it wrote
+    (`.regions`: {file relative to `path`: {"offset+length": sha256}}) once its files are written."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class HashingWriter(FileSystemWriter):
+        regions: dict[str, dict[str, str]] = {}
+
+        def write_data(self, plan, planner):
+            if on_write is not None:
+                on_write()
+            fut = super().write_data(plan, planner)
+            results = fut.wait()
+            regions: dict[str, dict[str, str]] = {}
+            for r in results:
+                info = r.storage_data
+                regions.setdefault(info.relative_path, {})[region_key(info.offset, info.length)] = _sha_range(
+                    Path(self.path) / info.relative_path, info.offset, info.length)
+            self.regions = regions
+            return fut
+
+    return HashingWriter(path, single_file_per_rank=True, sync_files=True, overwrite=True)
+
+
+def verifying_reader(path: Path, regions: dict[str, dict[str, str]] | None, corrupt: Callable[[str], Exception]):
+    """A DCP FileSystemReader that checks, before reading, the sha256 of each byte range this
+    rank reads against `regions` (None: no checksums)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class VerifyingReader(FileSystemReader):
+        def read_data(self, plan, planner):
+            if regions is not None:
+                checked = set()
+                for item in plan.items:
+                    info = self.storage_data[item.storage_index]
+                    key = (info.relative_path, info.offset, info.length)
+                    if key in checked:
+                        continue
+                    checked.add(key)
+                    want = regions.get(info.relative_path, {}).get(region_key(info.offset, info.length))
+                    if want is None:
+                        raise corrupt(f"{STATE_DIR}/{info.relative_path} bytes {info.offset}+{info.length} have "
+                                      "no checksum in the manifest")
+                    if _sha_range(Path(self.path) / info.relative_path, info.offset, info.length) != want:
+                        raise corrupt(f"{STATE_DIR}/{info.relative_path} bytes {info.offset}+{info.length} "
+                                      f"({item.dest_index.fqn}) do not match their sha256 (corrupt)")
+            return super().read_data(plan, planner)
+
+    return VerifyingReader(path)
+
+
+class SnapshotStager:
+    """DCP's stager for `async_save`: copies this rank's pieces before `async_save` returns, so
+    training may change the parameters and optimizer state while the copy is written."""
+
+    _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict) -> dict:
+        out = {}
+        for key, value in state_dict.items():
+            if isinstance(value, GlobalPieces):
+                value = GlobalPieces(value.shape, value.dtype,
+                                     [(o, t.detach().to("cpu", copy=True)) for o, t in value.pieces.items()])
+            out[key] = value
+        return out
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def save_pieces(directory: Path, pieces: dict[str, GlobalPieces], process_group=None,
+                on_write: Callable[[], None] | None = None, async_save: bool = False):
+    """Write `pieces` (every rank calls this with its own) into the DCP directory `directory`.
+    Returns the writer (its `.regions` filled once written) and, with `async_save`, the future
+    that completes when every rank's files and the metadata are written."""
+    import torch.distributed.checkpoint as dcp
+
+    writer = hashing_writer(directory, on_write)
+    no_dist = not _distributed()
+    if async_save and not no_dist:
+        fut = dcp.async_save(pieces, storage_writer=writer, planner=_save_planner(), process_group=process_group,
+                             async_stager=SnapshotStager())
+        return writer, fut
+    if async_save:  # one process: DCP's background save needs a process group; a thread does the same
+        from concurrent.futures import ThreadPoolExecutor
+
+        pieces = SnapshotStager().stage(pieces)
+        pool = ThreadPoolExecutor(max_workers=1)
+        fut = pool.submit(dcp.save, pieces, storage_writer=writer, planner=_save_planner(), no_dist=True)
+        pool.shutdown(wait=False)
+        return writer, fut
+    dcp.save(pieces, storage_writer=writer, planner=_save_planner(), process_group=process_group, no_dist=no_dist)
+    return writer, None
+
+
+def load_pieces(directory: Path, pieces: dict[str, GlobalPieces], regions: dict | None,
+                corrupt: Callable[[str], Exception], process_group=None) -> None:
+    """Fill `pieces` (this rank's, of the layout now) from the DCP directory `directory`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not pieces:
+        pieces = {}
+    try:
+        dcp.load(pieces, storage_reader=verifying_reader(directory, regions, corrupt), planner=_load_planner(),
+                 process_group=process_group, no_dist=not _distributed())
+    except CheckpointException as e:
+        _raise_first_failure(e, corrupt)
+
+
+def _raise_first_failure(err, corrupt: Callable[[str], Exception]):
+    """One line for a failed DCP load: the first rank's error itself when it is ours (a checksum
+    mismatch names the range and the fix), else `corrupt` with its type and message."""
+    from dsa_train.errors import DSATrainError
+
+    failures = getattr(err, "failures", {}) or {}
+    first = next(iter(failures.values()), err)
+    if isinstance(first, tuple):  # (exception, traceback) in some torch versions
+        first = first[0]
+    if isinstance(first, DSATrainError):
+        raise first from err
+    raise corrupt(f"cannot read the sharded state ({type(first).__name__}: {str(first).splitlines()[0] if str(first) else ''})") from err
+
+
+def read_metadata(directory: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(directory).read_metadata()
+
+
+def global_shapes(directory: Path, prefix: str = MODEL) -> dict[str, tuple[int, ...]]:
+    """name (without `prefix`) -> global shape of every saved tensor under `prefix`."""
+    md = read_metadata(directory)
+    return {k[len(prefix):]: tuple(v.size) for k, v in md.state_dict_metadata.items()
+            if k.startswith(prefix) and hasattr(v, "size")}
+
+
+def read_full_tensors(directory: Path, names: list[str], prefix: str = MODEL, regions: dict | None = None,
+                      corrupt: Callable[[str], Exception] = RuntimeError, batch_bytes: int = 1 << 30
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Offline (one process, no process group): the full tensors `names` under `prefix`, read a
+    batch of at most `batch_bytes` at a time (the export streams them)."""
+    md = read_metadata(directory).state_dict_metadata
+    batch: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush():
+        if batch:
+            load_pieces_offline(directory, batch, regions, corrupt)
+            yield from batch.items()
+
+    for name in names:
+        meta = md[prefix + name]
+        t = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        batch[prefix + name] = t
+        size += t.numel() * t.element_size()
+        if size >= batch_bytes:
+            for key, value in flush():
+                yield key[len(prefix):], value
+            batch, size = {}, 0
+    for key, value in flush():
+        yield key[len(prefix):], value
+
+
+def load_pieces_offline(directory: Path, tensors: dict[str, torch.Tensor], regions: dict | None,
+                        corrupt: Callable[[str], Exception]) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(tensors, storage_reader=verifying_reader(directory, regions, corrupt), no_dist=True)
+    except CheckpointException as e:
+        _raise_first_failure(e, corrupt)
+
+
+def dcp_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if p.is_file()) if directory.is_dir() else []
+
+
+def unique_state_bytes(directory: Path) -> tuple[int, int]:
+    """(bytes of every saved tensor counted once, number of stored chunks) from the metadata."""
+    md = read_metadata(directory).state_dict_metadata
+    total, chunks = 0, 0
+    for v in md.values():
+        if not hasattr(v, "chunks"):
+            continue
+        elt = torch.tensor([], dtype=v.properties.dtype).element_size()
+        total += math.prod(v.size) * elt
+        chunks += len(v.chunks)
+    return total, chunks
+
+
+def fsync_tree(directory: Path) -> None:
+    for p in dcp_files(directory):
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
