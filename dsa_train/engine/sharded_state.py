@@ -16,8 +16,9 @@ their global offsets):
     flat fp32 partition per parameter group; the part of a parameter in this rank's partition is
     a contiguous range of the parameter's flattened (TP-local) tensor (`param._hp_mapping`:
     `lp_fragment_address`), which is cut into at most 2 * ndim - 1 row-major boxes
-    (`range_boxes`) and shifted by the TP offset. The single-process engine contributes whole
-    tensors.
+    (`range_boxes`) and shifted by the TP offset. ZeRO-3 partitions every parameter on its own:
+    rank r holds elements [r * partition, (r + 1) * partition) of it (`grad_position`). ZeRO-0
+    and the single-process engine contribute whole tensors.
 Replicas (the same box on several ranks: data-parallel copies of the weights, tensor-parallel
 copies of replicated parameters' optimizer fragments) are proposed by every holder and written by
 one: DCP's global save plan keeps one write item per (name, offset) (`dedup_save_plans`) and
@@ -179,11 +180,11 @@ def range_boxes(shape: tuple[int, ...], start: int, numel: int) -> list[tuple[tu
     return out
 
 
-def local_place(param: torch.Tensor, tp_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def local_place(param: torch.Tensor, tp_size: int, shard=None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(global shape, offsets of this rank's tensor in it) for a model tensor: a tensor-parallel
     slice (`dsa_shard`, even splits over `tp_size`) or the whole tensor."""
     shape, offsets = list(param.shape), [0] * param.dim()
-    shard = getattr(param, "dsa_shard", None)
+    shard = shard if shard is not None else getattr(param, "dsa_shard", None)
     if shard is not None:
         dim, start, stop = shard
         shape[dim] = (stop - start) * tp_size
@@ -218,6 +219,7 @@ class Fragment:
     optimizer: torch.optim.Optimizer
     opt_param: torch.Tensor
     opt_start: int
+    shape: tuple[int, ...] | None = None  # the parameter's (TP-local) shape when `param` is partitioned (ZeRO-3)
 
     def view(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach().view(-1).narrow(0, self.opt_start, self.numel)
@@ -245,14 +247,16 @@ def fragments(engine) -> list[Fragment]:
         return [Fragment(name, param, 0, param.numel(), engine.optimizer, engine.masters.get(name, param), 0)
                 for name, param in engine.trainable]
     opt = ds.optimizer
-    if getattr(engine, "zero_stage", 0) == 3:
-        from dsa_train.engine.checkpoint import CheckpointSaveError
-
-        raise CheckpointSaveError(
-            "sharded checkpoints of a stage in progress hold the optimizer's per-parameter fragments; "
-            "ZeRO-3's are not mapped yet (parallel.zero_stage=3)",
-            fix="use parallel.zero_stage=1 or 2 with mid-stage checkpoints, or checkpoint.every_n_steps=0 "
-                "(stage-end checkpoints hold no optimizer state)")
+    if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO-3: each parameter partitioned on its own
+        out = []
+        for name, p in engine.trainable:
+            group, dest, partition = opt.grad_position[opt.get_param_id(p)]
+            start = opt._get_param_partition_rank(p) * partition  # this rank's range of the flat parameter
+            numel = min(partition, p.ds_numel - start)  # the last partition is padded
+            if numel > 0:
+                out.append(Fragment(name, p, start, numel, opt.optimizer, opt.fp32_partitioned_groups_flat[group],
+                                    dest, shape=tuple(p.ds_shape)))
+        return out
     if isinstance(opt, torch.optim.Optimizer) and not hasattr(opt, "bit16_groups"):
         # no ZeRO wrapper (fp32, stage 0): the torch optimizer steps the parameters themselves
         return [Fragment(name, p, 0, p.numel(), opt, p, 0) for name, p in engine.trainable]
@@ -272,9 +276,10 @@ def optimizer_pieces(engine, tp_size: int = 1, create: bool = False) -> dict[str
     `create`: make the optimizer's state (zeros) where it has none yet, to load into."""
     out: dict[str, GlobalPieces] = {}
     for f in fragments(engine):
-        shape, base = local_place(f.param, tp_size)
+        local_shape = f.shape or tuple(f.param.shape)
+        shape, base = local_place(torch.empty(local_shape, device="meta"), tp_size, getattr(f.param, "dsa_shard", None))
         views = {"master": f.master(), **f.moments(create)}
-        for offs, sizes, at in range_boxes(tuple(f.param.shape), f.start, f.numel):
+        for offs, sizes, at in range_boxes(local_shape, f.start, f.numel):
             offsets = tuple(b + o for b, o in zip(base, offs))
             for kind, flat in views.items():
                 if flat is None:
