@@ -251,13 +251,22 @@ class Trainer:
         checksums = self.cfg.checkpoint.verify_checksums
         while True:
             path, rejected = ckpt.find_resume_checkpoint(directory, checksums, rank=self.rank)
+            path, rejected = self._agree_on_checkpoint(directory, path, rejected)
             for bad, reason in rejected:
                 log.warning("resume: rejecting %s: %s", bad, reason)
             if path is not None:
-                try:
+                loaded, problem = None, None
+                try:  # this rank's small files (verified): local, so the ranks agree on the outcome below
                     loaded = ckpt.load_checkpoint(path, rank=self.rank, checksums=checksums)
+                except ckpt.CorruptCheckpoint as err:
+                    problem = str(err)
+                problem = self._first_problem(problem)
+                try:
+                    if problem is not None:
+                        raise ckpt.CorruptCheckpoint(problem)
                     self._check_same_model(path, loaded)
-                    # this rank's pieces of the model, whatever layout wrote them (collective)
+                    # this rank's pieces of the model, whatever layout wrote them (collective; a
+                    # failure on any rank fails it on every rank)
                     loaded.load(sharded_state.model_pieces(self.model, self.tp_size()), self.checkpoint_group)
                 except ckpt.CorruptCheckpoint as err:  # verified, yet unreadable
                     rejected.append((path, str(err)))
@@ -295,6 +304,38 @@ class Trainer:
             self.wandb = WandbRun(self.cfg.logging, self.config_dict(), run_id=self.state.wandb_run_id,
                                metrics_path=self.metrics_path())
             self.state.wandb_run_id = self.result.wandb_run_id = self.wandb.id
+
+    def _agree_on_checkpoint(self, directory, path: Path | None, rejected: list[tuple[Path, str]]
+                             ) -> tuple[Path | None, list[tuple[Path, str]]]:
+        """Every rank resumes from the same checkpoint: the oldest of the ranks' choices (a rank
+        checks the files it reads itself, e.g. its own RNG file), and every rank rejects what any
+        rank rejected. One process: unchanged."""
+        if self.parallel is None:
+            return path, rejected
+        import torch.distributed as dist
+
+        every = [None] * self.world_size
+        mine = (ckpt.step_of(path) if path is not None else -1, [(str(p), r) for p, r in rejected])
+        dist.all_gather_object(every, mine, group=self.checkpoint_group)
+        agreed = min(step for step, _ in every)
+        bad: dict[str, str] = {}
+        for step, theirs in every:
+            for p, reason in theirs:
+                bad.setdefault(p, reason)
+        newer = sorted(({Path(p) for p in bad} | ({path} if path is not None and ckpt.step_of(path) > agreed else set())),
+                       key=ckpt.step_of, reverse=True)
+        chosen = Path(directory) / f"{ckpt.PREFIX}{agreed:08d}" if agreed >= 0 else None
+        return chosen, [(p, bad.get(str(p), "rejected on another rank")) for p in newer if p != chosen]
+
+    def _first_problem(self, problem: str | None) -> str | None:
+        """The first rank's problem, on every rank (None: none had one)."""
+        if self.parallel is None:
+            return problem
+        import torch.distributed as dist
+
+        every = [None] * self.world_size
+        dist.all_gather_object(every, problem, group=self.checkpoint_group)
+        return next((p for p in every if p is not None), None)
 
     def _check_same_recipe(self, path: Path, state: ckpt.TrainerState) -> None:
         """Apply the safe recipe changes since the checkpoint (logged), refuse the rest; a finished
