@@ -38,6 +38,53 @@ def mtp_targets(labels: torch.Tensor) -> torch.Tensor:
     return target
 
 
+class _CrossEntropySum(torch.autograd.Function):
+    """sum over valid rows of -log_softmax(logits)[label], computed in fp32 one row chunk at a time.
+    Saves the logits (held by the caller anyway) and the per-row log-sum-exp [N]; the backward
+    writes softmax - onehot chunk by chunk into one gradient of the logits' dtype. No fp32 copy
+    of the whole [N, V] logits and no fp32 log-softmax is kept (F.cross_entropy(logits.float())
+    keeps both: 2 x 4 bytes per logit)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, chunk):  # logits [N, V], labels [N] (IGNORE_INDEX = no target)
+        N = logits.shape[0]
+        valid = labels != IGNORE_INDEX
+        target = labels.clamp(min=0).long()[:, None]
+        lse = torch.empty(N, dtype=torch.float32, device=logits.device)
+        total = torch.zeros((), dtype=torch.float64, device=logits.device)
+        for r0 in range(0, N, chunk):
+            x = logits[r0 : r0 + chunk].float()
+            lse[r0 : r0 + chunk] = torch.logsumexp(x, dim=-1)
+            nll = lse[r0 : r0 + chunk] - x.gather(1, target[r0 : r0 + chunk]).squeeze(1)
+            total += torch.where(valid[r0 : r0 + chunk], nll, torch.zeros_like(nll)).sum()
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.chunk = chunk
+        return total.float()
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        logits, labels, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        valid = (labels != IGNORE_INDEX)[:, None]
+        target = labels.clamp(min=0).long()[:, None]
+        for r0 in range(0, logits.shape[0], ctx.chunk):
+            probs = torch.exp_(logits[r0 : r0 + ctx.chunk].float().sub_(lse[r0 : r0 + ctx.chunk, None]))
+            probs.scatter_add_(1, target[r0 : r0 + ctx.chunk], torch.full_like(probs[:, :1], -1.0))
+            probs.mul_(valid[r0 : r0 + ctx.chunk] * grad_total)
+            grad[r0 : r0 + ctx.chunk] = probs
+        return grad, None, None
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, chunk_elems: int = 1 << 22) -> tuple[torch.Tensor, float]:
+    """(CE summed over the valid labels, their number): logits [..., V], labels [...] with
+    IGNORE_INDEX. The value and gradient of F.cross_entropy(logits.float(), reduction="sum"),
+    with fp32 blocks of at most chunk_elems logits at a time."""
+    V = logits.shape[-1]
+    flat_labels = labels.reshape(-1)
+    ce = _CrossEntropySum.apply(logits.reshape(-1, V), flat_labels, max(1, chunk_elems // V))
+    return ce, float((flat_labels != IGNORE_INDEX).sum())
+
+
 def _sum(t: torch.Tensor, all_reduce: Callable[[torch.Tensor], None] | None) -> torch.Tensor:
     if all_reduce is not None:
         all_reduce(t)

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 import dsa_kernels as K
 
@@ -22,7 +21,7 @@ from .mla import MLA, AttentionAux, AttentionRequest
 from .moe import MLP, MoE
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
-from ..loss import IGNORE_INDEX, metric_values, mtp_targets
+from ..loss import cross_entropy_sum, metric_values, mtp_targets
 
 # Keep these in fp32 whatever the model dtype (as in the V3.2 checkpoints and inference code).
 FP32_PARAM_SUFFIXES = ("indexer.weights_proj.weight", "indexer.k_norm.weight", "indexer.k_norm.bias")
@@ -295,10 +294,8 @@ class DSAForCausalLM(nn.Module):
 
     @staticmethod
     def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """(CE summed over the valid labels, their number)."""
-        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                             ignore_index=IGNORE_INDEX, reduction="sum")
-        return ce, float((labels != IGNORE_INDEX).sum())
+        """(CE summed over the valid labels, their number), fp32 one row chunk at a time."""
+        return cross_entropy_sum(logits, labels)
 
     def _moe_stats(self, stats: dict) -> None:
         loads = [m.last_expert_load for m in self.main_moe_modules() if m.last_expert_load.sum() > 0]

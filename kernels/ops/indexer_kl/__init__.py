@@ -13,12 +13,14 @@ Entry points (both -> (kl_sum, stats); kl_sum differentiable w.r.t. q_idx, k_idx
     optional, from dense_attention's forward, reused for the target instead of a softmax pass)
   stats: "kl", "kl_uniform", "queries" (detached sums)
 
-Files: `reference.py` (PyTorch, the specification), `kernel.py` (Triton kernels and their launch
+Files: `reference.py` (PyTorch, the specification), `chunked.py` (eq. 4's memory-bounded
+autograd Function run on the CPU: gradients formed with the value, chunk by chunk), `kernel.py` (Triton kernels and their launch
 plans), `function.py` (the autograd Function and the Triton entry points), `specs.py` (the
 launches the compile report compiles at the 671B shapes).
 """
 
 from ..._triton_common import use_triton as _use_triton
+from .chunked import sparse_indexer_kl_chunked
 from .reference import dense_indexer_kl_ref, dense_mass_recall, kl_rows, sparse_indexer_kl_ref
 
 
@@ -32,13 +34,14 @@ def dense_indexer_kl(q_idx, k_idx, w_idx, q_main, k_main, scale, doc_start, chun
 
 
 def sparse_indexer_kl(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale, chunk_size=None):
-    """CUDA tensors (or DSA_KERNELS=triton) -> the Triton kernels; otherwise the reference."""
+    """CUDA tensors (or DSA_KERNELS=triton) -> the Triton kernels; otherwise the chunked PyTorch
+    Function (`chunked.py`, the reference's computation, gradients formed chunk by chunk)."""
     if _use_triton(q_idx, k_idx, w_idx, q_main, kv_main):
         from .function import sparse_indexer_kl_triton
 
         return sparse_indexer_kl_triton(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale)
-    return sparse_indexer_kl_ref(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale, chunk_size)
+    return sparse_indexer_kl_chunked(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale, chunk_size)
 
 
-__all__ = ["dense_indexer_kl", "dense_indexer_kl_ref", "dense_mass_recall", "kl_rows", "sparse_indexer_kl",
+__all__ = ["dense_indexer_kl", "dense_indexer_kl_ref", "dense_mass_recall", "kl_rows", "sparse_indexer_kl", "sparse_indexer_kl_chunked",
            "sparse_indexer_kl_ref"]

@@ -10,22 +10,25 @@ Entry point `sparse_mla(q, kv, indices, scale, d_v, chunk_size=None) -> (out, ls
   out     [B, T, H, d_v] q's dtype;  lse [B, T, H] fp32 (-inf on a row with no valid slot)
 Differentiable w.r.t. q and kv (and through lse).
 
-Files: `reference.py` (PyTorch, the specification), `kernel.py` (Triton forward/backward
-kernels and their launch plans), `function.py` (autograd Function), `specs.py` (the launches
-the compile report compiles at the 671B shapes).
+Files: `reference.py` (PyTorch, the specification), `chunked.py` (the memory-bounded autograd
+Function run on the CPU: saves q, kv, indices, lse; recomputes per query chunk in backward),
+`kernel.py` (Triton forward/backward kernels and their launch plans), `function.py` (autograd
+Function over them), `specs.py` (the launches the compile report compiles at the 671B shapes).
 """
 
 from ..._triton_common import use_triton as _use_triton
+from .chunked import sparse_mla_chunked
 from .reference import gather_kv, safe_softmax, sparse_attention_scores, sparse_mla_ref
 
 
 def sparse_mla(q, kv, indices, scale, d_v, chunk_size=None):
-    """CUDA tensors (or DSA_KERNELS=triton) -> the Triton kernels; otherwise the reference."""
+    """CUDA tensors (or DSA_KERNELS=triton) -> the Triton kernels; otherwise the chunked PyTorch
+    Function (`chunked.py`, the reference's computation with a memory-bounded backward)."""
     if _use_triton(q, kv, indices):
         from .function import sparse_mla_triton
 
         return sparse_mla_triton(q, kv, indices, scale, d_v)
-    return sparse_mla_ref(q, kv, indices, scale, d_v, chunk_size)
+    return sparse_mla_chunked(q, kv, indices, scale, d_v, chunk_size)
 
 
-__all__ = ["gather_kv", "safe_softmax", "sparse_attention_scores", "sparse_mla", "sparse_mla_ref"]
+__all__ = ["gather_kv", "safe_softmax", "sparse_attention_scores", "sparse_mla", "sparse_mla_chunked", "sparse_mla_ref"]

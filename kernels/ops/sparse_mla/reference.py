@@ -24,8 +24,9 @@ from ...masking import query_chunk_size
 def gather_kv(kv: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """kv [B, T, D], indices [B, C, K] (-1 allowed) -> [B, C, K, D] (row 0 at -1 slots; mask them)."""
     B, C, K = indices.shape
-    safe = indices.clamp(min=0).long().reshape(B, C * K, 1).expand(-1, -1, kv.shape[-1])
-    return torch.gather(kv, 1, safe).view(B, C, K, kv.shape[-1])
+    T, D = kv.shape[1], kv.shape[-1]
+    rows = indices.clamp(min=0).long() + (torch.arange(B, device=kv.device) * T)[:, None, None]
+    return kv.reshape(B * T, D).index_select(0, rows.reshape(-1)).view(B, C, K, D)  # whole rows copied
 
 
 def sparse_attention_scores(q: torch.Tensor, kv_sel: torch.Tensor, indices: torch.Tensor, scale: float) -> torch.Tensor:
