@@ -17,6 +17,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from .config import DSAConfig
+from .recompute import recomputed
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 class MLP(nn.Module):
@@ -27,7 +32,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # SiLU's output is recomputed in backward, not kept (T x intermediate per MLP)
+        return self.down_proj(recomputed(_swiglu, self.gate_proj(x), self.up_proj(x)))
 
 
 class Router(nn.Module):

@@ -1,0 +1,38 @@
+"""Small elementwise blocks that keep only their inputs for backward.
+
+`recomputed(fn, *inputs)` returns fn(*inputs); under autograd it saves only `inputs` and, in
+backward, runs fn again on them with autograd and back-propagates through that: the values and
+gradients are those of fn itself (the same operations run), but the intermediates fn would keep
+(an fp32 copy in RMSNorm, SiLU's output in SwiGLU) live only during this block's backward.
+A lighter `torch.utils.checkpoint` for one-output functions of tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class _Recomputed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn, *inputs):
+        ctx.fn = fn
+        ctx.save_for_backward(*inputs)
+        return fn(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        needs = ctx.needs_input_grad[1:]
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
+            out = ctx.fn(*inputs)
+            wanted = [t for t, need in zip(inputs, needs) if need]
+            grads = iter(torch.autograd.grad(out, wanted, grad))
+        return (None, *(next(grads) if need else None for need in needs))
+
+
+def recomputed(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        return _Recomputed.apply(fn, *inputs)
+    return fn(*inputs)
