@@ -17,10 +17,37 @@ from torch import nn
 from torch.nn import functional as F
 
 from .config import DSAConfig
-from .recompute import recomputed
 
 
-def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up keeping only gate and up for backward; the backward runs the operations
+    autograd would run on the plain expression (bit-equal gradients), one row block at a time,
+    so besides d_gate and d_up it holds no full-size temporary (the plain expression keeps
+    silu(gate), T x intermediate, from forward to backward)."""
+
+    ROWS = 1024
+
+    @staticmethod
+    def forward(ctx, gate, up):  # [..., I] each
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = (t.reshape(-1, t.shape[-1]) for t in ctx.saved_tensors)
+        grad = grad.reshape(gate.shape)
+        d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
+        for r0 in range(0, gate.shape[0], _SwiGLU.ROWS):
+            rows = slice(r0, r0 + _SwiGLU.ROWS)
+            d_up[rows] = grad[rows] * F.silu(gate[rows])
+            d_gate[rows] = torch.ops.aten.silu_backward(grad[rows] * up[rows], gate[rows])
+        shape = ctx.saved_tensors[0].shape
+        return d_gate.view(shape), d_up.view(shape)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _SwiGLU.apply(gate, up)
     return F.silu(gate) * up
 
 
@@ -32,8 +59,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # SiLU's output is recomputed in backward, not kept (T x intermediate per MLP)
-        return self.down_proj(recomputed(_swiglu, self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class Router(nn.Module):

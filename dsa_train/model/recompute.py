@@ -3,7 +3,7 @@
 `recomputed(fn, *inputs)` returns fn(*inputs); under autograd it saves only `inputs` and, in
 backward, runs fn again on them with autograd and back-propagates through that: the values and
 gradients are those of fn itself (the same operations run), but the intermediates fn would keep
-(an fp32 copy in RMSNorm, SiLU's output in SwiGLU) live only during this block's backward.
+(RMSNorm's fp32 copy of its input) live only during this block's backward.
 A lighter `torch.utils.checkpoint` for one-output functions of tensors.
 """
 

@@ -68,8 +68,9 @@ class SparseIndexerKLChunkedFunction(torch.autograd.Function):
         if want_grad:
             ctx.save_for_backward(dq, dk.view(B, T_kv, D_I).to(k_idx.dtype), dw)
         ctx.want_grad = want_grad
+        kl_uniform_total = kl_uniform_total.float()
         ctx.mark_non_differentiable(kl_uniform_total)
-        return kl_total.float(), kl_uniform_total.float()
+        return kl_total.float(), kl_uniform_total
 
     @staticmethod
     def backward(ctx, d_kl, _d_kl_uniform):
