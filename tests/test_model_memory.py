@@ -61,16 +61,18 @@ def test_model_warmup_step_memory_small_T():
 
 
 def test_model_sparse_step_memory_small_T():
-    """Sparse stage (everything trains, LM loss + eq. 4): the chunked ops' transients are bounded
-    blocks (measured at T = 2048, k = 256: 468 MB above the built model), not O(T^2)."""
+    """Sparse stage (everything trains, LM loss + eq. 4): the chunked Functions' transients are
+    bounded blocks, not O(T^2) (T = 2048, k = 2048, with the chunked attention Functions alone:
+    405 MB above the built model)."""
     row = run_model_child("sparse", 1024, topk=128)
     assert row["stage"] == "sparse" and row["topk"] == 128 and row["loss"] > 0
     assert row["extra_mb"] < 768, row
 
 
 # The warm-up at T = 16384 runs in `make test` (about 5 min in the fresh-clone suite). The sparse
-# stage is benchmark scale (it had not finished after 4400 s on a loaded machine; its 3 GB bound is
-# not shown yet), so it is marked `long`, which `make test` deselects: `pytest -m long`.
+# stage holds its 3 GB bound (measured 2577 MB peak, docs/kernels.md) but one run takes about
+# 13.5 min on the loaded 2-core machine (7 CPU-minutes), so it is marked `long`, which
+# `make test` deselects: `pytest -m long`.
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["warmup", pytest.param("sparse", marks=pytest.mark.long)])
 def test_model_stage_at_16k_within_3gb(stage):
