@@ -12,8 +12,9 @@ alone is ~2000 chunks per layer (> 200 s per layer). A loop registered here is o
 
   * for real tensors the op runs the decorated function (the chunk loop itself, unchanged);
   * under FakeTensorMode it runs `fake(*args)` (empty outputs with the real shapes and dtypes),
-    then offers `worst_chunk(*args)` -- the loop's own per-chunk body on its largest chunk (the
-    most queries against the widest key window) -- to the workspace listeners. The memory trace
+    then offers `worst_chunk(*args)` -- the loop's own code on its largest chunk (the most
+    queries against the widest key window) -- to the workspace listeners, with a key of the
+    arguments' shapes so that a listener runs it once per distinct call. The memory trace
     runs it under its counter and adds that chunk's peak as a transient DSA buffer on top of
     what is live at the call (the real loop holds one chunk's blocks at a time). Without a
     listener the body is not run.
@@ -30,17 +31,25 @@ from typing import Callable
 
 import torch
 
-_WORKSPACE_LISTENERS: list[Callable[[Callable[[], object]], None]] = []
+_WORKSPACE_LISTENERS: list[Callable[[tuple, Callable[[], object]], None]] = []
 
 
 @contextlib.contextmanager
-def workspace_listener(listener: Callable[[Callable[[], object]], None]):
-    """While active, each chunk-loop op run under FakeTensorMode calls `listener(run_worst_chunk)`."""
+def workspace_listener(listener: Callable[[tuple, Callable[[], object]], None]):
+    """While active, each chunk-loop op run under FakeTensorMode calls `listener(key, run_worst_chunk)`;
+    `key` (the op's name, its tensors' shapes / dtypes and its other arguments) is the same for
+    calls whose working set is the same."""
     _WORKSPACE_LISTENERS.append(listener)
     try:
         yield
     finally:
         _WORKSPACE_LISTENERS.remove(listener)
+
+
+def _signature(a):
+    if isinstance(a, torch.Tensor):
+        return (tuple(a.shape), a.dtype, a.device.type)
+    return a
 
 
 def chunk_loop_op(qualname: str, fake: Callable, worst_chunk: Callable):
@@ -52,8 +61,10 @@ def chunk_loop_op(qualname: str, fake: Callable, worst_chunk: Callable):
         @op.register_fake
         def _fake(*args, **kwargs):
             out = fake(*args, **kwargs)
-            for listener in list(_WORKSPACE_LISTENERS):
-                listener(lambda: worst_chunk(*args, **kwargs))
+            if _WORKSPACE_LISTENERS:
+                key = (qualname, *(_signature(a) for a in (*args, *kwargs.values())))
+                for listener in list(_WORKSPACE_LISTENERS):
+                    listener(key, lambda: worst_chunk(*args, **kwargs))
             return out
 
         return op
