@@ -287,8 +287,10 @@ DENSE_CHUNK_ELEMS = int(os.environ.get("DSA_CP_DENSE_CHUNK", 1 << 24))
 
 def visible_key_indices(doc_start: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Dense attention as index lists: every visible key of the queries at global `positions`
-    [Tq] (-1 padded) -> [B, Tq, max(positions) + 1] int32."""
-    s = torch.arange(int(positions.max()) + 1, device=doc_start.device)
+    [Tq] (-1 padded) -> [B, Tq, T] int32, T = the sequence length. The width does not depend on
+    the positions' values: no host sync per chunk on a GPU, and the shapes are known without the
+    data (the memory trace's FakeTensorMode); DENSE_CHUNK_ELEMS already sizes a chunk for width T."""
+    s = torch.arange(doc_start.shape[1], device=doc_start.device)
     valid = (s[None, None, :] <= positions[None, :, None]) & (s[None, None, :] >= doc_start[:, positions, None])
     return torch.where(valid, s, torch.full_like(s, -1)).to(torch.int32)
 

@@ -9,7 +9,10 @@ Per rank and per stage (the largest stage decides whether it fits):
   gradients    trainable parameters only, fp32 accumulation; partitioned by ZeRO-2/3 (dense over
                DP x CP, experts over expert-DP) plus one reduce bucket;
   optimizer    AdamW m and v (fp32) and the fp32 master (DeepSpeed keeps one with ZeRO >= 1 or
-               bf16), partitioned by ZeRO >= 1, plus the update's two temporaries per param group;
+               bf16), partitioned by ZeRO >= 1 (all created at initialization, live throughout);
+               the update's two temporaries per param group exist only during the optimizer step,
+               when activations are freed: the peak is the larger of the forward/backward phase
+               (the sum of the categories) and the step phase (model state + temporaries);
   activations  what the backward keeps for one micro-batch of T / CP local tokens: per layer the
                tensors saved by the model's ops (only those on a path to a trainable parameter:
                the dense warm-up keeps the indexer's only), minus what `parallel.recompute`
@@ -99,6 +102,18 @@ class StagePlan:
     total_gib: float = 0.0
     step_s: float = 0.0
     step_detail: dict = field(default_factory=dict)
+    step_detail_gib: dict = field(default_factory=dict)  # the optimizer step's phase (see plan_stage)
+
+
+def largest_trainable_param(c, sizes, train_all: bool) -> float:
+    """Elements of the largest trainable parameter tensor of a rank (vocabulary not split; MLA
+    output projection and dense MLPs split over TP; routed experts are one tensor per projection)."""
+    idx = max((c.q_lora_rank or c.hidden_size) * c.index_n_heads * c.index_head_dim, c.hidden_size * c.index_n_heads)
+    if not train_all:
+        return float(idx)
+    h = c.hidden_size
+    return float(max(idx, c.vocab_size * h, c.num_attention_heads * c.v_head_dim * h // sizes.tensor,
+                     c.intermediate_size * h // sizes.tensor, (c.moe_intermediate_size or 0) * h))
 
 
 def activation_bytes_per_token(c, sizes, stage, recompute: str, dtype_bytes: int, seq_len: int, topk: int) -> dict:
@@ -137,6 +152,13 @@ def activation_bytes_per_token(c, sizes, stage, recompute: str, dtype_bytes: int
             m = b * h
         per_layer.append(a + m)
     largest_block = max(attn + indexer, moe, dense_mlp) if recompute != "none" else 0.0
+    # a MoE block's forward working set (expert parallel, measured by the trace at its combine):
+    # the k dispatched copies of each token sorted by expert, the experts' output, its copy in the
+    # received order, the all-to-all's return buffer and the weighted product (5 x k x hidden),
+    # plus the combined output. It exists in every forward; when layers are recomputed or frozen
+    # (nothing of it kept for the backward) it can exceed what a recomputed block keeps.
+    if c.n_routed_experts and (recompute != "none" or not train_all):
+        largest_block = max(largest_block, b * (5 * (c.num_experts_per_tok or 0) * h + h))
     head = (b + 8) * c.vocab_size / sizes.tensor * 0 + (b + 8) * c.vocab_size if stage.lm_loss_coef > 0 and train_all else 0.0
     # DSA buffers per layer: top-k indices of local queries, CP-gathered latent KV + indexer key
     dsa_layer_tokens = 4 * topk if (sparse and stage.indexer_loss_coef >= 0) else 0.0
@@ -169,6 +191,10 @@ def plan_stage(cfg, model_cfg, name: str, stage, sizes, opts) -> StagePlan:
     else:
         g["parameters"] = pb * (dense_rank + expert_rank) / GiB
     grad_elems = (t_dense / shard_d + t_expert / shard_e) if zero >= 2 else (t_dense + t_expert)
+    # + the largest trainable parameter's gradient in the model dtype: autograd produces p.grad
+    # whole before ZeRO's hook reduces it into the fp32 bucket (the LM head / embedding, vocab x
+    # hidden, in the sparse stage: 1.7 GiB at 671B; the indexer's wq_b in the warm-up)
+    grad_elems += (pb / 4) * largest_trainable_param(c, sizes, train_all)
     g["gradients"] = 4 * (grad_elems + (min(REDUCE_BUCKET, t_dense + t_expert) if zero >= 1 else 0)) / GiB
     master = 4 if (zero >= 1 or pb == 2) else 0
     opt_elems = (t_dense / shard_d + t_expert / shard_e) if zero >= 1 else (t_dense + t_expert)
@@ -179,7 +205,8 @@ def plan_stage(cfg, model_cfg, name: str, stage, sizes, opts) -> StagePlan:
         largest_group = max(t_dense / shard_d, t_expert / shard_e)
     else:
         largest_group = t_dense + t_expert
-    g["optimizer"] = ((8 + master) * opt_elems + 2 * 4 * largest_group) / GiB
+    g["optimizer"] = (8 + master) * opt_elems / GiB
+    step_temporaries = 2 * 4 * largest_group / GiB
     T_loc = cfg.data.micro_batch_size * cfg.data.seq_len / sizes.context
     topk = stage.topk or c.index_topk
     act = activation_bytes_per_token(c, sizes, stage, cfg.parallel.recompute, pb, cfg.data.seq_len, topk)
@@ -187,7 +214,11 @@ def plan_stage(cfg, model_cfg, name: str, stage, sizes, opts) -> StagePlan:
     chunk = 4 * KERNEL_CHUNK_ELEMS * 3  # a few fp32 chunk-sized blocks live in the reference kernels
     g["dsa_buffers"] = (T_loc * act["dsa_indices"] + cfg.data.micro_batch_size * cfg.data.seq_len * act["cp_gather"]
                         + chunk) / GiB
-    p.total_gib = sum(g.values())
+    # two phases: forward/backward (everything above) and the optimizer step (model state plus the
+    # update's temporaries; activations and DSA buffers are freed by then) -- the peak is the larger
+    step_phase = g["parameters"] + g["gradients"] + g["optimizer"] + step_temporaries
+    p.total_gib = max(sum(g.values()), step_phase)
+    p.step_detail_gib = {"optimizer_step_temporaries": step_temporaries, "optimizer_step_phase": step_phase}
     # step time
     tokens = stage.global_batch_size * cfg.data.seq_len
     fpt = flops_per_token(c, cfg.data.seq_len, stage.attention.value, topk, stage_trainable=stage.trainable.value)
@@ -293,7 +324,7 @@ def traced_plan(cfg, opts, plan: dict) -> dict:
         "world_size": traced["world_size"], "rank": traced["rank"], "stage": stage["stage"],
         "traced_peak_bytes": traced["peak_total"], "planned_peak_bytes": int(stage["total_gib"] * GiB),
         "gpu_memory_bytes": int(opts.gpu_gb * 1e9), "traced": traced["peak"], "planned": planned,
-        "layout": traced["layout"], "trace_seconds": round(traced["seconds"], 1),
+        "layout": traced["layout"], "trace_seconds": round(traced["seconds"], 1), "peak_at": traced["peak_at"],
         "fits": traced["peak_total"] <= opts.gpu_gb * 1e9 * opts.usable,
     }
 

@@ -59,6 +59,10 @@ class MemoryTrace(TorchDispatchMode):
         self.phase = "activations"  # or "optimizer"
         self.balanced: dict[int, int] = {}  # storage key -> balanced element value (MoE counts)
         self._transient = 0  # bytes a chunk-loop op held during the current dispatch
+        self.peak_where = ""  # where the peak was reached (source line)
+        self.seq = 0  # allocation counter: live[k][2] is a storage's, peak_seq the peak's
+        self.peak_seq = 0
+        self._workspace_cache: dict[tuple, int] = {}
 
     # -------------------------------------------------------------- accounting
     @staticmethod
@@ -71,13 +75,16 @@ class MemoryTrace(TorchDispatchMode):
         if k in self.live:
             return
         n = st.nbytes()
-        self.live[k] = [n, category]
+        self.seq += 1
+        self.live[k] = [n, category, self.seq]
         self.current[category] += n
         weakref.finalize(st, self._free, k)
         total = sum(self.current.values())
         if total > self.peak_total:
             self.peak_total = total
             self.peak = dict(self.current)
+            self.peak_where = _where()
+            self.peak_seq = self.seq
 
     def _bump(self, nbytes: int, category: str) -> None:
         """A transient allocation of `nbytes` on top of what is live now: a peak candidate."""
@@ -86,18 +93,24 @@ class MemoryTrace(TorchDispatchMode):
             self.peak_total = total
             self.peak = dict(self.current)
             self.peak[category] = self.peak.get(category, 0) + nbytes
+            self.peak_where = _where()
+            self.peak_seq = self.seq
 
-    def chunk_workspace(self, run_worst_chunk) -> None:
+    def chunk_workspace(self, key: tuple, run_worst_chunk) -> None:
         """Listener of `dsa_kernels.chunk_ops`: a chunk-loop op (one fake dispatch for its whole
-        loop) offers its largest chunk's body; it runs here under a nested counter that ignores
-        what is already live (the op's inputs), and its peak is the op's transient working set."""
-        nested = MemoryTrace()
-        nested.live = {k: [0, "live"] for k in self.live}
-        with nested:
-            run_worst_chunk()
-        self._transient = max(self._transient, nested.peak_total)
+        loop) offers its largest chunk; it runs here under a nested counter that ignores what is
+        already live (the op's inputs), and its peak is the op's transient working set (measured
+        once per distinct op and argument shapes)."""
+        if key not in self._workspace_cache:
+            nested = MemoryTrace()
+            nested.live = {k: [0, "live", 0] for k in self.live}
+            with nested:
+                run_worst_chunk()
+            self._workspace_cache[key] = nested.peak_total
+        self._transient = max(self._transient, self._workspace_cache[key])
 
     def _free(self, k: int) -> None:
+        self.balanced.pop(k, None)  # a later storage may reuse the key
         entry = self.live.pop(k, None)
         if entry is not None:
             self.current[entry[1]] -= entry[0]
@@ -109,6 +122,9 @@ class MemoryTrace(TorchDispatchMode):
         elif entry[1] != category:
             self.current[entry[1]] -= entry[0]
             self.current[category] += entry[0]
+            if entry[2] <= self.peak_seq:  # live now and allocated before the peak: live at the peak
+                self.peak[entry[1]] = self.peak.get(entry[1], 0) - entry[0]
+                self.peak[category] = self.peak.get(category, 0) + entry[0]
             entry[1] = category
 
     def _category_of_new(self, func) -> str:
@@ -149,8 +165,9 @@ class MemoryTrace(TorchDispatchMode):
                     self.retag(t, "comm_buffers")
             src = next((a for a in _tensors(args) if self.key(a) in self.balanced), None)
             if src is not None:  # the exchanged token counts are balanced too
+                value = self.balanced[self.key(src)]
                 for t in _tensors(args):
-                    self.balanced.setdefault(self.key(t), self.balanced[self.key(src)])
+                    self.balanced[self.key(t)] = value
         return out
 
     def _bincount(self, x, weights=None, minlength=0):
@@ -167,6 +184,17 @@ class MemoryTrace(TorchDispatchMode):
         if t.is_floating_point():
             return 1.0
         return value if value is not None else 1
+
+
+def _where() -> str:
+    """The innermost project source line on the stack (dsa_train / kernels), for the report."""
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename
+        if ("dsa_train" in name or "/kernels/" in name) and not name.endswith("parallel/trace.py"):
+            return f"{name.rsplit('/', 2)[-2]}/{name.rsplit('/', 1)[-1]}:{f.f_lineno} ({f.f_code.co_name})"
+        f = f.f_back
+    return "?"
 
 
 def _tensors(obj):
@@ -208,6 +236,13 @@ class TracedZeroStep:
         for mp, (g, part) in zip(self.master_params, self.grads):
             mp.grad = g.narrow(0, 0, part)
         self.optimizer = torch.optim.AdamW(self.master_params, lr=1e-5, foreach=True)
+        # DeepSpeed's ZeRO-1/2 optimizer creates the AdamW moments at initialization
+        # (`initialize_optimizer_states`), so they are live through forward and backward
+        trace.phase = "optimizer"
+        for mp in self.master_params:
+            self.optimizer.state[mp] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(mp),
+                                        "exp_avg_sq": torch.zeros_like(mp)}
+        trace.phase = "activations"
         self._reduce_buffer = None
         for params, _ in self.groups:
             for p in params:
@@ -221,6 +256,7 @@ class TracedZeroStep:
             total = sum(p.numel() for params, _ in self.groups for p in params)
             self._reduce_buffer = torch.empty(min(self.bucket, total), dtype=torch.float32)
             self.trace.retag(self._reduce_buffer, "comm_buffers")
+        self.trace.retag(p.grad, "gradients")  # the model-dtype gradient autograd just produced
         n = min(p.numel(), self._reduce_buffer.numel())
         self._reduce_buffer[:n].copy_(p.grad.reshape(-1)[:n])
         p.grad = None
@@ -328,7 +364,7 @@ def trace_step(cfg, rank: int = 0, world: int | None = None, stage_name: str | N
         peak = {c: int(trace.peak.get(c, 0)) for c in CATEGORIES}
         return {
             "world_size": world, "rank": rank, "stage": stage_name, "layers": model_cfg.num_hidden_layers,
-            "peak": peak, "peak_total": int(trace.peak_total),
+            "peak": peak, "peak_total": int(trace.peak_total), "peak_at": trace.peak_where,
             "layout": {"tp": sizes.tensor, "cp": sizes.context, "ep": sizes.expert, "dp": sizes.data,
                        "zero": cfg.parallel.zero_stage, "recompute": cfg.parallel.recompute},
             "seconds": time.perf_counter() - start,
