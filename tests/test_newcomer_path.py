@@ -52,7 +52,7 @@ def test_smoke_profile_runs_the_warmup_recipe_stage_for_real(runs):
     assert len(steps) == 3  # profile smoke: 3 steps of the recipe's one stage
     assert all(s["train/indexer_kl"] > 0 and "train/lm_loss" not in s for s in steps)  # eq. 3 only, no LM head
     saved = (run / ".hydra" / "config.yaml").read_text()
-    assert "lr: 0.001" in saved and "context_parallel: 8" in saved  # the recipe as written, before the profile
+    assert "lr: 0.001" in saved and "context_parallel: 16" in saved  # the recipe as written, before the profile
     export = json.loads((run / "export" / "config.json").read_text())
     assert export["model_type"] == "deepseek_v32" and export["index_topk"] == MODEL_TOPK  # no sparse stage ran
 

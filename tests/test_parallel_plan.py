@@ -63,7 +63,7 @@ def test_plan_matches_measured_peak_zero2(tmp_path):
 @pytest.mark.slow
 def test_plan_matches_measured_peak_expert_parallel(tmp_path):
     r = _memcheck(tmp_path, ["--zero", "2", "--ep", "2", "--seq-len", "1024"])
-    # Measured 0.79-0.81 since the MoE dispatcher rewrite (2026-11-22): the plan now overestimates
-    # this layout by ~20% (open: re-derive the EP activation/dispatch terms), so the lower bound
-    # is 0.75 here; the upper bound, the one that protects a run from OOM, stays 1.2.
-    assert 0.75 <= r["ratio"] <= 1.2, r
+    # Measured 0.87 (both ranks) since the plan counts the optimizer step's temporaries in their own
+    # phase (they never coexist with the activations) and the CPU sparse kernels are memory-bounded
+    # (was 0.79-0.81, with a loosened lower bound of 0.75).
+    assert 0.8 <= r["ratio"] <= 1.2, r

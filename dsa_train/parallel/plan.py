@@ -302,7 +302,7 @@ def parse_opts(argv):
     p = argparse.ArgumentParser(prog="dsa-train plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100/H800 SXM: 989)")
     p.add_argument("--mfu", type=float, default=0.35)
-    p.add_argument("--gpu-gb", type=float, default=80.0)
+    p.add_argument("--gpu-gb", type=float, default=80.0, help="GPU memory in GiB (an \"80 GB\" H100 reports 79.2 GiB)")
     p.add_argument("--usable", type=float, default=0.9, help="fraction of GPU memory the plan may use")
     p.add_argument("--net-gbps", type=float, default=50.0, help="network GB/s per GPU (400 Gb/s IB = 50)")
     p.add_argument("--world", type=int, default=None, help="ranks (default: cluster.nodes x procs/GPUs per node)")
@@ -323,9 +323,9 @@ def traced_plan(cfg, opts, plan: dict) -> dict:
     return {
         "world_size": traced["world_size"], "rank": traced["rank"], "stage": stage["stage"],
         "traced_peak_bytes": traced["peak_total"], "planned_peak_bytes": int(stage["total_gib"] * GiB),
-        "gpu_memory_bytes": int(opts.gpu_gb * 1e9), "traced": traced["peak"], "planned": planned,
+        "gpu_memory_bytes": int(opts.gpu_gb * GiB), "traced": traced["peak"], "planned": planned,
         "layout": traced["layout"], "trace_seconds": round(traced["seconds"], 1), "peak_at": traced["peak_at"],
-        "fits": traced["peak_total"] <= opts.gpu_gb * 1e9 * opts.usable,
+        "fits": traced["peak_total"] <= opts.gpu_gb * GiB * opts.usable,
     }
 
 

@@ -25,10 +25,18 @@ under FakeTensorMode: token counts are taken as balanced routing (every expert g
 tokens * top-k / experts; the aux-loss-free bias keeps loads near that), other scalars as 1
 (integers and floats; the optimizer's step count) or False -- they feed metrics only.
 
-Cost: every op runs once under FakeTensorMode (~0.1-1 ms each on this CPU). The reference
-(chunked) kernels run many small chunks: under context parallelism the top-k selection takes
-~1650 chunk iterations per layer at the 671B sparse shapes, which puts a full 671B trace beyond
-minutes here (docs/distributed.md).
+Chunk loops: every op runs once under FakeTensorMode (~0.5-1 ms each on this CPU), and the
+PyTorch paths of the DSA ops walk the queries in chunks (at the 671B sparse shapes under context
+parallelism the top-k alone is ~2000 chunks per layer). Those loops are torch ops
+(`dsa_kernels.chunk_ops`: the CP top-k, the CPU sparse MLA forward and backward, the sparse
+indexer KL): one fake dispatch each, whose fake implementation offers the loop's own code on its
+largest chunk; `MemoryTrace.chunk_workspace` runs that under a nested counter (once per distinct
+shapes) and adds its peak as a transient DSA buffer on top of what is live at the call.
+
+The step's gradients: autograd produces each parameter's gradient in the model dtype; ZeRO's hook
+(`TracedZeroStep._reduce`) copies it into the fp32 bucket and frees it; the trace retags it as a
+gradient (also in the peak's breakdown when it was live at the peak). AdamW's moments exist from
+the start (DeepSpeed creates them at initialization).
 """
 
 from __future__ import annotations
