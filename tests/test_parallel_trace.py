@@ -55,10 +55,6 @@ def test_trace_of_671b_recipe_agrees_with_plan(recipe, tmp_path):
     # model state is live all step: the same at the traced peak as in the plan
     for key in ("parameters", "optimizer"):
         assert abs(traced[key] / planned[key] - 1) < 0.02, (key, t)
-    # gradients: the plan adds the reduce bucket (comm buffer in the trace, not yet allocated at
-    # a peak in the forward) to the partition and the largest parameter's model-dtype gradient
-    assert 0.8 * traced["gradients"] <= planned["gradients"] <= 1.2 * (traced["gradients"] + 4 * 5e7), t
-    # the plan's activation and DSA terms are each category's maximum over the step; the trace's
-    # are what is live at its peak, so only their sum is bounded by the plan's (within 20%)
-    assert traced["activations"] + traced["dsa_buffers"] + traced["comm_buffers"] \
-        <= 1.2 * (planned["activations"] + planned["dsa_buffers"]), t
+    # gradients: the plan's term is its maximum over the step (partition + reduce bucket + the
+    # largest parameter's model-dtype gradient); the trace's is what is live at its peak
+    assert traced["gradients"] <= 1.2 * planned["gradients"], t
