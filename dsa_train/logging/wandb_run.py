@@ -105,10 +105,13 @@ class WandbRun:
             config=config,
             id=run_id,
             resume="allow" if run_id else None,
-            settings=wandb.Settings(init_timeout=cfg.wandb_init_timeout_s),
         )
+        # wandb_init_timeout_s bounds the wait for the W&B *server*; an offline init only starts the
+        # local W&B service and keeps W&B's own timeout (a short one fails it on a loaded machine)
+        online_settings = wandb.Settings(init_timeout=cfg.wandb_init_timeout_s)
         try:
-            self.run = wandb.init(mode=self.mode, **init_kwargs)
+            self.run = wandb.init(mode=self.mode, settings=online_settings if self.mode == "online" else None,
+                                  **init_kwargs)
             return
         except Exception as err:  # network, auth, server: never stop training for W&B
             if self.mode == "online":
@@ -125,7 +128,8 @@ class WandbRun:
         if os.environ.pop("WANDB_SERVICE", None) is not None:
             wandb.teardown()  # drop the connection to the shared service; the next init starts ours
         try:
-            self.run = wandb.init(mode=self.mode, **init_kwargs)
+            self.run = wandb.init(mode=self.mode, settings=online_settings if self.mode == "online" else None,
+                                  **init_kwargs)
         except Exception as err:
             log.error("W&B %s init failed again (%s); training goes on WITHOUT W&B logging (metrics are "
                       "still in the log and the checkpoints' trainer_state.json)", self.mode, err)
