@@ -89,3 +89,58 @@ class Launch:
 
     def run(self) -> None:
         self.kernel[self.grid](**self.args, **self.options())
+
+
+# ----------------------------------------------------------------------------- input policies
+# Shared by every op's Triton entry point (decided once, documented in docs/kernels.md):
+#
+# Indices. The kernels mask every load of a selected row by `0 <= idx < n_keys`, so an index out
+# of range (a caller bug, a corrupted top-k) is read as an empty slot, never as an illegal memory
+# access. That masking is silent; DSA_KERNELS_CHECK=1 (debug mode) makes the entry points verify
+# the indices on the host first and raise one clear error instead (one device sync per call).
+#
+# fp32 inputs. Compiled kernels take 16-bit q/kv: fp32 tiles do not fit the sparse-MLA forward's
+# shared memory (~442 KB at the 671B shapes) and fp32 tl.dot runs as TF32. A compiled call with
+# fp32 inputs computes in bf16 with one warning per op (outputs keep the caller's dtype);
+# DSA_KERNELS_FP32=error refuses instead. Under TRITON_INTERPRET=1 fp32 stays fp32 (`interp_upcast`).
+
+
+def check_mode() -> bool:
+    """DSA_KERNELS_CHECK=1: entry points validate their index inputs on the host (debug mode)."""
+    return os.environ.get("DSA_KERNELS_CHECK", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def check_indices(indices: torch.Tensor, n_keys: int, op: str) -> None:
+    """In check mode, raise one clear ValueError if any index is outside [-1, n_keys)
+    (-1 marks an empty slot). Outside check mode this does nothing (and costs nothing)."""
+    if not check_mode() or indices.numel() == 0:
+        return
+    bad = (indices < -1) | (indices >= n_keys)
+    if bool(bad.any()):
+        where = torch.nonzero(bad)[0].tolist()
+        value = int(indices[tuple(where)])
+        raise ValueError(f"{op}: indices{where} = {value} is outside [-1, {n_keys}) (the key rows "
+                         f"this call was given); fix the caller's top-k / index list "
+                         f"(DSA_KERNELS_CHECK=1 is on; without it such a slot is read as empty)")
+
+
+_FP32_WARNED: set[str] = set()
+
+
+def compute_dtype(op: str, *tensors: torch.Tensor) -> torch.dtype | None:
+    """The dtype a compiled kernel should compute in for these inputs: None = use them as they
+    are; torch.bfloat16 = fp32 inputs on the compiled path (warned once per op, or refused under
+    DSA_KERNELS_FP32=error). Interpreted runs (TRITON_INTERPRET=1) always return None."""
+    if interpreted() or not any(t.dtype == torch.float32 for t in tensors):
+        return None
+    if os.environ.get("DSA_KERNELS_FP32", "cast").strip().lower() == "error":
+        raise TypeError(f"{op}: fp32 inputs on the Triton path (DSA_KERNELS_FP32=error); pass bf16 "
+                        f"tensors (model.to(torch.bfloat16)) or unset DSA_KERNELS_FP32 to compute in bf16")
+    if op not in _FP32_WARNED:
+        _FP32_WARNED.add(op)
+        import warnings
+
+        warnings.warn(f"{op}: fp32 inputs on the Triton path are computed in bf16 (fp32 tiles do not fit "
+                      f"the kernels, and fp32 tl.dot would silently be TF32); pass bf16 tensors to silence "
+                      f"this, or set DSA_KERNELS_FP32=error to refuse", stacklevel=3)
+    return torch.bfloat16
