@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._triton_common import interp_upcast
+from ..._triton_common import check_indices, compute_dtype, interp_upcast
 from ..sparse_mla.kernel import slot_counts
 from .kernel import LOG2E, TARGET_CHUNK_ELEMS, plan_dense_kl, plan_dense_lse, plan_sparse_kl, plan_sparse_kl_target
 
@@ -39,15 +39,36 @@ def _stats(kl, klu, B, T):
     return {"kl": kl.detach(), "kl_uniform": klu.detach(), "queries": torch.tensor(float(B * T))}
 
 
+def _compute_copy(x: torch.Tensor, dtype) -> torch.Tensor:
+    """The kernel's copy of an input: detached, contiguous, in the compute dtype the fp32 policy
+    chose (`compute_dtype`; None keeps x's), upcast under the interpreter (`interp_upcast`)."""
+    x = x.detach()
+    if dtype is not None:
+        x = x.to(dtype)
+    return interp_upcast(x.contiguous())
+
+
 def sparse_indexer_kl_triton(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale: float,
                              chunk_size: int | None = None):
-    """Same contract as `sparse_indexer_kl_ref` (chunk_size accepted and ignored)."""
+    """Same contract as `sparse_indexer_kl_ref` (chunk_size accepted and ignored). The query
+    rows (q_idx, w_idx, indices, q_main, lse_main: T of them) may be fewer than the key rows
+    (k_idx, kv_main: N), as under context parallelism: a rank's queries over the gathered
+    sequence; indices are key rows in [0, N). The gradient of k_idx has k_idx's shape."""
     B, T, HI, DI = q_idx.shape
     K = indices.shape[-1]
-    qi, ki = interp_upcast(q_idx.detach().contiguous()), interp_upcast(k_idx.detach().contiguous())
+    n_keys = k_idx.shape[1]
+    if kv_main.shape[1] != n_keys or indices.shape[:2] != (B, T) or q_main.shape[:2] != (B, T):
+        raise ValueError(f"sparse_indexer_kl: k_idx {tuple(k_idx.shape)} and kv_main {tuple(kv_main.shape)} must "
+                         f"hold the same key rows, and indices {tuple(indices.shape)} / q_main "
+                         f"{tuple(q_main.shape)} the query rows of q_idx {tuple(q_idx.shape)}; pass the "
+                         f"gathered k_idx and kv_main together")
+    check_indices(indices, n_keys, "sparse_indexer_kl")
+    # fp32 q/k on the compiled path -> bf16 (the target's dots would be TF32; `compute_dtype`)
+    cdt = compute_dtype("sparse_indexer_kl", q_idx, k_idx, q_main, kv_main)
+    qi, ki = _compute_copy(q_idx, cdt), _compute_copy(k_idx, cdt)
     wi = w_idx.detach().float().contiguous()
     idx = indices.to(torch.int32).contiguous()
-    qm, kvm = interp_upcast(q_main.detach().contiguous()), interp_upcast(kv_main.detach().contiguous())
+    qm, kvm = _compute_copy(q_main, cdt), _compute_copy(kv_main, cdt)
     lse = lse_main.detach().float().contiguous()
     dev = q_idx.device
 
@@ -61,7 +82,7 @@ def sparse_indexer_kl_triton(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_
         klu = torch.empty((B, T), dtype=torch.float32, device=dev)
         if need:
             dq = torch.empty((B, T, HI, DI), dtype=torch.float32, device=dev)
-            dk = torch.zeros((B, T, DI), dtype=torch.float32, device=dev)
+            dk = torch.zeros((B, n_keys, DI), dtype=torch.float32, device=dev)  # k_idx's rows
             dw = torch.empty((B, T, HI), dtype=torch.float32, device=dev)
         else:
             dq = dk = dw = kl
@@ -84,9 +105,16 @@ def dense_indexer_kl_triton(q_idx, k_idx, w_idx, q_main, k_main, scale: float, d
     from dense_attention's forward) replaces the dense-lse kernel's pass when given."""
     B, T, HI, DI = q_idx.shape
     H = q_main.shape[2]
-    qi, ki = interp_upcast(q_idx.detach().contiguous()), interp_upcast(k_idx.detach().contiguous())
+    if k_idx.shape[1] != T or k_main.shape[1] != T or q_main.shape[1] != T:
+        raise ValueError(f"dense_indexer_kl: queries and keys must be the same T positions (q_idx "
+                         f"{tuple(q_idx.shape)}, k_idx {tuple(k_idx.shape)}, q_main {tuple(q_main.shape)}, "
+                         f"k_main {tuple(k_main.shape)}); a context-parallel rank's queries take "
+                         f"sparse_indexer_kl over visible_key_indices (model/mla.py)")
+    # fp32 q/k on the compiled path -> bf16 (fp32 dots would be TF32; `compute_dtype`)
+    cdt = compute_dtype("dense_indexer_kl", q_idx, k_idx, q_main, k_main)
+    qi, ki = _compute_copy(q_idx, cdt), _compute_copy(k_idx, cdt)
     wi = w_idx.detach().float().contiguous()
-    qm, km = interp_upcast(q_main.detach().contiguous()), interp_upcast(k_main.detach().contiguous())
+    qm, km = _compute_copy(q_main, cdt), _compute_copy(k_main, cdt)
     ds = doc_start.contiguous()
     dev = q_idx.device
 

@@ -54,7 +54,7 @@ def _sparse_kl_target_kernel(
     stride_nb,
     stride_lb, stride_lt,
     stride_pb, stride_pt,
-    t0, H, scale_log2,
+    t0, H, N_KEYS, scale_log2,
     D_A: tl.constexpr, D_B: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
 ):
@@ -86,7 +86,7 @@ def _sparse_kl_target_kernel(
         for k0 in range(0, n_slots, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             idx = tl.load(idx_base + offs_k, mask=offs_k < n_slots, other=-1)
-            valid = idx >= 0
+            valid = (idx >= 0) & (idx < N_KEYS)  # out of range: an empty slot (`check_indices`)
             rows = kv_base + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_kvt
             kv_a = tl.load(rows + offs_a[None, :], mask=valid[:, None] & mask_a[None, :], other=0.0)
             s = tl.dot(q_a, tl.trans(kv_a))  # [BLOCK_H, BLOCK_K]
@@ -113,7 +113,8 @@ def _sparse_kl_kernel(
     stride_ib, stride_it,
     stride_nb,
     stride_pb, stride_pt,
-    t0, T, HI, inv_h,
+    stride_dkb, stride_dkt,
+    t0, T, N_KEYS, HI, inv_h,
     DI: tl.constexpr,
     GRAD: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -145,7 +146,7 @@ def _sparse_kl_kernel(
     for k0 in range(0, n_slots, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(idx_base + offs_k, mask=offs_k < n_slots, other=-1)
-        valid = idx >= 0
+        valid = (idx >= 0) & (idx < N_KEYS)  # out of range: an empty slot (`check_indices`)
         safe = tl.where(valid, idx, 0).to(tl.int64)
         # target: head-averaged main-attention probabilities at the selected keys
         p = tl.load(p_base + offs_k, mask=offs_k < n_slots, other=0.0) * inv_h
@@ -178,7 +179,7 @@ def _sparse_kl_kernel(
         for k0 in range(0, n_slots, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             idx = tl.load(idx_base + offs_k, mask=offs_k < n_slots, other=-1)
-            valid = idx >= 0
+            valid = (idx >= 0) & (idx < N_KEYS)
             safe = tl.where(valid, idx, 0).to(tl.int64)
             p = tl.load(p_base + offs_k, mask=offs_k < n_slots, other=0.0) * inv_h
             ki = tl.load(ki_base + safe[:, None] * stride_kit + offs_di[None, :],
@@ -193,7 +194,8 @@ def _sparse_kl_kernel(
             da = tl.where(a > 0, wi[:, None] * g[None, :], 0.0).to(ki.dtype)  # [BLOCK_HI, BLOCK_K]
             dqi += tl.dot(da, ki, input_precision="ieee")
             dk = tl.dot(tl.trans(da), qi, input_precision="ieee")  # [BLOCK_K, BLOCK_DI]
-            tl.atomic_add(DKI + b * T * DI + safe[:, None] * DI + offs_di[None, :], dk,
+            # dk_I rows are global key positions: DKI has k_I's N_KEYS rows, not the T query rows
+            tl.atomic_add(DKI + b * stride_dkb + safe[:, None] * stride_dkt + offs_di[None, :], dk,
                           mask=valid[:, None] & mask_di[None, :])
         tl.store(DQI + ((b * T + t) * HI + offs_j[:, None]) * DI + offs_di[None, :], dqi,
                  mask=mask_j[:, None] & mask_di[None, :])
@@ -394,9 +396,11 @@ def sparse_target_blocks(H: int, D: int) -> dict:
 
 
 def plan_sparse_kl_target(qm, kvm, idx, n_slots, lse, p_sum, t0: int, scale: float) -> Launch:
-    """qm [B, T, H, D], kvm [B, T, D], idx [B, T, K] int32, n_slots [B, T] int32 (`slot_counts`),
-    lse [B, T, H] fp32 (natural log, from sparse_mla's forward) -> p_sum [B, C, K] fp32: the
-    head-summed target of tokens [t0, t0 + C) at their slots (slots past n_slots untouched)."""
+    """qm [B, T, H, D] (T query rows), kvm [B, N, D] (N key rows: N > T under context
+    parallelism, the gathered sequence), idx [B, T, K] int32 key rows (-1 empty; outside [0, N)
+    read as empty), n_slots [B, T] int32 (`slot_counts`), lse [B, T, H] fp32 (natural log, from
+    sparse_mla's forward) -> p_sum [B, C, K] fp32: the head-summed target of query rows
+    [t0, t0 + C) at their slots (slots past n_slots untouched)."""
     B, T, H, D = qm.shape
     C = p_sum.shape[1]
     return Launch(
@@ -409,7 +413,7 @@ def plan_sparse_kl_target(qm, kvm, idx, n_slots, lse, p_sum, t0: int, scale: flo
             stride_nb=n_slots.stride(0),
             stride_lb=lse.stride(0), stride_lt=lse.stride(1),
             stride_pb=p_sum.stride(0), stride_pt=p_sum.stride(1),
-            t0=t0, H=H, scale_log2=scale * LOG2E,
+            t0=t0, H=H, N_KEYS=kvm.shape[1], scale_log2=scale * LOG2E,
             **sparse_target_blocks(H, D),
         ),
         num_warps=8, num_stages=2,
@@ -421,9 +425,11 @@ def sparse_blocks(K: int, HI: int, DI: int) -> dict:
 
 
 def plan_sparse_kl(qi, ki, wi, idx, n_slots, p_sum, t0: int, H: int, kl, klu, dq, dk, dw, grad: bool) -> Launch:
-    """qi [B, T, H_I, D_I], ki [B, T, D_I], wi [B, T, H_I] fp32, idx [B, T, K] int32, p_sum
-    [B, C, K] fp32 (tokens [t0, t0 + C), from `plan_sparse_kl_target`), H main heads -> kl, klu
-    [B, T] fp32 and, with grad, dq [B, T, H_I, D_I], dk [B, T, D_I] (zeroed; atomics), dw
+    """qi [B, T, H_I, D_I] (T query rows), ki [B, N, D_I] (N key rows, N >= T: under context
+    parallelism the gathered sequence), wi [B, T, H_I] fp32, idx [B, T, K] int32 key rows (-1
+    empty; outside [0, N) read as empty), p_sum [B, C, K] fp32 (query rows [t0, t0 + C), from
+    `plan_sparse_kl_target`), H main heads -> kl, klu [B, T] fp32 and, with grad, dq
+    [B, T, H_I, D_I], dk [B, N, D_I] (k_I's shape; zeroed; atomics at the key rows), dw
     [B, T, H_I] fp32 (rows of those tokens written)."""
     B, T, HI, DI = qi.shape
     K = idx.shape[-1]
@@ -439,7 +445,8 @@ def plan_sparse_kl(qi, ki, wi, idx, n_slots, p_sum, t0: int, H: int, kl, klu, dq
             stride_ib=idx.stride(0), stride_it=idx.stride(1),
             stride_nb=n_slots.stride(0),
             stride_pb=p_sum.stride(0), stride_pt=p_sum.stride(1),
-            t0=t0, T=T, HI=HI, inv_h=1.0 / H,
+            stride_dkb=dk.stride(0) if grad else 0, stride_dkt=dk.stride(1) if grad else 0,
+            t0=t0, T=T, N_KEYS=ki.shape[1], HI=HI, inv_h=1.0 / H,
             DI=DI, GRAD=grad,
             **sparse_blocks(K, HI, DI),
         ),
