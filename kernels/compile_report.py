@@ -1,17 +1,27 @@
-"""`dsa-train kernels report --arch sm_90a [--json]`: compile every kernel the dispatchers can
-launch, at the 671B shapes and the block sizes the launchers pick there, for a GPU architecture,
-on a machine without a GPU.
+"""`dsa-train kernels report --arch sm_90a [--triton 3.6.0] [--op OP] [--json]`: compile every
+kernel the dispatchers can launch, at the 671B shapes and the block sizes the launchers pick there,
+for a GPU architecture, on a machine without a GPU, with a given Triton.
 
 Per kernel: Triton compiles the launch (`triton.compile(ASTSource(fn, signature, constexprs,
 attrs), target=GPUTarget("cuda", cap, 32), options=...)`, with the argument specialization the
 JIT launcher would apply: 16-byte-divisible pointers and integers, integer 1 as a constant);
 then Triton's bundled ptxas (`-v`, for sm_90a: `--gpu-name=sm_90a`) assembles the PTX and
 reports registers and spill bytes. Shared memory is Triton's dynamic allocation (its
-metadata) plus any static shared memory ptxas reports; wgmma is the number of
-`wgmma.mma_async` instructions in the PTX.
+metadata) plus any static shared memory ptxas reports. Tensor-core instructions are counted in
+the PTX: `wgmma.mma_async` (Hopper's warpgroup MMA), `mma.sync` (the warp-level MMA of
+Ampere, also valid on Hopper and Blackwell) and `tcgen05.mma` (Blackwell's).
 
-Gate (tests/test_kernels_compile.py): no compile error, no spill, shared memory <= 227 KB
-(H100's per-block limit), and every attention kernel uses wgmma on sm_90a.
+Triton versions: `SUPPORTED_TRITON` is the supported range, (oldest, newest). `--triton VERSION`
+compiles with that Triton: the installed one if it is that version, else a side install
+(`pip install --target DIR --no-deps triton==VERSION`, made once, in `side_triton_dir`) put
+first on the PYTHONPATH of a fresh process. Every row records the Triton that compiled it.
+
+Gate (`gate_failures`; `tests/test_kernels_compile.py` runs it in `make test` for every
+(Triton, arch) pair of `GATE_TARGETS`): the kernel compiles, does not spill, fits in the
+per-block shared memory of the architecture, and, when its work is dot products
+(`KernelCase.dots`: every kernel but the radix top-k selection), uses the architecture's
+tensor-core instructions: wgmma on sm_90a (mma.sync alone does not count there), tcgen05.mma or
+mma.sync on sm_100, mma.sync on sm_80.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,6 +40,85 @@ from pathlib import Path
 # name -> compute capability; Triton's NVIDIA backend appends "a" for >= 90 (sm_90a, sm_100a)
 ARCHES = {"sm_80": 80, "sm_90a": 90, "sm_100": 100}
 SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024, 100: 227 * 1024}  # max dynamic shared memory per block
+
+# The supported Triton versions, (oldest, newest): the oldest is what torch 2.11 pins (the Triton of
+# GPU images built on torch 2.11), the newest what the development venv installs
+# (constraints-cpu.txt). pyproject's floor `triton>=` is the oldest.
+SUPPORTED_TRITON = ("3.6.0", "3.9.0")
+OLDEST_TRITON, NEWEST_TRITON = SUPPORTED_TRITON
+# The compile gate of `make test` (tests/test_kernels_compile.py): (Triton, arch) pairs.
+GATE_TARGETS = ((OLDEST_TRITON, "sm_90a"), (NEWEST_TRITON, "sm_90a"), (NEWEST_TRITON, "sm_100"))
+
+# Tensor-core instructions counted in the PTX, by row key.
+TENSOR_CORE_PTX = {
+    "wgmma": re.compile(r"\bwgmma\.mma_async\b"),
+    "mma_sync": re.compile(r"\bmma\.sync\b"),
+    "tcgen05_mma": re.compile(r"\btcgen05\.mma\b"),
+}
+# Per compute capability, the instructions of which a dot-product kernel needs at least one.
+# sm_90a: wgmma; a kernel whose dots all fall back to mma.sync leaves Hopper's warpgroup MMA unused.
+# sm_100: wgmma is sm_90a-only; Triton 3.9 emits tcgen05.mma, and mma.sync for some dot shapes.
+TENSOR_CORE_REQUIRED = {80: ("mma_sync",), 90: ("wgmma",), 100: ("tcgen05_mma", "mma_sync")}
+
+# The keys of a report row, in the JSON and table order (`gate`: the gate's failures, one string each).
+ROW_KEYS = ("op", "kernel", "config", "triton", "registers", "spill_bytes", "shared_bytes",
+            *TENSOR_CORE_PTX, "dots", "error", "gate")
+
+
+class SideTritonError(RuntimeError):
+    """A side install of Triton could not be made or used (the message is one line)."""
+
+
+def _base_version(version: str) -> str:
+    return version.split("+", 1)[0]
+
+
+def side_triton_dir(version: str) -> Path:
+    """Where the side install of Triton `version` lives: `$DSA_TRITON_SIDE_DIR/triton-VERSION`,
+    by default `<venv>/side-triton/triton-VERSION` (under `sys.prefix`: made for this Python,
+    reused by every later run, removed with the venv)."""
+    root = os.environ.get("DSA_TRITON_SIDE_DIR") or str(Path(sys.prefix) / "side-triton")
+    return Path(root) / f"triton-{version}"
+
+
+def _side_triton_ready(path: Path, version: str) -> bool:
+    return (path / "triton" / "__init__.py").is_file() and (path / f"triton-{version}.dist-info").is_dir()
+
+
+def _pip_install_cmd(version: str, target: Path) -> list[str]:
+    return [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+            "--no-deps", "--target", str(target), f"triton=={version}"]
+
+
+def ensure_side_triton(version: str) -> Path:
+    """The directory holding Triton `version` (to put first on PYTHONPATH), installed on first use
+    with pip (`--target`, `--no-deps`; from pip's cache this takes seconds). Concurrent callers are
+    safe: each installs into its own temporary directory and the first rename wins.
+    Raises SideTritonError (one line) when pip fails."""
+    path = side_triton_dir(version)
+    if _side_triton_ready(path, version):
+        return path
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".triton-{version}.", dir=path.parent))
+    except OSError as err:
+        raise SideTritonError(f"cannot create {path.parent} for the side install of Triton {version} ({err}); "
+                              f"set DSA_TRITON_SIDE_DIR to a writable directory") from None
+    try:
+        cmd = _pip_install_cmd(version, tmp)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0 or not _side_triton_ready(tmp, version):
+            tail = " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-2:]) or f"exit code {proc.returncode}"
+            raise SideTritonError(f"side install of Triton {version} into {path} failed: `pip install --target DIR "
+                                  f"--no-deps triton=={version}` said: {tail}")
+        try:
+            tmp.rename(path)
+        except OSError:  # another process installed it first
+            if not _side_triton_ready(path, version):
+                raise SideTritonError(f"{path} exists but holds no Triton {version}: remove it and rerun") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
 
 
 def _specialize(launch):
@@ -89,8 +179,9 @@ def compile_case(case, cap: int) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    row = {"op": case.op, "kernel": case.kernel_name, "config": case.config, "registers": None,
-           "spill_bytes": None, "shared_bytes": None, "wgmma": None, "error": None}
+    row = dict.fromkeys(ROW_KEYS)
+    row.update(op=case.op, kernel=case.kernel_name, config=case.config, triton=triton.__version__,
+               dots=case.dots, gate=[])
     t0 = time.perf_counter()
     try:
         signature, constexprs, attrs = _specialize(case.launch)
@@ -109,13 +200,18 @@ def compile_case(case, cap: int) -> dict:
         return row
     row.update(registers=stats["registers"], spill_bytes=stats["spill_bytes"],
                shared_bytes=int(compiled.metadata.shared) + stats["static_smem"],
-               wgmma=len(re.findall(r"wgmma\.mma_async", ptx)))
+               **{key: len(pattern.findall(ptx)) for key, pattern in TENSOR_CORE_PTX.items()})
     row["seconds"] = round(time.perf_counter() - t0, 1)
     return row
 
 
-def gate_failures(row: dict, cap: int, attention: bool) -> list[str]:
-    """The gate's verdict on one row: empty when the kernel passes."""
+def _ptx_name(key: str) -> str:
+    return {"wgmma": "wgmma.mma_async", "mma_sync": "mma.sync", "tcgen05_mma": "tcgen05.mma"}[key]
+
+
+def gate_failures(row: dict, cap: int, dots: bool) -> list[str]:
+    """The gate's verdict on one row compiled for compute capability `cap`: empty when the kernel
+    passes. `dots`: the kernel's work is dot products, so it must use tensor cores."""
     fails = []
     if row["error"]:
         return [f"does not compile: {row['error']}"]
@@ -123,9 +219,16 @@ def gate_failures(row: dict, cap: int, attention: bool) -> list[str]:
         fails.append(f"spills {row['spill_bytes']} bytes")
     if row["shared_bytes"] > SMEM_LIMIT[cap]:
         fails.append(f"needs {row['shared_bytes']} B shared memory > {SMEM_LIMIT[cap]} B")
-    if cap == 90 and attention and not row["wgmma"]:
-        fails.append("attention kernel without wgmma")
+    required = TENSOR_CORE_REQUIRED[cap]
+    if dots and not any(row[key] for key in required):
+        counts = ", ".join(f"{_ptx_name(k)} {row[k]}" for k in TENSOR_CORE_PTX)
+        fails.append(f"dot-product kernel without {' or '.join(map(_ptx_name, required))} "
+                     f"on {_arch_name(cap)} (PTX: {counts})")
     return fails
+
+
+def _arch_name(cap: int) -> str:
+    return next(name for name, c in ARCHES.items() if c == cap)
 
 
 def supported_arches() -> list[str]:
@@ -151,13 +254,13 @@ def report(arch: str, ops: list[str] | None = None) -> list[dict]:
     rows = []
     for case in cases(ops):
         row = compile_case(case, cap)
-        row["gate"] = gate_failures(row, cap, case.attention)
+        row["gate"] = gate_failures(row, cap, case.dots)
         rows.append(row)
     return rows
 
 
 def _table(rows: list[dict]) -> str:
-    head = ["op", "kernel", "config", "registers", "spill_bytes", "shared_bytes", "wgmma", "error"]
+    head = [k for k in ROW_KEYS if k not in ("triton", "gate")]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [str(r[k]) if r[k] is not None else "—" for k in head]
@@ -165,60 +268,99 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+_REEXEC_MARK = "DSA_KERNELS_REPORT_SIDE_TRITON"  # set in the process re-run with a side install
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(
         prog="dsa-train kernels",
         description="Kernel tools. `report`: compile every DSA kernel at the 671B shapes for a GPU "
-                    "architecture (no GPU needed) and print registers, spills, shared memory, wgmma.")
+                    "architecture (no GPU needed) and print registers, spills, shared memory and "
+                    "tensor-core instructions, with the compile gate's verdict.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     rep = sub.add_parser("report", help="compile report for a GPU architecture")
     rep.add_argument("--arch", default="sm_90a", choices=sorted(ARCHES),
                      help="target architecture (default sm_90a: H100/H200)")
+    rep.add_argument("--triton", metavar="VERSION",
+                     help=f"compile with this Triton ({' or '.join(SUPPORTED_TRITON)}; default: the installed "
+                          f"one); another than the installed is side-installed once with pip into "
+                          f"{side_triton_dir('VERSION')} (DSA_TRITON_SIDE_DIR overrides the folder)")
     rep.add_argument("--op", action="append", dest="ops", metavar="OP",
                      help="only this op (repeatable); default: every registered op")
     rep.add_argument("--json", action="store_true",
                      help="also print the rows as a JSON list on the last line")
     args = parser.parse_args(argv)
+    me = "dsa-train kernels report"
 
-    try:
-        import triton  # noqa: F401
-    except Exception as err:
-        print(f"dsa-train kernels report: triton is not importable ({err}); install triton>=3.2", file=sys.stderr)
-        return 2
-    have = supported_arches()
-    if args.arch not in have:
-        print(f"dsa-train kernels report: the installed Triton cannot target {args.arch}; "
-              f"it supports {', '.join(have) or 'none'}", file=sys.stderr)
+    if args.triton is not None and args.triton not in SUPPORTED_TRITON:
+        print(f"{me}: --triton {args.triton} is not a supported Triton; use {OLDEST_TRITON} (oldest) or "
+              f"{NEWEST_TRITON} (newest), or leave it out to use the installed one", file=sys.stderr)
         return 2
     from .registry import OPS, registered_ops
 
     if args.ops:
         unknown = [o for o in args.ops if o not in OPS]
         if unknown:
-            print(f"dsa-train kernels report: unknown op {unknown[0]!r}; ops: {', '.join(OPS)}", file=sys.stderr)
+            print(f"{me}: unknown op {unknown[0]!r}; ops: {', '.join(OPS)}", file=sys.stderr)
             return 2
+    try:
+        import triton
+    except Exception as err:
+        if args.triton is None:
+            print(f"{me}: triton is not importable ({err}); install triton>={OLDEST_TRITON} "
+                  f"or pass --triton {OLDEST_TRITON}", file=sys.stderr)
+            return 2
+        triton = None
+    have_version = getattr(triton, "__version__", None)
+    if args.triton is not None and (have_version is None or _base_version(have_version) != args.triton):
+        if os.environ.get(_REEXEC_MARK):  # the side install was on PYTHONPATH and still not imported
+            print(f"{me}: asked for Triton {args.triton} (side install {os.environ[_REEXEC_MARK]}), "
+                  f"but Python imported {have_version} from {getattr(triton, '__file__', None)}", file=sys.stderr)
+            return 2
+        try:
+            side = ensure_side_triton(args.triton)
+        except SideTritonError as err:
+            print(f"{me}: {err}", file=sys.stderr)
+            return 2
+        return _rerun(argv, pythonpath=str(side), mark=str(side))
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         # under the interpreter @triton.jit gives interpreted functions, which cannot be compiled:
         # run the report in a fresh process without it
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        cmd = [sys.executable, "-m", "dsa_kernels.compile_report", *(sys.argv[1:] if argv is None else argv)]
-        return subprocess.run(cmd, env=env).returncode
+        return _rerun(argv)
+    have = supported_arches()
+    if args.arch not in have:
+        print(f"{me}: Triton {have_version} cannot target {args.arch}; it supports {', '.join(have) or 'none'}",
+              file=sys.stderr)
+        return 2
 
     t0 = time.perf_counter()
     rows = report(args.arch, args.ops)
-    print(f"# dsa-train kernels report --arch {args.arch}: {len(rows)} kernels, 671B shapes, "
+    where = Path(triton.__file__).parent
+    print(f"# {me} --arch {args.arch}, Triton {have_version} ({where}): {len(rows)} kernels, 671B shapes, "
           f"{time.perf_counter() - t0:.0f} s; ops registered: {', '.join(registered_ops())}")
     print(_table(rows))
     failing = [(r, f) for r in rows for f in r["gate"]]
     for r, f in failing:
         print(f"GATE FAIL {r['op']} {r['kernel']}: {f}")
     if not failing:
-        wgmma = "attention kernels use wgmma" if ARCHES[args.arch] == 90 else "(wgmma is checked on sm_90a only)"
-        print(f"gate: every kernel compiles, none spills, shared memory within the limit, {wgmma}")
+        cores = " or ".join(map(_ptx_name, TENSOR_CORE_REQUIRED[ARCHES[args.arch]]))
+        print(f"gate (Triton {have_version}, {args.arch}): every kernel compiles, none spills, shared memory "
+              f"within the limit, every dot-product kernel uses {cores}")
     if args.json:
-        keys = ("op", "kernel", "config", "registers", "spill_bytes", "shared_bytes", "wgmma", "error")
-        print(json.dumps([{k: r[k] for k in keys} for r in rows]))
+        print(json.dumps([{k: r[k] for k in ROW_KEYS} for r in rows]))
     return 1 if failing else 0
+
+
+def _rerun(argv: list[str], pythonpath: str | None = None, mark: str | None = None) -> int:
+    """Run this report again in a fresh process: without TRITON_INTERPRET, with `pythonpath` first
+    on PYTHONPATH (a side install of Triton)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
+        env[_REEXEC_MARK] = mark or pythonpath
+    cmd = [sys.executable, "-m", "dsa_kernels.compile_report", *argv]
+    return subprocess.run(cmd, env=env).returncode
 
 
 if __name__ == "__main__":

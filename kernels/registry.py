@@ -8,23 +8,35 @@ without a GPU.
 
     from dsa_kernels.registry import register, SHAPES_671B
 
-    @register("sparse_mla_fwd", attention=True)
+    @register("sparse_mla_fwd")
     def _cases():
         return [KernelCase(config="...", launch=plan_fwd(...))]
 
-`attention=True` marks tensor-core attention kernels: on sm_90a they must compile to wgmma.
+Tensor cores: every registered kernel does its work in dot products (`tl.dot`) and must compile to
+tensor-core instructions (the compile gate), except the kernels named in `DOT_FREE_KERNELS`.
+`KernelCase.dots` says which; `tests/test_kernels_compile.py` checks the table against the kernels'
+sources (a listed kernel has no `tl.dot`, an unlisted one has, counting the `@triton.jit` helpers
+it calls), so a new kernel without dot products must be listed here to pass.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import pkgutil
+import re
 from dataclasses import dataclass
 from typing import Callable
 
 # The 671B model (DeepSeek-V3.2-Exp): main attention heads, MQA key dim [latent 512 | rope 64],
 # value dim, MHA-form q/k and v head dims, top-k, indexer heads and head dim; T = the 128K context.
 SHAPES_671B = dict(B=1, T=131072, H=128, D=576, D_V=512, D_QK_MHA=192, D_V_MHA=128, K=2048, H_I=64, D_I=128)
+
+# Kernels (by function name) whose work is not dot products: no tensor-core instruction is required
+# of them. Every other registered kernel must use tensor cores.
+DOT_FREE_KERNELS = {
+    "_radix_topk_kernel": "radix top-k selection: digit histograms, prefix sums and compares, no tl.dot",
+}
 
 # The op names the report uses, in report order.
 OPS = (
@@ -46,30 +58,36 @@ class KernelCase:
     config: str
     launch: object  # _triton_common.Launch
     op: str = ""
-    attention: bool = False
 
     @property
     def kernel_name(self) -> str:
         return self.launch.kernel.__name__
 
+    @property
+    def dots(self) -> bool:
+        """Whether the kernel's work is dot products, so the gate requires tensor-core instructions."""
+        return self.kernel_name not in DOT_FREE_KERNELS
+
 
 @dataclass
 class _Entry:
     op: str
-    attention: bool
     build: Callable[[], list[KernelCase]]
 
 
 _REGISTRY: dict[str, _Entry] = {}
 
 
-def register(op: str, attention: bool = False):
-    """Decorator for a function `() -> list[KernelCase]` that builds an op's launches."""
+def register(op: str, attention: bool | None = None):
+    """Decorator for a function `() -> list[KernelCase]` that builds an op's launches.
+
+    `attention` is obsolete and ignored (the tensor-core rule now covers every dot-product kernel,
+    see `DOT_FREE_KERNELS`); it is still accepted so that op folders passing it keep loading."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; the report's ops are {', '.join(OPS)}")
 
     def deco(fn):
-        _REGISTRY[op] = _Entry(op, attention, fn)
+        _REGISTRY[op] = _Entry(op, fn)
         return fn
 
     return deco
@@ -98,7 +116,7 @@ def cases(ops: list[str] | None = None) -> list[KernelCase]:
             continue
         entry = _REGISTRY[op]
         for case in entry.build():
-            case.op, case.attention = op, entry.attention
+            case.op = op
             out.append(case)
     return out
 
@@ -106,3 +124,30 @@ def cases(ops: list[str] | None = None) -> list[KernelCase]:
 def registered_ops() -> list[str]:
     load_all()
     return [op for op in OPS if op in _REGISTRY]
+
+
+_DOT_CALL = re.compile(r"\btl\.dot(?:_scaled)?\s*\(")
+_NAME = re.compile(r"\b[A-Za-z_]\w*\b")
+
+
+def calls_tl_dot(kernel) -> bool:
+    """Whether a `@triton.jit` kernel's source, or the source of a `@triton.jit` function it calls
+    (by name, from its module, recursively), contains a `tl.dot(...)` call."""
+    from triton.runtime.jit import KernelInterface  # JITFunction, or InterpretedFunction under TRITON_INTERPRET=1
+
+    seen, todo = set(), [kernel]
+    while todo:
+        fn = todo.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        py_fn = getattr(fn, "fn", fn)
+        src = re.sub(r"#.*", "", inspect.getsource(py_fn))  # comments do not count
+        if _DOT_CALL.search(src):
+            return True
+        scope = py_fn.__globals__
+        for name in set(_NAME.findall(src)):
+            called = scope.get(name)
+            if isinstance(called, KernelInterface) and called is not fn:
+                todo.append(called)
+    return False

@@ -1,7 +1,11 @@
-"""The sm_90a compile gate: every kernel the dispatchers can launch, compiled at the 671B shapes
-with the block sizes the launchers pick there (`dsa-train kernels report --arch sm_90a --json`,
-Triton's compiler + its bundled ptxas, no GPU), must compile, not spill, fit in H100's 227 KB of
-shared memory per block, and (attention kernels) use wgmma. The report runs once per session."""
+"""The compile gate: every kernel the dispatchers can launch, compiled at the 671B shapes with the
+block sizes the launchers pick there (`dsa-train kernels report --arch ARCH --triton VERSION --json`:
+Triton's compiler + its bundled ptxas, no GPU), for every (Triton, arch) pair of
+`compile_report.GATE_TARGETS` (the oldest and the newest supported Triton for sm_90a, the newest for
+sm_100), must compile, not spill, fit in the per-block shared memory, and use tensor-core
+instructions in every dot-product kernel (wgmma on sm_90a). The Triton that is not installed is
+side-installed once by this session (`ensure_side_triton`, pip from its cache); if that fails, the
+tests of that Triton fail with pip's reason. The reports run once per session, in parallel."""
 
 import json
 import os
@@ -10,55 +14,181 @@ import sys
 import time
 
 import pytest
+import triton
+import triton.language as tl
 
-from dsa_kernels.compile_report import SMEM_LIMIT, gate_failures, main as report_main
-from dsa_kernels.registry import OPS
+from dsa_kernels import compile_report
+from dsa_kernels.compile_report import (ARCHES, GATE_TARGETS, ROW_KEYS, SMEM_LIMIT, SUPPORTED_TRITON,
+                                        SideTritonError, ensure_side_triton, gate_failures, main as report_main)
+from dsa_kernels.registry import DOT_FREE_KERNELS, OPS, calls_tl_dot, cases
 
-KEYS = ["op", "kernel", "config", "registers", "spill_bytes", "shared_bytes", "wgmma", "error"]
-ATTENTION_OPS = {"sparse_mla_fwd", "sparse_mla_bwd", "dense_attention_fwd", "dense_attention_bwd"}
 REQUIRED_OPS = set(OPS)  # every op of the report has registered kernels
 
 
-@pytest.fixture(scope="module")
-def sm90_report():
+def _target_id(target) -> str:
+    return f"triton{target[0]}-{target[1]}"
+
+
+@pytest.fixture(scope="session")
+def gate_reports():
+    """{(version, arch): (returncode, stdout, stderr, rows or None, seconds)} and {version: install error}."""
+    installed = compile_report._base_version(triton.__version__)
+    install_errors = {}
+    for version in sorted({v for v, _ in GATE_TARGETS} - {installed}):
+        try:
+            ensure_side_triton(version)
+        except SideTritonError as err:
+            install_errors[version] = str(err)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "dsa_train.cli", "kernels", "report", "--arch", "sm_90a", "--json"],
-                          capture_output=True, text=True, env=env, timeout=900)
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    return proc, rows, time.perf_counter() - t0
+    running = {}
+    for version, arch in GATE_TARGETS:
+        if version in install_errors:
+            continue
+        cmd = [sys.executable, "-m", "dsa_train.cli", "kernels", "report", "--arch", arch, "--triton", version, "--json"]
+        running[(version, arch)] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                                     env=env), time.perf_counter())
+    reports = {}
+    for target, (proc, t0) in running.items():
+        out, err = proc.communicate(timeout=900)
+        try:
+            rows = json.loads(out.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            rows = None
+        reports[target] = (proc.returncode, out, err, rows, time.perf_counter() - t0)
+    return reports, install_errors
 
 
-def test_every_kernel_passes_the_sm90a_gate(sm90_report):
-    proc, rows, seconds = sm90_report
-    print(proc.stdout[-4000:], f"\nreport took {seconds:.0f} s")
-    assert all(list(r) == KEYS for r in rows)
+@pytest.mark.parametrize("target", GATE_TARGETS, ids=_target_id)
+def test_compile_gate(gate_reports, target):
+    reports, install_errors = gate_reports
+    version, arch = target
+    if version in install_errors:
+        pytest.fail(install_errors[version], pytrace=False)
+    returncode, out, err, rows, seconds = reports[target]
+    table = "\n".join(line for line in out.splitlines() if not line.startswith("[{"))  # without the JSON line
+    print(table[-8000:], f"\nreport took {seconds:.0f} s (the {len(reports)} reports ran in parallel)")
+    assert rows is not None, f"no JSON rows from the report (exit {returncode}): {err[-2000:]}"
+    header = out.splitlines()[0]
+    assert f"Triton {version} " in header and f"--arch {arch}" in header, header
+    assert all(tuple(r) == ROW_KEYS for r in rows)
+    assert {r["triton"] for r in rows} == {version}, "the report did not run the intended Triton"
     ops = {r["op"] for r in rows}
     assert REQUIRED_OPS <= ops, f"missing ops: {REQUIRED_OPS - ops}"
     assert ops <= set(OPS)
+    cap = ARCHES[arch]
     for r in rows:
-        assert r["error"] is None, f"{r['op']} {r['kernel']} does not compile: {r['error']}"
-        assert r["spill_bytes"] == 0, f"{r['op']} {r['kernel']} spills {r['spill_bytes']} B ({r['config']})"
-        assert 0 < r["shared_bytes"] <= 227 * 1024, f"{r['op']} {r['kernel']}: {r['shared_bytes']} B shared"
-        assert 0 < r["registers"] <= 255
-        if r["op"] in ATTENTION_OPS:
-            assert r["wgmma"] > 0, f"{r['op']} {r['kernel']} has no wgmma on sm_90a"
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert r["dots"] == (r["kernel"] not in DOT_FREE_KERNELS)
+        assert r["gate"] == gate_failures(r, cap, r["dots"])
+        if r["error"] is None:
+            assert 0 < r["registers"] <= 255 and r["shared_bytes"] > 0, r
+    failures = [f"{r['op']} {r['kernel']} [{r['config']}]: {f}" for r in rows for f in r["gate"]]
+    if failures:
+        pytest.fail(f"compile gate, Triton {version}, {arch}: {len(failures)} failures:\n" + "\n".join(failures),
+                    pytrace=False)
+    assert returncode == 0, out[-2000:] + err[-2000:]
+
+
+def test_dot_product_marking_matches_the_kernel_sources():
+    """`KernelCase.dots` (every kernel not in DOT_FREE_KERNELS) must agree with the source: a
+    dot-product kernel calls tl.dot (itself or through a @triton.jit helper), a listed one does not."""
+    registered = cases()
+    wrong = [f"{c.kernel_name}: dots={c.dots} but calls tl.dot: {calls_tl_dot(c.launch.kernel)}"
+             for c in registered if c.dots != calls_tl_dot(c.launch.kernel)]
+    assert not wrong, "registry.DOT_FREE_KERNELS disagrees with the kernels: " + "; ".join(wrong)
+    assert set(DOT_FREE_KERNELS) <= {c.kernel_name for c in registered}, "stale DOT_FREE_KERNELS entry"
+    assert any(c.dots for c in registered) and any(not c.dots for c in registered)
+
+
+@triton.jit
+def _helper_with_dot(a, b):
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _kernel_calling_helper(x_ptr):
+    offs = tl.arange(0, 16)
+    x = tl.load(x_ptr + offs[:, None] * 16 + offs[None, :])
+    tl.store(x_ptr + offs[:, None] * 16 + offs[None, :], _helper_with_dot(x, x))
+
+
+@triton.jit
+def _kernel_without_dot(x_ptr):
+    # tl.dot(x, x) in a comment does not count
+    offs = tl.arange(0, 16)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs) * 2)
+
+
+def test_calls_tl_dot_follows_jit_helpers():
+    assert calls_tl_dot(_helper_with_dot)
+    assert calls_tl_dot(_kernel_calling_helper)
+    assert not calls_tl_dot(_kernel_without_dot)
+
+
+def _row(**kw):
+    row = dict.fromkeys(ROW_KEYS)
+    row.update(op="sparse_mla_fwd", kernel="k", config="", triton="3.9.0", registers=200, spill_bytes=0,
+               shared_bytes=100_000, wgmma=8, mma_sync=0, tcgen05_mma=0, dots=True, gate=[])
+    row.update(kw)
+    return row
 
 
 def test_gate_rejects_bad_rows():
-    ok = dict(zip(KEYS, ["sparse_mla_fwd", "k", "", 200, 0, 100_000, 8, None]))
-    assert gate_failures(ok, 90, attention=True) == []
-    assert gate_failures({**ok, "spill_bytes": 4}, 90, attention=True)
-    assert gate_failures({**ok, "shared_bytes": SMEM_LIMIT[90] + 1}, 90, attention=True)
-    assert gate_failures({**ok, "wgmma": 0}, 90, attention=True)
-    assert gate_failures({**ok, "wgmma": 0}, 90, attention=False) == []
-    assert gate_failures({**ok, "error": "CompilationError"}, 90, attention=False)
+    ok = _row()
+    assert gate_failures(ok, 90, dots=True) == []
+    assert gate_failures(_row(spill_bytes=4), 90, dots=True) == ["spills 4 bytes"]
+    assert gate_failures(_row(shared_bytes=SMEM_LIMIT[90] + 1), 90, dots=True)
+    assert gate_failures(_row(shared_bytes=SMEM_LIMIT[90]), 90, dots=True) == []
+    assert gate_failures(_row(error="CompilationError"), 90, dots=False)[0].startswith("does not compile")
+    # sm_90a: a dot-product kernel needs wgmma; mma.sync alone (the Ampere path) fails
+    (fail,) = gate_failures(_row(wgmma=0, mma_sync=72), 90, dots=True)
+    assert "wgmma.mma_async" in fail and "mma.sync 72" in fail
+    assert gate_failures(_row(wgmma=0), 90, dots=False) == []  # the radix top-k: no dots, no tensor cores
+    assert len(gate_failures(_row(wgmma=0, spill_bytes=8), 90, dots=True)) == 2
+    # sm_100: tcgen05.mma or mma.sync (wgmma is sm_90a-only)
+    assert gate_failures(_row(wgmma=0, tcgen05_mma=12), 100, dots=True) == []
+    assert gate_failures(_row(wgmma=0, mma_sync=56), 100, dots=True) == []
+    assert gate_failures(_row(wgmma=0), 100, dots=True)
+    assert gate_failures(_row(wgmma=4), 100, dots=True)
+    # sm_80: mma.sync
+    assert gate_failures(_row(wgmma=0, mma_sync=8), 80, dots=True) == []
+    assert gate_failures(_row(wgmma=0), 80, dots=True)
 
 
-def test_report_bad_arguments_one_line(capsys):
+def test_gate_targets_cover_oldest_and_newest():
+    oldest, newest = SUPPORTED_TRITON
+    assert tuple(int(p) for p in oldest.split(".")) < tuple(int(p) for p in newest.split("."))
+    assert set(GATE_TARGETS) == {(oldest, "sm_90a"), (newest, "sm_90a"), (newest, "sm_100")}
+    assert compile_report._base_version(triton.__version__) in SUPPORTED_TRITON, \
+        f"the venv's Triton {triton.__version__} is not in SUPPORTED_TRITON {SUPPORTED_TRITON}"
+
+
+def test_side_install_failure_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DSA_TRITON_SIDE_DIR", str(tmp_path))
+    monkeypatch.setattr(compile_report, "_pip_install_cmd",
+                        lambda version, target: [sys.executable, "-c", "import sys; sys.exit('ERROR: no network')"])
+    with pytest.raises(SideTritonError) as err:
+        ensure_side_triton("3.6.0")
+    msg = str(err.value)
+    assert "\n" not in msg and "triton==3.6.0" in msg and "no network" in msg and str(tmp_path) in msg
+    assert list(tmp_path.iterdir()) == []  # the temporary install directory is removed
+    other = "3.6.0" if compile_report._base_version(triton.__version__) != "3.6.0" else "3.9.0"
+    assert report_main(["report", "--triton", other]) == 2
+    err_lines = capsys.readouterr().err.strip().splitlines()
+    assert len(err_lines) == 1 and "no network" in err_lines[0]
+
+
+def test_report_bad_arguments_one_line(capsys, monkeypatch):
     assert report_main(["report", "--op", "no_such_op"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no_such_op" in err[0] and "sparse_mla_fwd" in err[0]
+    assert report_main(["report", "--triton", "2.0.0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "2.0.0" in err[0] and SUPPORTED_TRITON[0] in err[0]
+    # a re-run whose side install did not take effect says so instead of compiling with the wrong Triton
+    monkeypatch.setenv(compile_report._REEXEC_MARK, "/nowhere")
+    other = "3.6.0" if compile_report._base_version(triton.__version__) != "3.6.0" else "3.9.0"
+    assert report_main(["report", "--triton", other]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and other in err[0] and triton.__version__ in err[0]
     with pytest.raises(SystemExit):
         report_main(["report", "--arch", "sm_75"])
