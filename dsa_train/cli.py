@@ -6,7 +6,7 @@
     dsa-train prepare-data ...              pre-tokenize a corpus (dsa_train.data.prepare)
     dsa-train export|inspect|make-tiny-checkpoint ...
                                             checkpoint tools (dsa_train.checkpoint.cli)
-    dsa-train launch|plan|report|kernels ...
+    dsa-train launch|plan|report|kernels|gpu-check ...
     dsa-train --help                        subcommands, shipped recipes and profiles, one line each
 """
 
@@ -26,6 +26,7 @@ SUBCOMMANDS = {
     "plan": "dsa_train.parallel.plan",  # per-GPU memory and step-time estimate of a recipe
     "kernels": "dsa_kernels.compile_report",  # `kernels report --arch sm_90a`: compile gate without a GPU
     "report": "dsa_train.logging.report",  # per-stage summary and PNG plots of a run
+    "gpu-check": "dsa_train.gpucheck.runner",  # one GPU: kernels vs references, speed, end to end, NCCL
 }
 
 # one line each for `dsa-train --help`
@@ -38,6 +39,7 @@ SUBCOMMAND_HELP = {
     "make-tiny-checkpoint": "a tiny random checkpoint in the V3.1-Terminus layout (FP8), for rehearsals",
     "prepare-data": "pre-tokenize and pack a corpus into fixed-length sequences",
     "kernels": "`kernels report`: compile the Triton kernels for a GPU architecture without a GPU",
+    "gpu-check": "prove and measure the CUDA path on one GPU in 10 minutes: report.json + report.md (--dry-run)",
 }
 
 log = logging.getLogger("dsa_train")

@@ -1,0 +1,411 @@
+"""gpu-check section `correctness`: every Triton kernel against its fp32 PyTorch reference.
+
+The kernels run on bf16 inputs (the model's dtype) through the dispatchers the model calls
+(`dsa_kernels.sparse_mla`, `indexer_topk`, `sparse_indexer_kl`, `dense_indexer_kl`,
+`dense_attention`; index scores through `index_scores_triton`); the references get the same bf16
+values and compute in fp32 (TF32 off). Errors are measured relative to the output's scale:
+max |kernel - reference| / max |reference|, against the per-output tolerances in `TOL`
+(the argument for each is in docs/gpu-check.md). Top-k is compared exactly.
+
+Large T: sparse MLA compares a sample of query rows (`inputs.compared_rows`); its backward is
+driven by an output gradient that is zero outside those rows, so dq outside them must be exactly
+0 and dkv is the reference's over the sampled rows alone. Dense attention and the dense KL run
+their reference one packed document at a time (documents do not interact), with documents of at
+most 16K tokens at T = 128K (`dense_lengths`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .core import Check, Options, Outcome
+from .inputs import (
+    compared_rows,
+    cp_positions,
+    dims_for,
+    doc_lengths,
+    doc_start_of,
+    grid,
+    randn,
+    topk_lists,
+)
+
+# max |kernel - reference| / max |reference| allowed, per output (see docs/gpu-check.md)
+TOL = {
+    "out": 2.0**-6,  # attention outputs: bf16 rounding of P for the PV dot and of the output
+    "lse": 2.0**-10,  # fp32 log-sum-exp of fp32-accumulated logits
+    "grad": 2.0**-5,  # dq, dkv, dk, dv: bf16 dS / P operands and one cancellation (dP - delta)
+    "scores": 2.0**-10,  # index scores, bf16 inputs: exact products, fp32 accumulation
+    "scores_fp8_deq": 2.0**-7,  # FP8 scores vs the reference on the dequantized inputs
+    "scores_fp8_exact": 2.0**-3,  # FP8 scores vs the exact bf16 scores (e4m3 has 3 mantissa bits)
+    "kl": 2.0**-9,  # the KL value (relative error of the sum)
+    "kl_grad": 2.0**-5,  # KL gradients (max, relative to scale)
+    "kl_grad_l2": 2.0**-7,  # KL gradients (relative L2, the contract of tests/test_kernels_triton.py)
+}
+
+
+def _device(opts: Options) -> str:
+    return "cuda" if opts.device == "cuda" else "cpu"
+
+
+def compare(got: torch.Tensor, ref: torch.Tensor, tol: float) -> dict:
+    """Relative-to-scale error of `got` against `ref` (same shape). Non-finite reference entries
+    (-inf lse of an empty row, masked scores) must be matched exactly; NaN anywhere fails."""
+    got, ref = got.detach().float(), ref.detach().float()
+    if got.shape != ref.shape:
+        return {"err": math.inf, "tol": tol, "ok": False, "note": f"shape {tuple(got.shape)} != {tuple(ref.shape)}"}
+    finite = torch.isfinite(ref)
+    nonfinite_ok = bool(torch.equal(got[~finite], ref[~finite])) if bool((~finite).any()) else True
+    nan = bool(torch.isnan(got).any())
+    if not bool(finite.any()):
+        return {"err": 0.0, "tol": tol, "ok": nonfinite_ok and not nan, "rel_l2": 0.0}
+    g, r = got[finite], ref[finite]
+    scale = float(r.abs().max().clamp_min(1e-30))
+    diff = (g - r).abs()
+    err = float(diff.max()) / scale if not nan else math.inf
+    rel_l2 = float((g.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30))
+    return {"err": err, "tol": tol, "ok": err <= tol and nonfinite_ok and not nan and math.isfinite(err),
+            "rel_l2": rel_l2, "scale": scale, **({} if nonfinite_ok else {"note": "non-finite entries differ"})}
+
+
+def _outcome(results: dict, extra: dict | None = None, note: str = "") -> Outcome:
+    """results: output name -> `compare` dict -> one Outcome, worst output first in the summary."""
+    failed = [k for k, v in results.items() if not v["ok"]]
+    parts = [f"{k} {v['err']:.2g}/{v['tol']:.2g}" + (f" ({v['note']})" if v.get("note") else "")
+             for k, v in results.items()]
+    summary = ("FAILED " + ", ".join(failed) + ": " if failed else "") + ", ".join(parts) + note
+    return Outcome("fail" if failed else "pass", summary, {"outputs": results, **(extra or {})})
+
+
+def _budget(need_s: float):
+    """Decorator: skip (one line) when the command's deadline leaves less than need_s seconds;
+    a CUDA out-of-memory at T >= 128K is a skip (the GPU does not hold it), below a failure."""
+
+    def deco(fn):
+        def run(opts: Options) -> Outcome:
+            need = 0.0 if opts.small else need_s
+            if opts.time_left() < need:
+                return Outcome("skip", f"needs ~{need:.0f} s, {max(opts.time_left(), 0):.0f} s left of the budget")
+            torch.backends.cuda.matmul.allow_tf32 = False  # fp32 references in full fp32
+            torch.backends.cudnn.allow_tf32 = False
+            try:
+                return fn(opts)
+            except torch.cuda.OutOfMemoryError as err:
+                big = getattr(fn, "T", 0) >= 131072
+                msg = str(err).splitlines()[0][:160]
+                return Outcome("skip" if big else "fail", f"out of GPU memory ({msg})"
+                               + ("; this GPU does not hold this T" if big else ""))
+
+        run.__name__ = getattr(fn, "__name__", "run")
+        return run
+
+    return deco
+
+
+def dense_lengths(T: int, d) -> list[int]:
+    """Documents of the dense checks: as the sparse ones up to 32K; at 128K documents of
+    d.dense_doc_max tokens (the fp32 reference's work is quadratic in the document length)."""
+    return doc_lengths(T, d.dense_doc_max if T > 32768 else None)
+
+
+def _need(T: int, per_4k: float) -> float:
+    return per_4k * max(1.0, T / 4096)
+
+
+# ----------------------------------------------------------------------------- sparse MLA
+def sparse_mla_check(T: int, cp: bool = False):
+    def fn(opts: Options) -> Outcome:
+        import dsa_kernels as K
+        from dsa_kernels import sparse_mla_ref
+
+        d, dev = dims_for(opts.small), _device(opts)
+        ds = doc_start_of(doc_lengths(T), dev)
+        pos = cp_positions(T, dev) if cp else torch.arange(T, device=dev)
+        Tq = pos.shape[0]
+        idx = topk_lists(ds, pos, d.K, seed=T + 1)
+        q = randn((1, Tq, d.H, d.D), dev, seed=T + 2).requires_grad_()
+        kv = randn((1, T, d.D), dev, seed=T + 3).requires_grad_()
+        scale = d.D**-0.5
+        rows = compared_rows(Tq, d, ds, pos).to(dev)
+        dout = torch.zeros(1, Tq, d.H, d.D_V, device=dev, dtype=torch.bfloat16)
+        dout[:, rows] = randn((1, rows.shape[0], d.H, d.D_V), dev, seed=T + 4)
+
+        out, lse = K.sparse_mla(q, kv, idx, scale, d.D_V)
+        dq, dkv = torch.autograd.grad(out, (q, kv), dout)
+        out_r, lse_r, dq_r = out[:, rows].float(), lse[:, rows], dq[:, rows].float()
+        outside = float(dq.index_fill(1, rows, 0).abs().max()) if rows.shape[0] < Tq else 0.0
+        del out, lse, dq
+
+        qs = q.detach()[:, rows].float().requires_grad_()
+        kvf = kv.detach().float().requires_grad_()
+        ro, rlse = sparse_mla_ref(qs, kvf, idx[:, rows], scale, d.D_V)
+        rdq, rdkv = torch.autograd.grad(ro, (qs, kvf), dout[:, rows].float())
+        res = {"out": compare(out_r, ro, TOL["out"]), "lse": compare(lse_r, rlse, TOL["lse"]),
+               "dq": compare(dq_r, rdq, TOL["grad"]), "dkv": compare(dkv, rdkv, TOL["grad"])}
+        if outside:
+            res["dq_outside_rows"] = {"err": outside, "tol": 0.0, "ok": False, "note": "dout is 0 there"}
+        return _outcome(res, {"rows_compared": int(rows.shape[0]), "queries": Tq, "keys": T},
+                        f"; {rows.shape[0]} of {Tq} rows compared")
+
+    fn.T = T
+    return _budget(_need(T, 4.0))(fn)
+
+
+# ----------------------------------------------------------------------------- index scores
+def index_scores_check(T: int, fp8: bool):
+    def fn(opts: Options) -> Outcome:
+        from dsa_kernels.ops.indexer_topk import index_scores_ref
+        from dsa_kernels.ops.indexer_topk.kernel import index_scores_triton, quantize_fp8_groups
+
+        d, dev = dims_for(opts.small), _device(opts)
+        ds = doc_start_of(doc_lengths(T), dev)
+        q = randn((1, T, d.H_I, d.D_I), dev, seed=T + 11)
+        k = randn((1, T, d.D_I), dev, seed=T + 12)
+        w = randn((1, T, d.H_I), dev, seed=T + 13, dtype=torch.float32, std=(d.H_I * d.D_I) ** -0.5)
+        C = min(T // 2, 64)
+        second = int(ds[0, T * 5 // 8]) - C // 2  # a block straddling the second document's start
+        res = {}
+        for name, (q0, q1) in {"last": (T - C, T), "doc": (second, second + C)}.items():
+            got, k0 = index_scores_triton(q, k, w, ds, q0, q1, fp8=fp8)
+            if fp8:
+                q8, qs = quantize_fp8_groups(q)
+                k8, ks = quantize_fp8_groups(k)
+                g = 128  # dsa_kernels' FP8 group: one scale per 128 channels
+
+                def deq(x8, s):
+                    return x8.float() * s.repeat_interleave(g, -1)[..., : x8.shape[-1]]
+
+                ref, rk0 = index_scores_ref(deq(q8, qs), deq(k8, ks), w, ds, q0, q1)
+                exact, _ = index_scores_ref(q.float(), k.float(), w, ds, q0, q1)
+                res[f"{name}_vs_dequantized"] = compare(got, ref, TOL["scores_fp8_deq"])
+                res[f"{name}_vs_bf16"] = compare(got, exact, TOL["scores_fp8_exact"])
+            else:
+                ref, rk0 = index_scores_ref(q.float(), k.float(), w, ds, q0, q1)
+                res[name] = compare(got, ref, TOL["scores"])
+            if k0 != rk0:
+                res[name + "_window"] = {"err": abs(k0 - rk0), "tol": 0, "ok": False, "note": "key window start"}
+        return _outcome(res, {"rows": 2 * C, "fp8": fp8}, f"; {2 * C} rows x their key windows")
+
+    fn.T = T
+    return _budget(_need(T, 1.0))(fn)
+
+
+# ----------------------------------------------------------------------------- top-k
+def topk_check(T: int, cp: bool = False):
+    """Grid-valued inputs: every score is exact in fp32, so the kernel's selection must equal the
+    reference's bit for bit, ties included (ties go to the lower key index). Some query rows are
+    zero: all their scores tie (0), and the first k keys of the row's document must be selected."""
+
+    def fn(opts: Options) -> Outcome:
+        import dsa_kernels as K
+        from dsa_kernels import indexer_topk_ref
+        from dsa_kernels.ops.indexer_topk import indexer_topk_at_positions_ref
+
+        d, dev = dims_for(opts.small), _device(opts)
+        ds = doc_start_of(doc_lengths(T), dev)
+        pos = cp_positions(T, dev) if cp else torch.arange(T, device=dev)
+        Tq = pos.shape[0]
+        q = grid((1, T, d.H_I, d.D_I), dev, seed=T + 21)
+        k = grid((1, T, d.D_I), dev, seed=T + 22)
+        w = grid((1, T, d.H_I), dev, seed=T + 23, dtype=torch.float32)
+        tie_rows = torch.tensor([Tq - 1, Tq // 2, Tq // 3], device=dev)  # local rows, all scores 0
+        q = q[:, pos].clone()
+        w = w[:, pos].contiguous()
+        q[:, tie_rows] = 0
+        if cp:
+            idx, val = K.indexer_topk(q, k, w, ds, d.K, query_positions=pos)
+        else:
+            idx, val = K.indexer_topk(q, k, w, ds, d.K)
+        rows = compared_rows(Tq, d, ds, pos).to(dev)
+        rows = torch.unique(torch.cat([rows, tie_rows]))
+        if rows.shape[0] == Tq and not cp:
+            ridx, rval = indexer_topk_ref(q, k, w, ds, d.K)
+        else:
+            ridx, rval = indexer_topk_at_positions_ref(q[:, rows], k, w[:, rows], ds, d.K, pos[rows])
+        got_i, got_v = idx[:, rows], val[:, rows]
+        bad_rows = int((got_i != ridx).any(-1).sum())
+        bad_vals = int(((got_v != rval) & ~(torch.isnan(got_v) & torch.isnan(rval))).any(-1).sum())
+        # the tie rows: the k lowest visible keys, ascending
+        tie_bad = 0
+        for r in tie_rows.tolist():
+            p = int(pos[r])
+            start = int(ds[0, p])
+            n = min(d.K, p - start + 1)
+            want = torch.full((d.K,), -1, dtype=torch.int32, device=dev)
+            want[:n] = torch.arange(start, start + n, device=dev, dtype=torch.int32)
+            tie_bad += int(not torch.equal(idx[0, r], want))
+        short = int(((ridx < 0).any(-1)).sum())
+        metrics = {"rows_compared": int(rows.shape[0]), "queries": Tq, "rows_index_mismatch": bad_rows,
+                   "rows_score_mismatch": bad_vals, "all_tie_rows_wrong": tie_bad,
+                   "rows_with_fewer_than_k": short}
+        ok = bad_rows == 0 and bad_vals == 0 and tie_bad == 0
+        summary = (f"{'exact' if ok else 'MISMATCH'}: {bad_rows} index / {bad_vals} score rows differ of "
+                   f"{rows.shape[0]} compared ({short} with fewer than k keys), all-tie rows "
+                   f"{len(tie_rows) - tie_bad}/{len(tie_rows)} take the lowest keys")
+        return Outcome("pass" if ok else "fail", summary, metrics)
+
+    fn.T = T
+    return _budget(_need(T, 2.0))(fn)
+
+
+# ----------------------------------------------------------------------------- indexer KL
+def _indexer_inputs(d, Tq: int, T: int, dev, seed: int):
+    qi = randn((1, Tq, d.H_I, d.D_I), dev, seed=seed)
+    ki = randn((1, T, d.D_I), dev, seed=seed + 1)
+    wi = randn((1, Tq, d.H_I), dev, seed=seed + 2, dtype=torch.float32, std=(d.H_I * d.D_I) ** -0.5)
+    return qi, ki, wi
+
+
+def _kl_results(kl, stats, grads, rkl, rstats, rgrads) -> dict:
+    res = {}
+    for name, a, b in (("kl", kl, rkl), ("kl_uniform", stats["kl_uniform"], rstats["kl_uniform"])):
+        a, b = float(torch.as_tensor(a).detach()), float(torch.as_tensor(b).detach())
+        err = abs(a - b) / max(abs(b), 1e-30)
+        res[name] = {"err": err, "tol": TOL["kl"], "ok": err <= TOL["kl"] and math.isfinite(a), "value": a, "ref": b}
+    for name, a, b in zip(("dq_I", "dk_I", "dw"), grads, rgrads):
+        c = compare(a, b, TOL["kl_grad"])
+        if c["ok"] and c["rel_l2"] > TOL["kl_grad_l2"]:
+            c["ok"], c["note"] = False, f"relative L2 {c['rel_l2']:.2g} > {TOL['kl_grad_l2']:.2g}"
+        res[name] = c
+    return res
+
+
+def sparse_kl_check(T: int, cp: bool = False):
+    def fn(opts: Options) -> Outcome:
+        import dsa_kernels as K
+        from dsa_kernels import sparse_indexer_kl_ref
+
+        d, dev = dims_for(opts.small), _device(opts)
+        ds = doc_start_of(doc_lengths(T), dev)
+        pos = cp_positions(T, dev) if cp else torch.arange(T, device=dev)
+        Tq = pos.shape[0]
+        idx = topk_lists(ds, pos, d.K, seed=T + 31)
+        qm = randn((1, Tq, d.H, d.D), dev, seed=T + 32)
+        kvm = randn((1, T, d.D), dev, seed=T + 33)
+        scale = d.D**-0.5
+        with torch.no_grad():
+            _, lse = K.sparse_mla(qm, kvm, idx, scale, d.D_V)  # an input of the KL (the target's normalizer)
+        qi, ki, wi = _indexer_inputs(d, Tq, T, dev, seed=T + 34)
+        ins = [x.clone().requires_grad_() for x in (qi, ki, wi)]
+        kl, stats = K.sparse_indexer_kl(*ins, idx, qm, kvm, lse, scale)
+        grads = torch.autograd.grad(kl, ins)
+        ref_ins = [x.float().requires_grad_() for x in (qi, ki, wi)]
+        rkl, rstats = sparse_indexer_kl_ref(*ref_ins, idx, qm, kvm, lse, scale)
+        rgrads = torch.autograd.grad(rkl, ref_ins)
+        return _outcome(_kl_results(kl, stats, grads, rkl, rstats, rgrads), {"queries": Tq, "keys": T})
+
+    fn.T = T
+    return _budget(_need(T, 3.0))(fn)
+
+
+def dense_kl_check(T: int):
+    def fn(opts: Options) -> Outcome:
+        import dsa_kernels as K
+        from dsa_kernels import dense_indexer_kl_ref
+
+        d, dev = dims_for(opts.small), _device(opts)
+        lengths = dense_lengths(T, d)
+        ds = doc_start_of(lengths, dev)
+        qm = randn((1, T, d.H_MHA, d.D_MHA), dev, seed=T + 41)
+        km = randn((1, T, d.H_MHA, d.D_MHA), dev, seed=T + 42)
+        scale = d.D_MHA**-0.5
+        qi, ki, wi = _indexer_inputs(d, T, T, dev, seed=T + 43)
+        ins = [x.clone().requires_grad_() for x in (qi, ki, wi)]
+        kl, stats = K.dense_indexer_kl(*ins, qm, km, scale, ds)
+        grads = torch.autograd.grad(kl, ins)
+        # the reference one document at a time (the mask makes documents independent)
+        rkl, rklu = 0.0, 0.0
+        rgrads = [torch.empty_like(x, dtype=torch.float32) for x in (qi, ki, wi)]
+        s = 0
+        for n in lengths:
+            sl = slice(s, s + n)
+            doc_ins = [x[:, sl].float().requires_grad_() for x in (qi, ki, wi)]
+            k_, st = dense_indexer_kl_ref(*doc_ins, qm[:, sl], km[:, sl], scale, ds[:, sl] - s)
+            for g, gd in zip(rgrads, torch.autograd.grad(k_, doc_ins)):
+                g[:, sl] = gd
+            rkl, rklu, s = rkl + float(k_), rklu + float(st["kl_uniform"]), s + n
+        res = _kl_results(kl, stats, grads, rkl, {"kl_uniform": rklu}, rgrads)
+        return _outcome(res, {"documents": lengths})
+
+    fn.T = T
+    return _budget(_need(T, 3.0))(fn)
+
+
+# ----------------------------------------------------------------------------- dense attention
+def dense_attention_check(T: int):
+    def fn(opts: Options) -> Outcome:
+        import dsa_kernels as K
+        from dsa_kernels import dense_attention_ref
+
+        d, dev = dims_for(opts.small), _device(opts)
+        lengths = dense_lengths(T, d)
+        ds = doc_start_of(lengths, dev)
+        q = randn((1, T, d.H_MHA, d.D_MHA), dev, seed=T + 51).requires_grad_()
+        k = randn((1, T, d.H_MHA, d.D_MHA), dev, seed=T + 52).requires_grad_()
+        v = randn((1, T, d.H_MHA, d.DV_MHA), dev, seed=T + 53).requires_grad_()
+        dout = randn((1, T, d.H_MHA, d.DV_MHA), dev, seed=T + 54)
+        scale = d.D_MHA**-0.5
+        out, lse = K.dense_attention(q, k, v, scale, ds)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        ref = {n: torch.empty(t.shape, device=dev, dtype=torch.float32)
+               for n, t in (("out", out), ("lse", lse), ("dq", q), ("dk", k), ("dv", v))}
+        s = 0
+        for n in lengths:  # the reference per document
+            sl = slice(s, s + n)
+            ins = [x.detach()[:, sl].float().requires_grad_() for x in (q, k, v)]
+            ro, rl = dense_attention_ref(*ins, scale, ds[:, sl] - s)
+            rg = torch.autograd.grad(ro, ins, dout[:, sl].float())
+            for name, t in zip(("out", "lse", "dq", "dk", "dv"), (ro, rl, *rg)):
+                ref[name][:, sl] = t.detach()
+            s += n
+        res = {"out": compare(out, ref["out"], TOL["out"]), "lse": compare(lse, ref["lse"], TOL["lse"])}
+        for name, g in zip(("dq", "dk", "dv"), grads):
+            res[name] = compare(g, ref[name], TOL["grad"])
+        return _outcome(res, {"documents": lengths})
+
+    fn.T = T
+    return _budget(_need(T, 2.0))(fn)
+
+
+# ----------------------------------------------------------------------------- the list
+def checks(opts: Options) -> list[Check]:
+    d = dims_for(opts.small)
+    out = []
+    big = d.seq_lens[-1]
+    for T in d.seq_lens:
+        docs = "+".join(str(n) for n in doc_lengths(T))
+        sample = "all rows" if T <= d.full_rows_max else f"~{d.sample_rows} sampled rows"
+        dense_docs = dense_lengths(T, d)
+        dd = "+".join(str(n) for n in dense_docs) if len(dense_docs) <= 4 else f"{len(dense_docs)}x{dense_docs[0]}"
+        sm = f"T={T} H={d.H} D={d.D} D_V={d.D_V} k={d.K} docs {docs}"
+        ix = f"T={T} H_I={d.H_I} d_I={d.D_I} docs {docs}"
+        out += [
+            Check(f"correctness.sparse_mla.T{T}", "correctness", f"{sm}; fwd out/lse + bwd dq/dkv, {sample}",
+                  sparse_mla_check(T)),
+            Check(f"correctness.index_scores_bf16.T{T}", "correctness", f"{ix}; 2 blocks of rows x key window",
+                  index_scores_check(T, fp8=False)),
+            Check(f"correctness.index_scores_fp8.T{T}", "correctness", f"{ix}; e4m3 q/k, 128-channel scales",
+                  index_scores_check(T, fp8=True)),
+            Check(f"correctness.indexer_topk.T{T}", "correctness", f"{ix} k={d.K}; exact, ties to the lower index, "
+                                                                   f"{sample}", topk_check(T)),
+            Check(f"correctness.sparse_indexer_kl.T{T}", "correctness",
+                  f"{ix} k={d.K} H={d.H} D={d.D}; value + dq_I/dk_I/dw", sparse_kl_check(T)),
+            Check(f"correctness.dense_indexer_kl.T{T}", "correctness",
+                  f"T={T} H_I={d.H_I} d_I={d.D_I} MHA H={d.H_MHA} D={d.D_MHA} docs {dd}; value + grads",
+                  dense_kl_check(T)),
+            Check(f"correctness.dense_attention.T{T}", "correctness",
+                  f"T={T} MHA H={d.H_MHA} q/k {d.D_MHA} v {d.DV_MHA} docs {dd}; out/lse + dq/dk/dv",
+                  dense_attention_check(T)),
+        ]
+    cp = f"CP rank 1 of 4: {big // 4} queries over T={big} keys"
+    out += [
+        Check(f"correctness.sparse_mla.cp.T{big}", "correctness", f"{cp}, H={d.H} D={d.D} k={d.K}; fwd + bwd",
+              sparse_mla_check(big, cp=True)),
+        Check(f"correctness.indexer_topk.cp.T{big}", "correctness", f"{cp}, H_I={d.H_I} k={d.K}; exact",
+              topk_check(big, cp=True)),
+        Check(f"correctness.sparse_indexer_kl.cp.T{big}", "correctness", f"{cp}, k={d.K}; value + grads",
+              sparse_kl_check(big, cp=True)),
+    ]
+    return out

@@ -1,0 +1,313 @@
+"""gpu-check section `speed`: forward and backward of each Triton kernel timed separately, beside
+the published anchors by name and beside baselines timed in the same run (our chunked PyTorch
+path, torch.topk on the same score rows, PyTorch SDPA / FlashAttention for dense attention).
+
+Timing (CUDA): CUDA events around each call after WARMUP calls, median of REPS (>= 10); a
+backward is timed as `torch.autograd.grad(out, inputs, dout)` alone, on a fresh untimed forward
+each time, so it excludes the forward and any host work before it. On the CPU (`--device cpu --small`,
+the Triton interpreter) the same code runs once per timing with a wall-clock timer; those are
+interpreter wall times, not speeds, and no TFLOPS are reported.
+
+FLOP counts (the anchors' convention: FlashMLA's and TileLang's sparse-MLA benchmarks count
+2 * tokens * heads * topk * (D + D_V) forward and 2 * tokens * heads * topk * (3 D + 2 D_V)
+backward, i.e. one multiply-add = 2 FLOPs, every selected (query, key) pair, no softmax work):
+pairs = the (query, key) pairs attended (sum over rows of min(k, visible keys); T(T+1)/2 causal)
+  sparse MLA / dense attention fwd: 2 * pairs * H * (D_qk + D_v)          (QK^T, PV)
+  sparse MLA / dense attention bwd: 2 * pairs * H * (3 D_qk + 2 D_v)      (QK^T again, dO V^T, dV, dQ, dK)
+  index scores:                     2 * pairs * H_I * d_I
+  sparse indexer KL fwd (value):    2 * pairs * (H * D_qk + H_I * d_I)       (target QK^T, index scores)
+  sparse indexer KL bwd:            2 * pairs * (H * D_qk + 3 * H_I * d_I)   (both again, dq_I, dk_I)
+  dense indexer KL: as the sparse one plus the target's log-sum-exp pass (another H * D_qk)
+The KL kernels keep no gradient between forward and backward: the backward recomputes the
+value's pass, and the counts above include every product the kernels perform.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .core import Check, Options, Outcome
+from .inputs import dims_for, randn, topk_lists, valid_pairs
+
+WARMUP, REPS = 3, 10  # CUDA
+WARMUP_CPU, REPS_CPU = 0, 1  # the interpreter: one wall time each, not a speed
+BASELINE_REPS = 5  # slow baselines (the chunked PyTorch paths)
+
+# published numbers, TFLOPS, counted as above (issue 21 quotes them; sources in docs/gpu-check.md)
+ANCHORS = {
+    "sparse_mla.fwd": [("FlashMLA sparse prefill fwd (H800)", 640.0), ("TileLang sparse_mla_fwd (H800)", 355.0),
+                       ("TileLang sparse_mla_fwd_pipelined (H800)", 600.0)],
+    "sparse_mla.bwd": [("TileLang sparse_mla_bwd (H800)", 100.0), ("TileLang sparse_mla_bwd (H200)", 115.0)],
+}
+INTERPRETER = "interpreter, not a speed"
+
+
+def _reps(opts: Options, reps: int | None) -> tuple[int, int]:
+    if opts.device == "cuda":
+        return WARMUP, (REPS if reps is None else reps)
+    return WARMUP_CPU, REPS_CPU
+
+
+def _time_ms(fn, opts: Options, reps: int | None = None, setup=None) -> float:
+    """Median milliseconds of fn(setup()) (CUDA events around fn alone, after warm-up; wall clock
+    on the CPU). setup() runs untimed before each call (e.g. the forward whose backward is timed)."""
+    warmup, n = _reps(opts, reps)
+    cuda = opts.device == "cuda"
+    times = []
+    for i in range(warmup + n):
+        arg = setup() if setup is not None else None
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(arg) if setup is not None else fn()
+            end.record()
+            torch.cuda.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            fn(arg) if setup is not None else fn()
+            ms = (time.perf_counter() - t0) * 1e3
+        if i >= warmup:
+            times.append(ms)
+        del arg
+    return statistics.median(times)
+
+
+def _fwd_bwd(fwd, inputs, dout_like, opts: Options, reps: int | None = None) -> tuple[float, float]:
+    """(fwd ms, bwd ms). fwd() -> output (or a tuple, first = the output); the backward is
+    torch.autograd.grad(out, inputs, dout) timed alone, on a fresh untimed forward each time
+    (some Functions free their saved state in backward)."""
+
+    def first(x):
+        return x[0] if isinstance(x, tuple) else x
+
+    fwd_ms = _time_ms(fwd, opts, reps)
+    dout = dout_like(first(fwd()).detach())
+
+    def bwd(out):
+        torch.autograd.grad(out, inputs, dout)
+
+    bwd_ms = _time_ms(bwd, opts, reps, setup=lambda: first(fwd()))
+    return fwd_ms, bwd_ms
+
+
+class Table:
+    """Rows of one speed check: (pass, impl, ms, flops) -> metrics and a one-line summary."""
+
+    def __init__(self, opts: Options, formula: str):
+        self.opts, self.formula, self.rows = opts, formula, []
+
+    def add(self, pass_: str, impl: str, ms: float, flops: float | None = None):
+        row = {"pass": pass_, "impl": impl, "ms": round(ms, 4)}
+        if flops and self.opts.device == "cuda":
+            row["tflops"] = round(flops / (ms * 1e-3) / 1e12, 2)
+        self.rows.append(row)
+
+    def outcome(self, key: str) -> Outcome:
+        ours = {r["pass"]: r for r in self.rows if r["impl"] == "ours"}
+        for r in self.rows:
+            base = ours.get(r["pass"])
+            if base is not None and r["impl"] != "ours":
+                r["time_over_ours"] = round(r["ms"] / base["ms"], 2)  # > 1: ours is faster
+        anchors = []
+        if self.opts.device == "cuda":
+            for p, row in ours.items():
+                for name, tf in ANCHORS.get(f"{key}.{p}", []):
+                    if "tflops" in row:
+                        anchors.append({"pass": p, "anchor": name, "anchor_tflops": tf,
+                                        "ours_over_anchor": round(row["tflops"] / tf, 3)})
+        metrics = {"timings": self.rows, "anchors": anchors, "formula": self.formula,
+                   "device_kind": "cuda" if self.opts.device == "cuda" else INTERPRETER}
+        parts = []
+        for r in self.rows:
+            s = f"{r['pass']} {r['impl']} {r['ms']:.3g} ms"
+            if "tflops" in r:
+                s += f" {r['tflops']:.0f} TFLOPS"
+            if "time_over_ours" in r:
+                s += f" (x{r['time_over_ours']:.2g})"
+            parts.append(s)
+        prefix = "" if self.opts.device == "cuda" else f"[{INTERPRETER}] "
+        return Outcome("pass" if self.opts.device == "cuda" else "info", prefix + "; ".join(parts), metrics)
+
+
+def _device(opts):
+    return "cuda" if opts.device == "cuda" else "cpu"
+
+
+def _budgeted(need_s: float, fn):
+    def run(opts: Options) -> Outcome:
+        need = 0.0 if opts.small else need_s
+        if opts.time_left() < need:
+            return Outcome("skip", f"needs ~{need:.0f} s, {max(opts.time_left(), 0):.0f} s left of the budget")
+        return fn(opts)
+
+    return run
+
+
+def _single_doc(T, dev):
+    return torch.zeros(1, T, dtype=torch.long, device=dev)
+
+
+# ----------------------------------------------------------------------------- the checks
+def sparse_mla_speed(opts: Options) -> Outcome:
+    import dsa_kernels as K
+    from dsa_kernels.ops.sparse_mla import sparse_mla_chunked
+
+    d, dev = dims_for(opts.small), _device(opts)
+    T = d.speed_T
+    ds = _single_doc(T, dev)
+    pos = torch.arange(T, device=dev)
+    idx = topk_lists(ds, pos, d.K, seed=1, empty_rows=())
+    pairs = valid_pairs(ds, pos, d.K)
+    q = randn((1, T, d.H, d.D), dev, seed=2).requires_grad_()
+    kv = randn((1, T, d.D), dev, seed=3).requires_grad_()
+    scale = d.D**-0.5
+    fwd_f, bwd_f = 2 * pairs * d.H * (d.D + d.D_V), 2 * pairs * d.H * (3 * d.D + 2 * d.D_V)
+    table = Table(opts, f"fwd 2*pairs*H*(D+D_V), bwd 2*pairs*H*(3D+2D_V); pairs={pairs}")
+    f, b = _fwd_bwd(lambda: K.sparse_mla(q, kv, idx, scale, d.D_V), (q, kv), torch.randn_like, opts)
+    table.add("fwd", "ours", f, fwd_f)
+    table.add("bwd", "ours", b, bwd_f)
+    f, b = _fwd_bwd(lambda: sparse_mla_chunked(q, kv, idx, scale, d.D_V), (q, kv), torch.randn_like, opts,
+                    reps=BASELINE_REPS)
+    table.add("fwd", "chunked PyTorch", f, fwd_f)
+    table.add("bwd", "chunked PyTorch", b, bwd_f)
+    return table.outcome("sparse_mla")
+
+
+def indexer_topk_speed(opts: Options) -> Outcome:
+    import dsa_kernels as K
+    from dsa_kernels.ops.indexer_topk.kernel import _select_chunk, index_scores_triton
+
+    d, dev = dims_for(opts.small), _device(opts)
+    T = d.speed_T
+    ds = _single_doc(T, dev)
+    q = randn((1, T, d.H_I, d.D_I), dev, seed=4)
+    k = randn((1, T, d.D_I), dev, seed=5)
+    w = randn((1, T, d.H_I), dev, seed=6, dtype=torch.float32, std=(d.H_I * d.D_I) ** -0.5)
+    causal = valid_pairs(ds, torch.arange(T), None)
+    table = Table(opts, "scores 2*pairs*H_I*d_I (pairs = T(T+1)/2 causal); select: no FLOPs, time only")
+    table.add("scores+select", "ours", _time_ms(lambda: K.indexer_topk(q, k, w, ds, d.K), opts),
+              2 * causal * d.H_I * d.D_I)
+    # the last C rows' score block over the whole row: our radix select vs torch.topk on the same rows
+    C = min(T, 4096)
+    scores, k0 = index_scores_triton(q, k, w, ds, T - C, T)
+    block_pairs = C * (T - C) + C * (C + 1) // 2
+    table.add("scores (last rows)", "ours", _time_ms(lambda: index_scores_triton(q, k, w, ds, T - C, T), opts),
+              2 * block_pairs * d.H_I * d.D_I)
+    table.add("select (last rows)", "ours", _time_ms(lambda: _select_chunk(scores, k0, d.K), opts))
+    table.add("select (last rows)", "torch.topk", _time_ms(lambda: torch.topk(scores, d.K, dim=-1), opts))
+    return table.outcome("indexer_topk")
+
+
+def sparse_kl_speed(opts: Options) -> Outcome:
+    import dsa_kernels as K
+    from dsa_kernels.ops.indexer_kl import sparse_indexer_kl_chunked
+
+    d, dev = dims_for(opts.small), _device(opts)
+    T = d.speed_T
+    ds = _single_doc(T, dev)
+    pos = torch.arange(T, device=dev)
+    idx = topk_lists(ds, pos, d.K, seed=7, empty_rows=())
+    pairs = valid_pairs(ds, pos, d.K)
+    qm, kvm = randn((1, T, d.H, d.D), dev, seed=8), randn((1, T, d.D), dev, seed=9)
+    with torch.no_grad():
+        _, lse = K.sparse_mla(qm, kvm, idx, d.D**-0.5, d.D_V)
+    qi = randn((1, T, d.H_I, d.D_I), dev, seed=10).requires_grad_()
+    ki = randn((1, T, d.D_I), dev, seed=11).requires_grad_()
+    wi = randn((1, T, d.H_I), dev, seed=12, dtype=torch.float32).requires_grad_()
+    fwd_f, bwd_f = 2 * pairs * (d.H * d.D + d.H_I * d.D_I), 2 * pairs * (d.H * d.D + 3 * d.H_I * d.D_I)
+    table = Table(opts, f"fwd 2*pairs*(H*D + H_I*d_I), bwd 2*pairs*(H*D + 3*H_I*d_I); pairs={pairs}")
+    for impl, fn in (("ours", K.sparse_indexer_kl), ("chunked PyTorch", sparse_indexer_kl_chunked)):
+        f, b = _fwd_bwd(lambda: fn(qi, ki, wi, idx, qm, kvm, lse, d.D**-0.5)[0], (qi, ki, wi),
+                        torch.ones_like, opts, reps=None if impl == "ours" else BASELINE_REPS)
+        table.add("fwd", impl, f, fwd_f)
+        table.add("bwd", impl, b, bwd_f)
+    return table.outcome("sparse_indexer_kl")
+
+
+def dense_kl_speed(opts: Options) -> Outcome:
+    import dsa_kernels as K
+
+    d, dev = dims_for(opts.small), _device(opts)
+    T = d.speed_T
+    ds = _single_doc(T, dev)
+    pairs = valid_pairs(ds, torch.arange(T), None)
+    qm, km = randn((1, T, d.H_MHA, d.D_MHA), dev, seed=13), randn((1, T, d.H_MHA, d.D_MHA), dev, seed=14)
+    qi = randn((1, T, d.H_I, d.D_I), dev, seed=15).requires_grad_()
+    ki = randn((1, T, d.D_I), dev, seed=16).requires_grad_()
+    wi = randn((1, T, d.H_I), dev, seed=17, dtype=torch.float32).requires_grad_()
+    scale = d.D_MHA**-0.5
+    # the target's lse pass (QK^T of every head) + the KL pass (QK^T again, scores; bwd: + dq_I, dk_I)
+    fwd_f = 2 * pairs * (2 * d.H_MHA * d.D_MHA + d.H_I * d.D_I)
+    bwd_f = 2 * pairs * (2 * d.H_MHA * d.D_MHA + 3 * d.H_I * d.D_I)
+    table = Table(opts, "fwd 2*pairs*(2*H*D_qk + H_I*d_I), bwd 2*pairs*(2*H*D_qk + 3*H_I*d_I) (lse pass + KL pass), "
+                        f"pairs = T(T+1)/2 = {pairs}")
+    f, b = _fwd_bwd(lambda: K.dense_indexer_kl(qi, ki, wi, qm, km, scale, ds)[0], (qi, ki, wi), torch.ones_like, opts)
+    table.add("fwd", "ours", f, fwd_f)
+    table.add("bwd", "ours", b, bwd_f)
+    return table.outcome("dense_indexer_kl")
+
+
+def dense_attention_speed(opts: Options) -> Outcome:
+    import importlib.util
+
+    import dsa_kernels as K
+
+    d, dev = dims_for(opts.small), _device(opts)
+    T = d.speed_T
+    ds = _single_doc(T, dev)
+    pairs = valid_pairs(ds, torch.arange(T), None)
+    q = randn((1, T, d.H_MHA, d.D_MHA), dev, seed=18).requires_grad_()
+    k = randn((1, T, d.H_MHA, d.D_MHA), dev, seed=19).requires_grad_()
+    v = randn((1, T, d.H_MHA, d.DV_MHA), dev, seed=20).requires_grad_()
+    scale = d.D_MHA**-0.5
+    fwd_f = 2 * pairs * d.H_MHA * (d.D_MHA + d.DV_MHA)
+    bwd_f = 2 * pairs * d.H_MHA * (3 * d.D_MHA + 2 * d.DV_MHA)
+    table = Table(opts, f"fwd 2*pairs*H*(D_qk+D_v), bwd 2*pairs*H*(3D_qk+2D_v), causal pairs = T(T+1)/2 = {pairs}")
+    f, b = _fwd_bwd(lambda: K.dense_attention(q, k, v, scale, ds), (q, k, v), torch.randn_like, opts)
+    table.add("fwd", "ours", f, fwd_f)
+    table.add("bwd", "ours", b, bwd_f)
+
+    def sdpa():
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale)
+        return o.transpose(1, 2)
+
+    f, b = _fwd_bwd(sdpa, (q, k, v), torch.randn_like, opts)
+    table.add("fwd", "PyTorch SDPA", f, fwd_f)
+    table.add("bwd", "PyTorch SDPA", b, bwd_f)
+    if opts.device == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        from flash_attn import flash_attn_func
+
+        def fa():  # one head dim for q/k/v: v zero-padded to 192, the padding's work not counted
+            v_pad = torch.nn.functional.pad(v, (0, d.D_MHA - d.DV_MHA))
+            return flash_attn_func(q, k, v_pad, softmax_scale=scale, causal=True)[..., : d.DV_MHA]
+
+        f, b = _fwd_bwd(fa, (q, k, v), torch.randn_like, opts)
+        table.add("fwd", "FlashAttention", f, fwd_f)
+        table.add("bwd", "FlashAttention", b, bwd_f)
+    return table.outcome("dense_attention")
+
+
+def checks(opts: Options) -> list[Check]:
+    d = dims_for(opts.small)
+    T = d.speed_T
+    how = "CUDA events, median of 10 after 3 warm-ups" if not opts.small or opts.device == "cuda" else INTERPRETER
+    return [
+        Check("speed.sparse_mla", "speed", f"T={T} H={d.H} D={d.D} D_V={d.D_V} k={d.K}; fwd, bwd; ours vs chunked "
+                                           f"PyTorch, FlashMLA/TileLang anchors; {how}",
+              _budgeted(40, sparse_mla_speed)),
+        Check("speed.indexer_topk", "speed", f"T={T} H_I={d.H_I} d_I={d.D_I} k={d.K}; scores+select, radix select vs "
+                                             f"torch.topk on the same rows; {how}", _budgeted(20, indexer_topk_speed)),
+        Check("speed.sparse_indexer_kl", "speed", f"T={T} k={d.K} H={d.H} H_I={d.H_I}; fwd, bwd; ours vs chunked "
+                                                  f"PyTorch; {how}", _budgeted(30, sparse_kl_speed)),
+        Check("speed.dense_indexer_kl", "speed", f"T={T} MHA H={d.H_MHA} D={d.D_MHA} H_I={d.H_I}; fwd, bwd; {how}",
+              _budgeted(20, dense_kl_speed)),
+        Check("speed.dense_attention", "speed", f"T={T} MHA H={d.H_MHA} q/k {d.D_MHA} v {d.DV_MHA}; fwd, bwd; ours vs "
+                                                f"SDPA (and FlashAttention if installed); {how}",
+              _budgeted(20, dense_attention_speed)),
+    ]
