@@ -1,0 +1,306 @@
+#!/usr/bin/env python3
+"""Build a wheelhouse for installing dsa-train offline on a cluster image that already has torch and
+Triton, without replacing them (docs/install.md).
+
+On the image (offline), print its parameters:
+
+    python make_wheelhouse.py --probe
+    # --python-version 3.12 --platform manylinux_2_35_x86_64 --torch 2.11.0 --triton 3.6.0
+
+On a connected Linux machine, from a clone of this repository (any Python >= 3.10 with pip >= 22.2;
+neither torch nor a GPU is needed there):
+
+    python scripts/make_wheelhouse.py --out wheelhouse <the flags printed by --probe>
+
+Back on the image, with the wheelhouse copied over:
+
+    python -m pip install --no-index --find-links wheelhouse -c wheelhouse/image-constraints.txt "dsa-train[train]"
+
+How: dependencies are resolved for the image's Python and platform with torch and Triton replaced by
+empty stand-in wheels of the image's exact versions (so nothing that torch or Triton would pull,
+CUDA libraries included, is resolved or downloaded, and a dependency that needs another torch fails
+here, not on the image); packages that publish only a source distribution (DeepSpeed,
+antlr4-python3-runtime) are built into wheels here, and must come out pure Python (DeepSpeed builds
+no ops ahead of time: it compiles them on first use, on the image). Everything else is downloaded
+as wheels for the image. pip's cache makes a repeated run fast.
+
+Standard library only: this file also runs on the image for --probe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+ME = "make_wheelhouse"
+REPO = Path(__file__).resolve().parent.parent
+CONSTRAINTS_NAME = "image-constraints.txt"
+# the packages the image provides; the wheelhouse never contains them
+IMAGE_PACKAGES = ("torch", "triton")
+# copied into the temporary source tree from which the dsa-train wheel is built (not the repo's own
+# build/ or egg-info, which a build would otherwise leave in the clone)
+SOURCE_IGNORE = (".git", ".venv", "*.egg-info", "build", "dist", "__pycache__", "runs", "outputs", "wandb",
+                 ".pytest_cache", "wheelhouse")
+MIN_PIP = (22, 2)  # `pip install --dry-run --report`
+
+
+class WheelhouseError(Exception):
+    """A problem with the inputs or the environment, told in one line."""
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+# --- on the image -----------------------------------------------------------------------------
+
+def probe() -> str:
+    """The flags that describe this interpreter's image: Python version, platform tag, torch, Triton."""
+    from importlib import metadata
+
+    if sys.platform != "linux":
+        raise WheelhouseError(f"--probe runs on the Linux cluster image; this is {sys.platform}")
+    libc, libc_version = platform.libc_ver()
+    if libc != "glibc" or not libc_version:
+        raise WheelhouseError(f"this Python reports libc {libc or 'unknown'!r}; manylinux wheels need glibc. "
+                              "Pass --platform to make_wheelhouse.py by hand")
+    major, minor = libc_version.split(".")[:2]
+    machine = platform.machine()
+    flags = [f"--python-version {sys.version_info.major}.{sys.version_info.minor}",
+             f"--platform manylinux_{major}_{minor}_{machine}"]
+    for name in IMAGE_PACKAGES:
+        try:
+            flags.append(f"--{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            raise WheelhouseError(f"{name} is not installed in this Python ({sys.executable}); run --probe with "
+                                  "the image's Python, the one that has CUDA torch and Triton") from None
+    return " ".join(flags)
+
+
+# --- on the connected machine -------------------------------------------------------------------
+
+def stub_wheel(name: str, version: str, out_dir: Path) -> Path:
+    """An empty wheel that stands in for the image's `name==version` during resolution: it has no
+    dependencies, so nothing torch or Triton require is resolved or downloaded."""
+    import base64
+    import hashlib
+
+    dist_info = f"{name}-{version}.dist-info"
+    files = {
+        f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{dist_info}/WHEEL": "Wheel-Version: 1.0\nGenerator: make_wheelhouse\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = []
+    for path, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(text.encode())}")
+    files[f"{dist_info}/RECORD"] = "\n".join(record + [f"{dist_info}/RECORD,,"]) + "\n"
+    path = out_dir / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as wheel:
+        for member, text in files.items():
+            wheel.writestr(member, text)
+    return path
+
+
+def run_pip(args: list[str], what: str, env: dict[str, str] | None = None) -> None:
+    cmd = [sys.executable, "-m", "pip", *args]
+    print(f"{ME}: {what}", flush=True)
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout)
+        raise WheelhouseError(f"{what} failed (pip exit {proc.returncode}; its output is above): "
+                              + " ".join(cmd))
+
+
+def check_pip() -> None:
+    try:
+        from pip import __version__ as pip_version
+    except ImportError:
+        raise WheelhouseError(f"{sys.executable} has no pip; run this script with a Python that has pip "
+                              f">= {MIN_PIP[0]}.{MIN_PIP[1]}") from None
+    have = tuple(int(p) for p in re.findall(r"\d+", pip_version)[:2])
+    if have < MIN_PIP:
+        raise WheelhouseError(f"pip {pip_version} is too old (needs >= {MIN_PIP[0]}.{MIN_PIP[1]} for --report): "
+                              f"{sys.executable} -m pip install -U pip")
+
+
+# glibc 2.x of the legacy manylinux names (PEP 600)
+LEGACY_MANYLINUX = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
+
+
+def expand_platform(tag: str) -> list[str]:
+    """A platform tag and every older one a wheel for which runs there: pip's --platform takes the
+    tags literally (manylinux_2_35_x86_64 alone would miss a manylinux_2_17 wheel)."""
+    many = re.fullmatch(r"manylinux_2_(\d+)_(\w+)", tag)
+    musl = re.fullmatch(r"musllinux_1_(\d+)_(\w+)", tag)
+    if many:
+        glibc_minor, arch = int(many.group(1)), many.group(2)
+        tags = []
+        for minor in range(glibc_minor, 4, -1):
+            tags.append(f"manylinux_2_{minor}_{arch}")
+            if minor in LEGACY_MANYLINUX:
+                tags.append(f"{LEGACY_MANYLINUX[minor]}_{arch}")
+        return tags
+    if musl:
+        return [f"musllinux_1_{minor}_{musl.group(2)}" for minor in range(int(musl.group(1)), 0, -1)]
+    return [tag]
+
+
+def target_flags(python_version: str, platforms: list[str]) -> list[str]:
+    flags = ["--only-binary", ":all:", "--implementation", "cp", "--python-version", python_version]
+    for tag in dict.fromkeys(t for given in platforms for t in expand_platform(given)):
+        flags += ["--platform", tag]
+    return flags
+
+
+def resolve(requirements: list[str], find_links: list[Path], constraints: Path, report: Path,
+            extra: list[str], what: str) -> list[dict]:
+    """`pip install --dry-run --report` with nothing installed: the packages pip would install."""
+    args = ["install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report), "-c", str(constraints)]
+    for link in find_links:
+        args += ["--find-links", str(link)]
+    run_pip(args + extra + requirements, what)
+    return json.loads(report.read_text())["install"]
+
+
+def is_wheel_url(item: dict) -> bool:
+    return item["download_info"]["url"].split("#")[0].endswith(".whl")
+
+
+def build_wheelhouse(out: Path, torch_version: str, triton_version: str, python_version: str,
+                     platforms: list[str], extras: str, source: Path) -> dict:
+    check_pip()
+    if not re.fullmatch(r"3\.\d+", python_version):
+        raise WheelhouseError(f"--python-version {python_version!r}: give major.minor of the image's Python, e.g. 3.12")
+    for tag in platforms:
+        if not re.fullmatch(r"(manylinux|musllinux)_\d+_\d+_\w+|manylinux(1|2010|2014)_\w+|linux_\w+", tag):
+            raise WheelhouseError(f"--platform {tag!r} is not a Linux platform tag; use e.g. manylinux_2_35_x86_64 "
+                                  "(what --probe prints on the image)")
+    if not (source / "pyproject.toml").is_file():
+        raise WheelhouseError(f"--source {source}: no pyproject.toml there; point it at a dsa_train clone")
+    extras_list = [e.strip() for e in extras.split(",") if e.strip()]
+    out.mkdir(parents=True, exist_ok=True)
+    stale = sorted(p.name for p in out.iterdir())
+    if stale:
+        raise WheelhouseError(f"--out {out} is not empty ({len(stale)} entries, e.g. {stale[0]}); give a new "
+                              "directory so that no stale wheel reaches the image")
+    # DeepSpeed: build no ops ahead of time (it JIT-compiles them on the image, against its own torch)
+    env = dict(os.environ, DS_BUILD_OPS="0")
+
+    with tempfile.TemporaryDirectory(prefix="dsa-wheelhouse-") as tmp_name:
+        tmp = Path(tmp_name)
+        stubs = tmp / "stubs"
+        stubs.mkdir()
+        stub_reqs = [f"{name} @ {stub_wheel(name, version, stubs).as_uri()}"
+                     for name, version in zip(IMAGE_PACKAGES, (torch_version, triton_version))]
+        constraints = out / CONSTRAINTS_NAME
+        constraints.write_text("# the image's own torch and Triton: pip keeps them (make_wheelhouse.py)\n"
+                               f"torch=={torch_version}\ntriton=={triton_version}\n")
+
+        # 1. dsa-train itself, built from a copy of the source tree (the clone stays clean)
+        src = tmp / "src"
+        shutil.copytree(source, src, ignore=shutil.ignore_patterns(*SOURCE_IGNORE))
+        run_pip(["wheel", "--quiet", "--no-deps", "--wheel-dir", str(out), str(src)], "building the dsa-train wheel",
+                env)
+        (own_wheel,) = out.glob("dsa_train-*.whl")
+        own_req = f"{own_wheel}[{','.join(extras_list)}]" if extras_list else str(own_wheel)
+
+        # 2. which dependencies exist only as a source distribution: resolve for this machine, sdists allowed
+        local = resolve(stub_reqs + [own_req], [], constraints, tmp / "local.json", [],
+                        "resolving on this machine (to find source-only packages)")
+        for item in local:
+            name, version = item["metadata"]["name"], item["metadata"]["version"]
+            if canonical(name) in IMAGE_PACKAGES + ("dsa-train",) or is_wheel_url(item):
+                continue
+            run_pip(["wheel", "--quiet", "--no-deps", "--wheel-dir", str(out), f"{name}=={version}"],
+                    f"building a wheel of {name} {version} (published as source only)", env)
+            built = [p for p in out.glob("*.whl") if canonical(p.name.split("-")[0]) == canonical(name)]
+            impure = [p.name for p in built if not p.name.endswith("-none-any.whl")]
+            if impure:
+                raise WheelhouseError(f"{name} {version} built into a platform wheel ({impure[0]}), which may not run "
+                                      f"on the image; build it there instead: pip wheel --no-deps {name}=={version}")
+
+        # 3. the real resolution, for the image's Python and platform: wheels only (the ones just built
+        # included), torch and Triton the stand-ins
+        target = target_flags(python_version, platforms)
+        install = resolve(stub_reqs + [own_req], [out], constraints, tmp / "target.json",
+                          target + ["--target", str(tmp / "target")],
+                          f"resolving for Python {python_version} on {', '.join(platforms)}")
+        needed = [item for item in install if canonical(item["metadata"]["name"]) not in IMAGE_PACKAGES]
+        pins = tmp / "pins.txt"
+        pins.write_text("".join(f"{item['metadata']['name']}=={item['metadata']['version']}\n" for item in needed
+                                if canonical(item["metadata"]["name"]) != "dsa-train"))
+
+        # 4. download them (pip's cache serves a repeated run)
+        run_pip(["download", "--quiet", "--no-deps", "--dest", str(out), "--find-links", str(out), *target,
+                 "-r", str(pins)], f"downloading {len(needed) - 1} wheels")
+
+    # what the wheelhouse holds beyond the resolution: nothing (a stale or stray file would be offered
+    # to the image's pip)
+    wanted = {canonical(item["metadata"]["name"]) for item in needed}
+    files = sorted(out.glob("*.whl"))
+    extra_files = [p.name for p in files if canonical(p.name.split("-")[0]) not in wanted]
+    for name in extra_files:
+        (out / name).unlink()
+    files = sorted(out.glob("*.whl"))
+    size = sum(p.stat().st_size for p in files)
+    return {"wheels": len(files), "bytes": size, "constraints": str(constraints),
+            "packages": sorted(f"{i['metadata']['name']}=={i['metadata']['version']}" for i in needed),
+            "install_target": f"dsa-train[{','.join(extras_list)}]" if extras_list else "dsa-train"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="make_wheelhouse.py",
+        description="Wheelhouse for an offline install of dsa-train on an image with its own torch and Triton "
+                    "(docs/install.md). Run --probe on the image, then the printed flags here.")
+    parser.add_argument("--probe", action="store_true",
+                        help="on the image: print this Python's --python-version/--platform/--torch/--triton flags")
+    parser.add_argument("--out", type=Path, default=Path("wheelhouse"), help="new, empty directory (default: wheelhouse)")
+    parser.add_argument("--torch", help="the image's torch version exactly as pip lists it, e.g. 2.11.0")
+    parser.add_argument("--triton", help="the image's Triton version, e.g. 3.6.0")
+    parser.add_argument("--python-version", help="the image's Python, major.minor, e.g. 3.12")
+    parser.add_argument("--platform", action="append", dest="platforms",
+                        help="the image's platform tag, e.g. manylinux_2_35_x86_64 (older manylinux tags are "
+                             "implied); may be repeated")
+    parser.add_argument("--extras", default="train",
+                        help="dsa-train extras to include: 'train' (default: W&B, datasets, matplotlib, for "
+                             "training runs) or '' (only what `dsa-train gpu-check` and the engine need)")
+    parser.add_argument("--source", type=Path, default=REPO, help="the dsa_train source tree (default: this clone)")
+    args = parser.parse_args(argv)
+    try:
+        if args.probe:
+            print(probe())
+            return 0
+        missing = [flag for flag, value in (("--torch", args.torch), ("--triton", args.triton),
+                                            ("--python-version", args.python_version),
+                                            ("--platform", args.platforms)) if not value]
+        if missing:
+            raise WheelhouseError(f"missing {' '.join(missing)}: run `python make_wheelhouse.py --probe` on the "
+                                  "image and pass the flags it prints")
+        summary = build_wheelhouse(args.out.resolve(), args.torch, args.triton, args.python_version, args.platforms,
+                                   args.extras, args.source.resolve())
+    except WheelhouseError as err:
+        print(f"{ME}: {err}", file=sys.stderr)
+        return 2
+    out = args.out
+    print(f"{ME}: {summary['wheels']} wheels, {summary['bytes'] / 2**20:.1f} MiB in {out} "
+          f"(torch {args.torch} and Triton {args.triton} are the image's: not included)")
+    print(f"{ME}: copy {out} to the image, then run there (no network needed):\n"
+          f"  python -m pip install --no-index --find-links {out} -c {out}/{CONSTRAINTS_NAME} "
+          f"\"{summary['install_target']}\"\n"
+          f"  dsa-train gpu-check")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
