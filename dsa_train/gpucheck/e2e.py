@@ -1,0 +1,511 @@
+"""`dsa-train gpu-check`'s end-to-end and NCCL steps (sections "end-to-end" and "nccl").
+
+end-to-end.train_kill_resume
+    The real trainer (`python -m dsa_train.parallel.train`: the recipe loader, the DeepSpeed ZeRO-2
+    engine on megatron-core groups, one rank) runs both stages of `small_32k` (dense warm-up, then
+    sparse) with its depth cut to 2 layers (one dense, one MoE), at its T = 32768, bf16, the
+    Triton kernels (DSA_KERNELS=triton: a missing Triton path fails instead of falling back):
+      1. reference   uninterrupted, warm-up 3 + sparse 4 steps, a checkpoint every 2 steps;
+      2. killed      the same command with DSA_FAULT=step=6,kind=sigkill,at=mid_step: SIGKILL
+                     after the backward of global step 6 (sparse step 3), before its update;
+      3. resumed     the same command again: `checkpoint.resume=auto` loads step 5 and runs 6, 7.
+    Passes when the killed run died by SIGKILL, its steps before the kill and the resumed run's
+    steps equal the reference's bit for bit (loss, LM loss, indexer loss, gradient norm, lr).
+    Bitwise, not a tolerance: the runs set `deterministic=true` (deterministic kernels, the sparse
+    MLA backward's ordered reduction, a fixed cuBLAS workspace) and the same process layout, so a
+    resumed step computes exactly what the uninterrupted one did; any difference means state that
+    the checkpoint lost (optimizer moments, RNG, data position, router biases), which is what the
+    check is for. Reported per stage beside `dsa-train plan` for the same recipe and layout
+    (computed in-process): tokens/s, MFU and step time of the reference run (median over the
+    stage's steps after its first, which includes Triton compilation) and its peak memory
+    (`torch.cuda.max_memory_allocated`: tensors only, no CUDA context or allocator cache).
+nccl.ep2
+    With >= 2 GPUs: `dsa-train launch torchrun --nproc-per-node 2` of the same model at T = 8192
+    with expert parallel 2 x ZeRO-2 on the NCCL backend (NCCL_DEBUG=INFO: the check requires
+    NCCL's own init lines in the log, so a run that silently used gloo does not pass). One GPU:
+    skipped, saying so.
+
+`--small --device cpu` (the command's CPU test, `make test`): the same three runs with the tiny
+model (`model=tiny`, fp32) at T = 64 on the CPU (DeepSpeed with DS_ACCELERATOR=cpu, gloo, the
+PyTorch reference kernels, DSA_KERNELS=ref: under the Triton interpreter a sparse step of this
+model takes ~9 s instead of ~0.2 s), and `nccl.ep2` runs the same 2-rank EP2 launch on gloo,
+labelled as such: the code path, not NCCL.
+
+Needs what the trainer imports: hydra-core, omegaconf, DeepSpeed, megatron-core, tokenizers and
+`datasets` (the `train` extra: the data loader imports it); each is looked up before anything runs
+and a missing one is one failing line. W&B is never imported (`logging.wandb_mode=disabled`). Logs and each run's `metrics.jsonl` are kept
+under `<out>/end-to-end/` and `<out>/nccl/`; the checkpoints are deleted once a check passed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsa_train.gpucheck.core import Check, Options, Outcome
+
+RECIPE = "small_32k"
+GPU_LAYERS = 2  # small_32k's first layer is dense, the others MoE: 2 keeps one of each
+GPU_SEQ_LEN = 32768  # small_32k's T
+NCCL_SEQ_LEN = 8192  # the NCCL run checks communication: above top-k 2048, short
+SMALL_SEQ_LEN = 64
+WARMUP_STEPS, SPARSE_STEPS = 3, 4
+CHECKPOINT_EVERY = 2  # checkpoints at global steps 2, 3 (warm-up end), 5, 7 (sparse end)
+KILL_STEP = WARMUP_STEPS + 3  # global step 6 = sparse step 3; resumes from step 5
+COMPARED = ("train/loss", "train/lm_loss", "train/indexer_loss", "optim/grad_norm", "optim/lr")
+
+# module the trainer imports -> the pip distribution that provides it. `datasets` is in the
+# `train` extra, not the core: the data loader (dsa_train/data/sources.py) imports it, so a run
+# of the trainer needs it even on the bundled corpus.
+REQUIRED = {
+    "hydra": "hydra-core", "omegaconf": "omegaconf", "deepspeed": "deepspeed", "megatron.core": "megatron-core",
+    "tokenizers": "tokenizers", "safetensors": "safetensors", "rich": "rich", "datasets": "datasets",
+}
+# inherited variables that would change what the runs do (fault switch, a torchrun/Slurm rank's
+# identity and restart count, a shared W&B service, a forced backend)
+STRIPPED_ENV = (
+    "DSA_FAULT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+    "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", "WANDB_SERVICE", "DSA_TRAIN_BACKEND",
+)
+
+
+class StepFailed(Exception):
+    """One line: why a check's step failed (the check's Outcome summary)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the runs of one check train, as recipe overrides of `small_32k`."""
+
+    device: str  # "cuda" | "cpu"
+    small: bool
+    seq_len: int
+    world: int = 1
+
+    @property
+    def model_overrides(self) -> list[str]:
+        if self.small:  # the tiny model; fp32 on the CPU (bf16 matmuls there are slow and not the point)
+            return ["model=tiny", f"model.dtype={'float32' if self.device == 'cpu' else 'bfloat16'}",
+                    "stages.sparse.topk=16", "stages.sparse.topk_recall_queries=8"]
+        return [f"model.arch.num_hidden_layers={GPU_LAYERS}"]
+
+    def overrides(self, run_dir: Path, warmup_steps: int, sparse_steps: int, checkpoint_every: int) -> list[str]:
+        batch = self.world  # one sequence per data-parallel rank per step
+        return [
+            f"run_dir={run_dir}", f"device={self.device}", "~stages.pretrain", *self.model_overrides,
+            f"data.seq_len={self.seq_len}", "data.micro_batch_size=1", "probe_batches=0",
+            "logging.wandb_mode=disabled", "logging.progress_bar=false", "deterministic=true",
+            f"stages.warmup.steps={warmup_steps}", f"stages.warmup.global_batch_size={batch}",
+            f"stages.sparse.steps={sparse_steps}", f"stages.sparse.global_batch_size={batch}",
+            "stages.sparse.warmup_steps=1", f"checkpoint.every_n_steps={checkpoint_every}", "checkpoint.keep_last=2",
+            "checkpoint.export=false", "parallel=zero2",
+            *(["parallel.expert_parallel=2"] if self.world == 2 else []),
+        ]
+
+    def describe(self) -> str:
+        model = "tiny model, fp32" if self.small and self.device == "cpu" else (
+            "tiny model, bf16" if self.small else f"{RECIPE} cut to {GPU_LAYERS} layers (1 dense + 1 MoE), bf16")
+        parallel = "EP2 x ZeRO-2, 2 ranks" if self.world == 2 else "ZeRO-2, 1 rank"
+        return f"{model}, T={self.seq_len}, {parallel}, {kernels_label(self.device)}, {self.device}"
+
+
+def kernels_label(device: str) -> str:
+    return "Triton kernels" if device == "cuda" else "PyTorch reference kernels"
+
+
+def single_layout(opts: Options) -> Layout:
+    return Layout(opts.device, opts.small, SMALL_SEQ_LEN if opts.small else GPU_SEQ_LEN)
+
+
+def nccl_layout(opts: Options) -> Layout:
+    return Layout(opts.device, opts.small, SMALL_SEQ_LEN if opts.small else NCCL_SEQ_LEN, world=2)
+
+
+# ---------------------------------------------------------------------------------------- checks
+def checks(opts: Options) -> list[Check]:
+    one, two = single_layout(opts), nccl_layout(opts)
+    steps = (f"warm-up {WARMUP_STEPS} + sparse {SPARSE_STEPS} steps, checkpoint every {CHECKPOINT_EVERY}, "
+             f"SIGKILL at step {KILL_STEP}, resume; vs dsa-train plan")
+    nccl = ("2-rank EP2 launch on gloo (the CPU stand-in for NCCL)" if opts.device == "cpu"
+            else "2-rank EP2 launch on NCCL (>= 2 GPUs; else skipped)")
+    return [
+        Check("end-to-end.train_kill_resume", "end-to-end", f"{one.describe()}; {steps}", run_train_kill_resume),
+        Check("nccl.ep2", "nccl", f"{two.describe()}; warm-up 1 + sparse 2 steps; {nccl}", run_nccl_ep2),
+    ]
+
+
+def run_train_kill_resume(opts: Options) -> Outcome:
+    try:
+        return _train_kill_resume(opts)
+    except StepFailed as err:
+        return Outcome("fail", str(err))
+
+
+def run_nccl_ep2(opts: Options) -> Outcome:
+    if opts.device == "cuda":
+        import torch
+
+        count = torch.cuda.device_count()
+        if count < 2:
+            return Outcome("skip", "one GPU: NCCL not exercised" if count == 1 else "no CUDA GPU: NCCL not exercised",
+                           {"gpus": count})
+    try:
+        return _nccl_ep2(opts)
+    except StepFailed as err:
+        return Outcome("fail", str(err))
+
+
+# ----------------------------------------------------------------------------- end to end on one GPU
+def _train_kill_resume(opts: Options) -> Outcome:
+    started = time.monotonic()
+    require_packages()
+    _timeout(opts)
+    layout = single_layout(opts)
+    work = Path(opts.out) / "end-to-end"
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    plan = plan_estimate(layout, work / "plan-run")  # also checks the overrides before any run starts
+    reference_dir, resumed_dir = work / "reference", work / "killed_then_resumed"
+    extra = peak_flops_overrides(layout)
+    ref_cmd = trainer_command(layout, reference_dir, extra)
+    run_cmd = trainer_command(layout, resumed_dir, extra)
+    fault = f"step={KILL_STEP},kind=sigkill,at=mid_step"
+    if layout.device == "cpu":
+        # independent runs: side by side on the CPU (its timings are not the point there); on a GPU
+        # one after the other, so the reference's tokens/s, MFU and memory are its own
+        ref, killed = run_together(opts, [(ref_cmd, work / "reference.log", None), (run_cmd, work / "killed.log", fault)])
+    else:
+        ref = run_logged(opts, ref_cmd, work / "reference.log")
+        killed = run_logged(opts, run_cmd, work / "killed.log", fault=fault)
+    if ref != 0:
+        raise StepFailed(f"reference run exited {ref}: {last_error(work / 'reference.log')} (log: {work / 'reference.log'})")
+    if killed != -signal.SIGKILL:
+        raise StepFailed(f"the run with DSA_FAULT={fault} exited {killed}, not by SIGKILL: "
+                         f"{last_error(work / 'killed.log')} (log: {work / 'killed.log'})")
+    from dsa_train.engine.checkpoint import read_latest
+
+    resumed_from = read_latest(resumed_dir / "checkpoints")
+    code = run_logged(opts, run_cmd, work / "resumed.log")
+    if code != 0:
+        raise StepFailed(f"resumed run exited {code}: {last_error(work / 'resumed.log')} (log: {work / 'resumed.log'})")
+
+    reference = attempts(reference_dir)
+    if len(reference) != 1:
+        raise StepFailed(f"reference run: {len(reference)} starts in {reference_dir / 'metrics.jsonl'}, expected 1")
+    steps = WARMUP_STEPS + SPARSE_STEPS
+    ref_rows = by_step(reference[0])
+    if sorted(ref_rows) != list(range(1, steps + 1)):
+        raise StepFailed(f"reference run logged global steps {sorted(ref_rows)}, expected 1..{steps}")
+    runs = attempts(resumed_dir)
+    if len(runs) != 2:
+        raise StepFailed(f"killed + resumed run: {len(runs)} starts in {resumed_dir / 'metrics.jsonl'}, expected 2")
+    before_kill, after_resume = by_step(runs[0]), by_step(runs[1])
+    if sorted(before_kill) != list(range(1, KILL_STEP)):
+        raise StepFailed(f"the killed run logged global steps {sorted(before_kill)}, expected 1..{KILL_STEP - 1}")
+    first_resumed = min(after_resume, default=None)
+    expected_from = f"step_{KILL_STEP - 1:08d}"
+    if resumed_from != expected_from or sorted(after_resume) != list(range(KILL_STEP, steps + 1)):
+        raise StepFailed(f"resume: latest checkpoint {resumed_from} (expected {expected_from}), resumed run logged "
+                         f"steps {sorted(after_resume)} (expected {KILL_STEP}..{steps}); log: {work / 'resumed.log'}")
+    differences = compare(ref_rows, {**before_kill, **after_resume})
+    resume = {
+        "killed_at_step": KILL_STEP, "fault": fault, "resumed_from": resumed_from, "first_resumed_step": first_resumed,
+        "compared_steps": sorted({**before_kill, **after_resume}), "compared_keys": list(COMPARED),
+        "equal": not differences, "differences": differences[:10],
+        "losses": {str(s): {"reference": ref_rows[s]["train/loss"], "resumed": after_resume[s]["train/loss"]}
+                   for s in sorted(after_resume)},
+    }
+    stages = stage_figures(reference[0]["stages"], ref_rows, layout.device, plan)
+    metrics = {"layout": layout.describe(), "recipe": RECIPE, "seq_len": layout.seq_len, "stages": stages,
+               "resume": resume, "plan": plan, "seconds": round(time.monotonic() - started, 1),
+               "logs": str(work)}
+    figures = "; ".join(f"{name} {s['tokens_per_s']:.0f} tok/s (plan {s['plan_tokens_per_s']:.0f}), MFU "
+                        f"{fmt_pct(s['mfu'])} (plan {fmt_pct(s['plan_mfu'])}), peak {s['peak_memory_gib']:.2f} GiB "
+                        f"{s['peak_memory_kind']} (plan {s['plan_gib']:.2f})" for name, s in stages.items())
+    if differences:
+        d = differences[0]
+        return Outcome("fail", f"resume from {resumed_from} after SIGKILL at step {KILL_STEP}: step {d['step']} "
+                               f"{d['key']} {d['got']!r} != uninterrupted {d['reference']!r} "
+                               f"({len(differences)} values differ); {figures}", metrics)
+    for run_dir in (reference_dir, resumed_dir):  # GBs at 32K; logs and metrics.jsonl stay
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    return Outcome("pass", f"SIGKILL at step {KILL_STEP}, resumed from {resumed_from}: steps "
+                           f"{KILL_STEP}-{steps} bitwise equal to the uninterrupted run; {figures}", metrics)
+
+
+def compare(reference: dict[int, dict], got: dict[int, dict]) -> list[dict]:
+    """Every compared value of `got` that is not exactly the reference's (a missing or non-finite
+    value -- None in metrics.jsonl -- is a difference too)."""
+    out = []
+    for step in sorted(got):
+        for key in COMPARED:
+            ref, value = reference[step].get(key, "absent"), got[step].get(key, "absent")
+            if ref is None or value is None or ref != value:
+                out.append({"step": step, "key": key, "reference": ref, "got": value})
+    return out
+
+
+def stage_figures(stage_names, rows: dict[int, dict], device: str, plan: dict) -> dict[str, dict]:
+    """Per stage: median tokens/s, MFU, step time over the stage's steps after its first (which
+    includes Triton compilation and engine start), the peak memory over all its steps, beside the
+    plan's figures for the stage."""
+    planned = {s["stage"]: s for s in plan["stages"]}
+    out = {}
+    for index, name in enumerate(stage_names):
+        stage_rows = [rows[s] for s in sorted(rows) if rows[s]["progress/stage"] == index]
+        if not stage_rows:
+            raise StepFailed(f"the reference run logged no step of stage {name}")
+        timed = stage_rows[1:] or stage_rows
+        memory_key = "perf/cuda_max_allocated_gib" if device == "cuda" else "perf/memory_rss_gib"
+        p = planned[name]
+        tokens_per_step = p["step_detail"]["tokens_per_step"]
+        out[name] = {
+            "steps": len(stage_rows), "timed_steps": len(timed),
+            "tokens_per_s": statistics.median(r["perf/tokens_per_s"] for r in timed),
+            "mfu": statistics.median(r["perf/mfu"] for r in timed) if plan.get("peak_flops_known", True) else None,
+            "step_time_s": statistics.median(r["perf/step_time_s"] for r in timed),
+            "peak_memory_gib": max(r[memory_key] for r in stage_rows),
+            "peak_memory_kind": "allocated" if device == "cuda" else "RSS",
+            "plan_gib": p["total_gib"], "plan_gib_by_category": p["gib"],
+            "plan_step_s": p["step_s"], "plan_tokens_per_s": tokens_per_step / p["step_s"] if p["step_s"] else None,
+            "plan_mfu": plan["assumed_mfu"],
+        }
+    return out
+
+
+def fmt_pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+# ------------------------------------------------------------------------------------------- NCCL
+def _nccl_ep2(opts: Options) -> Outcome:
+    started = time.monotonic()
+    require_packages()
+    _timeout(opts)
+    layout = nccl_layout(opts)
+    work = Path(opts.out) / "nccl"
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    run_dir = work / "ep2"
+    from dsa_train.parallel.selftest import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "dsa_train.cli", "launch", "torchrun", "--nproc-per-node", "2", "--master-port",
+           str(port), "--run-id", f"gpucheck-{port}", "--max-restarts", "0", "--config-name", RECIPE,
+           *layout.overrides(run_dir, 1, 2, 0), *peak_flops_overrides(layout)]
+    env = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"} if layout.device == "cuda" else {}
+    log = work / "ep2.log"
+    code = run_logged(opts, cmd, log, env=env, single_rank=False)
+    if code != 0:
+        raise StepFailed(f"2-rank EP2 launch exited {code}: {last_error(log)} (log: {log})")
+    runs = attempts(run_dir)
+    rows = by_step(runs[-1]) if runs else {}
+    if sorted(rows) != [1, 2, 3]:
+        raise StepFailed(f"2-rank EP2 run logged global steps {sorted(rows)}, expected 1..3 (log: {log})")
+    text = log.read_text(errors="replace")
+    if "rank 1/2" not in text or "ep 1/2" not in text:
+        raise StepFailed(f"2-rank EP2 run: no 'rank 1/2 ... ep 1/2' layout line in {log}")
+    losses = [rows[s]["train/loss"] for s in sorted(rows)]
+    if any(v is None for v in losses):
+        raise StepFailed(f"2-rank EP2 run: non-finite loss {losses}")
+    metrics = {"layout": layout.describe(), "losses": losses, "seconds": round(time.monotonic() - started, 1),
+               "tokens_per_s": {str(s): rows[s]["perf/tokens_per_s"] for s in sorted(rows)}, "logs": str(work)}
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    if layout.device == "cpu":
+        metrics["backend"] = "gloo"
+        return Outcome("pass", f"gloo stand-in (CPU, NCCL not exercised): 2-rank EP2 x ZeRO-2 ran warm-up 1 + sparse 2 "
+                               f"steps, losses {', '.join(f'{v:.4f}' for v in losses)}", metrics)
+    version = next((line.split("NCCL version", 1)[1].split()[0] for line in text.splitlines()
+                    if "NCCL version" in line), None)
+    metrics.update(backend="nccl", nccl_version=version)
+    if "NCCL INFO" not in text:
+        return Outcome("fail", f"2-rank EP2 run finished but NCCL never initialized (no 'NCCL INFO' line with "
+                               f"NCCL_DEBUG=INFO in {log}): its collectives ran elsewhere", metrics)
+    sparse = rows[3]["perf/tokens_per_s"]
+    return Outcome("pass", f"NCCL {version or '(version not logged)'}: 2-rank EP2 x ZeRO-2 ran warm-up 1 + sparse 2 "
+                           f"steps at T={layout.seq_len}, losses {', '.join(f'{v:.4f}' for v in losses)}, last sparse "
+                           f"step {sparse:.0f} tok/s", metrics)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def require_packages() -> None:
+    missing = []
+    for module, dist in REQUIRED.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:  # a missing parent package (megatron for megatron.core)
+            found = False
+        if not found:
+            missing.append(dist)
+    if missing:
+        raise StepFailed(f"missing Python package(s) {', '.join(missing)}: the training runs import them; install "
+                         "them from a wheelhouse: pip install --no-index --find-links <wheelhouse> "
+                         "'dsa-train[train]' (docs/install.md)")
+
+
+def peak_flops_overrides(layout: Layout) -> list[str]:
+    """The trainer refuses a GPU whose peak it does not know (MFU needs it); such a GPU runs with
+    H100's peak, and `plan_estimate` marks the MFU figures as not meaningful."""
+    if layout.device != "cuda" or _known_peak() is not None:
+        return []
+    from dsa_train.logging.perf import GPU_PEAK_FLOPS
+
+    return [f"logging.peak_flops={GPU_PEAK_FLOPS['H100']}"]
+
+
+def _known_peak() -> float | None:
+    import torch
+
+    from dsa_train.logging.perf import peak_flops_per_device
+
+    try:
+        return peak_flops_per_device(torch.device("cuda", 0), None)
+    except ValueError:
+        return None
+
+
+def plan_estimate(layout: Layout, run_dir: Path) -> dict:
+    """`dsa-train plan` of the runs' recipe and layout (1 rank), in this process, with this
+    machine's device peak and memory in place of the plan's H100 defaults."""
+    import torch
+
+    from dsa_train.config import ConfigError, load_recipe
+    from dsa_train.logging.perf import CPU_PEAK_FLOPS_PER_THREAD
+    from dsa_train.parallel.plan import make_plan, parse_opts
+
+    overrides = layout.overrides(run_dir, WARMUP_STEPS, SPARSE_STEPS, CHECKPOINT_EVERY)
+    args, peak_known = [], True
+    if layout.device == "cuda":
+        peak = _known_peak()
+        peak_known = peak is not None
+        if peak_known:
+            args += ["--peak-tflops", str(peak / 1e12)]
+        args += ["--gpu-gb", str(torch.cuda.get_device_properties(0).total_memory / 2**30)]
+    else:  # the trainer's CPU peak at the runs' one thread
+        args += ["--peak-tflops", str(CPU_PEAK_FLOPS_PER_THREAD / 1e12)]
+    plan_opts, _ = parse_opts(args)
+    try:
+        cfg = load_recipe(RECIPE, overrides)
+        plan = make_plan(cfg, plan_opts, world=layout.world)
+    except ConfigError as err:
+        raise StepFailed(f"the check's recipe {RECIPE} {' '.join(overrides[1:])} is invalid here: {err}")
+    plan.update(assumed_mfu=plan_opts.mfu, peak_tflops=plan_opts.peak_tflops, peak_flops_known=peak_known)
+    return plan
+
+
+def trainer_command(layout: Layout, run_dir: Path, extra: list[str]) -> list[str]:
+    """One rank of the distributed trainer, as torchrun would start it (its environment comes
+    from `run_logged`)."""
+    return [sys.executable, "-m", "dsa_train.parallel.train", "--config-name", RECIPE,
+            *layout.overrides(run_dir, WARMUP_STEPS, SPARSE_STEPS, CHECKPOINT_EVERY), *extra]
+
+
+def run_env(device: str, single_rank: bool, fault: str | None, extra: dict | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in STRIPPED_ENV}
+    env["WANDB_MODE"] = "disabled"
+    env["DS_ACCELERATOR"] = device
+    if device == "cuda":
+        env["DSA_KERNELS"] = "triton"  # a missing Triton path fails instead of falling back
+    else:  # the interpreter (set by `gpu-check --device cpu`) costs ~9 s per sparse step here
+        env["DSA_KERNELS"] = "ref"
+        env["DSA_TRAIN_BACKEND"] = "gloo"
+        env.setdefault("OMP_NUM_THREADS", "1")
+    if single_rank:
+        from dsa_train.parallel.selftest import free_port
+
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(free_port()))
+    if fault:
+        env["DSA_FAULT"] = fault
+    env.update(extra or {})
+    return env
+
+
+def _timeout(opts: Options) -> float:
+    budget = 240.0 if opts.small else 480.0
+    left = opts.time_left()
+    if left <= 5:
+        raise StepFailed("no time left before the gpu-check deadline")
+    return min(budget, left)
+
+
+def _start(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    with open(log, "w") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        return subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait(proc: subprocess.Popen, deadline: float, log: Path) -> int:
+    try:
+        return proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session: torchrun's workers too
+        proc.wait()
+        raise StepFailed(f"{log.stem} run did not finish in time; stopped (log: {log})")
+
+
+def run_logged(opts: Options, cmd: list[str], log: Path, fault: str | None = None, env: dict | None = None,
+               single_rank: bool = True) -> int:
+    """Run `cmd` (stdout and stderr into `log`) within the check's time; its exit code."""
+    deadline = time.monotonic() + _timeout(opts)
+    proc = _start(cmd, log, run_env(opts.device, single_rank, fault, env))
+    return _wait(proc, deadline, log)
+
+
+def run_together(opts: Options, runs: list[tuple[list[str], Path, str | None]]) -> list[int]:
+    deadline = time.monotonic() + _timeout(opts)
+    procs = [_start(cmd, log, run_env(opts.device, True, fault)) for cmd, log, fault in runs]
+    try:
+        return [_wait(p, deadline, log) for p, (_, log, _) in zip(procs, runs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def last_error(log: Path) -> str:
+    """The line of a run's log that says why it failed: the last error-looking line, else the last one."""
+    try:
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "no log"
+    for line in reversed(lines):
+        if "Error" in line or "error:" in line or line.startswith("dsa-train"):
+            return line[:300]
+    return lines[-1][:300] if lines else "empty log"
+
+
+def attempts(run_dir: Path) -> list[dict]:
+    """The starts of a run in its metrics.jsonl, in order: {"stages": [names], "rows": [metrics]}."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise StepFailed(f"no {path}: the run logged no step")
+    out: list[dict] = []
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if "run" in record:
+            out.append({"stages": list(record["run"].get("stages") or {}), "rows": []})
+        elif "metrics" in record and out:
+            out[-1]["rows"].append(record["metrics"])
+    return out
+
+
+def by_step(attempt: dict) -> dict[int, dict]:
+    rows = {}
+    for m in attempt["rows"]:
+        if "train/loss" in m:
+            rows[int(m["progress/global_step"])] = m
+    return rows

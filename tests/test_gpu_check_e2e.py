@@ -1,0 +1,120 @@
+"""`dsa-train gpu-check`'s end-to-end and NCCL steps (dsa_train/gpucheck/e2e.py).
+
+On the CPU (`--small`): the real trainer runs both stages of the tiny model three times (reference,
+SIGKILLed at step 6, resumed) and the resumed losses must equal the uninterrupted run's bit for
+bit; the 2-rank EP2 launch runs on gloo. On a GPU (`-m gpu`): the same checks at small_32k's
+shape (2 layers, T = 32768) with the Triton kernels, and NCCL where there are >= 2 GPUs."""
+
+import math
+
+import pytest
+
+from dsa_train.gpucheck import e2e
+from dsa_train.gpucheck.core import SECTIONS, Options, Outcome
+
+
+def _check(opts, name):
+    (check,) = [c for c in e2e.checks(opts) if c.name == name]
+    return check
+
+
+def test_checks_are_named_in_their_sections_with_their_shapes(tmp_path):
+    for device, small, seq in (("cpu", True, "T=64"), ("cuda", False, "T=32768")):
+        checks = e2e.checks(Options(device=device, small=small, out=tmp_path))
+        assert [(c.name, c.section) for c in checks] == [("end-to-end.train_kill_resume", "end-to-end"),
+                                                        ("nccl.ep2", "nccl")]
+        assert all(c.section in SECTIONS for c in checks)
+        assert seq in checks[0].shapes and "SIGKILL at step 6" in checks[0].shapes
+    assert "Triton kernels" in checks[0].shapes and "small_32k cut to 2 layers" in checks[0].shapes
+    assert "T=8192" in checks[1].shapes and "NCCL" in checks[1].shapes
+
+
+def test_a_missing_package_is_one_failing_line_naming_it_and_the_wheelhouse(tmp_path, monkeypatch):
+    monkeypatch.setitem(e2e.REQUIRED, "no_such_module_dsa_gpucheck", "no-such-dist")
+    monkeypatch.setitem(e2e.REQUIRED, "no_such_parent.child", "no-such-parent")
+    opts = Options(device="cpu", small=True, out=tmp_path)
+    for name in ("end-to-end.train_kill_resume", "nccl.ep2"):
+        out = _check(opts, name).run(opts)
+        assert out.status == "fail" and "\n" not in out.summary
+        assert "no-such-dist, no-such-parent" in out.summary and "docs/install.md" in out.summary
+    assert not (tmp_path / "end-to-end").exists()  # nothing ran
+
+
+def test_one_gpu_skips_nccl(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    out = _check(Options(device="cuda", out=tmp_path), "nccl.ep2").run(Options(device="cuda", out=tmp_path))
+    assert (out.status, out.summary) == ("skip", "one GPU: NCCL not exercised")
+
+
+def test_compare_reports_any_bit_of_difference():
+    ref = {6: {k: 1.0 for k in e2e.COMPARED}, 7: {k: 2.0 for k in e2e.COMPARED}}
+    assert e2e.compare(ref, {6: dict(ref[6]), 7: dict(ref[7])}) == []
+    got = {6: dict(ref[6]), 7: {**ref[7], "train/loss": math.nextafter(2.0, 3.0), "optim/grad_norm": None}}
+    diffs = e2e.compare(ref, got)
+    assert [(d["step"], d["key"]) for d in diffs] == [(7, "train/loss"), (7, "optim/grad_norm")]
+
+
+def test_no_time_left_fails_without_starting_a_run(tmp_path):
+    opts = Options(device="cpu", small=True, out=tmp_path, deadline=0.0)
+    out = _check(opts, "end-to-end.train_kill_resume").run(opts)
+    assert out.status == "fail" and "no time left" in out.summary
+    assert not list((tmp_path / "end-to-end").glob("*.log"))
+
+
+def _assert_train_kill_resume(out: Outcome, device: str):
+    assert out.status == "pass", out.summary
+    m = out.metrics
+    resume = m["resume"]
+    assert resume["equal"] and resume["differences"] == []
+    assert resume["resumed_from"] == "step_00000005" and resume["first_resumed_step"] == 6
+    assert resume["compared_steps"] == [1, 2, 3, 4, 5, 6, 7]
+    assert all(v["reference"] == v["resumed"] and math.isfinite(v["resumed"]) for v in resume["losses"].values())
+    assert set(m["stages"]) == {"warmup", "sparse"}
+    for stage in m["stages"].values():
+        assert stage["tokens_per_s"] > 0 and stage["step_time_s"] > 0 and stage["peak_memory_gib"] > 0
+        assert stage["mfu"] is None or stage["mfu"] > 0
+        assert stage["plan_gib"] > 0 and stage["plan_tokens_per_s"] > 0 and stage["plan_mfu"] == 0.35
+        assert stage["peak_memory_kind"] == ("allocated" if device == "cuda" else "RSS")
+    assert m["plan"]["layout"]["zero"] == 2 and m["plan"]["layout"]["world"] == 1
+    assert "bitwise equal" in out.summary and "plan" in out.summary
+
+
+@pytest.mark.slow  # three trainer processes (two side by side): ~40 s on 2 busy cores
+def test_small_train_kill_resume_on_the_cpu(tmp_path):
+    opts = Options(device="cpu", small=True, out=tmp_path)
+    out = _check(opts, "end-to-end.train_kill_resume").run(opts)
+    _assert_train_kill_resume(out, "cpu")
+    assert out.metrics["seq_len"] == 64 and "PyTorch reference kernels" in out.metrics["layout"]
+    logs = tmp_path / "end-to-end"
+    assert {p.name for p in logs.glob("*.log")} == {"reference.log", "killed.log", "resumed.log"}
+    assert "resumed from" in (logs / "resumed.log").read_text()
+    assert not (logs / "reference" / "checkpoints").exists()  # deleted after a pass
+
+
+@pytest.mark.slow  # torchrun with 2 ranks: ~30 s on 2 busy cores
+def test_small_ep2_runs_on_gloo_labelled_as_such(tmp_path):
+    opts = Options(device="cpu", small=True, out=tmp_path)
+    out = _check(opts, "nccl.ep2").run(opts)
+    assert out.status == "pass", out.summary
+    assert out.summary.startswith("gloo stand-in (CPU, NCCL not exercised)")
+    assert out.metrics["backend"] == "gloo" and len(out.metrics["losses"]) == 3
+    assert all(math.isfinite(v) for v in out.metrics["losses"])
+    assert all(v > 0 for v in out.metrics["tokens_per_s"].values())
+
+
+@pytest.mark.gpu
+def test_cuda_train_kill_resume_and_nccl(tmp_path):
+    import torch
+
+    opts = Options(device="cuda", small=False, out=tmp_path)
+    out = _check(opts, "end-to-end.train_kill_resume").run(opts)
+    _assert_train_kill_resume(out, "cuda")
+    assert out.metrics["seq_len"] == 32768 and "Triton kernels" in out.metrics["layout"]
+    nccl = _check(opts, "nccl.ep2").run(opts)
+    if torch.cuda.device_count() < 2:
+        assert nccl.status == "skip" and nccl.summary == "one GPU: NCCL not exercised"
+    else:
+        assert nccl.status == "pass", nccl.summary
+        assert nccl.metrics["backend"] == "nccl"
