@@ -9,9 +9,11 @@ tests of that Triton fail with pip's reason. The reports run once per session, i
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import triton
@@ -154,12 +156,23 @@ def test_gate_rejects_bad_rows():
     assert gate_failures(_row(wgmma=0), 80, dots=True)
 
 
-def test_gate_targets_cover_oldest_and_newest():
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = tuple(int(p) for p in version.split("."))
+    return parts + (0,) * (3 - len(parts))
+
+
+def test_supported_triton_range_matches_the_install_files():
+    """SUPPORTED_TRITON is the one definition: the gate covers both ends, pyproject's floor is the
+    oldest, and the development venv (constraints-cpu.txt) installs the newest."""
     oldest, newest = SUPPORTED_TRITON
-    assert tuple(int(p) for p in oldest.split(".")) < tuple(int(p) for p in newest.split("."))
+    assert _version_tuple(oldest) < _version_tuple(newest)
     assert set(GATE_TARGETS) == {(oldest, "sm_90a"), (newest, "sm_90a"), (newest, "sm_100")}
-    assert compile_report._base_version(triton.__version__) in SUPPORTED_TRITON, \
-        f"the venv's Triton {triton.__version__} is not in SUPPORTED_TRITON {SUPPORTED_TRITON}"
+    root = Path(__file__).resolve().parents[1]
+    floor = re.search(r'"triton>=([\d.]+)', (root / "pyproject.toml").read_text())
+    assert floor and _version_tuple(floor.group(1)) == _version_tuple(oldest), \
+        f"pyproject.toml's triton floor {floor and floor.group(1)} is not the oldest supported {oldest}"
+    pin = re.search(r"^triton==([\d.]+)", (root / "constraints-cpu.txt").read_text(), re.M)
+    assert pin and pin.group(1) == newest, f"constraints-cpu.txt pins triton {pin and pin.group(1)}, not {newest}"
 
 
 def test_side_install_failure_is_one_line(tmp_path, monkeypatch, capsys):
