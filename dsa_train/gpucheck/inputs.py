@@ -40,7 +40,7 @@ DIMS_671B = Dims(H=128, D=576, D_V=512, H_I=64, D_I=128, K=2048, H_MHA=128, D_MH
                  seq_lens=(4096, 32768, 131072), speed_T=32768, full_rows_max=4096, sample_rows=2048,
                  dense_doc_max=16384)
 DIMS_SMALL = Dims(H=8, D=64, D_V=48, H_I=4, D_I=16, K=16, H_MHA=4, D_MHA=24, DV_MHA=16,
-                  seq_lens=(64, 128), speed_T=64, full_rows_max=64, sample_rows=24, dense_doc_max=64)
+                  seq_lens=(64, 128), speed_T=32, full_rows_max=64, sample_rows=24, dense_doc_max=64)
 
 
 def dims_for(small: bool) -> Dims:
@@ -100,9 +100,10 @@ def topk_lists(doc_start: torch.Tensor, positions: torch.Tensor, K: int, seed: i
     n = pos - ds + 1  # visible keys per row
     j = torch.arange(K, device=dev, dtype=torch.float32)
     u = torch.rand(pos.shape[0], K, generator=g, device=dev)
-    width = n.float()[:, None] / K  # >= 1 where n >= K
-    stratified = ds[:, None] + torch.floor((j + u) * width).long()
-    stratified = torch.minimum(stratified, pos[:, None])
+    width = n.double()[:, None] / K  # >= 1 where n >= K: strata [a_j, b_j) of integers, disjoint, non-empty
+    a = torch.floor(j.double() * width).long()
+    b = torch.floor((j.double() + 1) * width).long()
+    stratified = ds[:, None] + a + torch.floor(u.double() * (b - a)).long()
     dense = ds[:, None] + j.long()[None]  # n < K: every visible key, then -1
     idx = torch.where((n >= K)[:, None], stratified, torch.where(j.long()[None] < n[:, None], dense, -1))
     # random order of the valid slots (top-k returns them by score, not by position); -1 stays the tail

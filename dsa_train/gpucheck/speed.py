@@ -85,6 +85,12 @@ def _fwd_bwd(fwd, inputs, dout_like, opts: Options, reps: int | None = None) -> 
     def first(x):
         return x[0] if isinstance(x, tuple) else x
 
+    if opts.device != "cuda":  # the interpreter: one forward and its backward, wall clock
+        t0 = time.perf_counter()
+        out = first(fwd())
+        t1 = time.perf_counter()
+        torch.autograd.grad(out, inputs, dout_like(out.detach()))
+        return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
     fwd_ms = _time_ms(fwd, opts, reps)
     dout = dout_like(first(fwd()).detach())
 

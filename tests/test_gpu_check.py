@@ -1,0 +1,192 @@
+"""`dsa-train gpu-check`: the command itself on the CPU (dry run, the --small run under the Triton
+interpreter, failures as one line, no GPU -> exit 2, no heavy imports), and on a GPU the very
+same checks as tests (`pytest -m gpu`: one implementation, two entry points)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from dsa_train.gpucheck import runner
+from dsa_train.gpucheck.core import SECTIONS, Check, Options, Outcome
+from dsa_train.gpucheck.correctness import compare
+from dsa_train.gpucheck.inputs import DIMS_SMALL, doc_lengths, doc_start_of, topk_lists
+
+KERNEL_SECTIONS = ["environment", "compile", "correctness", "speed"]
+CORRECTNESS_OPS = ["sparse_mla", "index_scores_bf16", "index_scores_fp8", "indexer_topk", "sparse_indexer_kl",
+                   "dense_indexer_kl", "dense_attention"]
+
+
+def _gpu_checks():
+    try:
+        return runner.collect(Options(device="cuda"))
+    except Exception as err:  # collection must not hide a broken check list: one failing param
+        return [Check("collect", "environment", "", lambda o, e=err: Outcome("fail", f"collect: {e}"))]
+
+
+# ----------------------------------------------------------------------------- GPU: the checks as tests
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; run dsa-train gpu-check there")
+@pytest.mark.parametrize("check", _gpu_checks(), ids=lambda c: c.name)
+def test_gpu_check(check, tmp_path):
+    outcome = check.run(Options(device="cuda", out=tmp_path))
+    if outcome.status == "skip":
+        pytest.skip(outcome.summary)
+    assert outcome.status in ("pass", "info"), f"{check.name}: {outcome.summary}"
+
+
+# ----------------------------------------------------------------------------- CPU: the command
+def test_dry_run_lists_every_check_with_shapes(capsys):
+    assert runner.main(["--dry-run"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    rows = [ln.split(None, 2) for ln in lines[:-1]]
+    assert "nothing was run" in lines[-1]
+    sections = [r[0] for r in rows]
+    assert sections == sorted(sections, key=SECTIONS.index)  # in section order
+    assert set(SECTIONS) <= set(sections), set(SECTIONS) - set(sections)
+    names = [r[1] for r in rows]
+    assert len(names) == len(set(names))
+    assert all(len(r) == 3 and r[2].strip() for r in rows)  # every check has its shapes
+    for op in CORRECTNESS_OPS:
+        for T in (4096, 32768, 131072):
+            assert f"correctness.{op}.T{T}" in names, (op, T)
+    for op in ("sparse_mla", "indexer_topk", "sparse_indexer_kl"):
+        assert f"correctness.{op}.cp.T131072" in names
+    shapes = {r[1]: r[2] for r in rows}
+    assert "H=128 D=576 D_V=512 k=2048" in shapes["correctness.sparse_mla.T131072"]
+    assert "H_I=64 d_I=128" in shapes["correctness.indexer_topk.T4096"]
+    assert {n.split(".")[1] for n in names if n.startswith("speed.")} >= {
+        "sparse_mla", "indexer_topk", "sparse_indexer_kl", "dense_indexer_kl", "dense_attention"}
+
+
+def test_cuda_without_a_gpu_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(runner, "_cuda_available", lambda: False)
+    assert runner.main(["--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--device cpu --small" in err and "--dry-run" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_cpu_needs_small_and_unknown_only_is_refused(capsys):
+    assert runner.main(["--device", "cpu"]) == 2
+    assert "--small" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="matches no check"):
+        runner.main(["--dry-run", "--only", "bogus"])
+
+
+def test_failing_check_is_one_line_and_the_rest_still_run(monkeypatch, tmp_path):
+    import dsa_train.gpucheck.environment as env
+
+    def broken(opts):
+        raise RuntimeError("simulated failure\nsecond line of the message")
+
+    monkeypatch.setattr(env, "_versions_check", broken)
+    opts = Options(device="cpu", small=True, out=tmp_path)
+    checks = runner.select(runner.collect(opts), ["environment.machine", "environment.versions"])
+    checks.append(Check("speed.after", "speed", "x", lambda o: Outcome("pass", "ran after the failure")))
+    lines = []
+    results = runner.run_checks(checks, opts, echo=lambda s, **_: lines.append(s))
+    assert [r["status"] for r in results] == ["info", "fail", "pass"]
+    assert len(lines) == 3 and all("\n" not in ln for ln in lines)
+    assert "fail" in lines[1] and "RuntimeError: simulated failure" in lines[1] and "second line" not in lines[1]
+    report = runner.write_reports(results, opts, "test", 0.0, 1.0)
+    assert report["exit_code"] == 1
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert any("broken" in ln for ln in data["checks"][1]["traceback"])
+    assert "| environment.versions | fail |" in (tmp_path / "report.md").read_text()
+
+
+def test_deadline_skips_what_no_longer_fits(tmp_path):
+    opts = Options(device="cpu", small=True, out=tmp_path, deadline=0.0)  # already past
+    res = runner.run_checks([Check("speed.x", "speed", "x", lambda o: Outcome("pass", "ran"))], opts,
+                            echo=lambda *a, **k: None)
+    assert res[0]["status"] == "skip" and "budget" in res[0]["summary"]
+
+
+def test_compare_catches_errors_and_nonfinite_mismatches():
+    ref = torch.randn(64, 8)
+    assert compare(ref.bfloat16(), ref, 2.0**-6)["ok"]
+    bad = ref.clone()
+    bad[3, 4] += 0.1 * ref.abs().max()
+    assert not compare(bad, ref, 2.0**-6)["ok"]
+    ref[0] = float("-inf")  # an empty row's lse
+    assert compare(ref.clone(), ref, 1e-6)["ok"]
+    got = ref.clone()
+    got[0, 0] = 0.0
+    assert not compare(got, ref, 1e-6)["ok"]
+    got = ref.clone()
+    got[5, 5] = float("nan")
+    assert not compare(got, ref, 1e-6)["ok"]
+
+
+def test_topk_lists_are_what_the_indexer_returns():
+    T, K = 96, DIMS_SMALL.K
+    ds = doc_start_of(doc_lengths(T), "cpu")
+    pos = torch.arange(T)
+    idx = topk_lists(ds, pos, K, seed=3, empty_rows=(7,))[0]
+    assert idx.shape == (T, K) and idx.dtype == torch.int32
+    for t in range(T):
+        row = idx[t]
+        valid = row[row >= 0]
+        n = 0 if t == 7 else min(K, t - int(ds[0, t]) + 1)
+        assert valid.numel() == n and bool((row[:n] >= 0).all())  # -1 only as the tail
+        assert valid.unique().numel() == n  # distinct keys
+        if n:
+            assert int(valid.min()) >= int(ds[0, t]) and int(valid.max()) <= t
+
+
+def test_cpu_small_run_writes_both_reports_and_every_kernel_check_passes(tmp_path):
+    """The command end to end on the CPU: tiny shapes, Triton interpreter, kernel sections (the
+    end-to-end and NCCL sections are tests/test_gpu_check_e2e.py's)."""
+    out = tmp_path / "report"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DSA_KERNELS")}
+    proc = subprocess.run([sys.executable, "-m", "dsa_train.gpucheck.runner", "--device", "cpu", "--small",
+                           "--out", str(out), "--only", *KERNEL_SECTIONS],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    md = (out / "report.md").read_text()
+    checks = report["checks"]
+    assert {c["section"] for c in checks} == set(KERNEL_SECTIONS)
+    corr = [c for c in checks if c["section"] == "correctness"]
+    assert len(corr) == len(CORRECTNESS_OPS) * len(DIMS_SMALL.seq_lens) + 3
+    assert all(c["status"] == "pass" for c in corr), [(c["name"], c["summary"]) for c in corr if c["status"] != "pass"]
+    for c in corr:  # each compared output within its tolerance, and not trivially (errors were measured)
+        for name, o in c["metrics"].get("outputs", {}).items():
+            assert o["ok"] and o["err"] <= o["tol"], (c["name"], name)
+    speed = [c for c in checks if c["section"] == "speed"]
+    assert speed and all(c["status"] == "info" and "not a speed" in c["summary"] for c in speed)
+    assert not any("tflops" in t for c in speed for t in c["metrics"]["timings"])
+    assert report["exit_code"] == 0 and report["machine"]["name"] in md
+    assert "## Correctness" in md and "## Speed" in md and "interpreter" in md.lower()
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
+    assert len(lines) == len(checks)  # one progress line per check
+
+
+BLOCKER = textwrap.dedent("""
+    import importlib.abc, sys
+    BLOCKED = ("wandb", "datasets", "hydra", "deepspeed", "megatron")
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in BLOCKED:
+                raise ImportError(f"blocked for the test: {name}")
+            return None
+    sys.meta_path.insert(0, Block())
+    from dsa_train.cli import main
+    code = main(["gpu-check", "--dry-run"])
+    heavy = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+    print("HEAVY", heavy)
+    raise SystemExit(code)
+""")
+
+
+def test_command_imports_nothing_heavy():
+    """The cluster image may lack W&B, datasets, Hydra, DeepSpeed and megatron-core: the command's
+    modules import none of them (the checks that need DeepSpeed import it when they run)."""
+    proc = subprocess.run([sys.executable, "-c", BLOCKER], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "HEAVY []" in proc.stdout and "correctness.sparse_mla.T4096" in proc.stdout
