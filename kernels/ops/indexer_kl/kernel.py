@@ -27,9 +27,11 @@ Dense (eq. 3), flash-style: kernel 1 computes each main head's log-sum-exp over 
 causal + document window (online, never storing logits); kernel 2 (one program per block of
 BLOCK_M queries) walks key tiles, rebuilding the head-averaged target tile from those lse values
 and the indexer score tile, and keeps per-row running statistics; its second pass (gradient)
-recomputes the tiles, forms g = P softmax(I) - p and accumulates dq_I in the program's own rows
-and dw in the program's own rows (plain read-modify-write), and dk_I for the key tile over all indexer heads
-before one atomic add. Memory: O(T * heads) (the lse table and the gradients).
+recomputes the tiles, forms g = P softmax(I) - p and adds dq_I into the program's own rows
+(atomic adds that nothing else touches: no read-back, so no [BLOCK_M, D_I] fp32 old values in
+registers), dw likewise (plain read-modify-write), and dk_I for the key tile over all indexer
+heads before one atomic add. Its dots have M = 64 (64 query rows, 8 warps): wgmma on sm_90a
+with bf16 inputs. Memory: O(T * heads) (the lse table and the gradients).
 """
 
 from __future__ import annotations
@@ -350,6 +352,7 @@ def _dense_kl_kernel(
     if GRAD:
         offs_di = tl.arange(0, BLOCK_DI)
         mask_di = offs_di < DI
+        rows_mask = mask_m[:, None] & mask_di[None, :]
         for n0 in range(start, hi, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             p, sc, valid, ki = _dense_tiles(
@@ -361,20 +364,22 @@ def _dense_kl_kernel(
             dk = tl.zeros([BLOCK_N, BLOCK_DI], dtype=tl.float32)
             for j in range(HI):
                 qi = tl.load(QI + b * stride_qib + offs_m[:, None].to(tl.int64) * stride_qit + j * stride_qih + offs_di[None, :],
-                             mask=mask_m[:, None] & mask_di[None, :], other=0.0)
+                             mask=rows_mask, other=0.0)  # [BLOCK_M, BLOCK_DI]
                 wj = tl.load(WI + b * stride_wib + offs_m.to(tl.int64) * stride_wit + j, mask=mask_m, other=0.0).to(tl.float32)
-                a = tl.dot(qi, tl.trans(ki))
-                # dw and dq: read-modify-write of rows owned by this program (no [M, H_I] registers)
+                a = tl.dot(qi, tl.trans(ki))  # [BLOCK_M, BLOCK_N]
+                # dw: read-modify-write of rows owned by this program (no [M, H_I] registers)
                 dw_ptrs = DWI + (b * T + offs_m) * HI + j
                 dw_old = tl.load(dw_ptrs, mask=mask_m, other=0.0)
                 tl.store(dw_ptrs, dw_old + tl.sum(g * tl.maximum(a, 0.0), 1), mask=mask_m)
-                # gradient dots at the inputs' precision (bf16 -> tensor cores; fp32 -> IEEE, not TF32)
+                # gradient dots on the inputs' dtype (bf16 operands -> tensor cores, fp32 accumulation;
+                # the entry point never gives compiled kernels fp32 operands: `compute_dtype`)
                 da = tl.where(a > 0, g * wj[:, None], 0.0).to(ki.dtype)  # [BLOCK_M, BLOCK_N]
-                dq_ptrs = DQI + ((b * T + offs_m[:, None]) * HI + j) * DI + offs_di[None, :]
-                dq_mask = mask_m[:, None] & mask_di[None, :]
-                dq_old = tl.load(dq_ptrs, mask=dq_mask, other=0.0)  # rows owned by this program
-                tl.store(dq_ptrs, dq_old + tl.dot(da, ki, input_precision="ieee"), mask=dq_mask)
-                dk += tl.dot(tl.trans(da), qi, input_precision="ieee")
+                # dq_I: rows owned by this program, added without reading them back (a load of the
+                # old [BLOCK_M, D_I] values beside the new ones spilled); one program per row, so
+                # the additions happen in program order (deterministic)
+                tl.atomic_add(DQI + ((b * T + offs_m[:, None]) * HI + j) * DI + offs_di[None, :],
+                              tl.dot(da, ki, input_precision="ieee"), mask=rows_mask, sem="relaxed")
+                dk += tl.dot(tl.trans(da), qi, input_precision="ieee")  # [BLOCK_N, BLOCK_DI]
             tl.atomic_add(DKI + (b * T + offs_n[:, None].to(tl.int64)) * DI + offs_di[None, :], dk,
                           mask=(offs_n < T)[:, None] & mask_di[None, :])
 
@@ -455,10 +460,14 @@ def plan_sparse_kl(qi, ki, wi, idx, n_slots, p_sum, t0: int, H: int, kl, klu, dq
 
 
 def dense_blocks(T: int, D: int) -> tuple[int, int, int]:
-    # 32 query rows x 32 keys with 8 warps: 64 x 64 tiles spilled (255 registers, 3-6 KB) and
-    # 32 x 64 still spilled in the MQA form in the sm_90a compile report (the gradient pass holds
-    # q_I tiles, their pointers and the dk_I tile)
-    return min(pow2(T), 32), min(pow2(T), 32), min(pow2(D), 64)
+    """(BLOCK_M, BLOCK_N, BLOCK_D) of `_dense_kl_kernel` (8 warps, 1 stage). 64 query rows: the M
+    side of its big dots is 64, one warp group's wgmma tile on sm_90a (the 32 x 32 tiles before
+    compiled to 0 wgmma). The sm_90a / sm_100 compile report at the 671B shapes, gradient pass,
+    dq_I added with atomics (a read-modify-write of the [64, 128] fp32 dq_I rows spilled 56-184 B):
+    64 x 32, 1 stage: 0 spills, 230 registers (Triton 3.9 sm_90a), 222-230 (3.9 sm_100), 250
+    (3.6 sm_90a); 2 stages spilled 48-80 B under 3.6 and 64 B on sm_100; 64 x 64 spilled under
+    both versions."""
+    return min(pow2(T), 64), min(pow2(T), 32), min(pow2(D), 64)
 
 
 def plan_dense_lse(qm, km, ds, lse2, scale: float) -> Launch:
@@ -502,5 +511,5 @@ def plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, klu, dq, dk, dw, scale: floa
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
             BLOCK_HI=pow2(HI), BLOCK_DI=pow2(DI),
         ),
-        num_warps=8,
+        num_warps=8, num_stages=1,
     )
