@@ -1,33 +1,40 @@
 """Sparse MLA (MQA / absorbed mode) over top-k indices: Triton forward and backward.
 
 Specification: `reference.sparse_mla_ref`. Shapes: q [B, T, H, D] with D = D_V + D_R
-(576 = 512 latent + 64 rope in the 671B model), kv [B, T, D], indices [B, T, K] int32 (-1 empty).
+(576 = 512 latent + 64 rope in the 671B model), kv [B, N, D] (N >= T under context parallelism:
+the keys of the whole sequence, the queries this rank's), indices [B, T, K] int32.
 
-Forward (one program per (head block of 64, value split, token), head block fastest in the
-grid so the programs of one token, which gather the same KV rows, run together): q of the head
-block stays resident; the selected slots are walked in 64-key tiles up to the row's last valid
-slot (`slot_counts`: the launcher's per-row count, so the -1 tail of a short row costs nothing);
-each tile gathers the selected rows of `kv = [latent | k_rope]` once for all heads of the block
-(the MQA saving), computes the logits over all 576 dims and keeps an online softmax (log2
-domain). The 512-dim value is split across SPLIT_V = 2 programs (each owns 256 output columns
-and recomputes the logits), so the [64, 256] fp32 accumulator fits in registers without spills
-(FlashMLA splits it across two warp groups of one CTA; Triton cannot share the logits between
-warp groups, so the split is across programs). Empty slots (-1) are masked before the load
-(never read as row 0); a row with no valid slot returns out = 0 and lse = -inf with no NaN.
+Grid: (tokens x head blocks x parts, B); program x = (token * head blocks + head block) * parts
++ part, so the part and head block are fastest: the programs of one token, which gather the same
+KV rows, run together. Tokens are on x because CUDA's grid y / z stop at 65,535 while x goes to
+2^31 - 1: any token count launches (T = 128K at H = 128: x = 524,288); B (y) stays small.
 
-Backward (one program per (head block of 64, column part, token), 32-key tiles): delta =
-rowsum(dO * O) - dlse is computed in PyTorch; per key tile the logits and dP = dO V^T are formed
-over all dims in 64-channel pieces (q and dO pieces stream from L2, nothing large stays in
-registers), p is recomputed from the saved lse, dS = p (dP - delta) scale. Each of SPLIT = 2
-parts owns half of the latent columns (part 0 also the rope columns): it accumulates its slice
-of dq in registers (written once) and scatters its slice of dkv[idx] = dS^T q + p^T dO (latent)
-and dS^T q_rope (rope) with fp32 atomic adds, because a key row is selected by many queries.
-The summation order of those atomics is not deterministic; under
-`torch.use_deterministic_algorithms(True)` the backward instead stages each contribution
-(DETERMINISTIC=True: one add per address of a zeroed [head blocks, B, C, K, D] buffer, query
-chunk by chunk)
-and reduces them in a fixed order (head blocks summed in order, then `index_add_`, which is
-deterministic on CUDA in that mode). Duplicated indices in a row add twice (as in the reference).
+Indices: a slot is valid when 0 <= idx < N (N = kv.shape[1]); -1 marks an empty slot and any
+other out-of-range value is read as empty too (masked before the load and before the atomics,
+never an illegal address). `slot_counts` uses the same rule, so the kernels walk each row only
+up to its last valid slot and a short row's tail costs nothing. The entry point's
+`check_indices` turns out-of-range values into an error under DSA_KERNELS_CHECK=1.
+
+Forward (one program per (head block of 64, value half, token)): q of the head block stays
+resident; the selected slots are walked in 32-key tiles; each tile gathers the selected rows of
+`kv = [latent | k_rope]` once for all heads of the block (the MQA saving), computes the logits
+over all 576 dims and keeps an online softmax (log2 domain). The 512-dim value is split across
+SPLIT_V = 2 programs (each owns 256 output columns and recomputes the logits), so the
+[64, 256] fp32 accumulator fits in registers without spills (FlashMLA splits it across two warp
+groups of one CTA; Triton cannot share the logits between warp groups, so the split is across
+programs). A row with no valid slot returns out = 0 and lse = -inf with no NaN.
+
+Backward (one program per (head block of 64, column half, token), 16-key tiles): delta =
+rowsum(dO * O) - dlse is computed in PyTorch in bounded token chunks (`bwd_delta`); per key
+tile the logits and dP = dO V^T are formed over all dims in 64-channel pieces (q and dO pieces
+stream from L2, nothing large stays in registers), p is recomputed from the saved lse,
+dS = p (dP - delta) scale. Each of SPLIT = 2 parts owns half of the latent columns (part 0 also
+the rope columns): it accumulates its slice of dq in registers (written once) and scatters its
+slice of dkv[idx] = dS^T q + p^T dO (latent) and dS^T q_rope (rope) with fp32 atomic adds,
+because a key row is selected by many queries. The summation order of those atomics is not
+deterministic; under `torch.use_deterministic_algorithms(True)` the backward instead runs in
+(token chunk, slot window) blocks (`sparse_mla_bwd_deterministic`). Duplicated indices in a row
+add twice (as in the reference).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import triton.language as tl
 from ..._triton_common import Launch, pow2
 
 LOG2E = 1.4426950408889634
+GRID_X_MAX, GRID_YZ_MAX = 2**31 - 1, 65535  # CUDA's grid limits (x; y and z)
 
 
 @triton.jit
@@ -50,16 +58,17 @@ def _sparse_mla_fwd_kernel(
     stride_nb,
     stride_ob, stride_ot, stride_oh,
     stride_lb, stride_lt,
-    H, scale_log2,
+    H, N_KV, N_HB, scale_log2,
     D_V: tl.constexpr, D_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     SPLIT_V: tl.constexpr,
 ):
+    # program (x, y) -> (token, head block, value part), the part fastest, then the head block; y = b
     pid = tl.program_id(0)
-    hb = pid // SPLIT_V
     sv = pid % SPLIT_V
-    t = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
+    hb = (pid // SPLIT_V) % N_HB
+    t = (pid // (SPLIT_V * N_HB)).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
     DVS: tl.constexpr = BLOCK_DV // SPLIT_V  # value columns owned by this program
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
@@ -83,11 +92,11 @@ def _sparse_mla_fwd_kernel(
     acc = tl.zeros([BLOCK_H, DVS], dtype=tl.float32)
     kv_base = KV + b * stride_kvb
     idx_base = IDX + b * stride_ib + t * stride_it
-    n_slots = tl.load(NSLOT + b * stride_nb + t)  # slots after the last valid one are all -1
+    n_slots = tl.load(NSLOT + b * stride_nb + t)  # slots after the last valid one are all empty
     for k0 in range(0, n_slots, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(idx_base + offs_k, mask=offs_k < n_slots, other=-1)
-        valid = idx >= 0
+        valid = (idx >= 0) & (idx < N_KV)  # out of range = empty slot (never an illegal address)
         rows = kv_base + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_kvt
         kv_o = tl.load(rows + offs_o[None, :], mask=valid[:, None] & mask_o[None, :], other=0.0)
         kv_x = tl.load(rows + offs_x[None, :], mask=valid[:, None] & mask_x[None, :], other=0.0)
@@ -113,41 +122,53 @@ def _sparse_mla_fwd_kernel(
 
 @triton.jit
 def _sparse_mla_bwd_kernel(
-    Q, KV, IDX, NSLOT, DO, LSE, DELTA, DQ, DKV, STAGE,
+    Q, KV, IDX, NSLOT, DO, LSE, DELTA, DQ, DKV,
     stride_qb, stride_qt, stride_qh,
     stride_kvb, stride_kvt,
     stride_ib, stride_it,
     stride_nb,
     stride_dob, stride_dot, stride_doh,
     stride_lb, stride_lt,
-    stride_dkb, stride_dkt,
-    stride_sh, stride_sb, stride_st, stride_sk,
-    H, T0, scale, scale_log2,
+    stride_dqb, stride_dqt, stride_dqh,
+    stride_dkb, stride_dkt, stride_sh, stride_sk,
+    H, N_HB, N_KV, T0, K_LO, K_HI, scale, scale_log2,
     D_V: tl.constexpr, D_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, DETERMINISTIC: tl.constexpr,
 ):
+    # This launch covers tokens [T0, T0 + C) (C = grid x / parts) and slots [K_LO, K_HI) of each row.
+    # DETERMINISTIC=False: DQ = dq [B, T, H, D] (q's dtype, written once), DKV = dkv [B, N, D]
+    #   fp32, zeroed, receiving relaxed atomic adds at the selected rows.
+    # DETERMINISTIC=True: DQ = an fp32 accumulator [B, C, H, D] of the token chunk (read,
+    #   added to, written back: each address is owned by one program, windows launch in order),
+    #   DKV = the stage [head blocks, B, C, K_HI - K_LO, D] fp32 (strides sh, dkb, dkt, sk):
+    #   each (head block, token, slot)'s contribution stored at its own address.
+    # program (x, y) -> (token, head block, column part), the part fastest, then the head block; y = b
     pid = tl.program_id(0)
-    hb = pid // SPLIT
     part = pid % SPLIT
-    tc = tl.program_id(1).to(tl.int64)  # token within this launch's chunk [T0, T0 + grid)
+    hb = (pid // SPLIT) % N_HB
+    tc = (pid // (SPLIT * N_HB)).to(tl.int64)  # token within this launch's chunk
+    b = tl.program_id(1).to(tl.int64)
     t = T0 + tc
-    b = tl.program_id(2).to(tl.int64)
     DVS: tl.constexpr = BLOCK_DV // SPLIT  # latent columns of dq / dkv owned by this program
+    DVH: tl.constexpr = DVS // 2  # ... handled as two halves (a, b): see the dkv products below
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
-    offs_c = part * DVS + tl.arange(0, DVS)
-    mask_c = offs_c < D_V
+    offs_a = part * DVS + tl.arange(0, DVH)
+    offs_b = offs_a + DVH
+    mask_a = offs_a < D_V
+    mask_b = offs_b < D_V
     offs_dr = tl.arange(0, BLOCK_DR)
     mask_dr = offs_dr < D_R
     offs_d = tl.arange(0, BLOCK_D)
-    mch = mask_h[:, None] & mask_c[None, :]
     mrh = mask_h[:, None] & mask_dr[None, :]
 
     q_rows = Q + b * stride_qb + t * stride_qt + offs_h[:, None] * stride_qh
     do_rows = DO + b * stride_dob + t * stride_dot + offs_h[:, None] * stride_doh
-    q_c = tl.load(q_rows + offs_c[None, :], mask=mch, other=0.0)  # [BLOCK_H, DVS]
-    do_c = tl.load(do_rows + offs_c[None, :], mask=mch, other=0.0)
+    q_a = tl.load(q_rows + offs_a[None, :], mask=mask_h[:, None] & mask_a[None, :], other=0.0)  # [BLOCK_H, DVH]
+    q_b = tl.load(q_rows + offs_b[None, :], mask=mask_h[:, None] & mask_b[None, :], other=0.0)
+    do_a = tl.load(do_rows + offs_a[None, :], mask=mask_h[:, None] & mask_a[None, :], other=0.0)
+    do_b = tl.load(do_rows + offs_b[None, :], mask=mask_h[:, None] & mask_b[None, :], other=0.0)
     qr = tl.load(q_rows + D_V + offs_dr[None, :], mask=mrh, other=0.0)
     stat = b * stride_lb + t * stride_lt + offs_h
     lse = tl.load(LSE + stat, mask=mask_h, other=float("-inf"))
@@ -155,16 +176,16 @@ def _sparse_mla_bwd_kernel(
     # p = exp2(s*log2e - lse*log2e); an empty (or padded) row has lse = -inf -> p = 0
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
 
-    dq_c = tl.zeros([BLOCK_H, DVS], dtype=tl.float32)
+    dq_a = tl.zeros([BLOCK_H, DVH], dtype=tl.float32)
+    dq_b = tl.zeros([BLOCK_H, DVH], dtype=tl.float32)
     dq_r = tl.zeros([BLOCK_H, BLOCK_DR], dtype=tl.float32)
     kv_base = KV + b * stride_kvb
-    dkv_base = DKV + b * stride_dkb
     idx_base = IDX + b * stride_ib + t * stride_it
-    n_slots = tl.load(NSLOT + b * stride_nb + t)
-    for k0 in range(0, n_slots, BLOCK_K):
+    k_end = tl.minimum(tl.load(NSLOT + b * stride_nb + t), K_HI)
+    for k0 in range(K_LO, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        idx = tl.load(idx_base + offs_k, mask=offs_k < n_slots, other=-1)
-        valid = idx >= 0
+        idx = tl.load(idx_base + offs_k, mask=offs_k < k_end, other=-1)
+        valid = (idx >= 0) & (idx < N_KV)  # out of range = empty slot
         rows = kv_base + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_kvt
         # logits and dP = dO V^T over all latent dims, in BLOCK_D-channel pieces
         s = tl.zeros([BLOCK_H, BLOCK_K], dtype=tl.float32)
@@ -181,58 +202,97 @@ def _sparse_mla_bwd_kernel(
         p = tl.exp2(s * scale_log2 - lse2[:, None])
         p = tl.where(valid[None, :], p, 0.0)
         ds = p * (dp - delta[:, None]) * scale  # d loss / d (q . kv)
-        ds_c = ds.to(q_c.dtype)
-        kv_c = tl.load(rows + offs_c[None, :], mask=valid[:, None] & mask_c[None, :], other=0.0)
-        dq_c += tl.dot(ds_c, kv_c)
-        dkv_c = tl.dot(tl.trans(ds_c), q_c) + tl.dot(tl.trans(p.to(do_c.dtype)), do_c)  # [BLOCK_K, DVS]
-        if DETERMINISTIC:
-            # this (head block, token, slot)'s own row of the zeroed stage: each address receives
-            # exactly one add, so the value is exact and the order does not matter
-            stage_tok = STAGE + hb * stride_sh + b * stride_sb + tc * stride_st  # scalar pointer
-            drows = stage_tok + (offs_k * stride_sk)[:, None]  # int32 offsets: K * D < 2^31
-        else:
-            drows = dkv_base + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_dkt
-        tl.atomic_add(drows + offs_c[None, :], dkv_c, mask=valid[:, None] & mask_c[None, :], sem="relaxed")
+        ds_c = ds.to(q_a.dtype)
+        p_c = p.to(do_a.dtype)
+        if DETERMINISTIC:  # this (head block, token, slot)'s own row of the stage
+            drows = DKV + hb * stride_sh + b * stride_dkb + tc * stride_dkt + ((offs_k - K_LO) * stride_sk)[:, None]
+        else:  # the selected rows of dkv
+            drows = DKV + b * stride_dkb + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_dkt
+        # dq += dS kv and dkv[idx] += dS^T q + p^T dO, one column half at a time: the [BLOCK_K, DVH]
+        # products (and their q / dO operands) of one half are dead before the other's start
+        kv_a = tl.load(rows + offs_a[None, :], mask=valid[:, None] & mask_a[None, :], other=0.0)
+        dq_a += tl.dot(ds_c, kv_a)
+        dkv_a = tl.dot(tl.trans(ds_c), q_a) + tl.dot(tl.trans(p_c), do_a)  # [BLOCK_K, DVH]
+        _scatter(drows + offs_a[None, :], dkv_a, valid[:, None] & mask_a[None, :], DETERMINISTIC)
+        kv_b = tl.load(rows + offs_b[None, :], mask=valid[:, None] & mask_b[None, :], other=0.0)
+        dq_b += tl.dot(ds_c, kv_b)
+        dkv_b = tl.dot(tl.trans(ds_c), q_b) + tl.dot(tl.trans(p_c), do_b)
+        _scatter(drows + offs_b[None, :], dkv_b, valid[:, None] & mask_b[None, :], DETERMINISTIC)
         if part == 0:
             dq_r += tl.dot(ds_c, kvr)
             dkv_r = tl.dot(tl.trans(ds_c), qr)
-            tl.atomic_add(drows + D_V + offs_dr[None, :], dkv_r, mask=valid[:, None] & mask_dr[None, :],
-                          sem="relaxed")
+            _scatter(drows + D_V + offs_dr[None, :], dkv_r, valid[:, None] & mask_dr[None, :], DETERMINISTIC)
 
-    dq_rows = DQ + b * stride_qb + t * stride_qt + offs_h[:, None] * stride_qh
-    tl.store(dq_rows + offs_c[None, :], dq_c.to(DQ.dtype.element_ty), mask=mch)
+    dq_tok = tc if DETERMINISTIC else t
+    dq_rows = DQ + b * stride_dqb + dq_tok * stride_dqt + offs_h[:, None] * stride_dqh
+    _store_dq(dq_rows + offs_a[None, :], dq_a, mask_h[:, None] & mask_a[None, :], DETERMINISTIC)
+    _store_dq(dq_rows + offs_b[None, :], dq_b, mask_h[:, None] & mask_b[None, :], DETERMINISTIC)
     if part == 0:
-        tl.store(dq_rows + D_V + offs_dr[None, :], dq_r.to(DQ.dtype.element_ty), mask=mrh)
+        _store_dq(dq_rows + D_V + offs_dr[None, :], dq_r, mrh, DETERMINISTIC)
 
 
-def slot_counts(indices: torch.Tensor) -> torch.Tensor:
+@triton.jit
+def _scatter(ptrs, val, mask, DETERMINISTIC: tl.constexpr):
+    """dkv contributions: deterministic -> plain stores into the stage (one writer per address);
+    else relaxed fp32 atomic adds into dkv (a key row is selected by many queries)."""
+    if DETERMINISTIC:
+        tl.store(ptrs, val, mask=mask)
+    else:
+        tl.atomic_add(ptrs, val, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _store_dq(ptrs, val, mask, DETERMINISTIC: tl.constexpr):
+    """dq: written once (q's dtype); deterministic -> added to the chunk's fp32 accumulator (what
+    the earlier slot windows left; this program is the only one touching these addresses)."""
+    if DETERMINISTIC:
+        val += tl.load(ptrs, mask=mask, other=0.0)
+    tl.store(ptrs, val.to(ptrs.dtype.element_ty), mask=mask)
+
+
+def slot_counts(indices: torch.Tensor, n_keys: int | None = None) -> torch.Tensor:
     """[B, T, K] int -> [B, T] int32: 1 + the position of each row's last valid slot (0 if none).
-    The kernels walk only these slots: a short row's -1 tail costs nothing."""
+    Valid: idx >= 0, and idx < n_keys when n_keys is given (the kernels' rule: out of range =
+    empty). The kernels walk only these slots: a short row's empty tail costs nothing."""
     K = indices.shape[-1]
     pos = torch.arange(1, K + 1, device=indices.device, dtype=torch.int32)
-    return torch.where(indices >= 0, pos, 0).amax(dim=-1).to(torch.int32).contiguous()
+    valid = indices >= 0
+    if n_keys is not None:
+        valid &= indices < n_keys
+    return torch.where(valid, pos, 0).amax(dim=-1).to(torch.int32).contiguous()
 
 
 def fwd_blocks(H: int, D_V: int, D_R: int) -> dict:
+    # 32-key tiles: with 64 (and the 0 <= idx < N mask) Triton 3.9 needed 255 registers and
+    # spilled 88-104 B for sm_90a; with 32: 208 registers (3.9) / 169 (3.6), no spill
     block_dv = pow2(D_V)
-    return dict(BLOCK_H=min(pow2(H), 64), BLOCK_K=64, BLOCK_DV=block_dv, BLOCK_DR=pow2(max(D_R, 1)),
+    return dict(BLOCK_H=min(pow2(H), 64), BLOCK_K=32, BLOCK_DV=block_dv, BLOCK_DR=pow2(max(D_R, 1)),
                 SPLIT_V=2 if block_dv >= 512 else 1)
 
 
 def bwd_blocks(H: int, D_V: int, D_R: int, deterministic: bool = False) -> dict:
-    block_dv = pow2(D_V)
-    # deterministic: 16-key tiles (with 32 the stage addressing spilled 68-104 B in the compile report)
-    return dict(BLOCK_H=min(pow2(H), 64), BLOCK_K=16 if deterministic else 32, BLOCK_DV=block_dv,
+    block_dv = pow2(D_V, 32)  # a program's columns come in two halves of >= 16 (tl.dot's minimum)
+    # 16-key tiles: with 32 the backward spilled under Triton 3.6 for sm_90a (see docs/kernels.md)
+    return dict(BLOCK_H=min(pow2(H), 64), BLOCK_K=16, BLOCK_DV=block_dv,
                 BLOCK_DR=pow2(max(D_R, 1)), BLOCK_D=min(block_dv, 64), SPLIT=2 if block_dv >= 512 else 1)
 
 
+def _grid(x: int, y: int, what: str) -> tuple:
+    """(x, y) grid: x = tokens x head blocks x parts (CUDA allows 2^31 - 1), y = batch (65,535)."""
+    if x > GRID_X_MAX or y > GRID_YZ_MAX:
+        raise ValueError(f"sparse_mla {what}: grid ({x}, {y}) exceeds CUDA's limits (x <= 2^31 - 1, y <= 65535); "
+                         f"split the call into fewer tokens or a smaller batch")
+    return (max(x, 1), max(y, 1))
+
+
 def plan_fwd(q, kv, indices, n_slots, out, lse, scale: float, d_v: int) -> Launch:
-    """The forward launch for q [B, T, H, D], kv [B, T, D], indices [B, T, K] int32, n_slots
+    """The forward launch for q [B, T, H, D], kv [B, N, D], indices [B, T, K] int32, n_slots
     [B, T] int32 (`slot_counts`), out [B, T, H, d_v], lse [B, T, H] fp32."""
     B, T, H, D = q.shape
     blocks = fwd_blocks(H, d_v, D - d_v)
+    n_parts = triton.cdiv(H, blocks["BLOCK_H"]) * blocks["SPLIT_V"]
     return Launch(
-        _sparse_mla_fwd_kernel, (triton.cdiv(H, blocks["BLOCK_H"]) * blocks["SPLIT_V"], T, B),
+        _sparse_mla_fwd_kernel, _grid(n_parts * T, B, "forward"),
         dict(
             Q=q, KV=kv, IDX=indices, NSLOT=n_slots, O=out, LSE=lse,
             stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
@@ -241,41 +301,60 @@ def plan_fwd(q, kv, indices, n_slots, out, lse, scale: float, d_v: int) -> Launc
             stride_nb=n_slots.stride(0),
             stride_ob=out.stride(0), stride_ot=out.stride(1), stride_oh=out.stride(2),
             stride_lb=lse.stride(0), stride_lt=lse.stride(1),
-            H=H, scale_log2=scale * LOG2E,
+            H=H, N_KV=kv.shape[1], N_HB=n_parts // blocks['SPLIT_V'], scale_log2=scale * LOG2E,
             D_V=d_v, D_R=D - d_v, **blocks,
         ),
-        # two stages: the 64-key tile of 576 dims (72 KB) double-buffered plus q fit in 227 KB
+        # two stages: the 32-key tile of 576 dims (36 KB) double-buffered plus q (72 KB): 147 KB
         num_warps=8 if blocks["BLOCK_DV"] >= 256 else 4, num_stages=2,
     )
 
 
 def plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float, d_v: int,
-             t0: int = 0, n_tokens: int | None = None, stage=None) -> Launch:
-    """The backward launch for tokens [t0, t0 + n_tokens): dq [B, T, H, D] (q's dtype) and either
-    dkv [B, T, D] fp32 (zeroed, atomics) or, deterministic, stage [head blocks, B, C, K, D] fp32
-    (C >= n_tokens, zeroed) receiving every (head block, token, slot)'s dkv contribution."""
+             t0: int = 0, n_tokens: int | None = None, k_lo: int = 0, k_hi: int | None = None,
+             stage=None) -> Launch:
+    """The backward launch for tokens [t0, t0 + n_tokens) and slots [k_lo, k_hi).
+    Atomic (stage None): dq [B, T, H, D] (q's dtype), dkv [B, N, D] fp32 zeroed.
+    Deterministic: dq = the chunk's fp32 accumulator [B, >= n_tokens, H, D], and
+    stage [head blocks, B, n_tokens, k_hi - k_lo, D] fp32 receiving every (head block, token,
+    slot)'s dkv contribution (dkv is not touched)."""
     B, T, H, D = q.shape
     det = stage is not None
+    n_tok = T - t0 if n_tokens is None else n_tokens
+    k_hi = indices.shape[-1] if k_hi is None else k_hi
     blocks = bwd_blocks(H, d_v, D - d_v, det)
-    st = stage if det else dkv
+    n_parts = triton.cdiv(H, blocks["BLOCK_H"]) * blocks["SPLIT"]
+    if lse.stride() != delta.stride():
+        raise ValueError(f"sparse_mla backward: lse {lse.stride()} and delta {delta.stride()} must share strides")
+    if det:
+        dk = dict(DKV=stage, stride_dkb=stage.stride(1), stride_dkt=stage.stride(2),
+                  stride_sh=stage.stride(0), stride_sk=stage.stride(3))
+    else:
+        dk = dict(DKV=dkv, stride_dkb=dkv.stride(0), stride_dkt=dkv.stride(1), stride_sh=0, stride_sk=0)
     return Launch(
-        _sparse_mla_bwd_kernel, (triton.cdiv(H, blocks["BLOCK_H"]) * blocks["SPLIT"], T - t0 if n_tokens is None else n_tokens, B),
+        _sparse_mla_bwd_kernel, _grid(n_parts * n_tok, B, "backward"),
         dict(
-            Q=q, KV=kv, IDX=indices, NSLOT=n_slots, DO=dout, LSE=lse, DELTA=delta, DQ=dq, DKV=dkv, STAGE=st,
+            Q=q, KV=kv, IDX=indices, NSLOT=n_slots, DO=dout, LSE=lse, DELTA=delta, DQ=dq,
             stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
             stride_kvb=kv.stride(0), stride_kvt=kv.stride(1),
             stride_ib=indices.stride(0), stride_it=indices.stride(1),
             stride_nb=n_slots.stride(0),
             stride_dob=dout.stride(0), stride_dot=dout.stride(1), stride_doh=dout.stride(2),
             stride_lb=lse.stride(0), stride_lt=lse.stride(1),
-            stride_dkb=dkv.stride(0), stride_dkt=dkv.stride(1),
-            stride_sh=st.stride(0) if det else 0, stride_sb=st.stride(1) if det else 0,
-            stride_st=st.stride(2) if det else 0, stride_sk=st.stride(3) if det else 0,
-            H=H, T0=t0, scale=scale, scale_log2=scale * LOG2E,
+            stride_dqb=dq.stride(0), stride_dqt=dq.stride(1), stride_dqh=dq.stride(2),
+            **dk,
+            H=H, N_HB=n_parts // blocks["SPLIT"], N_KV=kv.shape[1], T0=t0, K_LO=k_lo, K_HI=k_hi,
+            scale=scale, scale_log2=scale * LOG2E,
             D_V=d_v, D_R=D - d_v, **blocks, DETERMINISTIC=det,
         ),
         num_warps=8 if blocks["BLOCK_DV"] >= 256 else 4,
+        # deterministic: no software pipelining (with Triton's default 3 stages it spilled 32-72 B)
+        num_stages=1 if det else None,
     )
+
+
+def _launch(launch: Launch) -> None:
+    """Runs a planned launch (tests swap it to measure the launchers' allocations on the meta device)."""
+    launch.run()
 
 
 def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, n_slots: torch.Tensor,
@@ -285,46 +364,101 @@ def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, n_s
     lse = torch.empty((B, T, H), dtype=torch.float32, device=q.device)
     if B * T == 0 or H == 0:
         return out, lse
-    plan_fwd(q, kv, indices, n_slots, out, lse, scale, d_v).run()
+    _launch(plan_fwd(q, kv, indices, n_slots, out, lse, scale, d_v))
     return out, lse
 
 
-def sparse_mla_bwd(q, kv, indices, n_slots, out, lse, dout, dlse, scale: float, d_v: int):
-    dout = dout.contiguous()
-    delta = (dout.float() * out.float()).sum(-1)
-    if dlse is not None:
-        delta = delta - torch.where(torch.isfinite(lse), dlse.float(), torch.zeros_like(delta))
-    delta = delta.contiguous()
-    dq = torch.empty_like(q)
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    if q.shape[0] * q.shape[1] == 0 or q.shape[2] == 0:
-        return dq.zero_(), dkv.to(kv.dtype)
-    if not torch.are_deterministic_algorithms_enabled():
-        plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale, d_v).run()
-        return dq, dkv.to(kv.dtype)
-    # deterministic: per query chunk, stage every contribution, sum the head blocks in order, then
-    # index_add_ into dkv (deterministic on CUDA under torch.use_deterministic_algorithms), chunk
-    # after chunk; slower and needs the stage buffer, but bitwise reproducible
-    B, T, H, D = q.shape
-    K = indices.shape[-1]
-    n_hb = triton.cdiv(H, bwd_blocks(H, d_v, D - d_v)["BLOCK_H"])
-    chunk = deterministic_chunk(B, T, K, D, n_hb)
-    stage = torch.empty((n_hb, B, chunk, K, D), dtype=torch.float32, device=q.device)
+DELTA_CHUNK_ELEMS = 1 << 26  # fp32 elements of `bwd_delta`'s one temporary (256 MB)
+
+
+def bwd_delta(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
+    """delta [B, T, H] fp32 = rowsum(dO * O) - dlse (dlse only where lse is finite), for
+    out / dout [B, T, H, d_v]. One token chunk at a time: the only temporary is the chunk's fp32
+    product (at most DELTA_CHUNK_ELEMS), never a full-size fp32 copy of dO or O."""
+    B, T, H, d_v = out.shape
+    delta = torch.empty((B, T, H), dtype=torch.float32, device=out.device)
+    chunk = max(1, DELTA_CHUNK_ELEMS // max(B * H * d_v, 1))
     for t0 in range(0, T, chunk):
-        c = min(chunk, T - t0)
-        stage.zero_()
-        plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale, d_v, t0, c, stage).run()
-        contrib = stage[:, :, :c].sum(0)  # [B, c, K, D]
-        idx = indices[:, t0:t0 + c]
-        for b in range(B):
-            valid = idx[b] >= 0
-            dkv[b].index_add_(0, idx[b][valid].long(), contrib[b][valid])
+        prod = dout[:, t0:t0 + chunk].to(torch.float32, copy=True)  # [B, C, H, d_v], the one temporary
+        prod.mul_(out[:, t0:t0 + chunk])
+        delta[:, t0:t0 + chunk] = prod.sum(-1)
+    if dlse is not None:
+        delta -= torch.where(torch.isfinite(lse), dlse.float(), 0.0)
+    return delta
+
+
+def sparse_mla_bwd(q, kv, indices, n_slots, out, lse, dout, dlse, scale: float, d_v: int):
+    """-> dq [B, T, H, D] (q's dtype), dkv [B, N, D] (kv's dtype). Memory beyond those outputs:
+    delta [B, T, H] fp32, dkv's fp32 accumulator [B, N, D] and `bwd_delta`'s one bounded chunk
+    (measured in tests/test_kernels_sparse_mla_launch.py)."""
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    dq = torch.empty_like(q)
+    B, T, H, D = q.shape
+    if B * T == 0 or H == 0:
+        return dq.zero_(), torch.zeros_like(kv)
+    delta = bwd_delta(out, dout, lse, dlse)
+    if torch.are_deterministic_algorithms_enabled():
+        return dq, sparse_mla_bwd_deterministic(q, kv, indices, n_slots, dout, lse, delta, dq, scale, d_v)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    _launch(plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale, d_v))
     return dq, dkv.to(kv.dtype)
 
 
-DETERMINISTIC_STAGE_ELEMS = 1 << 26  # fp32 elements of the deterministic backward's stage (256 MB)
+# The deterministic backward's stage: at most this many fp32 elements (256 MB), with slot windows
+# sized so a token chunk holds about DETERMINISTIC_MIN_TOKENS tokens (enough programs to fill
+# the GPU) however long the index lists are (CP's dense-at-positions lists are T = 128K wide).
+DETERMINISTIC_STAGE_ELEMS = 1 << 26
+DETERMINISTIC_MIN_TOKENS = 128
 
 
-def deterministic_chunk(B: int, T: int, K: int, D: int, n_hb: int) -> int:
-    """Query tokens per chunk of the deterministic backward (its stage is [n_hb, B, C, K, D])."""
-    return max(1, min(T, DETERMINISTIC_STAGE_ELEMS // max(n_hb * B * K * D, 1)))
+def deterministic_plan(B: int, T: int, K: int, D: int, n_hb: int, block_k: int) -> tuple[int, int]:
+    """(tokens per chunk C, slots per window W) of the deterministic backward: its stage
+    [n_hb, B, C, W, D] fp32 stays within DETERMINISTIC_STAGE_ELEMS; W is a multiple of block_k
+    (at most K rounded up), chosen so that C >= min(T, DETERMINISTIC_MIN_TOKENS) when the budget
+    allows a window of at least one tile."""
+    per_token_slot = max(n_hb * B * D, 1)
+    k_pad = triton.cdiv(max(K, 1), block_k) * block_k
+    want_tokens = max(1, min(T, DETERMINISTIC_MIN_TOKENS))
+    window = DETERMINISTIC_STAGE_ELEMS // (per_token_slot * want_tokens) // block_k * block_k
+    window = max(block_k, min(k_pad, window))
+    chunk = max(1, min(T, DETERMINISTIC_STAGE_ELEMS // (per_token_slot * window)))
+    return chunk, window
+
+
+def sparse_mla_bwd_deterministic(q, kv, indices, n_slots, dout, lse, delta, dq, scale: float, d_v: int):
+    """Bitwise-reproducible backward (no atomics): fills dq in place, returns dkv (kv's dtype).
+
+    Tokens run in chunks of C and each chunk's slots in windows of W (`deterministic_plan`); one
+    launch per (chunk, window), in a fixed order. A launch stores every (head block, token, slot)'s
+    dkv contribution at its own address of the stage [head blocks, B, C, W, D] and adds its dq
+    part into the chunk's fp32 accumulator (each dq address owned by one program). PyTorch then
+    sums the stage's head blocks in order and `index_add_`s the window into an fp32 dkv with one
+    spare row per batch (the destination of empty / out-of-range slots, whose stage rows the
+    kernel never writes), deterministic on CUDA under torch.use_deterministic_algorithms. Windows
+    past the chunk's longest row are skipped (one host sync per chunk)."""
+    B, T, H, D = q.shape
+    K, N = indices.shape[-1], kv.shape[1]
+    blocks = bwd_blocks(H, d_v, D - d_v, deterministic=True)
+    n_hb = triton.cdiv(H, blocks["BLOCK_H"])
+    chunk, window = deterministic_plan(B, T, K, D, n_hb, blocks["BLOCK_K"])
+    stage_buf = torch.empty(n_hb * B * min(chunk, T) * min(window, K) * D, dtype=torch.float32, device=q.device)
+    dq_acc = torch.empty((B, min(chunk, T), H, D), dtype=torch.float32, device=q.device)
+    dkv_acc = torch.zeros((B, N + 1, D), dtype=torch.float32, device=kv.device)  # row N: the spare row
+    batch_base = (torch.arange(B, device=indices.device) * (N + 1))[:, None, None]
+    for t0 in range(0, T, chunk):
+        c = min(chunk, T - t0)
+        k_end = int(n_slots[:, t0:t0 + c].max())
+        dq_acc.zero_()
+        for k_lo in range(0, k_end, window):
+            w = min(window, k_end - k_lo)
+            stage = stage_buf[: n_hb * B * c * w * D].view(n_hb, B, c, w, D)
+            _launch(plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq_acc, None, scale, d_v,
+                             t0, c, k_lo, k_lo + w, stage))
+            for h in range(1, n_hb):  # head blocks summed in order
+                stage[0].add_(stage[h])
+            sel = indices[:, t0:t0 + c, k_lo:k_lo + w]
+            rows = torch.where((sel >= 0) & (sel < N), sel.long(), N) + batch_base  # [B, c, w]
+            dkv_acc.view(B * (N + 1), D).index_add_(0, rows.view(-1), stage[0].view(B * c * w, D))
+        dq[:, t0:t0 + c].copy_(dq_acc[:, :c])
+    return dkv_acc[:, :N].to(kv.dtype).contiguous()

@@ -1,19 +1,27 @@
-"""Sparse MLA launches at the 671B shapes, for the compile report."""
+"""Sparse MLA launches at the 671B shapes, for the compile report: the exact launches the
+launchers make there (their own planning functions on meta-device tensors)."""
 
 from __future__ import annotations
 
 import torch
+import triton
 
 from ...registry import SHAPES_671B, KernelCase, register
-from .kernel import deterministic_chunk, plan_bwd, plan_fwd
+from .kernel import bwd_blocks, deterministic_plan, plan_bwd, plan_fwd
+
+# CP's dense-at-positions calls (model/mla.py `_dense_at_positions`): a chunk of queries over
+# every key of the 128K sequence, index lists as wide as the sequence
+DENSE_CHUNK_ELEMS = 1 << 24  # model/mla.py's default DENSE_CHUNK_ELEMS
 
 
-def _tensors():
+def _tensors(T: int | None = None, K: int | None = None):
     s = SHAPES_671B
-    B, T, H, D, K = s["B"], s["T"], s["H"], s["D"], s["K"]
+    B, N, H, D = s["B"], s["T"], s["H"], s["D"]
+    T = N if T is None else T
+    K = s["K"] if K is None else K
     meta = dict(device="meta")
     q = torch.empty(B, T, H, D, dtype=torch.bfloat16, **meta)
-    kv = torch.empty(B, T, D, dtype=torch.bfloat16, **meta)
+    kv = torch.empty(B, N, D, dtype=torch.bfloat16, **meta)
     idx = torch.empty(B, T, K, dtype=torch.int32, **meta)
     lse = torch.empty(B, T, H, dtype=torch.float32, **meta)
     return q, kv, idx, lse, D**-0.5, s["D_V"]
@@ -32,22 +40,44 @@ def _fwd():
     out = torch.empty(*q.shape[:3], d_v, dtype=q.dtype, device="meta")
     n_slots = torch.empty(idx.shape[:2], dtype=torch.int32, device="meta")
     launch = plan_fwd(q, kv, idx, n_slots, out, lse, scale, d_v)
-    return [KernelCase(_config(launch), launch)]
+    T = SHAPES_671B["T"]  # CP dense-at-positions: DENSE_CHUNK_ELEMS // T queries over K = T slots
+    q, kv, idx, lse, scale, d_v = _tensors(T=max(1, DENSE_CHUNK_ELEMS // T), K=T)
+    out = torch.empty(*q.shape[:3], d_v, dtype=q.dtype, device="meta")
+    n_slots = torch.empty(idx.shape[:2], dtype=torch.int32, device="meta")
+    dense = plan_fwd(q, kv, idx, n_slots, out, lse, scale, d_v)
+    return [KernelCase(_config(launch), launch), KernelCase("CP dense-at-positions " + _config(dense), dense)]
 
 
-@register("sparse_mla_bwd", attention=True)
-def _bwd():
-    q, kv, idx, lse, scale, d_v = _tensors()
+def bwd_launches(T: int | None = None, K: int | None = None) -> list[tuple[str, object]]:
+    """(label, Launch) of the backward at T queries / K slots (default: the 671B top-k call):
+    the atomic launch and the deterministic variant's first (chunk, window) launch."""
+    q, kv, idx, lse, scale, d_v = _tensors(T, K)
+    B, T, H, D = q.shape
+    K = idx.shape[-1]
     dout = torch.empty(*q.shape[:3], d_v, dtype=q.dtype, device="meta")
     delta = torch.empty_like(lse)
     dq = torch.empty_like(q)
     dkv = torch.empty(kv.shape, dtype=torch.float32, device="meta")
     n_slots = torch.empty(idx.shape[:2], dtype=torch.int32, device="meta")
-    launch = plan_bwd(q, kv, idx, n_slots, dout, lse, delta, dq, dkv, scale, d_v)
-    # the deterministic option (under torch.use_deterministic_algorithms): staged stores, no atomics
-    B, T, H, D = q.shape
-    n_hb = launch.grid[0] // launch.args["SPLIT"]
-    chunk = deterministic_chunk(B, T, idx.shape[-1], D, n_hb)
-    stage = torch.empty(n_hb, B, chunk, idx.shape[-1], D, dtype=torch.float32, device="meta")
-    det = plan_bwd(q, kv, idx, n_slots, dout, lse, delta, dq, dkv, scale, d_v, T - chunk, chunk, stage)
-    return [KernelCase(_config(launch), launch), KernelCase("deterministic " + _config(det), det)]
+    atomic = plan_bwd(q, kv, idx, n_slots, dout, lse, delta, dq, dkv, scale, d_v)
+    # the deterministic option (under torch.use_deterministic_algorithms): (token chunk, slot
+    # window) launches storing into the stage, dq accumulated in fp32 (sparse_mla_bwd_deterministic)
+    blocks = bwd_blocks(H, d_v, D - d_v, deterministic=True)
+    n_hb = triton.cdiv(H, blocks["BLOCK_H"])
+    chunk, window = deterministic_plan(B, T, K, D, n_hb, blocks["BLOCK_K"])
+    c, w = min(chunk, T), min(window, K)
+    stage = torch.empty(n_hb, B, c, w, D, dtype=torch.float32, device="meta")
+    dq_acc = torch.empty(B, c, H, D, dtype=torch.float32, device="meta")
+    det = plan_bwd(q, kv, idx, n_slots, dout, lse, delta, dq_acc, None, scale, d_v, 0, c, 0, w, stage)
+    return [("", atomic), (f"deterministic (chunk {c} tokens, window {w} of {K} slots) ", det)]
+
+
+@register("sparse_mla_bwd", attention=True)
+def _bwd():
+    cases = [KernelCase(label + _config(launch), launch) for label, launch in bwd_launches()]
+    # CP dense-at-positions: DENSE_CHUNK_ELEMS // T queries over K = T = 128K slots (a real call;
+    # the same compiled kernels at a different grid / window)
+    T = SHAPES_671B["T"]
+    dense = bwd_launches(T=max(1, DENSE_CHUNK_ELEMS // T), K=T)
+    cases += [KernelCase("CP dense-at-positions " + label + _config(launch), launch) for label, launch in dense]
+    return cases
