@@ -6,7 +6,13 @@ out-of-memory stays local). On the CPU "ours" is what the dispatcher runs there,
 PyTorch reference; on CUDA it is the Triton kernel, and "ref" is the reference on the GPU.
 
     python benchmarks/kernels.py --device cpu                        # T = 1K..16K, CPU shapes
-    python benchmarks/kernels.py --device cuda                       # T = 8K..128K, the 671B layer's shapes
+    python benchmarks/kernels.py --device cuda [--out-dir DIR]       # = dsa-train gpu-check --only speed
+
+On CUDA the timings are `dsa-train gpu-check`'s speed section (dsa_train/gpucheck/speed.py: forward
+and backward timed separately with CUDA events, median of 10, TFLOPS counted as FlashMLA / TileLang
+count them, beside those anchors and torch.topk / SDPA / the chunked PyTorch path); this script
+runs that section and writes its report.json / report.md into --out-dir/gpu-check_speed, so there
+is one GPU timing path. The per-point subprocess sweep below is the CPU benchmark.
 
 Ops (fwd = forward only, fwd+bwd = forward and backward):
   sparse_mla         fwd+bwd  ours | megatron (unfused_dsa_fn: [b, heads, T, T] masked scores) | sdpa (dense causal)
@@ -400,6 +406,16 @@ def write_outputs(rows, args):
     fig.savefig(os.path.join(ROOT, "docs", f"kernels_{args.device}.png"), dpi=110)
 
 
+def cuda_speed(args) -> int:
+    """--device cuda: gpu-check's speed section (one GPU timing implementation)."""
+    sys.path.insert(0, ROOT)
+    from dsa_train.gpucheck.runner import main as gpu_check
+
+    out = os.path.join(args.out_dir, "gpu-check_speed")
+    print(f"benchmarks/kernels.py --device cuda: running `dsa-train gpu-check --only speed --out {out}`", flush=True)
+    return gpu_check(["--only", "speed", "--out", out])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -420,6 +436,8 @@ def main() -> None:
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     if args.child:
         return child(args)
+    if args.device == "cuda":
+        return cuda_speed(args)
     seq_lens = args.seq_lens or ([1024, 2048, 4096, 8192, 16384] if args.device == "cpu"
                                  else [8192, 16384, 32768, 65536, 131072])
     rows, done = [], set()
@@ -460,4 +478,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
