@@ -195,3 +195,78 @@ def test_index_scores_at_positions(kind):
     valid = (s[None, None, :] <= p[None, :, None]) & (s[None, None, :] >= ds[:, p, None])
     ref = ref.masked_fill(~valid, float("-inf"))
     assert torch.equal(scores, ref)
+
+
+# ----------------------------------------------------------------------------- fp32 inputs
+# Compiled, fp32 q/k are computed in bf16 (`_triton_common.compute_dtype`: fp32 dots would be TF32,
+# fp32 tiles would not fit); interpreted they stay fp32. These tests stand in the compiled path's
+# policy (a bf16 compute dtype for fp32 inputs) and check that the entry points cast what the
+# dots read, keep the interpreter's fp32 upcast of those bf16 values, and return outputs and
+# gradients in the caller's dtypes: the results equal the references on the bf16-rounded inputs.
+def _bf16_policy(op, *tensors):
+    return torch.bfloat16 if any(t.dtype == torch.float32 for t in tensors) else None
+
+
+def _rounded(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().bfloat16().float().requires_grad_(x.requires_grad)
+
+
+def test_fp32_inputs_sparse_indexer_kl_computed_in_bf16(monkeypatch):
+    import dsa_kernels.ops.indexer_kl.function as kl_function
+
+    monkeypatch.setattr(kl_function, "compute_dtype", _bf16_policy)
+    ds = _doc_start()
+    pos = _positions("cp_pair")
+    qi, ki, wi, qm, kv = _kl_inputs(pos, seed=21)
+    idx = _selected(pos, ds, 10, seed=21)
+    _, lse = sparse_mla_ref(qm, kv, idx, 0.2, 16)
+    kl, _ = sparse_indexer_kl_triton(qi, ki, wi, idx, qm, kv, lse, 0.2)
+    rqi, rki = _rounded(qi), _rounded(ki)
+    rkl, _ = sparse_indexer_kl_ref(rqi, rki, wi, idx, _rounded(qm), _rounded(kv), lse, 0.2)
+    torch.testing.assert_close(kl, rkl, rtol=1e-5, atol=1e-4)
+    grads = torch.autograd.grad(kl, (qi, ki, wi))
+    rgrads = torch.autograd.grad(rkl, (rqi, rki, wi))
+    for a, b in zip(grads, rgrads):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # without the cast the fp32 values differ from their bf16 roundings by more than the tolerance
+    assert (qi.detach() - rqi.detach()).abs().max() > 1e-4
+
+
+def test_fp32_inputs_dense_attention_computed_in_bf16(monkeypatch):
+    import dsa_kernels._triton_common as common
+
+    monkeypatch.setattr(common, "compute_dtype", _bf16_policy)
+    monkeypatch.setenv("DSA_KERNELS", "triton")
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 20, 2, s, generator=g).to(DEV).requires_grad_() for s in (24, 24, 16))
+    ds = _doc_start()[:1, :20]
+    out, lse = K.dense_attention(q, k, v, 0.3, ds)
+    rq, rk, rv = _rounded(q), _rounded(k), _rounded(v)
+    rout, rlse = K.dense_attention_ref(rq, rk, rv, 0.3, ds)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    torch.testing.assert_close(out, rout, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, rlse, rtol=1e-5, atol=1e-5)
+    dout = torch.randn(out.shape, generator=g).to(DEV)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    rgrads = torch.autograd.grad(rout, (rq, rk, rv), dout)
+    for a, b in zip(grads, rgrads):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_fp32_inputs_indexer_topk_scored_in_bf16(monkeypatch):
+    import dsa_kernels.ops.indexer_topk.kernel as topk_kernel
+
+    monkeypatch.setattr(topk_kernel, "compute_dtype", _bf16_policy)
+    monkeypatch.setenv("DSA_KERNELS", "triton")
+    ds = _doc_start()
+    pos = _positions("last")
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(B, len(pos), HI, DI, generator=g).to(DEV)
+    k = torch.randn(B, T, DI, generator=g).to(DEV)
+    w = _tie_free((B, len(pos), HI), seed=7)
+    idx, val = K.indexer_topk(q, k, w, ds, 10, query_positions=pos)
+    ridx, rval = indexer_topk_at_positions_ref(_rounded(q), _rounded(k), w, ds, 10, pos)
+    assert torch.equal(idx, ridx) and val.dtype == torch.float32
+    torch.testing.assert_close(val, rval, rtol=1e-5, atol=1e-5)

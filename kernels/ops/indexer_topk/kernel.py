@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._triton_common import Launch, interp_upcast, pow2
+from ..._triton_common import Launch, compute_dtype, interp_upcast, pow2
 
 FP8_GROUP = 128
 DEFAULT_SCORE_BUDGET = 1 << 26  # fp32 elements of one query chunk's [B, C, W] score block
@@ -349,6 +349,15 @@ def _query_positions(query_positions, Tq: int, T: int, device) -> tuple[torch.Te
     return pos.to(device=device, dtype=torch.int32), pos
 
 
+def _score_inputs(op: str, q: torch.Tensor, k: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The score kernel's q / k: fp32 on the compiled path -> bf16 (fp32 tl.dot would be TF32;
+    `compute_dtype` warns once); the FP8 path quantizes from the caller's values instead."""
+    cdt = None if fp8 else compute_dtype(op, q, k)
+    if cdt is not None:
+        q, k = q.to(cdt), k.to(cdt)
+    return interp_upcast(q.contiguous()), interp_upcast(k.contiguous())
+
+
 @torch.no_grad()
 def indexer_topk_triton(
     q: torch.Tensor,
@@ -376,7 +385,7 @@ def indexer_topk_triton(
         raise ValueError(f"score_dtype must be torch.float32 or torch.bfloat16; got {score_dtype}")
     B, Tq, HI, DI = q.shape
     T = k.shape[1]
-    q, k = interp_upcast(q.contiguous()), interp_upcast(k.contiguous())
+    q, k = _score_inputs("indexer_topk", q, k, fp8)
     w = w.float().contiguous()
     doc_start = doc_start.contiguous()
     pos_dev, pos = _query_positions(query_positions, Tq, T, q.device)
@@ -403,7 +412,7 @@ def index_scores_triton(q, k, w, doc_start, q0: int, q1: int, fp8: bool = False,
                         score_dtype: torch.dtype = torch.float32):
     """Masked scores of queries [q0, q1) over their key window (testing / benchmarking helper)
     -> ([B, C, W] fp32 with -inf, k0)."""
-    q, k = interp_upcast(q.contiguous()), interp_upcast(k.contiguous())
+    q, k = _score_inputs("index_scores", q, k, fp8)
     qs = ks = None
     if fp8:
         q, qs = quantize_fp8_groups(q)
