@@ -1,8 +1,8 @@
 """`dsa-train gpu-check`'s end-to-end and NCCL steps (dsa_train/gpucheck/e2e.py).
 
 On the CPU (`--small`): the real trainer runs both stages of the tiny model three times (reference,
-SIGKILLed at step 6, resumed) and the resumed losses must equal the uninterrupted run's bit for
-bit; the 2-rank EP2 launch runs on gloo. On a GPU (`-m gpu`): the same checks at small_32k's
+SIGKILLed as step 7 starts, resumed from step 5) and the resumed losses must equal the
+uninterrupted run's bit for bit; the 2-rank EP2 launch runs on gloo. On a GPU (`-m gpu`): the same checks at small_32k's
 shape (2 layers, T = 32768) with the Triton kernels, and NCCL where there are >= 2 GPUs."""
 
 import math
@@ -24,7 +24,7 @@ def test_checks_are_named_in_their_sections_with_their_shapes(tmp_path):
         assert [(c.name, c.section) for c in checks] == [("end-to-end.train_kill_resume", "end-to-end"),
                                                         ("nccl.ep2", "nccl")]
         assert all(c.section in SECTIONS for c in checks)
-        assert seq in checks[0].shapes and "SIGKILL at step 6" in checks[0].shapes
+        assert seq in checks[0].shapes and "SIGKILL at step 7" in checks[0].shapes
     assert "Triton kernels" in checks[0].shapes and "small_32k cut to 2 layers" in checks[0].shapes
     assert "T=8192" in checks[1].shapes and "NCCL" in checks[1].shapes
 
@@ -56,6 +56,35 @@ def test_compare_reports_any_bit_of_difference():
     assert [(d["step"], d["key"]) for d in diffs] == [(7, "train/loss"), (7, "optim/grad_norm")]
 
 
+def _rows(steps, value=lambda step, key: float(step)):
+    return {s: {k: value(s, k) for k in e2e.COMPARED} for s in steps}
+
+
+def test_judge_resume_bitwise_replay_and_continuation():
+    first = e2e.RESUME_STEP + 1
+    everything = range(1, e2e.KILL_STEP + 1)
+    ref, killed, resumed = _rows(everything), _rows(range(1, e2e.KILL_STEP)), _rows(range(first, e2e.KILL_STEP + 1))
+    status, verdict, details = e2e.judge_resume(ref, killed, resumed)
+    assert status == "pass" and "bitwise equal to the uninterrupted run" in verdict
+    assert details["reproducible"] and details["replay_equal"] and details["equal"]
+
+    # reproducible runs: any resumed value off by one ulp fails, the gradient norm included
+    off = {**resumed, e2e.KILL_STEP: {**resumed[e2e.KILL_STEP], "optim/grad_norm": math.nextafter(7.0, 8.0)}}
+    status, verdict, _ = e2e.judge_resume(ref, killed, off)
+    assert status == "fail" and "optim/grad_norm" in verdict
+
+    # runs that differ before the kill (atomics): the replay alone decides, and the verdict says so
+    noisy = {s: {k: v * (1 + 1e-7) if s > 1 and k != "optim/lr" else v for k, v in row.items()} for s, row in killed.items()}
+    replayed = {**resumed, first: dict(noisy[first])}
+    status, verdict, details = e2e.judge_resume(ref, noisy, replayed)
+    assert status == "pass" and "NOT reproducible here" in verdict and not details["reproducible"]
+    assert 0 < details["run_to_run_max_rel_diff"] < 1e-6
+    # ... and a replay that is not the killed run's step fails whatever the noise
+    wrong = {**replayed, first: {**replayed[first], "train/lm_loss": math.nextafter(noisy[first]["train/lm_loss"], 0)}}
+    status, verdict, _ = e2e.judge_resume(ref, noisy, wrong)
+    assert status == "fail" and "replayed step differs" in verdict and "train/lm_loss" in verdict
+
+
 def test_no_time_left_fails_without_starting_a_run(tmp_path):
     opts = Options(device="cpu", small=True, out=tmp_path, deadline=0.0)
     out = _check(opts, "end-to-end.train_kill_resume").run(opts)
@@ -67,10 +96,13 @@ def _assert_train_kill_resume(out: Outcome, device: str):
     assert out.status == "pass", out.summary
     m = out.metrics
     resume = m["resume"]
-    assert resume["equal"] and resume["differences"] == []
+    assert resume["replay_equal"] and resume["replay_differences"] == []
     assert resume["resumed_from"] == "step_00000005" and resume["first_resumed_step"] == 6
-    assert resume["compared_steps"] == [1, 2, 3, 4, 5, 6, 7]
-    assert all(v["reference"] == v["resumed"] and math.isfinite(v["resumed"]) for v in resume["losses"].values())
+    assert resume["fault"] == "step=7,kind=sigkill,at=step" and set(resume["losses"]) == {"6", "7"}
+    assert all(math.isfinite(v["resumed"]) for v in resume["losses"].values())
+    if device == "cpu":  # reproducible: the continuation is bitwise too
+        assert resume["reproducible"] and resume["equal"] and resume["differences"] == []
+        assert all(v["reference"] == v["resumed"] for v in resume["losses"].values())
     assert set(m["stages"]) == {"warmup", "sparse"}
     for stage in m["stages"].values():
         assert stage["tokens_per_s"] > 0 and stage["step_time_s"] > 0 and stage["peak_memory_gib"] > 0
@@ -79,6 +111,7 @@ def _assert_train_kill_resume(out: Outcome, device: str):
         assert stage["peak_memory_kind"] == ("allocated" if device == "cuda" else "RSS")
     assert m["plan"]["layout"]["zero"] == 2 and m["plan"]["layout"]["world"] == 1
     assert "bitwise equal" in out.summary and "plan" in out.summary
+    assert out.summary.startswith("SIGKILL at step 7, resumed from step_00000005: ")
 
 
 @pytest.mark.slow  # three trainer processes (two side by side): ~40 s on 2 busy cores
