@@ -1,6 +1,7 @@
 """`dsa-train kernels report --arch sm_90a [--triton 3.6.0] [--op OP] [--json]`: compile every
 kernel the dispatchers can launch, at the 671B shapes and the block sizes the launchers pick there,
-for a GPU architecture, on a machine without a GPU, with a given Triton.
+for a GPU architecture, on a machine without a GPU, with a given Triton. `dsa-train kernels gate`:
+the same for every (Triton, arch) pair of the gate (`GATE_TARGETS`), in parallel, one verdict each.
 
 Per kernel: Triton compiles the launch (`triton.compile(ASTSource(fn, signature, constexprs,
 attrs), target=GPUTarget("cuda", cap, 32), options=...)`, with the argument specialization the
@@ -17,7 +18,7 @@ compiles with that Triton: the installed one if it is that version, else a side 
 first on the PYTHONPATH of a fresh process. Every row records the Triton that compiled it.
 
 Gate (`gate_failures`; `tests/test_kernels_compile.py` runs it in `make test` for every
-(Triton, arch) pair of `GATE_TARGETS`): the kernel compiles, does not spill, fits in the
+(Triton, arch) pair of `GATE_TARGETS`, through `run_reports`, as `dsa-train kernels gate` does): the kernel compiles, does not spill, fits in the
 per-block shared memory of the architecture, and, when its work is dot products
 (`KernelCase.dots`: every kernel but the radix top-k selection), uses the architecture's
 tensor-core instructions: wgmma on sm_90a (mma.sync alone does not count there), tcgen05.mma or
@@ -268,6 +269,71 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def run_reports(targets=GATE_TARGETS, ops: list[str] | None = None, timeout: float = 900) -> dict:
+    """Run `report --arch ARCH --triton VERSION --json` for every (VERSION, ARCH) of `targets`, in
+    parallel subprocesses, after side-installing the Triton versions that are not the installed one.
+    Returns {(version, arch): {"returncode", "stdout", "stderr", "rows" (None without JSON),
+    "seconds", "install_error" (one line; then the report did not run)}}."""
+    try:
+        import triton
+
+        installed = _base_version(triton.__version__)
+    except Exception:
+        installed = None
+    install_errors = {}
+    for version in sorted({v for v, _ in targets} - {installed}):
+        try:
+            ensure_side_triton(version)
+        except SideTritonError as err:
+            install_errors[version] = str(err)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
+    op_args = [a for op in ops or [] for a in ("--op", op)]
+    running, out = {}, {}
+    for version, arch in targets:
+        if version in install_errors:
+            out[(version, arch)] = dict(returncode=None, stdout="", stderr="", rows=None, seconds=0.0,
+                                        install_error=install_errors[version])
+            continue
+        cmd = [sys.executable, "-m", "dsa_kernels.compile_report", "report", "--arch", arch, "--triton", version,
+               "--json", *op_args]
+        running[(version, arch)] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                     text=True, env=env), time.perf_counter())
+    for target, (proc, t0) in running.items():
+        stdout, stderr = proc.communicate(timeout=timeout)
+        try:
+            rows = json.loads(stdout.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            rows = None
+        out[target] = dict(returncode=proc.returncode, stdout=stdout, stderr=stderr, rows=rows,
+                           seconds=time.perf_counter() - t0, install_error=None)
+    return {t: out[t] for t in targets}
+
+
+def _gate_main(ops: list[str] | None) -> int:
+    """`dsa-train kernels gate`: the compile gate of `make test`, every pair of GATE_TARGETS."""
+    t0 = time.perf_counter()
+    results = run_reports(GATE_TARGETS, ops)
+    worst = 0
+    for (version, arch), res in results.items():
+        if res["install_error"]:
+            print(f"gate Triton {version} {arch}: NOT RUN: {res['install_error']}")
+            worst = 2
+            continue
+        if res["rows"] is None:
+            tail = " | ".join(res["stderr"].strip().splitlines()[-2:])
+            print(f"gate Triton {version} {arch}: NOT RUN: the report exited {res['returncode']}: {tail}")
+            worst = 2
+            continue
+        fails = [f"{r['op']} {r['kernel']} [{r['config']}]: {f}" for r in res["rows"] for f in r["gate"]]
+        verdict = f"FAIL ({len(fails)})" if fails else "pass"
+        print(f"gate Triton {version} {arch}: {verdict}, {len(res['rows'])} kernels, {res['seconds']:.0f} s")
+        for f in fails:
+            print(f"  {f}")
+        worst = max(worst, 1 if fails else 0)
+    print(f"# {len(results)} reports in parallel, {time.perf_counter() - t0:.0f} s")
+    return worst
+
+
 _REEXEC_MARK = "DSA_KERNELS_REPORT_SIDE_TRITON"  # set in the process re-run with a side install
 
 
@@ -290,10 +356,15 @@ def main(argv: list[str] | None = None) -> int:
                      help="only this op (repeatable); default: every registered op")
     rep.add_argument("--json", action="store_true",
                      help="also print the rows as a JSON list on the last line")
+    gate_help = ("the compile gate of make test: a report for every (Triton, arch) of GATE_TARGETS ("
+                 + ", ".join(f"{v} {a}" for v, a in GATE_TARGETS) + "), in parallel, Triton side-installed as needed")
+    gate = sub.add_parser("gate", help=gate_help, description=gate_help)
+    gate.add_argument("--op", action="append", dest="ops", metavar="OP",
+                      help="only this op (repeatable); default: every registered op")
     args = parser.parse_args(argv)
-    me = "dsa-train kernels report"
+    me = f"dsa-train kernels {args.cmd}"
 
-    if args.triton is not None and args.triton not in SUPPORTED_TRITON:
+    if getattr(args, "triton", None) is not None and args.triton not in SUPPORTED_TRITON:
         print(f"{me}: --triton {args.triton} is not a supported Triton; use {OLDEST_TRITON} (oldest) or "
               f"{NEWEST_TRITON} (newest), or leave it out to use the installed one", file=sys.stderr)
         return 2
@@ -304,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             print(f"{me}: unknown op {unknown[0]!r}; ops: {', '.join(OPS)}", file=sys.stderr)
             return 2
+    if args.cmd == "gate":
+        return _gate_main(args.ops)
     try:
         import triton
     except Exception as err:

@@ -5,14 +5,11 @@ Triton's compiler + its bundled ptxas, no GPU), for every (Triton, arch) pair of
 sm_100), must compile, not spill, fit in the per-block shared memory, and use tensor-core
 instructions in every dot-product kernel (wgmma on sm_90a). The Triton that is not installed is
 side-installed once by this session (`ensure_side_triton`, pip from its cache); if that fails, the
-tests of that Triton fail with pip's reason. The reports run once per session, in parallel."""
+tests of that Triton fail with pip's reason. The reports run once per session, in parallel
+(`run_reports`, as `dsa-train kernels gate` does)."""
 
-import json
-import os
 import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +18,8 @@ import triton.language as tl
 
 from dsa_kernels import compile_report
 from dsa_kernels.compile_report import (ARCHES, GATE_TARGETS, ROW_KEYS, SMEM_LIMIT, SUPPORTED_TRITON,
-                                        SideTritonError, ensure_side_triton, gate_failures, main as report_main)
+                                        SideTritonError, ensure_side_triton, gate_failures, main as report_main,
+                                        run_reports)
 from dsa_kernels.registry import DOT_FREE_KERNELS, OPS, calls_tl_dot, cases
 
 REQUIRED_OPS = set(OPS)  # every op of the report has registered kernels
@@ -33,42 +31,19 @@ def _target_id(target) -> str:
 
 @pytest.fixture(scope="session")
 def gate_reports():
-    """{(version, arch): (returncode, stdout, stderr, rows or None, seconds)} and {version: install error}."""
-    installed = compile_report._base_version(triton.__version__)
-    install_errors = {}
-    for version in sorted({v for v, _ in GATE_TARGETS} - {installed}):
-        try:
-            ensure_side_triton(version)
-        except SideTritonError as err:
-            install_errors[version] = str(err)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
-    running = {}
-    for version, arch in GATE_TARGETS:
-        if version in install_errors:
-            continue
-        cmd = [sys.executable, "-m", "dsa_train.cli", "kernels", "report", "--arch", arch, "--triton", version, "--json"]
-        running[(version, arch)] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                                     env=env), time.perf_counter())
-    reports = {}
-    for target, (proc, t0) in running.items():
-        out, err = proc.communicate(timeout=900)
-        try:
-            rows = json.loads(out.strip().splitlines()[-1])
-        except (IndexError, json.JSONDecodeError):
-            rows = None
-        reports[target] = (proc.returncode, out, err, rows, time.perf_counter() - t0)
-    return reports, install_errors
+    """{(version, arch): run_reports' result}: the gate's reports, run once per session, in parallel."""
+    return run_reports(GATE_TARGETS)
 
 
 @pytest.mark.parametrize("target", GATE_TARGETS, ids=_target_id)
 def test_compile_gate(gate_reports, target):
-    reports, install_errors = gate_reports
     version, arch = target
-    if version in install_errors:
-        pytest.fail(install_errors[version], pytrace=False)
-    returncode, out, err, rows, seconds = reports[target]
+    res = gate_reports[target]
+    if res["install_error"]:
+        pytest.fail(res["install_error"], pytrace=False)
+    returncode, out, err, rows, seconds = (res[k] for k in ("returncode", "stdout", "stderr", "rows", "seconds"))
     table = "\n".join(line for line in out.splitlines() if not line.startswith("[{"))  # without the JSON line
-    print(table[-8000:], f"\nreport took {seconds:.0f} s (the {len(reports)} reports ran in parallel)")
+    print(table[-8000:], f"\nreport took {seconds:.0f} s (the {len(gate_reports)} reports ran in parallel)")
     assert rows is not None, f"no JSON rows from the report (exit {returncode}): {err[-2000:]}"
     header = out.splitlines()[0]
     assert f"Triton {version} " in header and f"--arch {arch}" in header, header
@@ -188,6 +163,23 @@ def test_side_install_failure_is_one_line(tmp_path, monkeypatch, capsys):
     assert report_main(["report", "--triton", other]) == 2
     err_lines = capsys.readouterr().err.strip().splitlines()
     assert len(err_lines) == 1 and "no network" in err_lines[0]
+
+
+def test_gate_command_verdicts(monkeypatch, capsys):
+    """`dsa-train kernels gate` prints one verdict per target and exits 0 / 1 (a failing kernel) /
+    2 (a report that could not run), on synthetic report results."""
+    passing = dict(returncode=0, stdout="", stderr="", rows=[_row()], seconds=1.0, install_error=None)
+    failing = {**passing, "returncode": 1, "rows": [_row(spill_bytes=8, gate=["spills 8 bytes"])]}
+    not_run = {**passing, "rows": None, "install_error": "side install of Triton 3.6.0 failed: no network"}
+    for results, code in (((passing, passing, passing), 0), ((passing, failing, passing), 1),
+                          ((not_run, failing, passing), 2)):
+        monkeypatch.setattr(compile_report, "run_reports", lambda targets, ops, r=results: dict(zip(targets, r)))
+        assert report_main(["gate"]) == code
+        lines = capsys.readouterr().out.splitlines()
+        verdicts = [line for line in lines if line.startswith("gate Triton")]
+        assert len(verdicts) == len(GATE_TARGETS)
+        assert ("spills 8 bytes" in "\n".join(lines)) == (failing in results)
+        assert ("no network" in "\n".join(lines)) == (not_run in results)
 
 
 def test_report_bad_arguments_one_line(capsys, monkeypatch):
