@@ -382,6 +382,7 @@ def bwd_delta(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, dlse: to
         prod = dout[:, t0:t0 + chunk].to(torch.float32, copy=True)  # [B, C, H, d_v], the one temporary
         prod.mul_(out[:, t0:t0 + chunk])
         delta[:, t0:t0 + chunk] = prod.sum(-1)
+        del prod  # freed before the next chunk's copy: one chunk alive at a time
     if dlse is not None:
         delta -= torch.where(torch.isfinite(lse), dlse.float(), 0.0)
     return delta
