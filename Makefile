@@ -5,7 +5,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install wheelhouse clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,16 @@ demo: $(STAMP)
 # the benchmark-scale `long` check (tens of minutes on 2 cores; run it with `-m long`).
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -m "not gpu and not long" -q
+
+# Offline install on a cluster image that has its own CUDA torch and Triton (docs/install.md): on
+# the image run `python scripts/make_wheelhouse.py --probe`, then here, on a connected machine:
+#   make wheelhouse IMAGE="<the flags it printed>" [EXTRAS=] [WHEELHOUSE=dir]
+# EXTRAS=train (default) adds what training runs need; EXTRAS= gives the core only (gpu-check).
+WHEELHOUSE ?= wheelhouse
+EXTRAS ?= train
+wheelhouse:
+	@test -n "$(IMAGE)" || { echo 'make wheelhouse: set IMAGE="--python-version ... --platform ... --torch ... --triton ..." (what `python scripts/make_wheelhouse.py --probe` prints on the image)' >&2; exit 2; }
+	$(PYTHON) scripts/make_wheelhouse.py --out $(WHEELHOUSE) --extras "$(EXTRAS)" $(IMAGE)
 
 clean:
 	rm -rf $(VENV) runs outputs .pytest_cache

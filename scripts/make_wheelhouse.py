@@ -121,6 +121,14 @@ def run_pip(args: list[str], what: str, env: dict[str, str] | None = None) -> No
                               + " ".join(cmd))
 
 
+def isolated_env() -> dict[str, str]:
+    """This environment without pip's configuration: no configured find-links or index reaches the
+    offline check."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    return env
+
+
 def check_pip() -> None:
     try:
         from pip import __version__ as pip_version
@@ -163,17 +171,25 @@ def target_flags(python_version: str, platforms: list[str]) -> list[str]:
 
 
 def resolve(requirements: list[str], find_links: list[Path], constraints: Path, report: Path,
-            extra: list[str], what: str) -> list[dict]:
+            extra: list[str], what: str, env: dict[str, str] | None = None) -> list[dict]:
     """`pip install --dry-run --report` with nothing installed: the packages pip would install."""
     args = ["install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report), "-c", str(constraints)]
     for link in find_links:
         args += ["--find-links", str(link)]
-    run_pip(args + extra + requirements, what)
+    run_pip(args + extra + requirements, what, env)
     return json.loads(report.read_text())["install"]
 
 
 def is_wheel_url(item: dict) -> bool:
     return item["download_info"]["url"].split("#")[0].endswith(".whl")
+
+
+def remove_unneeded(out: Path, wanted: set[str]) -> None:
+    """Delete wheels the resolution did not pick (a wheel built in step 2 that the image's Python does
+    not need): anything in the wheelhouse is offered to the image's pip."""
+    for path in out.glob("*.whl"):
+        if canonical(path.name.split("-")[0]) not in wanted:
+            path.unlink()
 
 
 def build_wheelhouse(out: Path, torch_version: str, triton_version: str, python_version: str,
@@ -243,14 +259,13 @@ def build_wheelhouse(out: Path, torch_version: str, triton_version: str, python_
         # 4. download them (pip's cache serves a repeated run)
         run_pip(["download", "--quiet", "--no-deps", "--dest", str(out), "--find-links", str(out), *target,
                  "-r", str(pins)], f"downloading {len(needed) - 1} wheels")
+        remove_unneeded(out, {canonical(item["metadata"]["name"]) for item in needed})
 
-    # what the wheelhouse holds beyond the resolution: nothing (a stale or stray file would be offered
-    # to the image's pip)
-    wanted = {canonical(item["metadata"]["name"]) for item in needed}
-    files = sorted(out.glob("*.whl"))
-    extra_files = [p.name for p in files if canonical(p.name.split("-")[0]) not in wanted]
-    for name in extra_files:
-        (out / name).unlink()
+        # 5. the check: the image's install, resolved from the wheelhouse alone (and the stand-ins)
+        resolve(stub_reqs + [own_req.replace(str(own_wheel), "dsa-train")], [out], constraints,
+                tmp / "offline.json", target + ["--no-index", "--target", str(tmp / "offline")],
+                "checking that the wheelhouse alone satisfies the install (--no-index)", isolated_env())
+
     files = sorted(out.glob("*.whl"))
     size = sum(p.stat().st_size for p in files)
     return {"wheels": len(files), "bytes": size, "constraints": str(constraints),

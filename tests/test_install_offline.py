@@ -16,11 +16,14 @@ The wheelhouse is the core one (`--extras ''`: what `dsa-train gpu-check` needs,
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
+import time
+import zipfile
 from importlib import metadata
 from pathlib import Path
 
@@ -31,7 +34,16 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "make_wheelhouse.py"
 IMAGE_PACKAGES = ("torch", "triton")
 
-pytestmark = pytest.mark.slow  # ~1-2 min on 2 busy cores (wheel builds, resolution, install)
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("make_wheelhouse", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+make_wheelhouse = _load_script()
 
 
 def _canonical(name: str) -> str:
@@ -119,7 +131,70 @@ def _run(cmd: list, env: dict | None = None, cwd: Path | None = None) -> str:
     return proc.stdout
 
 
+# --- the script's inputs (no network) ---------------------------------------------------------
+
+def _main_error(capsys, argv) -> str:
+    assert make_wheelhouse.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_missing_image_flags_point_to_probe(capsys, tmp_path):
+    line = _main_error(capsys, ["--out", str(tmp_path / "w"), "--torch", "2.11.0"])
+    assert "--triton --python-version --platform" in line and "--probe" in line
+    assert not (tmp_path / "w").exists()
+
+
+def test_bad_inputs_are_refused_in_one_line(capsys, tmp_path):
+    image = ["--torch", "2.11.0", "--triton", "3.6.0", "--platform", "manylinux_2_35_x86_64"]
+    assert "--python-version '312'" in _main_error(capsys, ["--out", str(tmp_path / "a"), "--python-version", "312", *image])
+    line = _main_error(capsys, ["--out", str(tmp_path / "b"), "--python-version", "3.12", "--torch", "2.11.0",
+                                "--triton", "3.6.0", "--platform", "win_amd64"])
+    assert "win_amd64" in line and "manylinux_2_35_x86_64" in line
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "torch-2.5.0-cp312-cp312-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    line = _main_error(capsys, ["--out", str(full), "--python-version", "3.12", *image])
+    assert "not empty" in line and "torch-2.5.0" in line
+    line = _main_error(capsys, ["--out", str(tmp_path / "c"), "--python-version", "3.12", *image,
+                                "--source", str(tmp_path)])
+    assert "no pyproject.toml" in line
+
+
+def test_platform_tags_expand_to_the_older_manylinux_ones():
+    tags = make_wheelhouse.expand_platform("manylinux_2_35_x86_64")
+    assert tags[0] == "manylinux_2_35_x86_64" and tags[-1] == "manylinux1_x86_64"
+    for tag in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux2010_x86_64"):
+        assert tag in tags
+    assert "manylinux_2_36_x86_64" not in tags and not [t for t in tags if "aarch64" in t]
+    assert make_wheelhouse.expand_platform("manylinux2014_aarch64") == ["manylinux2014_aarch64"]
+
+
+def test_probe_describes_this_interpreter():
+    flags = make_wheelhouse.probe().split()
+    given = dict(zip(flags[::2], flags[1::2]))
+    assert given["--python-version"] == f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert given["--torch"] == metadata.version("torch") and given["--triton"] == metadata.version("triton")
+    assert given["--platform"].startswith("manylinux_2_") and given["--platform"] in make_wheelhouse.expand_platform(
+        given["--platform"])
+
+
+def test_stub_wheel_is_an_installable_wheel_of_that_version(tmp_path):
+    path = make_wheelhouse.stub_wheel("torch", "2.11.0a0+nv25.10", tmp_path)
+    with zipfile.ZipFile(path) as wheel:
+        names = wheel.namelist()
+        assert "torch-2.11.0a0+nv25.10.dist-info/METADATA" in names
+        meta = wheel.read("torch-2.11.0a0+nv25.10.dist-info/METADATA").decode()
+    assert "Version: 2.11.0a0+nv25.10" in meta and "Requires-Dist" not in meta
+    assert path.name == "torch-2.11.0a0+nv25.10-py3-none-any.whl"
+
+
+# --- the whole path: image, connected machine, offline install -------------------------------------
+
+@pytest.mark.slow  # ~1-2 min on 2 busy cores (wheel builds, resolution, install); ~40 s with pip's cache warm
 def test_offline_install_on_an_image_keeps_its_torch_and_triton(tmp_path):
+    start = time.monotonic()
     image = tmp_path / "image"
     _make_image(image)
     image_python = image / "bin" / "python"
@@ -134,7 +209,9 @@ def test_offline_install_on_an_image_keeps_its_torch_and_triton(tmp_path):
 
     # on the connected machine (this one, with its registry access and pip cache)
     wheelhouse = tmp_path / "wheelhouse"
+    image_ready = time.monotonic()
     out = _run([sys.executable, SCRIPT, "--out", wheelhouse, "--extras", "", *flags])
+    built = time.monotonic()
     wheels = sorted(p.name for p in wheelhouse.glob("*.whl"))
     names = {_canonical(w.split("-")[0]) for w in wheels}
     assert not names & {"torch", "triton"}, f"the wheelhouse carries the image's own packages: {wheels}"
@@ -155,6 +232,9 @@ def test_offline_install_on_an_image_keeps_its_torch_and_triton(tmp_path):
     constraints = wheelhouse / "image-constraints.txt"
     _run([image_python, "-m", "pip", "install", "--no-index", "--find-links", wheelhouse, "-c", constraints,
           "dsa-train"], env=offline)
+    installed = time.monotonic()
+    print(f"image venv {image_ready - start:.0f} s, wheelhouse {built - image_ready:.0f} s, "
+          f"offline install {installed - built:.0f} s")
 
     after = _fingerprint(site)
     for name in IMAGE_PACKAGES:
@@ -165,11 +245,13 @@ def test_offline_install_on_an_image_keeps_its_torch_and_triton(tmp_path):
         assert not changed, f"{len(changed)} of {name}'s files were replaced, e.g. {changed[:3]}"
     _run([image_python, "-m", "pip", "check"], env=offline)
 
-    # the installed package works, from outside the source tree, without the train extra
+    # the installed package works, from outside the source tree, without the train extra: imports, and
+    # `dsa-train gpu-check --dry-run` lists its checks (the console script, no GPU needed)
     probe = ("import dsa_train, dsa_kernels, deepspeed, megatron.core, importlib.util as u; "
              "print(dsa_train.__file__); print([m for m in ('wandb', 'datasets') if u.find_spec(m)])")
     shown = _run([image_python, "-c", probe], env=dict(offline, DS_ACCELERATOR="cpu"),
                  cwd=tmp_path).splitlines()
     assert str(site) in shown[-2], shown
     assert shown[-1] == "[]", shown
-    _run([image / "bin" / "dsa-train", "--help"], env=offline, cwd=tmp_path)
+    dry_run = _run([image / "bin" / "dsa-train", "gpu-check", "--dry-run"], env=offline, cwd=tmp_path)
+    assert "correctness" in dry_run and "end-to-end" in dry_run, dry_run[-2000:]
