@@ -5,10 +5,15 @@
 Entry point `sparse_mla(q, kv, indices, scale, d_v, chunk_size=None) -> (out, lse)`:
   q       [B, T, H, D]   D = kv_lora_rank + qk_rope_head_dim (576 = 512 + 64 in the 671B model),
                          the nope part already multiplied by W_UK
-  kv      [B, T, D]      the shared key [latent | k_rope]; its first d_v columns are the value
-  indices [B, T, K] int  selected key positions, -1 = empty slot (never read)
+  kv      [B, N, D]      the shared key [latent | k_rope]; its first d_v columns are the value
+                         (N = T, or under context parallelism the whole sequence's N >= T keys)
+  indices [B, T, K] int  selected key positions in [0, N), -1 = empty slot (never read)
   out     [B, T, H, d_v] q's dtype;  lse [B, T, H] fp32 (-inf on a row with no valid slot)
 Differentiable w.r.t. q and kv (and through lse).
+
+Triton path policies (docs/kernels.md): an index outside [0, N) is an empty slot (masked in the
+kernels), or one clear error under DSA_KERNELS_CHECK=1; compiled fp32 q / kv are computed in bf16
+with one warning (DSA_KERNELS_FP32=error refuses), results in the caller's dtypes.
 
 Files: `reference.py` (PyTorch, the specification), `chunked.py` (the memory-bounded autograd
 Function run on the CPU: saves q, kv, indices, lse; recomputes per query chunk in backward),
