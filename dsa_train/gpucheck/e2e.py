@@ -5,11 +5,13 @@ end-to-end.train_kill_resume
     engine on megatron-core groups, one rank) runs both stages of `small_32k` (dense warm-up, then
     sparse) with its depth cut to 2 layers (one dense, one MoE), at its T = 32768, bf16, the
     Triton kernels (DSA_KERNELS=triton: a missing Triton path fails instead of falling back):
-      1. reference   uninterrupted, warm-up 3 + sparse 4 steps (global 1-7), a checkpoint every
-                     2 steps (global 2, 3 = warm-up end, 5, 7);
-      2. killed      the same command with DSA_FAULT=step=7,kind=sigkill,at=step: SIGKILL as
-                     global step 7 starts (step 6 done, not checkpointed: its work is lost);
-      3. resumed     the same command again: `checkpoint.resume=auto` loads step 5, runs 6 and 7.
+    warm-up 3 + sparse 4 steps (global 1-7), a checkpoint every 2 steps (global 2, 3 = warm-up
+    end, 5, 7). Three runs of the same command:
+      1. killed      DSA_FAULT=step=7,kind=sigkill,at=step: SIGKILL as global step 7 starts
+                     (step 6 done, not checkpointed: its work is lost); alone on the device;
+      2. reference   uninterrupted;                                 } side by side, after 1
+      3. resumed     the killed run's command again: `checkpoint.resume=auto` loads step 5 and
+                     runs steps 6 and 7.                               }
     All three set `deterministic=true` (torch's deterministic algorithms, the sparse MLA
     backward's ordered reduction, a fixed cuBLAS workspace). Judged bitwise, no tolerance:
       replay        the resumed step 6 recomputes, from the checkpoint, what the killed run
@@ -28,9 +30,10 @@ end-to-end.train_kill_resume
     Any difference in what is required means state that the checkpoint lost or changed
     (weights, optimizer moments, data position, RNG, router biases, schedule), which is what the
     check is for. Reported per stage beside `dsa-train plan` for the same recipe and layout
-    (computed in-process): tokens/s, MFU and step time of the reference run (median over the
-    stage's steps after its first, which includes Triton compilation) and its peak memory
-    (`torch.cuda.max_memory_allocated`: tensors only, no CUDA context or allocator cache).
+    (computed in-process): tokens/s, MFU and step time of the killed run, which had the device to
+    itself (median over the stage's steps after its first, which includes Triton compilation),
+    and its peak memory (`torch.cuda.max_memory_allocated`: tensors only, no CUDA context or
+    allocator cache).
 nccl.ep2
     With >= 2 GPUs: `dsa-train launch torchrun --nproc-per-node 2` of the same model at T = 8192
     with expert parallel 2 x ZeRO-2 on the NCCL backend (NCCL_DEBUG=INFO: the check requires
@@ -194,15 +197,10 @@ def _train_kill_resume(opts: Options) -> Outcome:
     ref_cmd = trainer_command(layout, reference_dir, extra)
     run_cmd = trainer_command(layout, resumed_dir, extra)
     fault = f"step={KILL_STEP},kind=sigkill,at=step"
-    if layout.device == "cpu":
-        # independent runs: side by side on the CPU (its timings are not the point there); on a GPU
-        # one after the other, so the reference's tokens/s, MFU and memory are its own
-        ref, killed = run_together(opts, [(ref_cmd, work / "reference.log", None), (run_cmd, work / "killed.log", fault)])
-    else:
-        ref = run_logged(opts, ref_cmd, work / "reference.log")
-        killed = run_logged(opts, run_cmd, work / "killed.log", fault=fault)
-    if ref != 0:
-        raise StepFailed(f"reference run exited {ref}: {last_error(work / 'reference.log')} (log: {work / 'reference.log'})")
+    # the killed run first and alone on the device: its steps 1-6 give the stage figures (Triton
+    # compiles there, once: the later runs find the cache); then the reference and the resume,
+    # which do not depend on each other, side by side
+    killed = run_logged(opts, run_cmd, work / "killed.log", fault=fault)
     if killed != -signal.SIGKILL:
         raise StepFailed(f"the run with DSA_FAULT={fault} exited {killed}, not by SIGKILL: "
                          f"{last_error(work / 'killed.log')} (log: {work / 'killed.log'})")
@@ -212,7 +210,9 @@ def _train_kill_resume(opts: Options) -> Outcome:
     if resumed_from != f"step_{RESUME_STEP:08d}":
         raise StepFailed(f"after the kill the newest checkpoint is {resumed_from}, expected step_{RESUME_STEP:08d} "
                          f"(log: {work / 'killed.log'})")
-    code = run_logged(opts, run_cmd, work / "resumed.log")
+    ref, code = run_together(opts, [(ref_cmd, work / "reference.log", None), (run_cmd, work / "resumed.log", None)])
+    if ref != 0:
+        raise StepFailed(f"reference run exited {ref}: {last_error(work / 'reference.log')} (log: {work / 'reference.log'})")
     if code != 0:
         raise StepFailed(f"resumed run exited {code}: {last_error(work / 'resumed.log')} (log: {work / 'resumed.log'})")
 
@@ -231,7 +231,7 @@ def _train_kill_resume(opts: Options) -> Outcome:
     resume.update(fault=fault, resumed_from=resumed_from,
                   losses={str(s): {"reference": ref_rows[s]["train/loss"], "killed": killed_rows.get(s, {}).get("train/loss"),
                                    "resumed": resumed_rows[s]["train/loss"]} for s in sorted(resumed_rows)})
-    stages = stage_figures(reference[0]["stages"], ref_rows, layout.device, plan)
+    stages = stage_figures(runs[0]["stages"], killed_rows, layout.device, plan)
     metrics = {"layout": layout.describe(), "recipe": RECIPE, "seq_len": layout.seq_len, "stages": stages,
                "resume": resume, "plan": plan, "seconds": round(time.monotonic() - started, 1),
                "logs": str(work)}
@@ -311,7 +311,8 @@ def _max_rel(reference: dict[int, dict], got: dict[int, dict]) -> float:
 def stage_figures(stage_names, rows: dict[int, dict], device: str, plan: dict) -> dict[str, dict]:
     """Per stage: median tokens/s, MFU, step time over the stage's steps after its first (which
     includes Triton compilation and engine start), the peak memory over all its steps, beside the
-    plan's figures for the stage."""
+    plan's figures for the stage. `rows`: the run that had the device to itself (the killed one,
+    steps 1-6: warm-up 1-3, sparse 4-6)."""
     planned = {s["stage"]: s for s in plan["stages"]}
     out = {}
     for index, name in enumerate(stage_names):
@@ -351,9 +352,7 @@ def _nccl_ep2(opts: Options) -> Outcome:
         shutil.rmtree(work)
     work.mkdir(parents=True)
     run_dir = work / "ep2"
-    from dsa_train.parallel.selftest import free_port
-
-    port = free_port()
+    (port,) = free_ports(1)
     cmd = [sys.executable, "-m", "dsa_train.cli", "launch", "torchrun", "--nproc-per-node", "2", "--master-port",
            str(port), "--run-id", f"gpucheck-{port}", "--max-restarts", "0", "--config-name", RECIPE,
            *layout.overrides(run_dir, 1, 2, 0), *peak_flops_overrides(layout)]
@@ -464,7 +463,23 @@ def trainer_command(layout: Layout, run_dir: Path, extra: list[str]) -> list[str
             *layout.overrides(run_dir, WARMUP_STEPS, SPARSE_STEPS, CHECKPOINT_EVERY), *extra]
 
 
-def run_env(device: str, single_rank: bool, fault: str | None, extra: dict | None = None) -> dict[str, str]:
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free TCP ports (all bound at once while chosen, so runs side by side never
+    share a rendezvous port)."""
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def run_env(device: str, single_rank: bool, fault: str | None, extra: dict | None = None,
+            port: int | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in STRIPPED_ENV}
     env["WANDB_MODE"] = "disabled"
     env["DS_ACCELERATOR"] = device
@@ -475,11 +490,9 @@ def run_env(device: str, single_rank: bool, fault: str | None, extra: dict | Non
         env["DSA_KERNELS"] = "ref"
         env["DSA_TRAIN_BACKEND"] = "gloo"
         env.setdefault("OMP_NUM_THREADS", "1")
-    if single_rank:
-        from dsa_train.parallel.selftest import free_port
-
+    if single_rank:  # what torchrun gives its one worker
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(free_port()))
+                   MASTER_PORT=str(port or free_ports(1)[0]))
     if fault:
         env["DSA_FAULT"] = fault
     env.update(extra or {})
@@ -520,7 +533,8 @@ def run_logged(opts: Options, cmd: list[str], log: Path, fault: str | None = Non
 
 def run_together(opts: Options, runs: list[tuple[list[str], Path, str | None]]) -> list[int]:
     deadline = time.monotonic() + _timeout(opts)
-    procs = [_start(cmd, log, run_env(opts.device, True, fault)) for cmd, log, fault in runs]
+    ports = free_ports(len(runs))
+    procs = [_start(cmd, log, run_env(opts.device, True, fault, port=port)) for (cmd, log, fault), port in zip(runs, ports)]
     try:
         return [_wait(p, deadline, log) for p, (_, log, _) in zip(procs, runs)]
     finally:
