@@ -147,6 +147,15 @@ def test_bwd_delta_chunks_equal_the_full_formula(monkeypatch):
     torch.testing.assert_close(smk.bwd_delta(out, dout, lse, None), (dout.float() * out.float()).sum(-1), rtol=0, atol=1e-6)
 
 
+def test_slot_counts_in_token_chunks(monkeypatch):
+    monkeypatch.setattr(smk, "SLOT_COUNT_CHUNK_ELEMS", 2 * 4 * 2)  # 2 tokens per chunk
+    idx = torch.tensor([[[0, 2, -1, -1], [9, 1, 12, -1], [-1, -1, -1, -1], [3, 4, 5, 30]],
+                        [[1, -1, 2, -1], [0, 0, 0, 0], [7, -2, -1, -1], [-1, 3, -1, 11]]], dtype=torch.int32)
+    assert smk.slot_counts(idx).tolist() == [[2, 3, 0, 4], [3, 4, 1, 4]]
+    assert smk.slot_counts(idx, 10).tolist() == [[2, 2, 0, 3], [3, 4, 1, 2]]  # >= 10 is empty too
+    assert smk.slot_counts(idx[:, :, :0]).tolist() == [[0] * 4] * 2
+
+
 # ----------------------------------------------------------------------------- interpreter: values
 def cp_indices(T_q, positions, N, K, seed=0, drop=0.3):
     """Causal selections for queries at global `positions` over N keys, -1 padded (K > visible

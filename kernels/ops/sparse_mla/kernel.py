@@ -250,16 +250,27 @@ def _store_dq(ptrs, val, mask, DETERMINISTIC: tl.constexpr):
     tl.store(ptrs, val.to(ptrs.dtype.element_ty), mask=mask)
 
 
+SLOT_COUNT_CHUNK_ELEMS = 1 << 26  # index elements per token chunk of `slot_counts` (its temporaries)
+
+
 def slot_counts(indices: torch.Tensor, n_keys: int | None = None) -> torch.Tensor:
     """[B, T, K] int -> [B, T] int32: 1 + the position of each row's last valid slot (0 if none).
     Valid: idx >= 0, and idx < n_keys when n_keys is given (the kernels' rule: out of range =
-    empty). The kernels walk only these slots: a short row's empty tail costs nothing."""
-    K = indices.shape[-1]
+    empty). The kernels walk only these slots: a short row's empty tail costs nothing.
+    Token chunk by chunk, so its [C, K] temporaries stay bounded (not [T, K] int32: 1 GB at 128K)."""
+    B, T, K = indices.shape
+    counts = torch.zeros((B, T), dtype=torch.int32, device=indices.device)
+    if K == 0:
+        return counts
     pos = torch.arange(1, K + 1, device=indices.device, dtype=torch.int32)
-    valid = indices >= 0
-    if n_keys is not None:
-        valid &= indices < n_keys
-    return torch.where(valid, pos, 0).amax(dim=-1).to(torch.int32).contiguous()
+    chunk = max(1, SLOT_COUNT_CHUNK_ELEMS // max(B * K, 1))
+    for t0 in range(0, T, chunk):
+        sel = indices[:, t0:t0 + chunk]
+        valid = sel >= 0
+        if n_keys is not None:
+            valid &= sel < n_keys
+        counts[:, t0:t0 + chunk] = torch.where(valid, pos, 0).amax(dim=-1)
+    return counts
 
 
 def fwd_blocks(H: int, D_V: int, D_R: int) -> dict:
