@@ -191,3 +191,16 @@ def test_command_imports_nothing_heavy():
     proc = subprocess.run([sys.executable, "-c", BLOCKER], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "HEAVY []" in proc.stdout and "correctness.sparse_mla.T4096" in proc.stdout
+
+
+def test_kernel_checks_leave_time_for_the_later_sections():
+    import time
+
+    from dsa_train.gpucheck.budget import skip_reason
+
+    opts = Options(device="cuda", deadline=time.monotonic() + 200)
+    assert "kept for the later sections" in skip_reason(opts, "correctness", 10)  # speed + e2e + nccl > 190 s
+    opts.selected_sections = {"correctness"}  # --only correctness: nothing to keep time for
+    assert skip_reason(opts, "correctness", 10) is None
+    assert "needs ~300 s" in skip_reason(opts, "correctness", 300)
+    assert skip_reason(Options(device="cpu", small=True, deadline=time.monotonic() + 1), "speed", 300) is None

@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from .budget import skip_reason
 from .core import Check, Options, Outcome
 from .inputs import (
     compared_rows,
@@ -48,6 +49,24 @@ TOL = {
 
 def _device(opts: Options) -> str:
     return "cuda" if opts.device == "cuda" else "cpu"
+
+
+def _ref_chunk(opts: Options, rows: int) -> int | None:
+    """Query rows per chunk of the fp32 references on a GPU (their defaults size chunks for a
+    CPU's memory: a few rows at the 671B shapes, thousands of small launches); None on the CPU."""
+    return rows if opts.device == "cuda" else None
+
+
+def _max_abs_outside(x: torch.Tensor, rows: torch.Tensor, block: int = 4096) -> float:
+    """max |x[:, t]| over the rows t not in `rows` (dim 1), a block of rows at a time (no full copy)."""
+    keep = torch.ones(x.shape[1], dtype=torch.bool, device=x.device)
+    keep[rows] = False
+    out = 0.0
+    for t0 in range(0, x.shape[1], block):
+        sel = keep[t0 : t0 + block]
+        if bool(sel.any()):
+            out = max(out, float(x[:, t0 : t0 + block][:, sel].abs().max()))
+    return out
 
 
 def compare(got: torch.Tensor, ref: torch.Tensor, tol: float) -> dict:
@@ -85,9 +104,9 @@ def _budget(need_s: float):
 
     def deco(fn):
         def run(opts: Options) -> Outcome:
-            need = 0.0 if opts.small else need_s
-            if opts.time_left() < need:
-                return Outcome("skip", f"needs ~{need:.0f} s, {max(opts.time_left(), 0):.0f} s left of the budget")
+            reason = skip_reason(opts, "correctness", need_s)
+            if reason:
+                return Outcome("skip", reason)
             torch.backends.cuda.matmul.allow_tf32 = False  # fp32 references in full fp32
             torch.backends.cudnn.allow_tf32 = False
             try:
@@ -135,12 +154,12 @@ def sparse_mla_check(T: int, cp: bool = False):
         out, lse = K.sparse_mla(q, kv, idx, scale, d.D_V)
         dq, dkv = torch.autograd.grad(out, (q, kv), dout)
         out_r, lse_r, dq_r = out[:, rows].float(), lse[:, rows], dq[:, rows].float()
-        outside = float(dq.index_fill(1, rows, 0).abs().max()) if rows.shape[0] < Tq else 0.0
+        outside = _max_abs_outside(dq, rows) if rows.shape[0] < Tq else 0.0
         del out, lse, dq
 
         qs = q.detach()[:, rows].float().requires_grad_()
         kvf = kv.detach().float().requires_grad_()
-        ro, rlse = sparse_mla_ref(qs, kvf, idx[:, rows], scale, d.D_V)
+        ro, rlse = sparse_mla_ref(qs, kvf, idx[:, rows], scale, d.D_V, chunk_size=_ref_chunk(opts, 64))
         rdq, rdkv = torch.autograd.grad(ro, (qs, kvf), dout[:, rows].float())
         res = {"out": compare(out_r, ro, TOL["out"]), "lse": compare(lse_r, rlse, TOL["lse"]),
                "dq": compare(dq_r, rdq, TOL["grad"]), "dkv": compare(dkv, rdkv, TOL["grad"])}
@@ -221,9 +240,10 @@ def topk_check(T: int, cp: bool = False):
         rows = compared_rows(Tq, d, ds, pos).to(dev)
         rows = torch.unique(torch.cat([rows, tie_rows]))
         if rows.shape[0] == Tq and not cp:
-            ridx, rval = indexer_topk_ref(q, k, w, ds, d.K)
+            ridx, rval = indexer_topk_ref(q, k, w, ds, d.K, chunk_size=_ref_chunk(opts, 64))
         else:
-            ridx, rval = indexer_topk_at_positions_ref(q[:, rows], k, w[:, rows], ds, d.K, pos[rows])
+            ridx, rval = indexer_topk_at_positions_ref(q[:, rows], k, w[:, rows], ds, d.K, pos[rows],
+                                                       chunk_size=_ref_chunk(opts, 64))
         got_i, got_v = idx[:, rows], val[:, rows]
         bad_rows = int((got_i != ridx).any(-1).sum())
         bad_vals = int(((got_v != rval) & ~(torch.isnan(got_v) & torch.isnan(rval))).any(-1).sum())
@@ -292,7 +312,7 @@ def sparse_kl_check(T: int, cp: bool = False):
         kl, stats = K.sparse_indexer_kl(*ins, idx, qm, kvm, lse, scale)
         grads = torch.autograd.grad(kl, ins)
         ref_ins = [x.float().requires_grad_() for x in (qi, ki, wi)]
-        rkl, rstats = sparse_indexer_kl_ref(*ref_ins, idx, qm, kvm, lse, scale)
+        rkl, rstats = sparse_indexer_kl_ref(*ref_ins, idx, qm, kvm, lse, scale, chunk_size=_ref_chunk(opts, 128))
         rgrads = torch.autograd.grad(rkl, ref_ins)
         return _outcome(_kl_results(kl, stats, grads, rkl, rstats, rgrads), {"queries": Tq, "keys": T})
 
@@ -322,7 +342,8 @@ def dense_kl_check(T: int):
         for n in lengths:
             sl = slice(s, s + n)
             doc_ins = [x[:, sl].float().requires_grad_() for x in (qi, ki, wi)]
-            k_, st = dense_indexer_kl_ref(*doc_ins, qm[:, sl], km[:, sl], scale, ds[:, sl] - s)
+            k_, st = dense_indexer_kl_ref(*doc_ins, qm[:, sl], km[:, sl], scale, ds[:, sl] - s,
+                                          chunk_size=_ref_chunk(opts, 64))
             for g, gd in zip(rgrads, torch.autograd.grad(k_, doc_ins)):
                 g[:, sl] = gd
             rkl, rklu, s = rkl + float(k_), rklu + float(st["kl_uniform"]), s + n
@@ -355,7 +376,7 @@ def dense_attention_check(T: int):
         for n in lengths:  # the reference per document
             sl = slice(s, s + n)
             ins = [x.detach()[:, sl].float().requires_grad_() for x in (q, k, v)]
-            ro, rl = dense_attention_ref(*ins, scale, ds[:, sl] - s)
+            ro, rl = dense_attention_ref(*ins, scale, ds[:, sl] - s, chunk_size=_ref_chunk(opts, 64))
             rg = torch.autograd.grad(ro, ins, dout[:, sl].float())
             for name, t in zip(("out", "lse", "dq", "dk", "dv"), (ro, rl, *rg)):
                 ref[name][:, sl] = t.detach()

@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
               f"--small` (the command on tiny shapes) or `--dry-run` (the list of checks)", file=sys.stderr)
         return 2
     checks = select(collect(opts), args.only)
+    opts.selected_sections = {c.section for c in checks}  # budget.py reserves time only for these
     started, t0 = time.time(), time.monotonic()
     opts.deadline = t0 + args.budget_s
     print(f"dsa-train gpu-check: {len(checks)} checks on {args.device}{' (--small)' if args.small else ''}, "

@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from .budget import skip_reason
 from .core import Check, Options, Outcome
 from .inputs import dims_for, randn, topk_lists, valid_pairs
 
@@ -146,9 +147,9 @@ def _device(opts):
 
 def _budgeted(need_s: float, fn):
     def run(opts: Options) -> Outcome:
-        need = 0.0 if opts.small else need_s
-        if opts.time_left() < need:
-            return Outcome("skip", f"needs ~{need:.0f} s, {max(opts.time_left(), 0):.0f} s left of the budget")
+        reason = skip_reason(opts, "speed", need_s)
+        if reason:
+            return Outcome("skip", reason)
         return fn(opts)
 
     return run
