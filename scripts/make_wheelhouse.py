@@ -209,6 +209,16 @@ def build_wheelhouse(out: Path, torch_version: str, triton_version: str, python_
     if stale:
         raise WheelhouseError(f"--out {out} is not empty ({len(stale)} entries, e.g. {stale[0]}); give a new "
                               "directory so that no stale wheel reaches the image")
+    try:
+        return fill_wheelhouse(out, torch_version, triton_version, python_version, platforms, extras_list, source)
+    except BaseException:
+        for path in out.iterdir():  # it was empty: leave it so for the next try, not half filled
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        raise
+
+
+def fill_wheelhouse(out: Path, torch_version: str, triton_version: str, python_version: str,
+                    platforms: list[str], extras_list: list[str], source: Path) -> dict:
     # DeepSpeed: build no ops ahead of time (it JIT-compiles them on the image, against its own torch)
     env = dict(os.environ, DS_BUILD_OPS="0")
 
@@ -228,6 +238,13 @@ def build_wheelhouse(out: Path, torch_version: str, triton_version: str, python_
         run_pip(["wheel", "--quiet", "--no-deps", "--wheel-dir", str(out), str(src)], "building the dsa-train wheel",
                 env)
         (own_wheel,) = out.glob("dsa_train-*.whl")
+        with zipfile.ZipFile(own_wheel) as wheel:
+            meta = next(wheel.read(n).decode() for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
+        provided = re.findall(r"^Provides-Extra: (\S+)", meta, re.M)
+        unknown = [e for e in extras_list if canonical(e) not in map(canonical, provided)]
+        if unknown:
+            raise WheelhouseError(f"--extras {','.join(unknown)}: dsa-train has no such extra; it has "
+                                  f"{', '.join(provided)} (or '' for the core only)")
         own_req = f"{own_wheel}[{','.join(extras_list)}]" if extras_list else str(own_wheel)
 
         # 2. which dependencies exist only as a source distribution: resolve for this machine, sdists allowed

@@ -210,6 +210,12 @@ def test_offline_install_on_an_image_keeps_its_torch_and_triton(tmp_path):
     # on the connected machine (this one, with its registry access and pip cache)
     wheelhouse = tmp_path / "wheelhouse"
     image_ready = time.monotonic()
+    # a misspelt extra is refused in one line once the wheel says which exist, and the half-made
+    # wheelhouse is emptied, so the same --out works on the next try
+    typo = subprocess.run([sys.executable, SCRIPT, "--out", wheelhouse, "--extras", "trian", *flags],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert typo.returncode == 2 and "--extras trian" in typo.stderr and "train" in typo.stderr, typo.stderr
+    assert wheelhouse.is_dir() and not list(wheelhouse.iterdir())
     out = _run([sys.executable, SCRIPT, "--out", wheelhouse, "--extras", "", *flags])
     built = time.monotonic()
     wheels = sorted(p.name for p in wheelhouse.glob("*.whl"))
