@@ -39,6 +39,23 @@ def test_context_parallel_2_sparse_selection_crosses_ranks(tmp_path):
     _check(results, 1, {"cp": 2})
 
 
+@pytest.mark.slow
+def test_context_parallel_2_sparse_triton_kernels(tmp_path, monkeypatch):
+    # the same CP run on the Triton kernels (interpreted on the CPU: DSA_KERNELS=triton and
+    # TRITON_INTERPRET=1 in the ranks' environment), against a single process on the PyTorch
+    # references: top-k at the rank's query positions, sparse MLA and the sparse indexer KL over
+    # the gathered keys (fewer queries than keys), gradients through the CP gather. The indexer
+    # loss (a KL near 1e-4 here, a difference of terms of size log(keys) ~ 4) gets 2e-6 absolute
+    # slack (~4 fp32 ulps of 4): kernels and references round those terms in different orders
+    monkeypatch.setenv("DSA_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rc, results, log = launch(2, ["--cp", "2", "--zero", "2", "--seq-len", "64", "--topk", "16", "--steps", "1",
+                                  "--global-batch", "2", "--reference-kernels", "ref", "--indexer-loss-atol", "2e-6"],
+                              str(tmp_path / "r.jsonl"))
+    assert rc == 0, log
+    _check(results, 1, {"cp": 2})
+
+
 def test_context_parallel_2_dense_warmup_full_recompute(tmp_path, monkeypatch):
     monkeypatch.setenv("DSA_CP_DENSE_CHUNK", "640")  # 10 queries per chunk: several chunks per rank
     rc, results, log = launch(

@@ -75,6 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mtp", action="store_true", help="an MTP layer trained with mtp_loss_coef 0.3")
     p.add_argument("--grad-accum-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="optim.grad_accum_dtype (bf16 parameters: accumulation and DP reduction dtype)")
+    p.add_argument("--reference-kernels", choices=["same", "ref"], default="same",
+                   help="ref: the single-process reference runs the PyTorch reference kernels "
+                        "(DSA_KERNELS=ref) whatever DSA_KERNELS the distributed run uses, e.g. the "
+                        "Triton kernels under TRITON_INTERPRET=1 against the references")
+    p.add_argument("--indexer-loss-atol", type=float, default=0.0,
+                   help="absolute slack for the indexer loss (added to --rtol's bound): a row's KL is a "
+                        "difference of terms of size log(keys), so two implementations (the Triton kernels "
+                        "vs the references) differ by fp32 rounding of those terms (~1e-7 to 1e-6), which "
+                        "is not small relative to a near-zero KL")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -117,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     # ---- reference: one process, the whole global batch per step
     ref_engine = Engine(ref_model, stage, optim)
     ref_hist, ref_grads = [], {}
+    kernels_env = os.environ.get("DSA_KERNELS")
+    if args.reference_kernels == "ref":
+        os.environ["DSA_KERNELS"] = "ref"
     for s, batch in enumerate(batches):
         mbs = split_micro(batch, list(range(args.global_batch)), args.micro_batch)
         if s == len(batches) - 1:
@@ -128,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             m = ref_train_step(ref_engine, mbs, stage)
         ref_hist.append(m)
+    if args.reference_kernels == "ref":  # the distributed run: the caller's DSA_KERNELS again
+        if kernels_env is None:
+            os.environ.pop("DSA_KERNELS", None)
+        else:
+            os.environ["DSA_KERNELS"] = kernels_env
 
     all_failures = []
     for zero in zero_stages:
@@ -156,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         for s, (a, b) in enumerate(zip(hist, ref_hist)):
             for key in ("lm_loss", "mtp_loss", "indexer_loss", "grad_norm"):
                 if key in b:
-                    d = abs(a[key] - b[key]) / max(abs(b[key]), 1e-6)
+                    slack = args.indexer_loss_atol if key == "indexer_loss" else 0.0
+                    d = max(abs(a[key] - b[key]) - slack, 0.0) / max(abs(b[key]), 1e-6)
                     worst["loss"] = max(worst["loss"], d)
                     if not d <= args.rtol:  # NaN fails too
                         failures.append(f"step {s} {key}: {a[key]:.7g} vs single-process {b[key]:.7g}")
