@@ -155,6 +155,9 @@ def markdown(report: dict) -> str:
             lines += [f"### {r['name']}", "", f"FLOPs: {mt['formula']}", "",
                       "| pass | impl | ms | TFLOPS | time / ours |", "|---|---|---|---|---|"]
             for t in mt["timings"]:
+                if t.get("error"):
+                    lines.append(f"| {t['pass']} | {t['impl']} | failed: {t['error'].replace('|', '/')} | — | — |")
+                    continue
                 lines.append(f"| {t['pass']} | {t['impl']} | {_fmt(t['ms'], 4)} | {_fmt(t.get('tflops'))} | "
                              f"{_fmt(t.get('time_over_ours'))} |")
             if mt.get("anchors"):
