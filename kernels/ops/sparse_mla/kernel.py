@@ -283,7 +283,9 @@ def fwd_blocks(H: int, D_V: int, D_R: int) -> dict:
 
 def bwd_blocks(H: int, D_V: int, D_R: int, deterministic: bool = False) -> dict:
     block_dv = pow2(D_V, 32)  # a program's columns come in two halves of >= 16 (tl.dot's minimum)
-    # 16-key tiles: with 32 the backward spilled under Triton 3.6 for sm_90a (see docs/kernels.md)
+    # 16-key tiles: with 32 the backward spilled under Triton 3.6 for sm_90a (268 B with the
+    # 0 <= idx < N mask). At 16 keys, sm_90a: 246 registers (3.9), 255 (3.6, no headroom), 0 spill.
+    # If a change makes it spill, num_stages=1 gave 226 / 220 (loses the d-loop's prefetch).
     return dict(BLOCK_H=min(pow2(H), 64), BLOCK_K=16, BLOCK_DV=block_dv,
                 BLOCK_DR=pow2(max(D_R, 1)), BLOCK_D=min(block_dv, 64), SPLIT=2 if block_dv >= 512 else 1)
 
