@@ -204,3 +204,15 @@ def test_kernel_checks_leave_time_for_the_later_sections():
     assert skip_reason(opts, "correctness", 10) is None
     assert "needs ~300 s" in skip_reason(opts, "correctness", 300)
     assert skip_reason(Options(device="cpu", small=True, deadline=time.monotonic() + 1), "speed", 300) is None
+
+
+def test_sparse_mla_at_128k_runs_at_the_largest_t_the_gpu_holds(monkeypatch):
+    from dsa_train.gpucheck.correctness import largest_fitting_T
+    from dsa_train.gpucheck.inputs import DIMS_671B
+
+    opts = Options(device="cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (60 * 2**30, 80 * 2**30))  # an H100 after start-up
+    T, note = largest_fitting_T(131072, DIMS_671B, opts)
+    assert 65536 < T < 131072 and T % 8192 == 0 and "largest that fits" in note
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (135 * 2**30, 141 * 2**30))  # an H200
+    assert largest_fitting_T(131072, DIMS_671B, opts) == (131072, "")

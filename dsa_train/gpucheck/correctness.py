@@ -134,12 +134,36 @@ def _need(T: int, per_4k: float) -> float:
 
 
 # ----------------------------------------------------------------------------- sparse MLA
-def sparse_mla_check(T: int, cp: bool = False):
+def sparse_mla_bytes_per_query(d) -> int:
+    """GPU bytes per query token of the sparse-MLA check: q and dq [H, D], out and dout [H, D_V]
+    in bf16, lse, and the index list with its construction temporaries (~6 x K x 8 bytes)."""
+    return 2 * d.H * (2 * d.D + 2 * d.D_V) + 4 * d.H + 48 * d.K
+
+
+def largest_fitting_T(T: int, d, opts: Options) -> tuple[int, str]:
+    """(T to run, note): T itself where its tensors fit the GPU's free memory (with 10% slack),
+    else the largest multiple of 8192 that fits (still past 65,536, CUDA's grid-y limit, when it
+    can be); the CPU runs T."""
+    if opts.device != "cuda":
+        return T, ""
+    free, _ = torch.cuda.mem_get_info()
+    per = sparse_mla_bytes_per_query(d)
+    if T * per <= 0.9 * free:
+        return T, ""
+    fit = int(0.9 * free / per) // 8192 * 8192
+    return fit, (f"; ran at T={fit}, the largest that fits: T={T} needs ~{T * per / 2**30:.0f} GiB, "
+                 f"{free / 2**30:.0f} GiB free")
+
+
+def sparse_mla_check(T_asked: int, cp: bool = False):
     def fn(opts: Options) -> Outcome:
         import dsa_kernels as K
         from dsa_kernels import sparse_mla_ref
 
         d, dev = dims_for(opts.small), _device(opts)
+        T, fit_note = (T_asked, "") if cp else largest_fitting_T(T_asked, d, opts)
+        if T <= 32768 < T_asked:
+            return Outcome("skip", f"T={T_asked} does not fit this GPU{fit_note}")
         ds = doc_start_of(doc_lengths(T), dev)
         pos = cp_positions(T, dev) if cp else torch.arange(T, device=dev)
         Tq = pos.shape[0]
@@ -166,9 +190,10 @@ def sparse_mla_check(T: int, cp: bool = False):
         if outside:
             res["dq_outside_rows"] = {"err": outside, "tol": 0.0, "ok": False, "note": "dout is 0 there"}
         return _outcome(res, {"rows_compared": int(rows.shape[0]), "queries": Tq, "keys": T},
-                        f"; {rows.shape[0]} of {Tq} rows compared")
+                        f"; {rows.shape[0]} of {Tq} rows compared{fit_note}")
 
-    fn.T = T
+    fn.T = T_asked
+    T = T_asked
     return _budget(_need(T, 4.0))(fn)
 
 
