@@ -77,13 +77,14 @@ def _make_image(venv: Path) -> None:
     it first, so the original stays intact either way)."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = _site_packages(venv)
-    here = Path(sysconfig.get_paths()["purelib"]).resolve()
+    libs = {Path(sysconfig.get_paths()[key]).resolve() for key in ("purelib", "platlib")}
     for dist in _closure(IMAGE_PACKAGES + ("pip",)):
         for rel in dist.files or []:
             src = Path(dist.locate_file(rel)).resolve()
-            if not src.is_file() or here not in src.parents:  # console scripts in bin/, missing .pyc
+            lib = next((lib for lib in libs if lib in src.parents), None)
+            if not src.is_file() or lib is None:  # console scripts in bin/, missing .pyc
                 continue
-            dst = site / src.relative_to(here)
+            dst = site / src.relative_to(lib)
             dst.parent.mkdir(parents=True, exist_ok=True)
             try:
                 os.link(src, dst)
