@@ -216,3 +216,14 @@ def test_sparse_mla_at_128k_runs_at_the_largest_t_the_gpu_holds(monkeypatch):
     assert 65536 < T < 131072 and T % 8192 == 0 and "largest that fits" in note
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (135 * 2**30, 141 * 2**30))  # an H200
     assert largest_fitting_T(131072, DIMS_671B, opts) == (131072, "")
+
+
+def test_unwritable_out_is_one_line_before_any_check(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # as the re-run process has it: no re-run here
+    monkeypatch.setenv("DSA_KERNELS", "triton")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setattr(runner, "collect", lambda opts: pytest.fail("checks collected before the --out check"))
+    assert runner.main(["--device", "cpu", "--small", "--out", str(blocker / "sub")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--out" in err

@@ -250,6 +250,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{torch.version.cuda or 'none'}); on a machine without a GPU run `dsa-train gpu-check --device cpu "
               f"--small` (the command on tiny shapes) or `--dry-run` (the list of checks)", file=sys.stderr)
         return 2
+    try:  # before minutes of checks: a report directory that cannot be written is one line now
+        args.out.mkdir(parents=True, exist_ok=True)
+        probe = args.out / ".gpu-check-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        print(f"dsa-train gpu-check: cannot write the reports into {args.out} ({err.strerror or err}); "
+              f"pass a writable --out DIR", file=sys.stderr)
+        return 2
     checks = select(collect(opts), args.only)
     opts.selected_sections = {c.section for c in checks}  # budget.py reserves time only for these
     started, t0 = time.time(), time.monotonic()
