@@ -28,6 +28,7 @@ mma.sync on sm_100, mma.sync on sm_80.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -150,16 +151,31 @@ def _specialize(launch):
     return signature, constexprs, attrs
 
 
+def _ptxas_stats_cache(ptxas: str, args: list[str], ptx: str) -> Path:
+    """Where the stats of one ptxas run are kept: Triton's cache folder (TRITON_CACHE_DIR, default
+    ~/.triton/cache) / dsa_ptxas_stats / sha256(ptxas binary identity, flags, PTX).json. Triton's
+    own cache skips its compile on a rerun, this one the second ptxas run (the `-v` statistics)."""
+    st = os.stat(ptxas)
+    key = hashlib.sha256(json.dumps([ptxas, st.st_size, st.st_mtime_ns, args, ptx]).encode()).hexdigest()
+    root = os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache")
+    return Path(root) / "dsa_ptxas_stats" / f"{key}.json"
+
+
 def _ptxas_stats(ptx: str, cap: int) -> dict:
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
     ptxas = get_ptxas(cap).path
     arch = sm_arch_from_capability(cap)
+    args = ["-v", "--regAllocOptLevel=2", f"--gpu-name={arch}"]
+    cached = _ptxas_stats_cache(ptxas, args, ptx)
+    try:
+        return json.loads(cached.read_text())
+    except (OSError, ValueError):
+        pass
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
-        proc = subprocess.run([ptxas, "-v", "--regAllocOptLevel=2", f"--gpu-name={arch}", str(src),
-                               "-o", str(Path(tmp) / "k.o")], capture_output=True, text=True)
+        proc = subprocess.run([ptxas, *args, str(src), "-o", str(Path(tmp) / "k.o")], capture_output=True, text=True)
     log = proc.stdout + proc.stderr
     if proc.returncode != 0:
         return {"error": f"ptxas -arch={arch} failed: " + " | ".join(log.strip().splitlines()[-3:])}
@@ -167,11 +183,19 @@ def _ptxas_stats(ptx: str, cap: int) -> dict:
     spill_st = re.search(r"(\d+) bytes spill stores", log)
     spill_ld = re.search(r"(\d+) bytes spill loads", log)
     smem = re.search(r"(\d+) bytes smem", log)
-    return {
+    stats = {
         "registers": int(regs.group(1)) if regs else None,
         "spill_bytes": (int(spill_st.group(1)) if spill_st else 0) + (int(spill_ld.group(1)) if spill_ld else 0),
         "static_smem": int(smem.group(1)) if smem else 0,
     }
+    try:  # a failed write only costs the next run a ptxas call
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        part = cached.with_suffix(f".{os.getpid()}.part")
+        part.write_text(json.dumps(stats))
+        os.replace(part, cached)
+    except OSError:
+        pass
+    return stats
 
 
 def compile_case(case, cap: int) -> dict:

@@ -8,6 +8,7 @@ side-installed once by this session (`ensure_side_triton`, pip from its cache); 
 tests of that Triton fail with pip's reason. The reports run once per session, in parallel
 (`run_reports`, as `dsa-train kernels gate` does)."""
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -163,6 +164,19 @@ def test_side_install_failure_is_one_line(tmp_path, monkeypatch, capsys):
     assert report_main(["report", "--triton", other]) == 2
     err_lines = capsys.readouterr().err.strip().splitlines()
     assert len(err_lines) == 1 and "no network" in err_lines[0]
+
+
+def test_ptxas_stats_are_cached_by_ptx(tmp_path, monkeypatch):
+    """The `-v` statistics of a PTX are kept in TRITON_CACHE_DIR and read back for the same PTX
+    (a warm report runs no ptxas); another PTX is assembled anew."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    ptx = ".version 8.0\n.target sm_90a\n.address_size 64\n.visible .entry k()\n{\n  ret;\n}\n"
+    stats = compile_report._ptxas_stats(ptx, 90)
+    assert stats.get("spill_bytes") == 0 and stats["registers"] is not None, stats
+    (cached,) = (tmp_path / "dsa_ptxas_stats").iterdir()
+    cached.write_text(json.dumps({**stats, "spill_bytes": 12345}))  # a marker only the cache can return
+    assert compile_report._ptxas_stats(ptx, 90)["spill_bytes"] == 12345
+    assert compile_report._ptxas_stats(ptx.replace("ret;", "ret;\n  ret;"), 90)["spill_bytes"] == 0
 
 
 def test_gate_command_verdicts(monkeypatch, capsys):
