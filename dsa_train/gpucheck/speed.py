@@ -37,6 +37,7 @@ WARMUP, REPS = 3, 10  # CUDA
 WARMUP_CPU, REPS_CPU = 0, 1  # the interpreter: one wall time each, not a speed
 BASELINE_REPS = 5  # slow baselines (the chunked PyTorch paths), after one warm-up
 BASELINE_CHUNK = 256  # query rows per chunk of the chunked PyTorch baselines on a GPU
+DENSE_BASELINE_CHUNK, DENSE_BASELINE_REPS = 64, 3  # the dense PyTorch paths: [H, 64, T] fp32 blocks, slow
 
 # published numbers, TFLOPS, counted as above (issue 21 quotes them; sources in docs/gpu-check.md)
 ANCHORS = {
@@ -284,6 +285,14 @@ def dense_kl_speed(opts: Options) -> Outcome:
     f, b = _fwd_bwd(lambda: K.dense_indexer_kl(qi, ki, wi, qm, km, scale, ds)[0], (qi, ki, wi), torch.ones_like, opts)
     table.add("fwd", "ours", f, fwd_f)
     table.add("bwd", "ours", b, bwd_f)
+    chunk = DENSE_BASELINE_CHUNK if opts.device == "cuda" else None
+
+    def chunked():
+        f, b = _fwd_bwd(lambda: K.dense_indexer_kl_ref(qi, ki, wi, qm, km, scale, ds, chunk)[0], (qi, ki, wi),
+                        torch.ones_like, opts, reps=DENSE_BASELINE_REPS)
+        return {"fwd": f, "bwd": b}
+
+    table.baseline("chunked PyTorch", chunked, {"fwd": fwd_f, "bwd": bwd_f})
     return table.outcome("dense_indexer_kl")
 
 
@@ -317,6 +326,10 @@ def dense_attention_speed(opts: Options) -> Outcome:
 
     flops = {"fwd": fwd_f, "bwd": bwd_f}
     table.baseline("PyTorch SDPA", timed(sdpa), flops)
+    chunk = DENSE_BASELINE_CHUNK if opts.device == "cuda" else None
+    table.baseline("chunked PyTorch", lambda: dict(zip(("fwd", "bwd"), _fwd_bwd(
+        lambda: K.dense_attention_ref(q, k, v, scale, ds, chunk), (q, k, v), torch.randn_like, opts,
+        reps=DENSE_BASELINE_REPS))), flops)
     if opts.device == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         def fa():  # one head dim for q/k/v: v zero-padded to 192, the padding's work not counted
             from flash_attn import flash_attn_func
@@ -340,9 +353,9 @@ def checks(opts: Options) -> list[Check]:
                                              f"torch.topk on the same rows; {how}", _budgeted(20, indexer_topk_speed)),
         Check("speed.sparse_indexer_kl", "speed", f"T={T} k={d.K} H={d.H} H_I={d.H_I}; fwd, bwd; ours vs chunked "
                                                   f"PyTorch; {how}", _budgeted(30, sparse_kl_speed)),
-        Check("speed.dense_indexer_kl", "speed", f"T={T} MHA H={d.H_MHA} D={d.D_MHA} H_I={d.H_I}; fwd, bwd; {how}",
-              _budgeted(20, dense_kl_speed)),
+        Check("speed.dense_indexer_kl", "speed", f"T={T} MHA H={d.H_MHA} D={d.D_MHA} H_I={d.H_I}; fwd, bwd; ours vs "
+                                                 f"chunked PyTorch; {how}", _budgeted(40, dense_kl_speed)),
         Check("speed.dense_attention", "speed", f"T={T} MHA H={d.H_MHA} q/k {d.D_MHA} v {d.DV_MHA}; fwd, bwd; ours vs "
-                                                f"SDPA (and FlashAttention if installed); {how}",
-              _budgeted(20, dense_attention_speed)),
+                                                f"SDPA (and FlashAttention if installed), chunked PyTorch; {how}",
+              _budgeted(40, dense_attention_speed)),
     ]
