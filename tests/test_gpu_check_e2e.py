@@ -124,6 +124,9 @@ def test_small_train_kill_resume_on_the_cpu(tmp_path):
     assert {p.name for p in logs.glob("*.log")} == {"reference.log", "killed.log", "resumed.log"}
     assert "resumed from" in (logs / "resumed.log").read_text()
     assert not (logs / "reference" / "checkpoints").exists()  # deleted after a pass
+    md = "\n".join(e2e.markdown_lines({"metrics": out.metrics}))
+    assert "| warmup | " in md and "| sparse | " in md and "replay bitwise yes" in md
+    assert f"| 7 | {out.metrics['resume']['losses']['7']['reference']!r} | — |" in md
 
 
 @pytest.mark.slow  # torchrun with 2 ranks: ~30 s on 2 busy cores

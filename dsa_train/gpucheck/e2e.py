@@ -341,6 +341,32 @@ def fmt_pct(x) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
+def markdown_lines(result: dict) -> list[str]:
+    """report.md lines for the end-to-end check's result (the runner's result dict: name,
+    status, summary, metrics): the stage figures beside the plan and the resumed losses."""
+    m = result.get("metrics") or {}
+    if "stages" not in m:
+        return []
+    out = ["### End to end: measured beside `dsa-train plan`", "", f"{m['layout']}.", "",
+           "| stage | tokens/s | plan tokens/s | MFU | plan MFU | step s | plan step s | peak GiB | plan GiB |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for name, s in m["stages"].items():
+        plan_tps = "n/a" if s["plan_tokens_per_s"] is None else f"{s['plan_tokens_per_s']:.0f}"
+        out.append(f"| {name} | {s['tokens_per_s']:.0f} | {plan_tps} | {fmt_pct(s['mfu'])} | {fmt_pct(s['plan_mfu'])} | "
+                   f"{s['step_time_s']:.3g} | {s['plan_step_s']:.3g} | {s['peak_memory_gib']:.2f} "
+                   f"({s['peak_memory_kind']}) | {s['plan_gib']:.2f} |")
+    r = m.get("resume") or {}
+    if r.get("losses"):
+        out += ["", f"Resume ({r['fault']}, from {r['resumed_from']}): replay bitwise {'yes' if r['replay_equal'] else '**NO**'}, "
+                    f"runs reproducible {'yes' if r['reproducible'] else 'no'}, resumed = uninterrupted bitwise "
+                    f"{'yes' if r['equal'] else 'no'} (max rel {r['max_rel_diff']:.1e}).", "",
+                "| step | uninterrupted loss | killed run's loss | resumed loss |", "|---|---|---|---|"]
+        for step, v in r["losses"].items():
+            killed = "—" if v["killed"] is None else repr(v["killed"])
+            out.append(f"| {step} | {v['reference']!r} | {killed} | {v['resumed']!r} |")
+    return out + [""]
+
+
 # ------------------------------------------------------------------------------------------- NCCL
 def _nccl_ep2(opts: Options) -> Outcome:
     started = time.monotonic()
