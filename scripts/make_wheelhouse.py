@@ -69,7 +69,12 @@ def probe() -> str:
 
     if sys.platform != "linux":
         raise WheelhouseError(f"--probe runs on the Linux cluster image; this is {sys.platform}")
-    libc, libc_version = platform.libc_ver()
+    # the glibc this process runs with (as pip's own tag logic reads it); platform.libc_ver() only reads
+    # the symbol versions the executable was linked against, which can be older
+    try:
+        libc, libc_version = (os.confstr("CS_GNU_LIBC_VERSION") or "").split()
+    except (ValueError, OSError):
+        libc, libc_version = platform.libc_ver()
     if libc != "glibc" or not libc_version:
         raise WheelhouseError(f"this Python reports libc {libc or 'unknown'!r}; manylinux wheels need glibc. "
                               "Pass --platform to make_wheelhouse.py by hand")
