@@ -124,9 +124,10 @@ def _budget(need_s: float):
 
 
 def dense_lengths(T: int, d) -> list[int]:
-    """Documents of the dense checks: as the sparse ones up to 32K; at 128K documents of
-    d.dense_doc_max tokens (the fp32 reference's work is quadratic in the document length)."""
-    return doc_lengths(T, d.dense_doc_max if T > 32768 else None)
+    """Documents of the dense checks: as the sparse ones, except at the largest T (128K; 128 with
+    --small) documents of d.dense_doc_max tokens (the fp32 reference's work is quadratic in the
+    document length)."""
+    return doc_lengths(T, d.dense_doc_max if T == d.seq_lens[-1] else None)
 
 
 def _need(T: int, base_s: float, per_4k_s: float) -> float:
