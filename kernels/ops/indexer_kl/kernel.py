@@ -361,7 +361,7 @@ def _dense_kl_kernel(
                 stride_qib, stride_qit, stride_qih, stride_kib, stride_kit, stride_wib, stride_wit,
                 T, H, HI, scale_log2, inv_h, D, DI, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DI)
             g = tl.where(valid, p_sum[:, None] * tl.exp(sc - lse_i[:, None]) - p, 0.0)  # dKL / dI
-            dk = tl.zeros([BLOCK_N, BLOCK_DI], dtype=tl.float32)
+            dk_t = tl.zeros([BLOCK_DI, BLOCK_N], dtype=tl.float32)  # dk_I of the key tile, transposed
             for j in range(HI):
                 qi = tl.load(QI + b * stride_qib + offs_m[:, None].to(tl.int64) * stride_qit + j * stride_qih + offs_di[None, :],
                              mask=rows_mask, other=0.0)  # [BLOCK_M, BLOCK_DI]
@@ -379,9 +379,11 @@ def _dense_kl_kernel(
                 # the additions happen in program order (deterministic)
                 tl.atomic_add(DQI + ((b * T + offs_m[:, None]) * HI + j) * DI + offs_di[None, :],
                               tl.dot(da, ki, input_precision="ieee"), mask=rows_mask, sem="relaxed")
-                dk += tl.dot(tl.trans(da), qi, input_precision="ieee")  # [BLOCK_N, BLOCK_DI]
-            tl.atomic_add(DKI + (b * T + offs_n[:, None].to(tl.int64)) * DI + offs_di[None, :], dk,
-                          mask=(offs_n < T)[:, None] & mask_di[None, :])
+                # transposed, [BLOCK_DI, BLOCK_N] = q_I^T da: M = D_I = 128 (wgmma), where da^T q_I
+                # would have M = BLOCK_N = 32 (mma.sync)
+                dk_t += tl.dot(tl.trans(qi), da, input_precision="ieee")
+            tl.atomic_add(DKI + (b * T + offs_n[None, :].to(tl.int64)) * DI + offs_di[:, None], dk_t,
+                          mask=(offs_n < T)[None, :] & mask_di[:, None])
 
 
 # ----------------------------------------------------------------------------- launch plans
@@ -462,11 +464,11 @@ def plan_sparse_kl(qi, ki, wi, idx, n_slots, p_sum, t0: int, H: int, kl, klu, dq
 def dense_blocks(T: int, D: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_D) of `_dense_kl_kernel` (8 warps, 1 stage). 64 query rows: the M
     side of its big dots is 64, one warp group's wgmma tile on sm_90a (the 32 x 32 tiles before
-    compiled to 0 wgmma). The sm_90a / sm_100 compile report at the 671B shapes, gradient pass,
-    dq_I added with atomics (a read-modify-write of the [64, 128] fp32 dq_I rows spilled 56-184 B):
-    64 x 32, 1 stage: 0 spills, 230 registers (Triton 3.9 sm_90a), 222-230 (3.9 sm_100), 250
-    (3.6 sm_90a); 2 stages spilled 48-80 B under 3.6 and 64 B on sm_100; 64 x 64 spilled under
-    both versions."""
+    compiled to 0 wgmma; dk_I is formed transposed, M = D_I). The compile report at the 671B
+    shapes, gradient pass, dq_I added with atomics (a read-modify-write of the [64, 128] fp32
+    dq_I rows spilled 56-184 B): 64 x 32, 1 stage: 0 spills, 46 wgmma, 0 mma.sync; 234-238
+    registers (Triton 3.9 sm_90a), 255 (3.6 sm_90a), 186-204 (3.9 sm_100). 2 stages spilled
+    48-80 B under 3.6 and 64 B on sm_100; 64 x 64 spilled under both versions."""
     return min(pow2(T), 64), min(pow2(T), 32), min(pow2(D), 64)
 
 
