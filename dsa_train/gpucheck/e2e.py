@@ -48,8 +48,9 @@ labelled as such: the code path, not NCCL.
 
 Needs what the trainer imports: hydra-core, omegaconf, DeepSpeed, megatron-core, tokenizers and
 `datasets` (the `train` extra: the data loader imports it); each is looked up before anything runs
-and a missing one is one failing line. W&B is never imported (`logging.wandb_mode=disabled`). Logs and each run's `metrics.jsonl` are kept
-under `<out>/end-to-end/` and `<out>/nccl/`; the checkpoints are deleted once a check passed.
+and a missing one is one failing line. W&B is never imported (`logging.wandb_mode=disabled`).
+Logs and each run's `metrics.jsonl` are kept under `<out>/end-to-end/` and `<out>/nccl/`; the
+checkpoints are deleted once a check passed.
 """
 
 from __future__ import annotations
@@ -212,7 +213,8 @@ def _train_kill_resume(opts: Options) -> Outcome:
                          f"(log: {work / 'killed.log'})")
     ref, code = run_together(opts, [(ref_cmd, work / "reference.log", None), (run_cmd, work / "resumed.log", None)])
     if ref != 0:
-        raise StepFailed(f"reference run exited {ref}: {last_error(work / 'reference.log')} (log: {work / 'reference.log'})")
+        raise StepFailed(f"reference run exited {ref}: {last_error(work / 'reference.log')} "
+                         f"(log: {work / 'reference.log'})")
     if code != 0:
         raise StepFailed(f"resumed run exited {code}: {last_error(work / 'resumed.log')} (log: {work / 'resumed.log'})")
 
@@ -228,9 +230,9 @@ def _train_kill_resume(opts: Options) -> Outcome:
         if sorted(rows) != list(range(first, last + 1)):
             raise StepFailed(f"the {what} run logged global steps {sorted(rows)}, expected {first}..{last} (logs: {work})")
     status, verdict, resume = judge_resume(ref_rows, killed_rows, resumed_rows)
-    resume.update(fault=fault, resumed_from=resumed_from,
-                  losses={str(s): {"reference": ref_rows[s]["train/loss"], "killed": killed_rows.get(s, {}).get("train/loss"),
-                                   "resumed": resumed_rows[s]["train/loss"]} for s in sorted(resumed_rows)})
+    losses = {str(s): {"reference": ref_rows[s]["train/loss"], "killed": killed_rows.get(s, {}).get("train/loss"),
+                       "resumed": resumed_rows[s]["train/loss"]} for s in sorted(resumed_rows)}
+    resume.update(fault=fault, resumed_from=resumed_from, losses=losses)
     stages = stage_figures(runs[0]["stages"], killed_rows, layout.device, plan)
     metrics = {"layout": layout.describe(), "recipe": RECIPE, "seq_len": layout.seq_len, "stages": stages,
                "resume": resume, "plan": plan, "seconds": round(time.monotonic() - started, 1),
@@ -293,8 +295,9 @@ def judge_resume(reference: dict[int, dict], killed: dict[int, dict], resumed: d
                             f"bitwise equal: {_show(continued[0])} ({len(continued)} values)"), details
         return "pass", f"{steps} bitwise equal to the uninterrupted run", details
     return "pass", (f"replayed step {RESUME_STEP + 1} bitwise equal to the killed run's; NOT reproducible here: two "
-                    f"uninterrupted runs already differ ({_show(run_to_run[0])}; max rel {details['run_to_run_max_rel_diff']:.1e}), "
-                    f"resumed {steps} within max rel {details['max_rel_diff']:.1e} of the uninterrupted run"), details
+                    f"uninterrupted runs already differ ({_show(run_to_run[0])}; max rel "
+                    f"{details['run_to_run_max_rel_diff']:.1e}), resumed {steps} within max rel "
+                    f"{details['max_rel_diff']:.1e} of the uninterrupted run"), details
 
 
 def _max_rel(reference: dict[int, dict], got: dict[int, dict]) -> float:
@@ -357,7 +360,8 @@ def markdown_lines(result: dict) -> list[str]:
                    f"({s['peak_memory_kind']}) | {s['plan_gib']:.2f} |")
     r = m.get("resume") or {}
     if r.get("losses"):
-        out += ["", f"Resume ({r['fault']}, from {r['resumed_from']}): replay bitwise {'yes' if r['replay_equal'] else '**NO**'}, "
+        out += ["", f"Resume ({r['fault']}, from {r['resumed_from']}): replay bitwise "
+                    f"{'yes' if r['replay_equal'] else '**NO**'}, "
                     f"runs reproducible {'yes' if r['reproducible'] else 'no'}, resumed = uninterrupted bitwise "
                     f"{'yes' if r['equal'] else 'no'} (max rel {r['max_rel_diff']:.1e}).", "",
                 "| step | uninterrupted loss | killed run's loss | resumed loss |", "|---|---|---|---|"]
@@ -511,6 +515,7 @@ def run_env(device: str, single_rank: bool, fault: str | None, extra: dict | Non
     env["DS_ACCELERATOR"] = device
     if device == "cuda":
         env["DSA_KERNELS"] = "triton"  # a missing Triton path fails instead of falling back
+        env.pop("TRITON_INTERPRET", None)  # compiled kernels: the interpreter is the CPU's
         env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic=true's, before CUDA starts
     else:  # the interpreter (set by `gpu-check --device cpu`) costs ~9 s per sparse step here
         env["DSA_KERNELS"] = "ref"
@@ -560,7 +565,8 @@ def run_logged(opts: Options, cmd: list[str], log: Path, fault: str | None = Non
 def run_together(opts: Options, runs: list[tuple[list[str], Path, str | None]]) -> list[int]:
     deadline = time.monotonic() + _timeout(opts)
     ports = free_ports(len(runs))
-    procs = [_start(cmd, log, run_env(opts.device, True, fault, port=port)) for (cmd, log, fault), port in zip(runs, ports)]
+    procs = [_start(cmd, log, run_env(opts.device, True, fault, port=port))
+             for (cmd, log, fault), port in zip(runs, ports)]
     try:
         return [_wait(p, deadline, log) for p, (_, log, _) in zip(procs, runs)]
     finally:
