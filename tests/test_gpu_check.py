@@ -227,3 +227,41 @@ def test_unwritable_out_is_one_line_before_any_check(monkeypatch, capsys, tmp_pa
     assert runner.main(["--device", "cpu", "--small", "--out", str(blocker / "sub")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--out" in err
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward scales the gradient (a kernel with a wrong backward)."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
+
+
+def test_correctness_checks_fail_on_a_wrong_kernel(monkeypatch):
+    """The checks can fail: a sparse MLA whose dkv is 10% off, and a top-k with one wrong slot."""
+    import dsa_kernels as K
+    from dsa_train.gpucheck import correctness
+
+    opts = Options(device="cpu", small=True)
+
+    def wrong_backward(q, kv, idx, scale, d_v):
+        return K.sparse_mla_ref(q, _ScaleGrad.apply(kv, 1.1), idx, scale, d_v)
+
+    monkeypatch.setattr(K, "sparse_mla", wrong_backward)
+    out = correctness.sparse_mla_check(64)(opts)
+    assert out.status == "fail" and out.summary.startswith("FAILED dkv:"), out.summary
+    assert out.metrics["outputs"]["out"]["ok"] and out.metrics["outputs"]["dq"]["ok"]
+
+    def one_wrong_slot(q, k, w, ds, topk, query_positions=None):
+        idx, val = K.indexer_topk_ref(q, k, w, ds, topk)
+        idx[0, 50, 3] = -1
+        return idx, val
+
+    monkeypatch.setattr(K, "indexer_topk", one_wrong_slot)
+    out = correctness.topk_check(64)(opts)
+    assert out.status == "fail" and out.metrics["rows_index_mismatch"] == 1, out.summary
