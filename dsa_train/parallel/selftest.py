@@ -5,6 +5,11 @@
     torchrun --nproc_per_node 2 -m dsa_train.parallel.selftest --tp 2
     torchrun --nproc_per_node 2 -m dsa_train.parallel.selftest --cp 2 --seq-len 96 --topk 16
 
+The Triton kernels (interpreted on the CPU) against a single process on the PyTorch references:
+
+    DSA_KERNELS=triton TRITON_INTERPRET=1 torchrun --nproc_per_node 2 -m dsa_train.parallel.selftest
+        --cp 2 --seq-len 64 --reference-kernels ref --indexer-loss-atol 2e-6      (one command line)
+
 Every rank builds the same tiny model and the same global batches, trains a single-process copy
 with `dsa_train.engine.Engine` (the reference), then the distributed model (`parallelize_model`
 + `DeepSpeedEngine`, data sharded by DP rank) for the same steps, and compares per step the LM
