@@ -265,3 +265,27 @@ def test_correctness_checks_fail_on_a_wrong_kernel(monkeypatch):
     monkeypatch.setattr(K, "indexer_topk", one_wrong_slot)
     out = correctness.topk_check(64)(opts)
     assert out.status == "fail" and out.metrics["rows_index_mismatch"] == 1, out.summary
+
+
+def test_speed_table_counts_tflops_and_anchors_as_on_a_gpu(tmp_path):
+    """The GPU branch of the speed report, with made-up timings: TFLOPS from the FLOP count,
+    baselines as time / ours, the anchors as ours / anchor, all in report.md."""
+    from dsa_train.gpucheck.speed import ANCHORS, Table
+
+    opts = Options(device="cuda", out=tmp_path)
+    table = Table(opts, "fwd 2*pairs*H*(D+D_V)")
+    table.add("fwd", "ours", 10.0, 4e12)  # 4e12 FLOPs in 10 ms = 400 TFLOPS
+    table.add("fwd", "chunked PyTorch", 250.0, 4e12)
+    table.baseline("broken baseline", lambda: 1 / 0, {})
+    out = table.outcome("sparse_mla")
+    rows = out.metrics["timings"]
+    assert out.status == "pass" and rows[0]["tflops"] == 400.0 and rows[1]["time_over_ours"] == 25.0
+    assert rows[2]["error"].startswith("ZeroDivisionError")
+    anchors = {a["anchor"]: a["ours_over_anchor"] for a in out.metrics["anchors"]}
+    assert len(anchors) == len(ANCHORS["sparse_mla.fwd"]) and anchors["FlashMLA sparse prefill fwd (H800)"] == 0.625
+    result = {"name": "speed.sparse_mla", "section": "speed", "shapes": "", "status": out.status,
+              "summary": out.summary, "metrics": out.metrics, "seconds": 1.0}
+    runner.write_reports([result], opts, "test", 0.0, 1.0)
+    md = (tmp_path / "report.md").read_text()
+    assert "| fwd | ours | 10 | 400 |" in md and "| FlashMLA sparse prefill fwd (H800) | 640 | 0.62 |" in md
+    assert "failed: ZeroDivisionError" in md
