@@ -431,9 +431,10 @@ def require_packages() -> None:
         if not found:
             missing.append(dist)
     if missing:
-        raise StepFailed(f"missing Python package(s) {', '.join(missing)}: the training runs import them; install "
-                         "them from a wheelhouse: pip install --no-index --find-links <wheelhouse> "
-                         "'dsa-train[train]' (docs/install.md)")
+        raise StepFailed(f"missing Python package(s) {', '.join(missing)}, which the training runs import: install "
+                         "dsa-train with its `train` extra from a wheelhouse, python -m pip install --no-index "
+                         "--find-links wheelhouse -c wheelhouse/image-constraints.txt 'dsa-train[train]' "
+                         "(docs/install.md)")
 
 
 def peak_flops_overrides(layout: Layout) -> list[str]:
