@@ -20,9 +20,11 @@ import torch
 
 from .core import Check, Options, Outcome
 
-# distribution name -> label in the report
-PACKAGES = {"torch": "torch", "triton": "Triton", "deepspeed": "DeepSpeed", "megatron-core": "megatron-core",
-            "flash-attn": "FlashAttention", "dsa-train": "dsa-train"}
+# label in the report -> the distribution names it may be installed under (images differ: nightly
+# torch ships Triton as pytorch-triton)
+PACKAGES = {"torch": ("torch",), "Triton": ("triton", "pytorch-triton"), "DeepSpeed": ("deepspeed",),
+            "megatron-core": ("megatron-core", "megatron_core"), "FlashAttention": ("flash-attn", "flash_attn"),
+            "dsa-train": ("dsa-train", "dsa_train")}
 COMPILE_OPS = ("indexer_scores", "indexer_topk", "sparse_mla_fwd", "sparse_mla_bwd", "sparse_indexer_kl",
                "dense_indexer_kl", "dense_attention_fwd", "dense_attention_bwd")
 # --small (the CPU run of the command, in make test) compiles one attention kernel: it exercises the
@@ -33,11 +35,14 @@ COMPILE_TIMEOUT_S = 420
 
 def versions() -> dict:
     out = {}
-    for dist, label in PACKAGES.items():
-        try:
-            out[label] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            out[label] = "not installed"
+    for label, dists in PACKAGES.items():
+        out[label] = "not installed"
+        for dist in dists:
+            try:
+                out[label] = importlib.metadata.version(dist)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
     out["python"] = platform.python_version()
     out["CUDA (torch built with)"] = torch.version.cuda or "none (CPU build)"
     return out
