@@ -289,3 +289,23 @@ def test_speed_table_counts_tflops_and_anchors_as_on_a_gpu(tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "| fwd | ours | 10 | 400 |" in md and "| FlashMLA sparse prefill fwd (H800) | 640 | 0.62 |" in md
     assert "failed: ZeroDivisionError" in md
+
+
+def test_a_check_that_kills_the_process_leaves_the_report_of_the_checks_before(tmp_path):
+    """A crashing kernel can take the process down (heap corruption, a segfault): the reports are
+    rewritten after every check, so the ones before it are on disk, marked incomplete."""
+    script = textwrap.dedent(f"""
+        import os
+        os.environ["TRITON_INTERPRET"] = "1"
+        os.environ["DSA_KERNELS"] = "triton"
+        import dsa_train.gpucheck.environment as env
+        env._versions_check = lambda opts: os._exit(9)
+        from dsa_train.gpucheck.runner import main
+        main(["--device", "cpu", "--small", "--out", {str(tmp_path)!r}, "--only", "environment.machine",
+              "environment.versions"])
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 9
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["complete"] is False and [c["name"] for c in report["checks"]] == ["environment.machine"]
+    assert "INCOMPLETE" in (tmp_path / "report.md").read_text()

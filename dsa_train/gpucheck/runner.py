@@ -81,9 +81,12 @@ def _release_memory(opts: Options) -> None:
             pass
 
 
-def run_checks(checks: list[Check], opts: Options, echo=print) -> list[dict]:
-    """Run the checks in order -> one result dict each. Exceptions become one-line failures."""
+def run_checks(checks: list[Check], opts: Options, echo=print, after_each=None) -> list[dict]:
+    """Run the checks in order -> one result dict each. Exceptions become one-line failures.
+    after_each(results) runs after every check (the command rewrites its reports there, so a
+    process killed by a crashing kernel still leaves the checks before it on disk)."""
     results = []
+    cuda_lost = None  # the first check whose exception was a CUDA error (the context is sticky-broken)
     width = max((len(c.name) for c in checks), default=10)
     for i, check in enumerate(checks, 1):
         head = f"[{i:>2}/{len(checks)}] {check.name:<{width}}"
@@ -99,7 +102,12 @@ def run_checks(checks: list[Check], opts: Options, echo=print) -> list[dict]:
                 if not isinstance(outcome, Outcome):
                     raise TypeError(f"{check.name} returned {type(outcome).__name__}, not an Outcome")
             except Exception as err:  # one line here, the traceback in report.json
-                outcome = Outcome("fail", f"{type(err).__name__}: {_one_line(err)}"[:400])
+                summary = f"{type(err).__name__}: {_one_line(err)}"[:400]
+                if cuda_lost is None and "CUDA error" in str(err):
+                    cuda_lost = check.name
+                elif cuda_lost is not None:
+                    summary += f" [the CUDA context was lost in {cuda_lost}]"
+                outcome = Outcome("fail", summary)
                 tb = traceback.format_exc().strip().splitlines()[-25:]
         seconds = time.monotonic() - t0
         _release_memory(opts)
@@ -108,6 +116,8 @@ def run_checks(checks: list[Check], opts: Options, echo=print) -> list[dict]:
         results.append({"name": check.name, "section": check.section, "shapes": check.shapes,
                         "status": outcome.status, "summary": outcome.summary, "metrics": outcome.metrics,
                         "seconds": round(seconds, 2), **({"traceback": tb} if tb else {})})
+        if after_each is not None:
+            after_each(results)
     return results
 
 
@@ -129,7 +139,9 @@ def markdown(report: dict) -> str:
         f"- Command: `{report['command']}`",
         f"- Started {report['started_utc']} UTC, {report['seconds']:.0f} s; device {report['device']}"
         + (" (--small: tiny shapes, not a validation of the 671B shapes)" if report["small"] else ""),
-        f"- Result: {counts}; exit {report['exit_code']}", "",
+        f"- Result: {counts}; exit {report['exit_code']}" if report.get("complete", True) else
+        f"- INCOMPLETE: {len(report['checks'])} checks so far ({counts}); the run was still going or died "
+        f"in the next check", "",
         "How to read this report: docs/gpu-check.md.", "",
         "## Checks", "", "| check | status | s | summary |", "|---|---|---|---|",
     ]
@@ -169,11 +181,15 @@ def markdown(report: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def write_reports(results: list[dict], opts: Options, command: str, started: float, seconds: float) -> dict:
+def write_reports(results: list[dict], opts: Options, command: str, started: float, seconds: float,
+                  complete: bool = True) -> dict:
+    """report.json + report.md; complete=False while checks are still running (rewritten after
+    each one)."""
     from .environment import machine, versions
 
     counts = {s: sum(r["status"] == s for r in results) for s in ("pass", "fail", "skip", "info")}
     report = {
+        "complete": complete,
         "command": command,
         "started_utc": datetime.datetime.fromtimestamp(started, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
         "seconds": round(seconds, 1), "device": opts.device, "small": opts.small,
@@ -265,8 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     opts.deadline = t0 + args.budget_s
     print(f"dsa-train gpu-check: {len(checks)} checks on {args.device}{' (--small)' if args.small else ''}, "
           f"budget {args.budget_s:.0f} s, reports in {args.out}/", flush=True)
-    results = run_checks(checks, opts)
     command = "dsa-train gpu-check " + " ".join(argv)
+    results = run_checks(checks, opts, after_each=lambda done: write_reports(
+        done, opts, command, started, time.monotonic() - t0, complete=False))
     report = write_reports(results, opts, command, started, time.monotonic() - t0)
     c = report["counts"]
     print(f"gpu-check: {c['pass']} pass, {c['fail']} fail, {c['skip']} skip, {c['info']} info in "
