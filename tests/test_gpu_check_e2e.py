@@ -29,6 +29,23 @@ def test_checks_are_named_in_their_sections_with_their_shapes(tmp_path):
     assert "T=8192" in checks[1].shapes and "NCCL" in checks[1].shapes
 
 
+def test_the_gpu_runs_are_valid_recipes_that_fit_the_gpu(tmp_path):
+    """The CUDA variants' overrides, composed and checked here on the CPU as the trainer will
+    (everything but the CUDA device), and planned for their layouts."""
+    from dsa_train.config import load_recipe
+    from dsa_train.parallel.plan import make_plan, parse_opts
+
+    opts = Options(device="cuda", out=tmp_path)
+    for layout, world, steps in ((e2e.single_layout(opts), 1, (3, 4, 2)), (e2e.nccl_layout(opts), 2, (1, 2, 0))):
+        cfg = load_recipe(e2e.RECIPE, layout.overrides(tmp_path / "run", *steps))
+        assert cfg.model.arch["num_hidden_layers"] == 2 and cfg.model.dtype.value == "bfloat16"
+        assert cfg.data.seq_len == layout.seq_len and cfg.deterministic and cfg.logging.wandb_mode.value == "disabled"
+        assert list(cfg.stages) == ["warmup", "sparse"] and cfg.stages["sparse"].topk == 2048 < cfg.data.seq_len
+        plan = make_plan(cfg, parse_opts([])[0], world=world)
+        assert plan["layout"]["zero"] == 2 and plan["layout"]["ep"] == world and plan["fits"]
+    assert e2e.single_layout(opts).seq_len == 32768 and e2e.nccl_layout(opts).seq_len == 8192
+
+
 def test_a_missing_package_is_one_failing_line_naming_it_and_the_wheelhouse(tmp_path, monkeypatch):
     monkeypatch.setitem(e2e.REQUIRED, "no_such_module_dsa_gpucheck", "no-such-dist")
     monkeypatch.setitem(e2e.REQUIRED, "no_such_parent.child", "no-such-parent")
