@@ -235,6 +235,7 @@ def _train_kill_resume(opts: Options) -> Outcome:
     resume.update(fault=fault, resumed_from=resumed_from, losses=losses)
     stages = stage_figures(runs[0]["stages"], killed_rows, layout.device, plan)
     metrics = {"layout": layout.describe(), "recipe": RECIPE, "seq_len": layout.seq_len, "stages": stages,
+               "deterministic": True,  # the figures too: the sparse MLA backward's ordered reduction
                "resume": resume, "plan": plan, "seconds": round(time.monotonic() - started, 1),
                "logs": str(work)}
     figures = "; ".join(f"{name} {s['tokens_per_s']:.0f} tok/s (plan {s['plan_tokens_per_s']:.0f}), MFU "
