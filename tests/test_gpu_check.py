@@ -309,3 +309,12 @@ def test_a_check_that_kills_the_process_leaves_the_report_of_the_checks_before(t
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["complete"] is False and [c["name"] for c in report["checks"]] == ["environment.machine"]
     assert "INCOMPLETE" in (tmp_path / "report.md").read_text()
+
+
+def test_emulated_bf16_roundings_stay_inside_the_sparse_mla_tolerances():
+    from dsa_train.gpucheck.correctness import TOL
+    from dsa_train.gpucheck.emulate import sparse_mla_errors
+
+    errs = sparse_mla_errors(rows=4, H=16, D=64, D_V=48, K=64, T=256)
+    assert 0 < errs["out"][0] < TOL["out"] / 2  # the roundings show, well inside the tolerance
+    assert all(0 < errs[k][0] < TOL["grad"] / 4 for k in ("dq", "dkv")), errs
