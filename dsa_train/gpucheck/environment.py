@@ -15,6 +15,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -150,28 +151,52 @@ print("RESULT " + json.dumps({"rows": out}))
 
 
 class CompileGate:
-    """Runs the compile report once (in a subprocess without TRITON_INTERPRET: interpreted
-    kernels cannot be compiled) and answers the per-op checks from its rows."""
+    """Runs the compile report for every op once, one subprocess per op in parallel (without
+    TRITON_INTERPRET: interpreted kernels cannot be compiled; a GPU host's cores compile the ops
+    side by side), and answers the per-op checks from the rows."""
 
     def __init__(self, ops: tuple[str, ...]):
         self.ops = ops
-        self.result: dict | None = None
+        self.results: dict[str, dict] | None = None
 
-    def rows(self, arch: str) -> dict:
-        if self.result is None:
-            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-            cmd = [sys.executable, "-c", _COMPILE_SCRIPT, arch, ",".join(self.ops)]
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=COMPILE_TIMEOUT_S)
-                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-                if lines:
-                    self.result = json.loads(lines[-1][7:])
+    def _collect(self, arch: str, timeout: float) -> dict[str, dict]:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        parallel = max(1, min(len(self.ops), (os.cpu_count() or 2) // 2, 8))
+        results: dict[str, dict] = {}
+        pending = list(self.ops)
+        running: dict[str, subprocess.Popen] = {}
+        deadline = time.monotonic() + timeout
+        while pending or running:
+            while pending and len(running) < parallel:
+                op = pending.pop(0)
+                running[op] = subprocess.Popen([sys.executable, "-c", _COMPILE_SCRIPT, arch, op], env=env, text=True,
+                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for op, proc in list(running.items()):
+                if proc.poll() is None and time.monotonic() < deadline:
+                    continue
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
+                    results[op] = {"error": f"the compile report took longer than {timeout:.0f} s"}
                 else:
-                    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                    self.result = {"error": f"the compile report exited {proc.returncode}: {tail[:300]}"}
-            except subprocess.TimeoutExpired:
-                self.result = {"error": f"the compile report took longer than {COMPILE_TIMEOUT_S} s"}
-        return self.result
+                    out, err = proc.communicate()
+                    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+                    if lines:
+                        results[op] = json.loads(lines[-1][7:])
+                    else:
+                        tail = (err.strip().splitlines() or ["no output"])[-1]
+                        results[op] = {"error": f"the compile report exited {proc.returncode}: {tail[:300]}"}
+                del running[op]
+            time.sleep(0.05)
+        return results
+
+    def result(self, op: str, arch: str, opts: Options) -> dict:
+        if self.results is None:
+            from .budget import reserve_after
+
+            timeout = min(COMPILE_TIMEOUT_S, max(60.0, opts.time_left() - reserve_after(opts, "compile")))
+            self.results = self._collect(arch, timeout)
+        return self.results[op]
 
     def check(self, op: str):
         def run(opts: Options) -> Outcome:
@@ -180,7 +205,7 @@ class CompileGate:
             arch = arch_for(opts)
             if arch is None:
                 return Outcome("skip", "no compile gate for this GPU's architecture (gate arches: sm_80, sm_90a, sm_100)")
-            res = self.rows(arch)
+            res = self.result(op, arch, opts)
             if "error" in res:
                 return Outcome("fail", res["error"])
             if "unsupported" in res:
