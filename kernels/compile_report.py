@@ -5,10 +5,12 @@ the same for every (Triton, arch) pair of the gate (`GATE_TARGETS`), in parallel
 
 Per kernel: Triton compiles the launch (`triton.compile(ASTSource(fn, signature, constexprs,
 attrs), target=GPUTarget("cuda", cap, 32), options=...)`, with the argument specialization the
-JIT launcher would apply: 16-byte-divisible pointers and integers, integer 1 as a constant);
-then Triton's bundled ptxas (`-v`, for sm_90a: `--gpu-name=sm_90a`) assembles the PTX and
-reports registers and spill bytes. Shared memory is Triton's dynamic allocation (its
-metadata) plus any static shared memory ptxas reports. Tensor-core instructions are counted in
+JIT launcher would apply: 16-byte-divisible pointers and integers, integer 1 as a constant),
+which ends with Triton's bundled ptxas assembling the cubin, with the flags that Triton version
+uses on a GPU (3.9 adds `--regAllocOptLevel=2`, 3.6 does not); ptxas's `-v` log, which Triton
+prints under `knobs.nvidia.dump_ptxas_log`, gives registers and spill bytes (kept per kernel in
+TRITON_CACHE_DIR/dsa_ptxas_stats for reruns that Triton's cache answers without ptxas). Shared
+memory is Triton's dynamic allocation (its metadata) plus any static shared memory ptxas reports. Tensor-core instructions are counted in
 the PTX: `wgmma.mma_async` (Hopper's warpgroup MMA), `mma.sync` (the warp-level MMA of
 Ampere, also valid on Hopper and Blackwell) and `tcgen05.mma` (Blackwell's).
 
@@ -28,7 +30,8 @@ mma.sync on sm_100, mma.sync on sm_80.
 from __future__ import annotations
 
 import argparse
-import hashlib
+import contextlib
+import io
 import json
 import os
 import re
@@ -151,51 +154,65 @@ def _specialize(launch):
     return signature, constexprs, attrs
 
 
-def _ptxas_stats_cache(ptxas: str, args: list[str], ptx: str) -> Path:
-    """Where the stats of one ptxas run are kept: Triton's cache folder (TRITON_CACHE_DIR, default
-    ~/.triton/cache) / dsa_ptxas_stats / sha256(ptxas binary identity, flags, PTX).json. Triton's
-    own cache skips its compile on a rerun, this one the second ptxas run (the `-v` statistics)."""
-    st = os.stat(ptxas)
-    key = hashlib.sha256(json.dumps([ptxas, st.st_size, st.st_mtime_ns, args, ptx]).encode()).hexdigest()
-    root = os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache")
-    return Path(root) / "dsa_ptxas_stats" / f"{key}.json"
-
-
-def _ptxas_stats(ptx: str, cap: int) -> dict:
-    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
-
-    ptxas = get_ptxas(cap).path
-    arch = sm_arch_from_capability(cap)
-    args = ["-v", "--regAllocOptLevel=2", f"--gpu-name={arch}"]
-    cached = _ptxas_stats_cache(ptxas, args, ptx)
-    try:
-        return json.loads(cached.read_text())
-    except (OSError, ValueError):
-        pass
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "k.ptx"
-        src.write_text(ptx)
-        proc = subprocess.run([ptxas, *args, str(src), "-o", str(Path(tmp) / "k.o")], capture_output=True, text=True)
-    log = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        return {"error": f"ptxas -arch={arch} failed: " + " | ".join(log.strip().splitlines()[-3:])}
+def _parse_ptxas_log(log: str) -> dict | None:
+    """Registers, spill bytes (stores + loads) and static shared memory from `ptxas -v` output;
+    None when the log has no statistics."""
     regs = re.search(r"Used (\d+) registers", log)
+    if not regs:
+        return None
     spill_st = re.search(r"(\d+) bytes spill stores", log)
     spill_ld = re.search(r"(\d+) bytes spill loads", log)
     smem = re.search(r"(\d+) bytes smem", log)
-    stats = {
-        "registers": int(regs.group(1)) if regs else None,
+    return {
+        "registers": int(regs.group(1)),
         "spill_bytes": (int(spill_st.group(1)) if spill_st else 0) + (int(spill_ld.group(1)) if spill_ld else 0),
         "static_smem": int(smem.group(1)) if smem else 0,
     }
-    try:  # a failed write only costs the next run a ptxas call
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        part = cached.with_suffix(f".{os.getpid()}.part")
+
+
+def _stats_path(compiled_hash: str) -> Path:
+    """Where the ptxas statistics of one compiled kernel are kept: Triton's cache folder
+    (TRITON_CACHE_DIR, default ~/.triton/cache) / dsa_ptxas_stats / <Triton's cache key>.json.
+    On a rerun Triton's cache answers the compile without running ptxas; this file answers the
+    statistics."""
+    root = os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache")
+    return Path(root) / "dsa_ptxas_stats" / f"{compiled_hash}.json"
+
+
+def _load_stats(compiled_hash: str) -> dict | None:
+    try:
+        return json.loads(_stats_path(compiled_hash).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _store_stats(compiled_hash: str, stats: dict) -> None:
+    path = _stats_path(compiled_hash)
+    try:  # a failed write only costs the next run a recompile
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_suffix(f".{os.getpid()}.part")
         part.write_text(json.dumps(stats))
-        os.replace(part, cached)
+        os.replace(part, path)
     except OSError:
         pass
-    return stats
+
+
+def _compile_logged(src, target, options: dict, always: bool):
+    """triton.compile with Triton's own `ptxas -v` log captured (knobs.nvidia.dump_ptxas_log: Triton
+    prints it when it assembles the cubin, with the flags this Triton version uses on a GPU);
+    `always` bypasses Triton's cache. -> (compiled kernel, captured stdout)."""
+    import triton
+    from triton import knobs
+
+    saved = knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile
+    out = io.StringIO()
+    try:
+        knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = True, always
+        with contextlib.redirect_stdout(out):
+            compiled = triton.compile(src, target=target, options=options)
+    finally:
+        knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = saved
+    return compiled, out.getvalue()
 
 
 def compile_case(case, cap: int) -> dict:
@@ -211,18 +228,25 @@ def compile_case(case, cap: int) -> dict:
     try:
         signature, constexprs, attrs = _specialize(case.launch)
         src = ASTSource(case.launch.kernel, signature, constexprs, attrs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=case.launch.options())
+        target, options = GPUTarget("cuda", cap, 32), case.launch.options()
+        compiled, log = _compile_logged(src, target, options, always=False)
+        # ptxas ran (a cold Triton cache): its log; else the statistics kept from that run; else
+        # (a Triton cache filled by another program) compile once more, bypassing the cache
+        stats = _parse_ptxas_log(log) or _load_stats(compiled.hash)
+        if stats is None:
+            compiled, log = _compile_logged(src, target, options, always=True)
+            stats = _parse_ptxas_log(log)
     except Exception as err:  # a compile error is a report row, not a crash
         # Triton's CompilationError quotes the source; keep its position and its last lines (the cause)
         lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
         where = [line for line in lines[:1] if line.startswith("at ")]
         row["error"] = f"{type(err).__name__}: " + " | ".join(where + lines[-2:])
         return row
-    ptx = compiled.asm["ptx"]
-    stats = _ptxas_stats(ptx, cap)
-    if "error" in stats:
-        row["error"] = stats["error"]
+    if stats is None:
+        row["error"] = "Triton's ptxas log (TRITON_DUMP_PTXAS_LOG) has no register / spill statistics"
         return row
+    _store_stats(compiled.hash, stats)
+    ptx = compiled.asm["ptx"]
     row.update(registers=stats["registers"], spill_bytes=stats["spill_bytes"],
                shared_bytes=int(compiled.metadata.shared) + stats["static_smem"],
                **{key: len(pattern.findall(ptx)) for key, pattern in TENSOR_CORE_PTX.items()})

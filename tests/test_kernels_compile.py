@@ -8,8 +8,8 @@ side-installed once by this session (`ensure_side_triton`, pip from its cache); 
 tests of that Triton fail with pip's reason. The reports run once per session, in parallel
 (`run_reports`, as `dsa-train kernels gate` does)."""
 
-import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -166,17 +166,30 @@ def test_side_install_failure_is_one_line(tmp_path, monkeypatch, capsys):
     assert len(err_lines) == 1 and "no network" in err_lines[0]
 
 
-def test_ptxas_stats_are_cached_by_ptx(tmp_path, monkeypatch):
-    """The `-v` statistics of a PTX are kept in TRITON_CACHE_DIR and read back for the same PTX
-    (a warm report runs no ptxas); another PTX is assembled anew."""
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    ptx = ".version 8.0\n.target sm_90a\n.address_size 64\n.visible .entry k()\n{\n  ret;\n}\n"
-    stats = compile_report._ptxas_stats(ptx, 90)
-    assert stats.get("spill_bytes") == 0 and stats["registers"] is not None, stats
-    (cached,) = (tmp_path / "dsa_ptxas_stats").iterdir()
-    cached.write_text(json.dumps({**stats, "spill_bytes": 12345}))  # a marker only the cache can return
-    assert compile_report._ptxas_stats(ptx, 90)["spill_bytes"] == 12345
-    assert compile_report._ptxas_stats(ptx.replace("ret;", "ret;\n  ret;"), 90)["spill_bytes"] == 0
+def test_ptxas_log_parsing_and_stats_cache(tmp_path, monkeypatch):
+    """Registers / spills / static shared memory are read from `ptxas -v` output (here: Triton's
+    bundled ptxas on a small PTX, and a log with spills), and kept per compiled kernel in
+    TRITON_CACHE_DIR for reruns whose compile Triton's cache answers without ptxas."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptx = tmp_path / "k.ptx"
+    ptx.write_text(".version 8.0\n.target sm_90a\n.address_size 64\n"
+                   ".visible .entry k(.param .u64 p)\n{\n  .reg .b64 %rd<2>;\n  .reg .b32 %r<2>;\n"
+                   "  ld.param.u64 %rd1, [p];\n  mov.u32 %r1, 7;\n  st.global.u32 [%rd1], %r1;\n  ret;\n}\n")
+    proc = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", str(ptx), "-o", str(tmp_path / "k.o")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    stats = compile_report._parse_ptxas_log(proc.stdout + proc.stderr)
+    assert stats is not None and 0 < stats["registers"] <= 255 and stats["spill_bytes"] == 0, proc.stderr
+    spilling = ("ptxas info    : Function properties for k\n    152 bytes stack frame, 88 bytes spill stores, "
+                "40 bytes spill loads\nptxas info    : Used 255 registers, used 1 barriers, 1024 bytes smem")
+    assert compile_report._parse_ptxas_log(spilling) == {"registers": 255, "spill_bytes": 128, "static_smem": 1024}
+    assert compile_report._parse_ptxas_log("") is None  # a Triton cache hit prints no log
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    assert compile_report._load_stats("abc123") is None
+    compile_report._store_stats("abc123", stats)
+    assert compile_report._load_stats("abc123") == stats and compile_report._load_stats("abc124") is None
 
 
 def test_gate_command_verdicts(monkeypatch, capsys):
