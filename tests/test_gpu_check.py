@@ -264,7 +264,8 @@ def test_correctness_checks_fail_on_a_wrong_kernel(monkeypatch):
 
     monkeypatch.setattr(K, "indexer_topk", one_wrong_slot)
     out = correctness.topk_check(64)(opts)
-    assert out.status == "fail" and out.metrics["rows_index_mismatch"] == 1, out.summary
+    assert out.status == "fail" and out.metrics["grid"]["rows_index_mismatch"] == 1, out.summary
+    assert out.metrics["random"]["rows_set_mismatch"] == 1
 
 
 def test_speed_table_counts_tflops_and_anchors_as_on_a_gpu(tmp_path):

@@ -240,44 +240,56 @@ def index_scores_check(T: int, fp8: bool):
 
 
 # ----------------------------------------------------------------------------- top-k
+def _run_topk(q, k, w, ds, K_, pos, cp: bool):
+    import dsa_kernels as K
+
+    if cp:
+        return K.indexer_topk(q, k, w, ds, K_, query_positions=pos)
+    return K.indexer_topk(q, k, w, ds, K_)
+
+
+def _ref_topk(q, k, w, ds, K_, pos, rows, opts, full: bool):
+    from dsa_kernels import indexer_topk_ref
+    from dsa_kernels.ops.indexer_topk import indexer_topk_at_positions_ref
+
+    if full:
+        return indexer_topk_ref(q, k, w, ds, K_, chunk_size=_ref_chunk(opts, 64))
+    return indexer_topk_at_positions_ref(q[:, rows], k, w[:, rows], ds, K_, pos[rows], chunk_size=_ref_chunk(opts, 64))
+
+
+TOPK_NEAR_TIE = 2.0**-20  # random inputs: rows whose k-th and (k+1)-th scores differ by less (x scale) are not compared
+
+
 def topk_check(T: int, cp: bool = False):
-    """Grid-valued inputs: every score is exact in fp32, so the kernel's selection must equal the
-    reference's bit for bit, ties included (ties go to the lower key index). Some query rows are
-    zero: all their scores tie (0), and the first k keys of the row's document must be selected."""
+    """Two inputs. Grid values: every score is exact in fp32, so the kernel's selection must equal
+    the reference's bit for bit, ties included (ties go to the lower key index); three query rows
+    are zero (all their scores tie at 0) and must select the first k keys of their document.
+    Random values (every mantissa bit in play, as real scores): the selected sets must be equal on
+    every row whose k-th and (k+1)-th reference scores are apart by more than 2^-20 of the scale
+    (the kernel and the reference sum in different orders), and the scores within 2^-12."""
 
     def fn(opts: Options) -> Outcome:
-        import dsa_kernels as K
-        from dsa_kernels import indexer_topk_ref
-        from dsa_kernels.ops.indexer_topk import indexer_topk_at_positions_ref
-
         d, dev = dims_for(opts.small), _device(opts)
         ds = doc_start_of(doc_lengths(T), dev)
         pos = cp_positions(T, dev) if cp else torch.arange(T, device=dev)
         Tq = pos.shape[0]
-        q = grid((1, T, d.H_I, d.D_I), dev, seed=T + 21)
-        k = grid((1, T, d.D_I), dev, seed=T + 22)
-        w = grid((1, T, d.H_I), dev, seed=T + 23, dtype=torch.float32)
         tie_rows = torch.tensor([Tq - 1, Tq // 2, Tq // 3], device=dev)  # local rows, all scores 0
-        q = q[:, pos].clone()
-        w = w[:, pos].contiguous()
-        q[:, tie_rows] = 0
-        if cp:
-            idx, val = K.indexer_topk(q, k, w, ds, d.K, query_positions=pos)
-        else:
-            idx, val = K.indexer_topk(q, k, w, ds, d.K)
         rows = compared_rows(Tq, d, ds, pos).to(dev)
         rows = torch.unique(torch.cat([rows, tie_rows]))
-        if rows.shape[0] == Tq and not cp:
-            ridx, rval = indexer_topk_ref(q, k, w, ds, d.K, chunk_size=_ref_chunk(opts, 64))
-        else:
-            ridx, rval = indexer_topk_at_positions_ref(q[:, rows], k, w[:, rows], ds, d.K, pos[rows],
-                                                       chunk_size=_ref_chunk(opts, 64))
+        full = rows.shape[0] == Tq and not cp
+
+        # grid values: exact
+        q = grid((1, T, d.H_I, d.D_I), dev, seed=T + 21)[:, pos].clone()
+        k = grid((1, T, d.D_I), dev, seed=T + 22)
+        w = grid((1, T, d.H_I), dev, seed=T + 23, dtype=torch.float32)[:, pos].contiguous()
+        q[:, tie_rows] = 0
+        idx, val = _run_topk(q, k, w, ds, d.K, pos, cp)
+        ridx, rval = _ref_topk(q, k, w, ds, d.K, pos, rows, opts, full)
         got_i, got_v = idx[:, rows], val[:, rows]
         bad_rows = int((got_i != ridx).any(-1).sum())
-        bad_vals = int(((got_v != rval) & ~(torch.isnan(got_v) & torch.isnan(rval))).any(-1).sum())
-        # the tie rows: the k lowest visible keys, ascending
+        bad_vals = int((got_v != rval).any(-1).sum())
         tie_bad = 0
-        for r in tie_rows.tolist():
+        for r in tie_rows.tolist():  # the k lowest visible keys, ascending
             p = int(pos[r])
             start = int(ds[0, p])
             n = min(d.K, p - start + 1)
@@ -285,17 +297,38 @@ def topk_check(T: int, cp: bool = False):
             want[:n] = torch.arange(start, start + n, device=dev, dtype=torch.int32)
             tie_bad += int(not torch.equal(idx[0, r], want))
         short = int(((ridx < 0).any(-1)).sum())
-        metrics = {"rows_compared": int(rows.shape[0]), "queries": Tq, "rows_index_mismatch": bad_rows,
-                   "rows_score_mismatch": bad_vals, "all_tie_rows_wrong": tie_bad,
-                   "rows_with_fewer_than_k": short}
-        ok = bad_rows == 0 and bad_vals == 0 and tie_bad == 0
-        summary = (f"{'exact' if ok else 'MISMATCH'}: {bad_rows} index / {bad_vals} score rows differ of "
-                   f"{rows.shape[0]} compared ({short} with fewer than k keys), all-tie rows "
-                   f"{len(tie_rows) - tie_bad}/{len(tie_rows)} take the lowest keys")
+        del q, k, w, idx, val
+
+        # random values: equal sets away from near-ties, scores within tolerance
+        q = randn((1, Tq, d.H_I, d.D_I), dev, seed=T + 24)
+        k = randn((1, T, d.D_I), dev, seed=T + 25)
+        w = randn((1, Tq, d.H_I), dev, seed=T + 26, dtype=torch.float32, std=(d.H_I * d.D_I) ** -0.5)
+        idx, val = _run_topk(q, k, w, ds, d.K, pos, cp)
+        ridx1, rval1 = _ref_topk(q, k, w, ds, d.K + 1, pos, rows, opts, full)  # one more: the margin
+        ridx, rval = ridx1[..., : d.K], rval1[..., : d.K]
+        got_i, got_v = idx[:, rows], val[:, rows]
+        scale = float(rval[torch.isfinite(rval)].abs().max().clamp_min(1e-30))
+        kth, next_ = rval1[..., d.K - 1], rval1[..., d.K]
+        clear = ~torch.isfinite(next_) | ((kth - next_) > TOPK_NEAR_TIE * scale)
+        same_set = (torch.sort(got_i, -1).values == torch.sort(ridx, -1).values).all(-1)
+        set_bad = int((clear & ~same_set).sum())
+        near = int((~clear).sum())
+        score_err = compare(got_v[clear], rval[clear], TOL["scores"])
+
+        metrics = {"rows_compared": int(rows.shape[0]), "queries": Tq,
+                   "grid": {"rows_index_mismatch": bad_rows, "rows_score_mismatch": bad_vals,
+                            "all_tie_rows_wrong": tie_bad, "rows_with_fewer_than_k": short},
+                   "random": {"rows_set_mismatch": set_bad, "near_tie_rows_not_compared": near,
+                              "scores": score_err}}
+        ok = bad_rows == 0 and bad_vals == 0 and tie_bad == 0 and set_bad == 0 and score_err["ok"]
+        summary = (f"{'' if ok else 'MISMATCH: '}grid: {bad_rows} index / {bad_vals} score rows differ of "
+                   f"{rows.shape[0]} ({short} with < k keys), all-tie rows {len(tie_rows) - tie_bad}/{len(tie_rows)} "
+                   f"take the lowest keys; random: {set_bad} sets differ ({near} near-tie rows not compared), "
+                   f"scores {score_err['err']:.2g}/{score_err['tol']:.2g}")
         return Outcome("pass" if ok else "fail", summary, metrics)
 
     fn.T = T
-    return _budget(_need(T, 3.0, 0.2))(fn)
+    return _budget(_need(T, 4.0, 0.4))(fn)
 
 
 # ----------------------------------------------------------------------------- indexer KL
@@ -437,8 +470,8 @@ def checks(opts: Options) -> list[Check]:
                   index_scores_check(T, fp8=False)),
             Check(f"correctness.index_scores_fp8.T{T}", "correctness", f"{ix}; e4m3 q/k, 128-channel scales",
                   index_scores_check(T, fp8=True)),
-            Check(f"correctness.indexer_topk.T{T}", "correctness", f"{ix} k={d.K}; exact, ties to the lower index, "
-                                                                   f"{sample}", topk_check(T)),
+            Check(f"correctness.indexer_topk.T{T}", "correctness", f"{ix} k={d.K}; grid inputs exact (ties to the lower "
+                                                                   f"index), random inputs same sets; {sample}", topk_check(T)),
             Check(f"correctness.sparse_indexer_kl.T{T}", "correctness",
                   f"{ix} k={d.K} H={d.H} D={d.D}; value + dq_I/dk_I/dw", sparse_kl_check(T)),
             Check(f"correctness.dense_indexer_kl.T{T}", "correctness",
@@ -452,7 +485,7 @@ def checks(opts: Options) -> list[Check]:
     out += [
         Check(f"correctness.sparse_mla.cp.T{big}", "correctness", f"{cp}, H={d.H} D={d.D} k={d.K}; fwd + bwd",
               sparse_mla_check(big, cp=True)),
-        Check(f"correctness.indexer_topk.cp.T{big}", "correctness", f"{cp}, H_I={d.H_I} k={d.K}; exact",
+        Check(f"correctness.indexer_topk.cp.T{big}", "correctness", f"{cp}, H_I={d.H_I} k={d.K}; exact / same sets",
               topk_check(big, cp=True)),
         Check(f"correctness.sparse_indexer_kl.cp.T{big}", "correctness", f"{cp}, k={d.K}; value + grads",
               sparse_kl_check(big, cp=True)),
