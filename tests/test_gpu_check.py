@@ -139,7 +139,7 @@ def test_topk_lists_are_what_the_indexer_returns():
             assert int(valid.min()) >= int(ds[0, t]) and int(valid.max()) <= t
 
 
-@pytest.mark.slow  # ~45 s of CPU on 2 cores (the interpreter), ~100 s wall under load
+@pytest.mark.slow  # 37 s on an idle 2-core machine (the interpreter), ~100 s under heavy load
 def test_cpu_small_run_writes_both_reports_and_every_kernel_check_passes(tmp_path):
     """The command end to end on the CPU: tiny shapes, Triton interpreter, kernel sections (the
     end-to-end and NCCL sections are tests/test_gpu_check_e2e.py's)."""
