@@ -391,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="dsa-train kernels",
         description="Kernel tools. `report`: compile every DSA kernel at the 671B shapes for a GPU "
                     "architecture (no GPU needed) and print registers, spills, shared memory and "
-                    "tensor-core instructions, with the compile gate's verdict.")
+                    "tensor-core instructions, with the compile gate's verdict. `gate`: the reports of "
+                    "the compile gate (every supported Triton and architecture it covers), one verdict each.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     rep = sub.add_parser("report", help="compile report for a GPU architecture")
     rep.add_argument("--arch", default="sm_90a", choices=sorted(ARCHES),
@@ -399,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--triton", metavar="VERSION",
                      help=f"compile with this Triton ({' or '.join(SUPPORTED_TRITON)}; default: the installed "
                           f"one); another than the installed is side-installed once with pip into "
-                          f"{side_triton_dir('VERSION')} (DSA_TRITON_SIDE_DIR overrides the folder)")
+                          f"{side_triton_dir('VERSION')} (DSA_TRITON_SIDE_DIR replaces {side_triton_dir('VERSION').parent})")
     rep.add_argument("--op", action="append", dest="ops", metavar="OP",
                      help="only this op (repeatable); default: every registered op")
     rep.add_argument("--json", action="store_true",
