@@ -143,6 +143,11 @@ def run_hydra(argv: list[str], train) -> int:
             raise SystemExit(report(ConfigError(f"invalid recipe: {err}")))
         # Hydra prints any exception with a traceback: project errors leave as their one line here
         def run_training() -> None:
+            from dsa_train.runtime import require_train_extra
+
+            # the data sources read through `datasets`; W&B only when it is not disabled
+            mode = getattr(train_cfg.logging.wandb_mode, "value", train_cfg.logging.wandb_mode)
+            require_train_extra("datasets", *(() if mode == "disabled" else ("wandb",)))
             train(train_cfg)
 
         code = run_reporting(run_training)

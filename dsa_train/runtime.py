@@ -38,3 +38,18 @@ def quiet_third_party(rank: int = 0) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron|transformer_engine|apex|deepspeed)(\..*)?$")
     if rank != 0:
         warnings.simplefilter("ignore")
+
+
+def require_train_extra(*packages: str, purpose: str = "training") -> None:
+    """Raise one clear DSATrainError when a package of the `train` extra (pyproject.toml) is not
+    installed: a core install (`pip install dsa-train`, what `dsa-train gpu-check` needs on a
+    cluster image) has no datasets / wandb / matplotlib."""
+    import importlib.util
+
+    missing = [name for name in packages if importlib.util.find_spec(name) is None]
+    if missing:
+        from dsa_train.errors import DSATrainError
+
+        raise DSATrainError(f"{purpose} needs {', '.join(missing)}, which this installation lacks (a core install) — "
+                            f"install the train extra: pip install \"dsa-train[train]\" (offline on a cluster "
+                            f"image: the wheelhouse of docs/install.md with EXTRAS=train)")

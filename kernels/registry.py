@@ -78,11 +78,9 @@ class _Entry:
 _REGISTRY: dict[str, _Entry] = {}
 
 
-def register(op: str, attention: bool | None = None):
-    """Decorator for a function `() -> list[KernelCase]` that builds an op's launches.
-
-    `attention` is obsolete and ignored (the tensor-core rule now covers every dot-product kernel,
-    see `DOT_FREE_KERNELS`); it is still accepted so that op folders passing it keep loading."""
+def register(op: str):
+    """Decorator for a function `() -> list[KernelCase]` that builds an op's launches. Whether a
+    kernel must use tensor cores is decided by its source (`DOT_FREE_KERNELS`), not here."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; the report's ops are {', '.join(OPS)}")
 

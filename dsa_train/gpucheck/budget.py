@@ -21,7 +21,7 @@ def reserve_after(opts: Options, section: str) -> float:
         return 0.0
     from .core import SECTIONS
 
-    selected = getattr(opts, "selected_sections", SECTIONS)
+    selected = opts.selected_sections
     later = SECTIONS[SECTIONS.index(section) + 1:]
     need = sum(SECTION_NEEDS_S.get(s, 0.0) for s in later if s in selected)
     if "nccl" in later and "nccl" in selected and opts.device == "cuda":

@@ -25,6 +25,7 @@ class Options:
     small: bool = False  # tiny shapes: the CPU run of the command itself (tests), not a validation
     out: Path = Path("gpu-check")  # report directory; checks may write files under it
     deadline: float = float("inf")  # time.monotonic() by which the whole command should end
+    selected_sections: tuple = SECTIONS  # the sections this run executes (the runner sets it from --only)
 
     def time_left(self) -> float:
         return self.deadline - time.monotonic()

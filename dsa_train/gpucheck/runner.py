@@ -178,6 +178,17 @@ def markdown(report: dict) -> str:
                     lines.append(f"| {a['pass']} | {a['anchor']} | {a['anchor_tflops']:.0f} | "
                                  f"{a['ours_over_anchor']:.2f} |")
             lines.append("")
+    e2e_rows = [r for r in report["checks"] if r["section"] == "end-to-end"]
+    if e2e_rows:
+        from . import e2e
+
+        for r in e2e_rows:
+            try:
+                table = e2e.markdown_lines(r)
+            except (KeyError, TypeError) as err:  # a report.json from another version of the check
+                table = [f"(end-to-end figures of {r['name']} not tabulated: {type(err).__name__} {err})", ""]
+            if table:
+                lines += ["", *table]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -276,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
               f"pass a writable --out DIR", file=sys.stderr)
         return 2
     checks = select(collect(opts), args.only)
-    opts.selected_sections = {c.section for c in checks}  # budget.py reserves time only for these
+    opts.selected_sections = tuple(sorted({c.section for c in checks}))  # budget.py reserves time only for these
     started, t0 = time.time(), time.monotonic()
     opts.deadline = t0 + args.budget_s
     print(f"dsa-train gpu-check: {len(checks)} checks on {args.device}{' (--small)' if args.small else ''}, "

@@ -238,6 +238,9 @@ PROBE_OF = {"train/lm_loss": "lm_loss", "train/indexer_kl": "indexer_kl",
 def write_plots(data: RunData, out_dir: Path) -> list[Path]:
     """One PNG per panel: a row per metric, a column per stage (each with its own y-axis, so that a
     stage's change is visible next to a larger one of another stage), probe values as markers."""
+    from dsa_train.runtime import require_train_extra
+
+    require_train_extra("matplotlib", purpose="`dsa-train report`'s plots")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -27,7 +27,7 @@ def _config(launch) -> str:
             + f" warps={launch.num_warps} stages={launch.num_stages} grid={launch.grid}")
 
 
-@register("dense_attention_fwd", attention=True)
+@register("dense_attention_fwd")
 def _fwd():
     q, k, v, lse, ds, scale = _tensors()
     out = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device="meta")
@@ -35,7 +35,7 @@ def _fwd():
     return [KernelCase(_config(launch), launch)]
 
 
-@register("dense_attention_bwd", attention=True)
+@register("dense_attention_bwd")
 def _bwd():
     q, k, v, lse, ds, scale = _tensors()
     dout = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device="meta")

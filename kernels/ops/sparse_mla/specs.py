@@ -34,7 +34,7 @@ def _config(launch) -> str:
     return " ".join(f"{k}={a[k]}" for k in keys) + f" warps={launch.num_warps}{stages} grid={launch.grid}"
 
 
-@register("sparse_mla_fwd", attention=True)
+@register("sparse_mla_fwd")
 def _fwd():
     q, kv, idx, lse, scale, d_v = _tensors()
     out = torch.empty(*q.shape[:3], d_v, dtype=q.dtype, device="meta")
@@ -72,7 +72,7 @@ def bwd_launches(T: int | None = None, K: int | None = None) -> list[tuple[str, 
     return [("", atomic), (f"deterministic (chunk {c} tokens, window {w} of {K} slots) ", det)]
 
 
-@register("sparse_mla_bwd", attention=True)
+@register("sparse_mla_bwd")
 def _bwd():
     cases = [KernelCase(label + _config(launch), launch) for label, launch in bwd_launches()]
     # CP dense-at-positions: DENSE_CHUNK_ELEMS // T queries over K = T = 128K slots (a real call;

@@ -1,0 +1,46 @@
+"""A core install (no `train` extra: no datasets / wandb / matplotlib, as on a cluster image set
+up for `dsa-train gpu-check`) asked to train gets one line naming the missing package and the
+extra to install, not a traceback."""
+
+import subprocess
+import sys
+
+import pytest
+
+from dsa_train.errors import DSATrainError
+from dsa_train.runtime import require_train_extra
+
+# run the CLI in a fresh interpreter in which `datasets` cannot be imported
+BLOCKED = r"""
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "datasets":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, Block())
+import importlib.util
+_find = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a: None if name.split(".")[0] == "datasets" else _find(name, *a)
+from dsa_train.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_require_train_extra_names_the_package_and_the_extra():
+    require_train_extra("json")  # present: nothing happens
+    with pytest.raises(DSATrainError) as err:
+        require_train_extra("json", "no_such_package_dsa")
+    msg = str(err.value)
+    assert "\n" not in msg and "no_such_package_dsa" in msg and "json" not in msg.split("lacks")[0]
+    assert 'dsa-train[train]' in msg and "docs/install.md" in msg
+
+
+def test_training_without_datasets_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", BLOCKED, "profile=smoke", f"run_dir={tmp_path}/run",
+                           "logging.wandb_mode=disabled"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    err = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert any("datasets" in line and "dsa-train[train]" in line for line in err), proc.stderr[-2000:]
