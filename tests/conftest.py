@@ -9,3 +9,17 @@ Set DSA_STRICT_DEVICES=0 in the environment to switch it off.
 import os
 
 os.environ.setdefault("DSA_STRICT_DEVICES", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _restore_deterministic_mode():
+    """A test that trains in-process with `deterministic: true` switches on
+    torch.use_deterministic_algorithms for the whole process (dsa_train/engine/rng.py); restore the
+    mode after every test so that later tests see the default (one did: the sparse-MLA backward
+    then took its deterministic path)."""
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
