@@ -104,6 +104,11 @@ def _fwd_bwd(fwd, inputs, dout_like, opts: Options, reps: int | None = None) -> 
     return fwd_ms, bwd_ms
 
 
+def _passes(fwd, inputs, dout_like, opts: Options, reps: int | None = None) -> dict:
+    """_fwd_bwd as {"fwd": ms, "bwd": ms}, the form Table.add_passes and Table.baseline take."""
+    return dict(zip(("fwd", "bwd"), _fwd_bwd(fwd, inputs, dout_like, opts, reps)))
+
+
 class Table:
     """Rows of one speed check: (pass, impl, ms, flops) -> metrics and a one-line summary."""
 
@@ -116,12 +121,16 @@ class Table:
             row["tflops"] = round(flops / (ms * 1e-3) / 1e12, 2)
         self.rows.append(row)
 
+    def add_passes(self, impl: str, times: dict, flops: dict):
+        """One row per {pass: ms} of times, each with its pass's FLOPs."""
+        for p, ms in times.items():
+            self.add(p, impl, ms, flops.get(p))
+
     def baseline(self, impl: str, run, flops: dict):
         """Time a baseline: run() -> {pass: ms}; its failure is a row with the error, not the
         check's failure (the baselines are comparisons, not what is checked)."""
         try:
-            for p, ms in run().items():
-                self.add(p, impl, ms, flops.get(p))
+            self.add_passes(impl, run(), flops)
         except Exception as err:  # e.g. an SDPA backend that refuses these head dims
             msg = " ".join(str(err).split())[:160]
             self.rows.append({"pass": "-", "impl": impl, "ms": None, "error": f"{type(err).__name__}: {msg}"})
@@ -190,19 +199,13 @@ def sparse_mla_speed(opts: Options) -> Outcome:
     q = randn((1, T, d.H, d.D), dev, seed=2).requires_grad_()
     kv = randn((1, T, d.D), dev, seed=3).requires_grad_()
     scale = d.D**-0.5
-    fwd_f, bwd_f = 2 * pairs * d.H * (d.D + d.D_V), 2 * pairs * d.H * (3 * d.D + 2 * d.D_V)
+    flops = {"fwd": 2 * pairs * d.H * (d.D + d.D_V), "bwd": 2 * pairs * d.H * (3 * d.D + 2 * d.D_V)}
     table = Table(opts, f"fwd 2*pairs*H*(D+D_V), bwd 2*pairs*H*(3D+2D_V); pairs={pairs}")
-    f, b = _fwd_bwd(lambda: K.sparse_mla(q, kv, idx, scale, d.D_V), (q, kv), torch.randn_like, opts)
-    table.add("fwd", "ours", f, fwd_f)
-    table.add("bwd", "ours", b, bwd_f)
+    table.add_passes("ours", _passes(lambda: K.sparse_mla(q, kv, idx, scale, d.D_V), (q, kv), torch.randn_like, opts),
+                     flops)
     chunk = BASELINE_CHUNK if opts.device == "cuda" else None
-
-    def chunked():
-        f, b = _fwd_bwd(lambda: sparse_mla_chunked(q, kv, idx, scale, d.D_V, chunk), (q, kv), torch.randn_like, opts,
-                        reps=BASELINE_REPS)
-        return {"fwd": f, "bwd": b}
-
-    table.baseline("chunked PyTorch", chunked, {"fwd": fwd_f, "bwd": bwd_f})
+    table.baseline("chunked PyTorch", lambda: _passes(lambda: sparse_mla_chunked(q, kv, idx, scale, d.D_V, chunk),
+                                                      (q, kv), torch.randn_like, opts, BASELINE_REPS), flops)
     return table.outcome("sparse_mla")
 
 
@@ -248,20 +251,14 @@ def sparse_kl_speed(opts: Options) -> Outcome:
     qi = randn((1, T, d.H_I, d.D_I), dev, seed=10).requires_grad_()
     ki = randn((1, T, d.D_I), dev, seed=11).requires_grad_()
     wi = randn((1, T, d.H_I), dev, seed=12, dtype=torch.float32).requires_grad_()
-    fwd_f, bwd_f = 2 * pairs * (d.H * d.D + d.H_I * d.D_I), 2 * pairs * (d.H * d.D + 3 * d.H_I * d.D_I)
+    flops = {"fwd": 2 * pairs * (d.H * d.D + d.H_I * d.D_I), "bwd": 2 * pairs * (d.H * d.D + 3 * d.H_I * d.D_I)}
     table = Table(opts, f"fwd 2*pairs*(H*D + H_I*d_I), bwd 2*pairs*(H*D + 3*H_I*d_I); pairs={pairs}")
-    f, b = _fwd_bwd(lambda: K.sparse_indexer_kl(qi, ki, wi, idx, qm, kvm, lse, d.D**-0.5)[0], (qi, ki, wi),
-                    torch.ones_like, opts)
-    table.add("fwd", "ours", f, fwd_f)
-    table.add("bwd", "ours", b, bwd_f)
+    table.add_passes("ours", _passes(lambda: K.sparse_indexer_kl(qi, ki, wi, idx, qm, kvm, lse, d.D**-0.5)[0],
+                                     (qi, ki, wi), torch.ones_like, opts), flops)
     chunk = BASELINE_CHUNK if opts.device == "cuda" else None
-
-    def chunked():
-        f, b = _fwd_bwd(lambda: sparse_indexer_kl_chunked(qi, ki, wi, idx, qm, kvm, lse, d.D**-0.5, chunk)[0],
-                        (qi, ki, wi), torch.ones_like, opts, reps=BASELINE_REPS)
-        return {"fwd": f, "bwd": b}
-
-    table.baseline("chunked PyTorch", chunked, {"fwd": fwd_f, "bwd": bwd_f})
+    table.baseline("chunked PyTorch", lambda: _passes(
+        lambda: sparse_indexer_kl_chunked(qi, ki, wi, idx, qm, kvm, lse, d.D**-0.5, chunk)[0], (qi, ki, wi),
+        torch.ones_like, opts, BASELINE_REPS), flops)
     return table.outcome("sparse_indexer_kl")
 
 
@@ -278,21 +275,16 @@ def dense_kl_speed(opts: Options) -> Outcome:
     wi = randn((1, T, d.H_I), dev, seed=17, dtype=torch.float32).requires_grad_()
     scale = d.D_MHA**-0.5
     # the target's lse pass (QK^T of every head) + the KL pass (QK^T again, scores; bwd: + dq_I, dk_I)
-    fwd_f = 2 * pairs * (2 * d.H_MHA * d.D_MHA + d.H_I * d.D_I)
-    bwd_f = 2 * pairs * (2 * d.H_MHA * d.D_MHA + 3 * d.H_I * d.D_I)
+    flops = {"fwd": 2 * pairs * (2 * d.H_MHA * d.D_MHA + d.H_I * d.D_I),
+             "bwd": 2 * pairs * (2 * d.H_MHA * d.D_MHA + 3 * d.H_I * d.D_I)}
     table = Table(opts, "fwd 2*pairs*(2*H*D_qk + H_I*d_I), bwd 2*pairs*(2*H*D_qk + 3*H_I*d_I) (lse pass + KL pass), "
                         f"pairs = T(T+1)/2 = {pairs}")
-    f, b = _fwd_bwd(lambda: K.dense_indexer_kl(qi, ki, wi, qm, km, scale, ds)[0], (qi, ki, wi), torch.ones_like, opts)
-    table.add("fwd", "ours", f, fwd_f)
-    table.add("bwd", "ours", b, bwd_f)
+    table.add_passes("ours", _passes(lambda: K.dense_indexer_kl(qi, ki, wi, qm, km, scale, ds)[0], (qi, ki, wi),
+                                     torch.ones_like, opts), flops)
     chunk = DENSE_BASELINE_CHUNK if opts.device == "cuda" else None
-
-    def chunked():
-        f, b = _fwd_bwd(lambda: K.dense_indexer_kl_ref(qi, ki, wi, qm, km, scale, ds, chunk)[0], (qi, ki, wi),
-                        torch.ones_like, opts, reps=DENSE_BASELINE_REPS)
-        return {"fwd": f, "bwd": b}
-
-    table.baseline("chunked PyTorch", chunked, {"fwd": fwd_f, "bwd": bwd_f})
+    table.baseline("chunked PyTorch", lambda: _passes(
+        lambda: K.dense_indexer_kl_ref(qi, ki, wi, qm, km, scale, ds, chunk)[0], (qi, ki, wi), torch.ones_like, opts,
+        DENSE_BASELINE_REPS), flops)
     return table.outcome("dense_indexer_kl")
 
 
@@ -309,12 +301,11 @@ def dense_attention_speed(opts: Options) -> Outcome:
     k = randn((1, T, d.H_MHA, d.D_MHA), dev, seed=19).requires_grad_()
     v = randn((1, T, d.H_MHA, d.DV_MHA), dev, seed=20).requires_grad_()
     scale = d.D_MHA**-0.5
-    fwd_f = 2 * pairs * d.H_MHA * (d.D_MHA + d.DV_MHA)
-    bwd_f = 2 * pairs * d.H_MHA * (3 * d.D_MHA + 2 * d.DV_MHA)
+    flops = {"fwd": 2 * pairs * d.H_MHA * (d.D_MHA + d.DV_MHA),
+             "bwd": 2 * pairs * d.H_MHA * (3 * d.D_MHA + 2 * d.DV_MHA)}
     table = Table(opts, f"fwd 2*pairs*H*(D_qk+D_v), bwd 2*pairs*H*(3D_qk+2D_v), causal pairs = T(T+1)/2 = {pairs}")
-    f, b = _fwd_bwd(lambda: K.dense_attention(q, k, v, scale, ds), (q, k, v), torch.randn_like, opts)
-    table.add("fwd", "ours", f, fwd_f)
-    table.add("bwd", "ours", b, bwd_f)
+    table.add_passes("ours", _passes(lambda: K.dense_attention(q, k, v, scale, ds), (q, k, v), torch.randn_like, opts),
+                     flops)
 
     def sdpa():
         o = torch.nn.functional.scaled_dot_product_attention(
@@ -322,14 +313,12 @@ def dense_attention_speed(opts: Options) -> Outcome:
         return o.transpose(1, 2)
 
     def timed(fn):
-        return lambda: dict(zip(("fwd", "bwd"), _fwd_bwd(fn, (q, k, v), torch.randn_like, opts)))
+        return lambda: _passes(fn, (q, k, v), torch.randn_like, opts)
 
-    flops = {"fwd": fwd_f, "bwd": bwd_f}
     table.baseline("PyTorch SDPA", timed(sdpa), flops)
     chunk = DENSE_BASELINE_CHUNK if opts.device == "cuda" else None
-    table.baseline("chunked PyTorch", lambda: dict(zip(("fwd", "bwd"), _fwd_bwd(
-        lambda: K.dense_attention_ref(q, k, v, scale, ds, chunk), (q, k, v), torch.randn_like, opts,
-        reps=DENSE_BASELINE_REPS))), flops)
+    table.baseline("chunked PyTorch", lambda: _passes(lambda: K.dense_attention_ref(q, k, v, scale, ds, chunk),
+                                                      (q, k, v), torch.randn_like, opts, DENSE_BASELINE_REPS), flops)
     if opts.device == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         def fa():  # one head dim for q/k/v: v zero-padded to 192, the padding's work not counted
             from flash_attn import flash_attn_func
