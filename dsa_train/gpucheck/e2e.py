@@ -185,13 +185,8 @@ def run_nccl_ep2(opts: Options) -> Outcome:
 # ----------------------------------------------------------------------------- end to end on one GPU
 def _train_kill_resume(opts: Options) -> Outcome:
     started = time.monotonic()
-    require_packages()
-    _timeout(opts)
+    work = _fresh_work_dir(opts, "end-to-end")
     layout = single_layout(opts)
-    work = Path(opts.out) / "end-to-end"
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
     plan = plan_estimate(layout, work / "plan-run")  # also checks the overrides before any run starts
     reference_dir, resumed_dir = work / "reference", work / "killed_then_resumed"
     extra = peak_flops_overrides(layout)
@@ -375,13 +370,8 @@ def markdown_lines(result: dict) -> list[str]:
 # ------------------------------------------------------------------------------------------- NCCL
 def _nccl_ep2(opts: Options) -> Outcome:
     started = time.monotonic()
-    require_packages()
-    _timeout(opts)
+    work = _fresh_work_dir(opts, "nccl")
     layout = nccl_layout(opts)
-    work = Path(opts.out) / "nccl"
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
     run_dir = work / "ep2"
     (port,) = free_ports(1)
     cmd = [sys.executable, "-m", "dsa_train.cli", "launch", "torchrun", "--nproc-per-node", "2", "--master-port",
@@ -422,6 +412,17 @@ def _nccl_ep2(opts: Options) -> Outcome:
 
 
 # ------------------------------------------------------------------------------------------ helpers
+def _fresh_work_dir(opts: Options, name: str) -> Path:
+    """`<out>/<name>`, emptied, once the trainer's packages are there and time is left."""
+    require_packages()
+    _timeout(opts)
+    work = Path(opts.out) / name
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    return work
+
+
 def require_packages() -> None:
     missing = []
     for module, dist in REQUIRED.items():
