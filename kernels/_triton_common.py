@@ -91,6 +91,21 @@ class Launch:
         self.kernel[self.grid](**self.args, **self.options())
 
 
+def row_dot(a: torch.Tensor, b: torch.Tensor, chunk_elems: int) -> torch.Tensor:
+    """[B, T, H, D] x2 -> [B, T, H] fp32 sum over D of a * b (the backward's rowsum(dO * O)), one
+    token chunk at a time: the only temporary is the chunk's fp32 product (at most chunk_elems
+    elements), never a full-size fp32 copy of a or b."""
+    B, T, H, D = a.shape
+    out = torch.empty((B, T, H), dtype=torch.float32, device=a.device)
+    step = max(1, chunk_elems // max(B * H * D, 1))
+    for t0 in range(0, T, step):
+        prod = a[:, t0:t0 + step].to(torch.float32, copy=True)  # [B, C, H, D], the one temporary
+        prod.mul_(b[:, t0:t0 + step])
+        out[:, t0:t0 + step] = prod.sum(-1)
+        del prod  # freed before the next chunk's copy: one chunk alive at a time
+    return out
+
+
 # ----------------------------------------------------------------------------- input policies
 # Shared by every op's Triton entry point (decided once, documented in docs/kernels.md):
 #

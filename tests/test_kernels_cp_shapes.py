@@ -274,10 +274,10 @@ def test_fp32_inputs_indexer_topk_scored_in_bf16(monkeypatch):
 
 def test_dense_attention_backward_delta_in_token_chunks():
     # rowsum(dO * O) of the Triton backward, a token chunk at a time (no full-size fp32 copies)
-    from dsa_kernels.ops.dense_attention.function import _row_dot
+    from dsa_kernels._triton_common import row_dot
 
     g = torch.Generator().manual_seed(3)
     a, b = (torch.randn(2, 37, 3, 8, generator=g).bfloat16() for _ in range(2))
     full = (a.float() * b.float()).sum(-1)
     for chunk_elems in (2 * 3 * 8 * 5, 1 << 24):  # 5 tokens per chunk (8 chunks, the last partial); one chunk
-        torch.testing.assert_close(_row_dot(a, b, chunk_elems), full, rtol=0, atol=0)
+        torch.testing.assert_close(row_dot(a, b, chunk_elems), full, rtol=0, atol=0)

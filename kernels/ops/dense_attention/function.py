@@ -100,11 +100,12 @@ class DenseAttentionTritonFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, _grad_lse):
+        from ..._triton_common import row_dot
         from .kernel import plan_bwd
 
         q, k, v, out, lse, ds, de = ctx.saved_tensors
         dout = grad_out.to(q.dtype).contiguous()
-        delta = _row_dot(dout, out)  # [B, T, H] = rowsum(dO * O), fp32
+        delta = row_dot(dout, out, DELTA_CHUNK_ELEMS)  # [B, T, H] = rowsum(dO * O), fp32
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         if q.numel() > 0:
             for launch in plan_bwd(q, k, v, dout, lse, delta, ds, de, dq, dk, dv, ctx.scale):
@@ -112,17 +113,7 @@ class DenseAttentionTritonFunction(torch.autograd.Function):
         return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None
 
 
-def _row_dot(a: torch.Tensor, b: torch.Tensor, chunk_elems: int = 1 << 24) -> torch.Tensor:
-    """[B, T, H, D] x2 -> [B, T, H] fp32 sum over D of a * b, a token chunk at a time: the fp32
-    copies of a chunk stay <= chunk_elems elements (64 MB), never two full-size fp32 copies of
-    [B, T, H, D] (2 x 2.1 GB at T = 32K, H = 128, D = 128)."""
-    B, T, H, D = a.shape
-    out = torch.empty((B, T, H), dtype=torch.float32, device=a.device)
-    step = max(1, chunk_elems // max(B * H * D, 1))
-    for t0 in range(0, T, step):
-        t1 = min(T, t0 + step)
-        out[:, t0:t1] = (a[:, t0:t1].float() * b[:, t0:t1].float()).sum(-1)
-    return out
+DELTA_CHUNK_ELEMS = 1 << 24  # fp32 elements of the backward's rowsum(dO * O) temporary (64 MB; `row_dot`)
 
 
 def triton_supports(q, k, v) -> bool:

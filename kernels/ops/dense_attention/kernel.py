@@ -14,8 +14,8 @@ packed document) keeps m = -inf, and m is replaced by 0 before subtracting, so n
 exp(-inf - (-inf)) = NaN. A row with no visible key at all ends with l = 0: out = 0, lse = -inf.
 
 Backward (FlashAttention-2): delta = rowsum(dO * O) is formed in PyTorch (a token chunk at a
-time, `function._row_dot`); P is recomputed from the saved lse. dK/dV: one program per (key block, batch x head) walks the query blocks from the
-key block's diagonal to the end of the last key's document (`doc_end`); every key row belongs to
+time, `_triton_common.row_dot`); P is recomputed from the saved lse. dK/dV: one program per (key
+block, batch x head) walks the query blocks from the key block's diagonal to the end of the last key's document (`doc_end`); every key row belongs to
 one program, so dK/dV are written once, no atomics. dQ: one program per (query block, batch x
 head) walks the key tiles as the forward does.
 """

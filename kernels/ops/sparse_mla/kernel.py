@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._triton_common import Launch, pow2
+from ..._triton_common import Launch, pow2, row_dot
 
 LOG2E = 1.4426950408889634
 GRID_X_MAX, GRID_YZ_MAX = 2**31 - 1, 65535  # CUDA's grid limits (x; y and z)
@@ -386,16 +386,9 @@ DELTA_CHUNK_ELEMS = 1 << 26  # fp32 elements of `bwd_delta`'s one temporary (256
 
 def bwd_delta(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
     """delta [B, T, H] fp32 = rowsum(dO * O) - dlse (dlse only where lse is finite), for
-    out / dout [B, T, H, d_v]. One token chunk at a time: the only temporary is the chunk's fp32
-    product (at most DELTA_CHUNK_ELEMS), never a full-size fp32 copy of dO or O."""
-    B, T, H, d_v = out.shape
-    delta = torch.empty((B, T, H), dtype=torch.float32, device=out.device)
-    chunk = max(1, DELTA_CHUNK_ELEMS // max(B * H * d_v, 1))
-    for t0 in range(0, T, chunk):
-        prod = dout[:, t0:t0 + chunk].to(torch.float32, copy=True)  # [B, C, H, d_v], the one temporary
-        prod.mul_(out[:, t0:t0 + chunk])
-        delta[:, t0:t0 + chunk] = prod.sum(-1)
-        del prod  # freed before the next chunk's copy: one chunk alive at a time
+    out / dout [B, T, H, d_v]. The rowsum is `_triton_common.row_dot`, a token chunk at a time (its
+    one temporary: at most DELTA_CHUNK_ELEMS fp32 elements)."""
+    delta = row_dot(dout, out, DELTA_CHUNK_ELEMS)
     if dlse is not None:
         delta -= torch.where(torch.isfinite(lse), dlse.float(), 0.0)
     return delta
