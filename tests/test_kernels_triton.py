@@ -96,7 +96,7 @@ def test_sparse_mla_deterministic_backward(monkeypatch):
     bitwise the same on a rerun. A small stage budget forces several query chunks."""
     import dsa_kernels.ops.sparse_mla.kernel as smk
 
-    monkeypatch.setattr(smk, "DETERMINISTIC_STAGE_ELEMS", 2 * 9 * 40 * 5)  # 5 tokens per chunk
+    monkeypatch.setattr(smk, "DETERMINISTIC_STAGE_ELEMS", 2 * 9 * 40 * 5)  # deterministic_plan: 2-token chunks, one 16-slot window
     torch.manual_seed(0)
     B, T, H, d_v, d_r, K = 2, 19, 3, 32, 8, 9
     q = torch.randn(B, T, H, d_v + d_r, device=DEV, requires_grad=True)
