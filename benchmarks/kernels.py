@@ -2,8 +2,8 @@
 attention (SDPA) and megatron-core's DSA functions on the same inputs.
 
 Every (op, impl, T) point runs in a fresh subprocess (peak memory per point; a failure or an
-out-of-memory stays local). On the CPU "ours" is what the dispatcher runs there, i.e. the chunked
-PyTorch reference; on CUDA it is the Triton kernel, and "ref" is the reference on the GPU.
+out-of-memory stays local). "ours" is what the dispatcher runs on the CPU, i.e. the chunked
+PyTorch reference.
 
     python benchmarks/kernels.py --device cpu                        # T = 1K..16K, CPU shapes
     python benchmarks/kernels.py --device cuda [--out-dir DIR]       # = dsa-train gpu-check --only speed
@@ -19,13 +19,11 @@ Ops (fwd = forward only, fwd+bwd = forward and backward):
   indexer_topk       fwd      ours | megatron (DSAIndexer._compute_index_scores + causal mask + torch.topk)
   dense_indexer_kl   fwd+bwd  ours | megatron (index scores + compute_dsa_indexer_loss, sparse_loss=False)
   sparse_indexer_kl  fwd+bwd  ours | megatron (index scores + compute_dsa_indexer_loss, sparse_loss=True)
-  dense_attention    fwd+bwd  ours (MHA form q/k 192, v 128 on CUDA) | sdpa (causal) | fa2 (flash_attn_func,
-                              causal, v zero-padded to the q/k head dim; CUDA only)
+  dense_attention    fwd+bwd  ours (MHA form) | sdpa (causal)
   dense_warmup       fwd+bwd  ours: what one warm-up layer runs, dense attention forward (no grad,
                               keeps lse) + the eq. 3 indexer KL from that lse, forward and backward
-                              | fa2 (FlashAttention-2 forward + backward on the same q/k/v; the
-                              target is warm-up <= 2x fa2) | sdpa (the same with SDPA)
-megatron and sdpa points run under an address-space cap (--mem-cap-gb above the child's start, CPU only)
+                              | sdpa (SDPA attention forward + backward on the same q/k/v)
+megatron and sdpa points run under an address-space cap (--mem-cap-gb above the child's start)
 so that a quadratic allocation fails cleanly instead of exhausting the machine.
 
 Writes benchmarks/results/kernels_<device>.json and .md (and docs/kernels_<device>.png when
@@ -48,21 +46,17 @@ _ONE_RANK = type("OneRank", (), {"tp": type("TP", (), {"size": staticmethod(lamb
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-SHAPES = {
-    # CPU: small enough for 2 cores; the ratios between impls are what matters there
-    "cpu": dict(H=16, D=160, DV=128, K=512, HI=8, DI=64, H_MHA=16, D_MHA=48, DV_MHA=32),
-    # GPU: the 671B model's attention layer (MQA 576/512, k = 2048, 64 x 128 indexer, MHA 192)
-    "cuda": dict(H=128, D=576, DV=512, K=2048, HI=64, DI=128, H_MHA=128, D_MHA=192, DV_MHA=128),
-}
+# small enough for 2 cores; the ratios between impls are what matters (the 671B layer's shapes are
+# gpu-check's: dsa_train/gpucheck/speed.py)
+SHAPES = {"cpu": dict(H=16, D=160, DV=128, K=512, HI=8, DI=64, H_MHA=16, D_MHA=48, DV_MHA=32)}
 OPS = {
     "sparse_mla": ["ours", "megatron", "sdpa"],
     "indexer_topk": ["ours", "megatron"],
     "dense_indexer_kl": ["ours", "megatron"],
     "sparse_indexer_kl": ["ours", "megatron"],
-    "dense_attention": ["ours", "sdpa", "fa2"],
-    "dense_warmup": ["ours", "fa2", "sdpa"],
+    "dense_attention": ["ours", "sdpa"],
+    "dense_warmup": ["ours", "sdpa"],
 }
-CUDA_ONLY = {"fa2"}
 
 
 def rss_mb() -> float:
@@ -138,18 +132,12 @@ def make_inputs(op, T, s, dev, dtype):
     return x
 
 
-def dense_attention_baseline(impl, q, k, v, scale):
-    """Causal attention fwd + bwd by SDPA or FlashAttention-2 on [B, T, H, D] tensors."""
+def dense_attention_baseline(q, k, v, scale):
+    """Causal attention fwd + bwd by SDPA on [B, T, H, D] tensors."""
     import torch
 
-    if impl == "fa2":
-        from flash_attn import flash_attn_func  # FA2 wants one head dim: v zero-padded to q/k's
-
-        v_pad = torch.nn.functional.pad(v, (0, q.shape[-1] - v.shape[-1]))
-        o = flash_attn_func(q, k, v_pad, softmax_scale=scale, causal=True)[..., : v.shape[-1]]
-    else:
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale)
     o.backward(torch.ones_like(o))
 
 
@@ -173,11 +161,6 @@ def run_point(op, impl, T, device, dtype_name):
                 q, kv = grads_of(x["q"], x["kv"])
                 o, _ = K.sparse_mla(q, kv, x["indices"], scale, s["DV"])
                 o.backward(torch.ones_like(o))
-        elif impl == "ref":
-            def fn():
-                q, kv = grads_of(x["q"], x["kv"])
-                o, _ = K.sparse_mla_ref(q, kv, x["indices"], scale, s["DV"])
-                o.backward(torch.ones_like(o))
         elif impl == "sdpa":
             def fn():
                 q, kv = grads_of(x["q"], x["kv"])
@@ -197,11 +180,9 @@ def run_point(op, impl, T, device, dtype_name):
                 o = unfused_dsa_fn(qm, k, k[..., : s["DV"]], idx, scale)
                 o.backward(torch.ones_like(o))
     elif op == "indexer_topk":
-        if impl in ("ours", "ref"):
-            f = K.indexer_topk if impl == "ours" else K.indexer_topk_ref
-
+        if impl == "ours":
             def fn():
-                f(x["q_idx"], x["k_idx"], x["w_idx"], x["doc_start"], s["K"])
+                K.indexer_topk(x["q_idx"], x["k_idx"], x["w_idx"], x["doc_start"], s["K"])
         else:
             from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexer
 
@@ -212,12 +193,10 @@ def run_point(op, impl, T, device, dtype_name):
                     mask = torch.triu(torch.full((T, T), float("-inf"), device=dev), diagonal=1)
                     torch.topk(sc + mask, min(s["K"], T), dim=-1)
     elif op == "dense_indexer_kl":
-        if impl in ("ours", "ref"):
-            f = K.dense_indexer_kl if impl == "ours" else K.dense_indexer_kl_ref
-
+        if impl == "ours":
             def fn():
                 qi, ki, wi = grads_of(x["q_idx"], x["k_idx"], x["w_idx"])
-                kl, _ = f(qi, ki, wi, x["q_main"], x["k_main"], s["D_MHA"] ** -0.5, x["doc_start"])
+                kl, _ = K.dense_indexer_kl(qi, ki, wi, x["q_main"], x["k_main"], s["D_MHA"] ** -0.5, x["doc_start"])
                 kl.backward()
         else:
             from megatron.core.transformer.experimental_attention_variant.dsa import (
@@ -232,14 +211,13 @@ def run_point(op, impl, T, device, dtype_name):
                     sparse_loss=False, pg_collection=_ONE_RANK)
                 loss.backward()
     elif op == "sparse_indexer_kl":
-        if impl in ("ours", "ref"):
-            f = K.sparse_indexer_kl if impl == "ours" else K.sparse_indexer_kl_ref
+        if impl == "ours":
             with torch.no_grad():
                 _, lse = K.sparse_mla(x["q"], x["kv"], x["indices"], scale, s["DV"])
 
             def fn():
                 qi, ki, wi = grads_of(x["q_idx"], x["k_idx"], x["w_idx"])
-                kl, _ = f(qi, ki, wi, x["indices"], x["q"], x["kv"], lse, scale)
+                kl, _ = K.sparse_indexer_kl(qi, ki, wi, x["indices"], x["q"], x["kv"], lse, scale)
                 kl.backward()
         else:
             from megatron.core.transformer.experimental_attention_variant.dsa import (
@@ -255,61 +233,36 @@ def run_point(op, impl, T, device, dtype_name):
                 loss.backward()
     elif op in ("dense_attention", "dense_warmup"):
         mha_scale = s["D_MHA"] ** -0.5
-        if impl in ("sdpa", "fa2"):
-            if impl == "fa2" and dev.type != "cuda":
-                raise RuntimeError("FlashAttention-2 (flash_attn) runs on CUDA only: no point on the CPU")
-
+        if impl == "sdpa":
             def fn():
                 q, k, v = grads_of(x["q_main"], x["k_main"], x["v_main"])
-                dense_attention_baseline(impl, q, k, v, mha_scale)
+                dense_attention_baseline(q, k, v, mha_scale)
         elif op == "dense_attention":
-            f = K.dense_attention if impl == "ours" else K.dense_attention_ref
-
             def fn():
                 q, k, v = grads_of(x["q_main"], x["k_main"], x["v_main"])
-                o, _ = f(q, k, v, mha_scale, x["doc_start"])
+                o, _ = K.dense_attention(q, k, v, mha_scale, x["doc_start"])
                 o.backward(torch.ones_like(o))
         else:  # the warm-up layer: main attention frozen (forward + lse), indexer KL fwd + bwd
-            attn = K.dense_attention if impl == "ours" else K.dense_attention_ref
-            kl_fn = K.dense_indexer_kl if impl == "ours" else K.dense_indexer_kl_ref
-
             def fn():
                 with torch.no_grad():
-                    _, lse = attn(x["q_main"], x["k_main"], x["v_main"], mha_scale, x["doc_start"])
+                    _, lse = K.dense_attention(x["q_main"], x["k_main"], x["v_main"], mha_scale, x["doc_start"])
                 qi, ki, wi = grads_of(x["q_idx"], x["k_idx"], x["w_idx"])
-                kl, _ = kl_fn(qi, ki, wi, x["q_main"], x["k_main"], mha_scale, x["doc_start"], lse_main=lse)
+                kl, _ = K.dense_indexer_kl(qi, ki, wi, x["q_main"], x["k_main"], mha_scale, x["doc_start"], lse_main=lse)
                 kl.backward()
     else:
         raise ValueError(op)
 
-    cuda = dev.type == "cuda"
-    warmup = 2 if cuda else (1 if T <= 2048 else 0)
-    repeat = 5 if cuda else (2 if T <= 4096 else 1)
-    for _ in range(warmup):
+    for _ in range(1 if T <= 2048 else 0):  # warm-up
         fn()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
     before = rss_mb()
     times = []
-    for _ in range(repeat):
-        if cuda:
-            torch.cuda.synchronize()
+    for _ in range(2 if T <= 4096 else 1):
         t0 = time.perf_counter()
         fn()
-        if cuda:
-            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     sec = sorted(times)[len(times) // 2]
-    row = {"op": op, "impl": impl, "seq_len": T, "seconds": sec,
-           "tflops": flops(op, impl, T, s) / sec / 1e12}
-    if cuda:
-        row["peak_extra_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-    else:
-        row["peak_extra_mb"] = peak_rss_mb() - before
-        row["peak_rss_mb"] = peak_rss_mb()
-    return row
+    return {"op": op, "impl": impl, "seq_len": T, "seconds": sec, "tflops": flops(op, impl, T, s) / sec / 1e12,
+            "peak_extra_mb": peak_rss_mb() - before, "peak_rss_mb": peak_rss_mb()}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -321,7 +274,7 @@ def child(args):
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
-    if args.impl in ("megatron", "sdpa") and args.mem_cap_gb and args.device == "cpu":
+    if args.impl in ("megatron", "sdpa") and args.mem_cap_gb:
         cap = vm_bytes() + int(args.mem_cap_gb * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     try:
@@ -336,10 +289,6 @@ def child(args):
 
 
 def machine() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -357,8 +306,8 @@ def write_outputs(rows, args):
     meta = {"command": "python " + " ".join(sys.argv), "machine": machine(), "torch": torch.__version__,
             "device": args.device, "dtype": args.dtype, "shapes": SHAPES[args.device],
             "mem_cap_gb": args.mem_cap_gb,
-            "note": "ours = dispatcher (reference on CPU, Triton on CUDA); peak_extra_mb = peak minus "
-                    "resident size after the inputs were built (CPU: RSS; CUDA: allocator)"}
+            "note": "ours = dispatcher (the chunked reference on the CPU); peak_extra_mb = peak RSS minus "
+                    "resident size after the inputs were built"}
     order = list(OPS)
     rows = sorted(rows, key=lambda r: (order.index(r["op"]), r["impl"] != "ours", r["impl"], r["seq_len"]))
     base = os.path.join(out_dir, f"kernels_{args.device}")
@@ -419,10 +368,10 @@ def cuda_speed(args) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on CUDA by default")
+    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seq-lens", type=int, nargs="+", default=None)
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
-    ap.add_argument("--impls", nargs="+", default=None, help="subset of ours/ref/megatron/sdpa")
+    ap.add_argument("--impls", nargs="+", default=None, help="subset of ours/megatron/sdpa")
     ap.add_argument("--megatron-max-t", type=int, default=None,
                     help="largest T megatron is attempted at (CPU default 16384, under the cap)")
     ap.add_argument("--mem-cap-gb", type=float, default=3.0)
@@ -433,13 +382,11 @@ def main() -> None:
     ap.add_argument("--op", help=argparse.SUPPRESS)
     ap.add_argument("--impl", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     if args.child:
         return child(args)
     if args.device == "cuda":
         return cuda_speed(args)
-    seq_lens = args.seq_lens or ([1024, 2048, 4096, 8192, 16384] if args.device == "cpu"
-                                 else [8192, 16384, 32768, 65536, 131072])
+    seq_lens = args.seq_lens or [1024, 2048, 4096, 8192, 16384]
     rows, done = [], set()
     base = os.path.join(args.out_dir, f"kernels_{args.device}.json")
     if args.resume and os.path.exists(base):
@@ -447,11 +394,8 @@ def main() -> None:
             rows = json.load(f)["rows"]
         done = {(r["op"], r["impl"], r["seq_len"]) for r in rows}
     for op in args.ops:
-        impls = OPS[op] + (["ref"] if args.device == "cuda" else [])
-        for impl in impls:
+        for impl in OPS[op]:
             if args.impls and impl not in args.impls:
-                continue
-            if impl in CUDA_ONLY and args.device != "cuda":
                 continue
             for T in seq_lens:
                 if impl == "megatron" and args.megatron_max_t and T > args.megatron_max_t:
