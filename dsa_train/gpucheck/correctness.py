@@ -98,9 +98,11 @@ def _outcome(results: dict, extra: dict | None = None, note: str = "") -> Outcom
     return Outcome("fail" if failed else "pass", summary, {"outputs": results, **(extra or {})})
 
 
-def _budget(need_s: float):
-    """Decorator: skip (one line) when the command's deadline leaves less than need_s seconds;
-    a CUDA out-of-memory at T >= 128K is a skip (the GPU does not hold it), below a failure."""
+def _budget(T: int, base_s: float, per_4k_s: float):
+    """Decorator of a check at T: skip (one line) when the command's deadline leaves less than
+    its estimated seconds (`_need`); a CUDA out-of-memory at T >= 128K is a skip (the GPU does not
+    hold it), below a failure."""
+    need_s = _need(T, base_s, per_4k_s)
 
     def deco(fn):
         def run(opts: Options) -> Outcome:
@@ -112,7 +114,7 @@ def _budget(need_s: float):
             try:
                 return fn(opts)
             except torch.cuda.OutOfMemoryError as err:
-                big = getattr(fn, "T", 0) >= 131072
+                big = T >= 131072
                 msg = str(err).splitlines()[0][:160]
                 return Outcome("skip" if big else "fail", f"out of GPU memory ({msg})"
                                + ("; this GPU does not hold this T" if big else ""))
@@ -128,6 +130,15 @@ def dense_lengths(T: int, d) -> list[int]:
     --small) documents of d.dense_doc_max tokens (the fp32 reference's work is quadratic in the
     document length)."""
     return doc_lengths(T, d.dense_doc_max if T == d.seq_lens[-1] else None)
+
+
+def _documents(lengths: list[int]):
+    """(slice, start) of each packed document: the dense references run one document at a time
+    (the mask makes documents independent)."""
+    start = 0
+    for n in lengths:
+        yield slice(start, start + n), start
+        start += n
 
 
 def _need(T: int, base_s: float, per_4k_s: float) -> float:
@@ -195,9 +206,7 @@ def sparse_mla_check(T_asked: int, cp: bool = False):
         return _outcome(res, {"rows_compared": int(rows.shape[0]), "queries": Tq, "keys": T},
                         f"; {rows.shape[0]} of {Tq} rows compared{fit_note}")
 
-    fn.T = T_asked
-    T = T_asked
-    return _budget(_need(T, 5.0, 0.5))(fn)
+    return _budget(T_asked, 5.0, 0.5)(fn)
 
 
 # ----------------------------------------------------------------------------- index scores
@@ -235,8 +244,7 @@ def index_scores_check(T: int, fp8: bool):
                 res[name + "_window"] = {"err": abs(k0 - rk0), "tol": 0, "ok": False, "note": "key window start"}
         return _outcome(res, {"rows": 2 * C, "fp8": fp8}, f"; {2 * C} rows x their key windows")
 
-    fn.T = T
-    return _budget(_need(T, 2.0, 0.0))(fn)
+    return _budget(T, 2.0, 0.0)(fn)
 
 
 # ----------------------------------------------------------------------------- top-k
@@ -327,8 +335,7 @@ def topk_check(T: int, cp: bool = False):
                    f"scores {score_err['err']:.2g}/{score_err['tol']:.2g}")
         return Outcome("pass" if ok else "fail", summary, metrics)
 
-    fn.T = T
-    return _budget(_need(T, 4.0, 0.4))(fn)
+    return _budget(T, 4.0, 0.4)(fn)
 
 
 # ----------------------------------------------------------------------------- indexer KL
@@ -377,8 +384,7 @@ def sparse_kl_check(T: int, cp: bool = False):
         rgrads = torch.autograd.grad(rkl, ref_ins)
         return _outcome(_kl_results(kl, stats, grads, rkl, rstats, rgrads), {"queries": Tq, "keys": T})
 
-    fn.T = T
-    return _budget(_need(T, 3.0, 0.3))(fn)
+    return _budget(T, 3.0, 0.3)(fn)
 
 
 def dense_kl_check(T: int):
@@ -396,23 +402,19 @@ def dense_kl_check(T: int):
         ins = [x.clone().requires_grad_() for x in (qi, ki, wi)]
         kl, stats = K.dense_indexer_kl(*ins, qm, km, scale, ds)
         grads = torch.autograd.grad(kl, ins)
-        # the reference one document at a time (the mask makes documents independent)
         rkl, rklu = 0.0, 0.0
         rgrads = [torch.empty_like(x, dtype=torch.float32) for x in (qi, ki, wi)]
-        s = 0
-        for n in lengths:
-            sl = slice(s, s + n)
+        for sl, s in _documents(lengths):
             doc_ins = [x[:, sl].float().requires_grad_() for x in (qi, ki, wi)]
             k_, st = dense_indexer_kl_ref(*doc_ins, qm[:, sl], km[:, sl], scale, ds[:, sl] - s,
                                           chunk_size=_ref_chunk(opts, 64))
             for g, gd in zip(rgrads, torch.autograd.grad(k_, doc_ins)):
                 g[:, sl] = gd
-            rkl, rklu, s = rkl + float(k_), rklu + float(st["kl_uniform"]), s + n
+            rkl, rklu = rkl + float(k_), rklu + float(st["kl_uniform"])
         res = _kl_results(kl, stats, grads, rkl, {"kl_uniform": rklu}, rgrads)
         return _outcome(res, {"documents": lengths})
 
-    fn.T = T
-    return _budget(_need(T, 3.0, 0.3))(fn)
+    return _budget(T, 3.0, 0.3)(fn)
 
 
 # ----------------------------------------------------------------------------- dense attention
@@ -433,22 +435,18 @@ def dense_attention_check(T: int):
         grads = torch.autograd.grad(out, (q, k, v), dout)
         ref = {n: torch.empty(t.shape, device=dev, dtype=torch.float32)
                for n, t in (("out", out), ("lse", lse), ("dq", q), ("dk", k), ("dv", v))}
-        s = 0
-        for n in lengths:  # the reference per document
-            sl = slice(s, s + n)
+        for sl, s in _documents(lengths):
             ins = [x.detach()[:, sl].float().requires_grad_() for x in (q, k, v)]
             ro, rl = dense_attention_ref(*ins, scale, ds[:, sl] - s, chunk_size=_ref_chunk(opts, 64))
             rg = torch.autograd.grad(ro, ins, dout[:, sl].float())
             for name, t in zip(("out", "lse", "dq", "dk", "dv"), (ro, rl, *rg)):
                 ref[name][:, sl] = t.detach()
-            s += n
         res = {"out": compare(out, ref["out"], TOL["out"]), "lse": compare(lse, ref["lse"], TOL["lse"])}
         for name, g in zip(("dq", "dk", "dv"), grads):
             res[name] = compare(g, ref[name], TOL["grad"])
         return _outcome(res, {"documents": lengths})
 
-    fn.T = T
-    return _budget(_need(T, 3.0, 0.3))(fn)
+    return _budget(T, 3.0, 0.3)(fn)
 
 
 # ----------------------------------------------------------------------------- the list
