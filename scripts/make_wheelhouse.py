@@ -290,8 +290,7 @@ def fill_wheelhouse(out: Path, torch_version: str, triton_version: str, python_v
 
     files = sorted(out.glob("*.whl"))
     size = sum(p.stat().st_size for p in files)
-    return {"wheels": len(files), "bytes": size, "constraints": str(constraints),
-            "packages": sorted(f"{i['metadata']['name']}=={i['metadata']['version']}" for i in needed),
+    return {"wheels": len(files), "bytes": size,
             "install_target": f"dsa-train[{','.join(extras_list)}]" if extras_list else "dsa-train"}
 
 

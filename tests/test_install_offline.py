@@ -32,8 +32,6 @@ from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "make_wheelhouse.py"
-IMAGE_PACKAGES = ("torch", "triton")
-
 
 
 def _load_script():
@@ -44,10 +42,8 @@ def _load_script():
 
 
 make_wheelhouse = _load_script()
-
-
-def _canonical(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
+IMAGE_PACKAGES = make_wheelhouse.IMAGE_PACKAGES
+_canonical = make_wheelhouse.canonical
 
 
 def _closure(roots: tuple[str, ...]) -> list[metadata.Distribution]:
@@ -73,7 +69,7 @@ def _site_packages(venv: Path) -> Path:
 
 def _make_image(venv: Path) -> None:
     """A venv with torch, Triton, their dependencies and pip preinstalled: every file each one's RECORD
-    lists inside site-packages, hard-linked (no copy of torch's ~1 GB; pip replaces a file by unlinking
+    lists inside site-packages, hard-linked (no copy of torch's and Triton's ~1.8 GB; pip replaces a file by unlinking
     it first, so the original stays intact either way)."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = _site_packages(venv)
