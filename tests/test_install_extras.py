@@ -10,18 +10,11 @@ import pytest
 from dsa_train.errors import DSATrainError
 from dsa_train.runtime import require_train_extra
 
-# run the CLI in a fresh interpreter in which `datasets` cannot be imported
+# run the CLI in a fresh interpreter in which `datasets` cannot be imported (None in sys.modules:
+# importing it or a submodule raises ModuleNotFoundError, importlib.util.find_spec gives None)
 BLOCKED = r"""
-import importlib.abc, sys
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "datasets":
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return None
-sys.meta_path.insert(0, Block())
-import importlib.util
-_find = importlib.util.find_spec
-importlib.util.find_spec = lambda name, *a: None if name.split(".")[0] == "datasets" else _find(name, *a)
+import sys
+sys.modules["datasets"] = None
 from dsa_train.cli import main
 sys.exit(main(sys.argv[1:]))
 """
