@@ -31,10 +31,6 @@ class Dims:
     sample_rows: int  # rows compared above full_rows_max
     dense_doc_max: int  # longest document of the dense checks (bounds the fp32 reference's T^2 work)
 
-    def describe(self) -> str:
-        return (f"H={self.H} D={self.D} D_V={self.D_V} H_I={self.H_I} d_I={self.D_I} k={self.K}; "
-                f"dense MHA H={self.H_MHA} q/k {self.D_MHA} v {self.DV_MHA}")
-
 
 DIMS_671B = Dims(H=128, D=576, D_V=512, H_I=64, D_I=128, K=2048, H_MHA=128, D_MHA=192, DV_MHA=128,
                  seq_lens=(4096, 32768, 131072), speed_T=32768, full_rows_max=4096, sample_rows=2048,
