@@ -34,7 +34,9 @@ COMPILE_OPS_SMALL = ("sparse_mla_fwd",)
 COMPILE_TIMEOUT_S = 420
 
 
+@functools.lru_cache(maxsize=None)
 def versions() -> dict:
+    """Installed versions, read once (the runner rewrites its reports with them after every check)."""
     out = {}
     for label, dists in PACKAGES.items():
         out[label] = "not installed"
