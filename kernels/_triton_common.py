@@ -71,6 +71,14 @@ def interp_upcast(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def kernel_input(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """x as a kernel takes it: in the compute dtype the fp32 policy chose (`compute_dtype`; None
+    keeps x's), contiguous, and upcast to fp32 under the interpreter (`interp_upcast`)."""
+    if dtype is not None:
+        x = x.to(dtype)
+    return interp_upcast(x.contiguous())
+
+
 class Launch:
     """One kernel launch as an op's launcher builds it: the Triton kernel, its grid, every kernel
     parameter by name (constexprs included) and the launch options. The launcher runs it

@@ -78,13 +78,13 @@ class DenseAttentionTritonFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scale, doc_start):
-        from ..._triton_common import compute_dtype, interp_upcast
+        from ..._triton_common import compute_dtype, kernel_input
         from .kernel import doc_ends, plan_fwd
 
         B, T, H, _ = q.shape
         # fp32 inputs on the compiled path: computed in bf16 (fp32 dots would be TF32; one warning)
         cdt = compute_dtype("dense_attention", q, k, v)
-        q_c, k_c, v_c = (interp_upcast((x if cdt is None else x.to(cdt)).contiguous()) for x in (q, k, v))
+        q_c, k_c, v_c = (kernel_input(x, cdt) for x in (q, k, v))
         ds = doc_start.to(torch.int32).contiguous()
         out = torch.empty(B, T, H, v.shape[-1], dtype=q_c.dtype, device=q.device)
         lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._triton_common import check_indices, compute_dtype, interp_upcast
+from ..._triton_common import check_indices, compute_dtype, kernel_input
 from ..sparse_mla.kernel import slot_counts
 from .kernel import LOG2E, TARGET_CHUNK_ELEMS, plan_dense_kl, plan_dense_lse, plan_sparse_kl, plan_sparse_kl_target
 
@@ -39,15 +39,6 @@ def _stats(kl, klu, B, T):
     return {"kl": kl.detach(), "kl_uniform": klu.detach(), "queries": torch.tensor(float(B * T))}
 
 
-def _compute_copy(x: torch.Tensor, dtype) -> torch.Tensor:
-    """The kernel's copy of an input: detached, contiguous, in the compute dtype the fp32 policy
-    chose (`compute_dtype`; None keeps x's), upcast under the interpreter (`interp_upcast`)."""
-    x = x.detach()
-    if dtype is not None:
-        x = x.to(dtype)
-    return interp_upcast(x.contiguous())
-
-
 def sparse_indexer_kl_triton(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale: float,
                              chunk_size: int | None = None):
     """Same contract as `sparse_indexer_kl_ref` (chunk_size accepted and ignored). The query
@@ -65,10 +56,10 @@ def sparse_indexer_kl_triton(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_
     check_indices(indices, n_keys, "sparse_indexer_kl")
     # fp32 q/k on the compiled path -> bf16 (the target's dots would be TF32; `compute_dtype`)
     cdt = compute_dtype("sparse_indexer_kl", q_idx, k_idx, q_main, kv_main)
-    qi, ki = _compute_copy(q_idx, cdt), _compute_copy(k_idx, cdt)
+    qi, ki = kernel_input(q_idx.detach(), cdt), kernel_input(k_idx.detach(), cdt)
     wi = w_idx.detach().float().contiguous()
     idx = indices.to(torch.int32).contiguous()
-    qm, kvm = _compute_copy(q_main, cdt), _compute_copy(kv_main, cdt)
+    qm, kvm = kernel_input(q_main.detach(), cdt), kernel_input(kv_main.detach(), cdt)
     lse = lse_main.detach().float().contiguous()
     dev = q_idx.device
 
@@ -112,9 +103,9 @@ def dense_indexer_kl_triton(q_idx, k_idx, w_idx, q_main, k_main, scale: float, d
                          f"sparse_indexer_kl over visible_key_indices (model/mla.py)")
     # fp32 q/k on the compiled path -> bf16 (fp32 dots would be TF32; `compute_dtype`)
     cdt = compute_dtype("dense_indexer_kl", q_idx, k_idx, q_main, k_main)
-    qi, ki = _compute_copy(q_idx, cdt), _compute_copy(k_idx, cdt)
+    qi, ki = kernel_input(q_idx.detach(), cdt), kernel_input(k_idx.detach(), cdt)
     wi = w_idx.detach().float().contiguous()
-    qm, km = _compute_copy(q_main, cdt), _compute_copy(k_main, cdt)
+    qm, km = kernel_input(q_main.detach(), cdt), kernel_input(k_main.detach(), cdt)
     ds = doc_start.contiguous()
     dev = q_idx.device
 

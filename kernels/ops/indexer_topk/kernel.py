@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._triton_common import Launch, compute_dtype, interp_upcast, pow2
+from ..._triton_common import Launch, compute_dtype, kernel_input, pow2
 
 FP8_GROUP = 128
 DEFAULT_SCORE_BUDGET = 1 << 26  # fp32 elements of one query chunk's [B, C, W] score block
@@ -353,9 +353,7 @@ def _score_inputs(op: str, q: torch.Tensor, k: torch.Tensor, fp8: bool) -> tuple
     """The score kernel's q / k: fp32 on the compiled path -> bf16 (fp32 tl.dot would be TF32;
     `compute_dtype` warns once); the FP8 path quantizes from the caller's values instead."""
     cdt = None if fp8 else compute_dtype(op, q, k)
-    if cdt is not None:
-        q, k = q.to(cdt), k.to(cdt)
-    return interp_upcast(q.contiguous()), interp_upcast(k.contiguous())
+    return kernel_input(q, cdt), kernel_input(k, cdt)
 
 
 @torch.no_grad()

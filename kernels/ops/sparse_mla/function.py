@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..._triton_common import check_indices, compute_dtype, interp_upcast
+from ..._triton_common import check_indices, compute_dtype, kernel_input
 from .kernel import slot_counts, sparse_mla_bwd, sparse_mla_fwd
 
 
@@ -15,10 +15,7 @@ def kernel_inputs(q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torc
     policy of `compute_dtype`: one warning; DSA_KERNELS_FP32=error refuses); interpreted ->
     fp32 (`interp_upcast`); otherwise as given. q and kv must end up in one dtype."""
     cast = compute_dtype("sparse_mla", q, kv)
-    if cast is not None:
-        q_c, kv_c = q.to(cast).contiguous(), kv.to(cast).contiguous()
-    else:
-        q_c, kv_c = interp_upcast(q.contiguous()), interp_upcast(kv.contiguous())
+    q_c, kv_c = kernel_input(q, cast), kernel_input(kv, cast)
     if q_c.dtype != kv_c.dtype:
         raise TypeError(f"sparse_mla: q is {q.dtype} and kv is {kv.dtype}; pass both in one dtype (bf16)")
     return q_c, kv_c
