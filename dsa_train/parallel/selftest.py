@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import warnings
+from unittest import mock
 
 
 def make_batches(steps: int, global_batch: int, seq_len: int, vocab: int, seed: int):
@@ -131,25 +132,20 @@ def main(argv: list[str] | None = None) -> int:
     # ---- reference: one process, the whole global batch per step
     ref_engine = Engine(ref_model, stage, optim)
     ref_hist, ref_grads = [], {}
-    kernels_env = os.environ.get("DSA_KERNELS")
-    if args.reference_kernels == "ref":
-        os.environ["DSA_KERNELS"] = "ref"
-    for s, batch in enumerate(batches):
-        mbs = split_micro(batch, list(range(args.global_batch)), args.micro_batch)
-        if s == len(batches) - 1:
-            from dsa_train.engine.step import forward_backward as ref_fb
+    # --reference-kernels ref: DSA_KERNELS=ref for the reference only; the distributed run below has
+    # the caller's DSA_KERNELS again
+    with mock.patch.dict(os.environ, {"DSA_KERNELS": "ref"} if args.reference_kernels == "ref" else {}):
+        for s, batch in enumerate(batches):
+            mbs = split_micro(batch, list(range(args.global_batch)), args.micro_batch)
+            if s == len(batches) - 1:
+                from dsa_train.engine.step import forward_backward as ref_fb
 
-            m = ref_fb(ref_engine, mbs, stage)
-            ref_grads = {n: p.grad.detach().clone() for n, p in ref_engine.trainable if p.grad is not None}
-            m["grad_norm"] = ref_engine.step()
-        else:
-            m = ref_train_step(ref_engine, mbs, stage)
-        ref_hist.append(m)
-    if args.reference_kernels == "ref":  # the distributed run: the caller's DSA_KERNELS again
-        if kernels_env is None:
-            os.environ.pop("DSA_KERNELS", None)
-        else:
-            os.environ["DSA_KERNELS"] = kernels_env
+                m = ref_fb(ref_engine, mbs, stage)
+                ref_grads = {n: p.grad.detach().clone() for n, p in ref_engine.trainable if p.grad is not None}
+                m["grad_norm"] = ref_engine.step()
+            else:
+                m = ref_train_step(ref_engine, mbs, stage)
+            ref_hist.append(m)
 
     all_failures = []
     for zero in zero_stages:
