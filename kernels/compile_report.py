@@ -328,13 +328,12 @@ def run_reports(targets=GATE_TARGETS, ops: list[str] | None = None, timeout: flo
         installed = _base_version(triton.__version__)
     except Exception:
         installed = None
-    install_errors = {}
+    sides, install_errors = {}, {}  # version -> its side install's directory / why it could not be made
     for version in sorted({v for v, _ in targets} - {installed}):
         try:
-            ensure_side_triton(version)
+            sides[version] = ensure_side_triton(version)
         except SideTritonError as err:
             install_errors[version] = str(err)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
     op_args = [a for op in ops or [] for a in ("--op", op)]
     running, out = {}, {}
     for version, arch in targets:
@@ -344,6 +343,8 @@ def run_reports(targets=GATE_TARGETS, ops: list[str] | None = None, timeout: flo
             continue
         cmd = [sys.executable, "-m", "dsa_kernels.compile_report", "report", "--arch", arch, "--triton", version,
                "--json", *op_args]
+        # the side install goes straight onto the report's PYTHONPATH: it need not re-run itself
+        env = _report_env(sides.get(version))
         running[(version, arch)] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                      text=True, env=env), time.perf_counter())
     for target, (proc, t0) in running.items():
@@ -445,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         except SideTritonError as err:
             print(f"{me}: {err}", file=sys.stderr)
             return 2
-        return _rerun(argv, pythonpath=str(side), mark=str(side))
+        return _rerun(argv, side)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         # under the interpreter @triton.jit gives interpreted functions, which cannot be compiled:
         # run the report in a fresh process without it
@@ -474,15 +475,21 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failing else 0
 
 
-def _rerun(argv: list[str], pythonpath: str | None = None, mark: str | None = None) -> int:
-    """Run this report again in a fresh process: without TRITON_INTERPRET, with `pythonpath` first
-    on PYTHONPATH (a side install of Triton)."""
+def _report_env(side: Path | None = None) -> dict:
+    """The environment of a report run in a fresh process: without TRITON_INTERPRET (compile, do
+    not interpret); with `side` (a side install of Triton) first on PYTHONPATH and named in
+    _REEXEC_MARK, so that the report imports that Triton and does not re-run itself."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
-        env[_REEXEC_MARK] = mark or pythonpath
+    if side is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(side), env.get("PYTHONPATH")) if p)
+        env[_REEXEC_MARK] = str(side)
+    return env
+
+
+def _rerun(argv: list[str], side: Path | None = None) -> int:
+    """Run this report again in a fresh process (`_report_env`)."""
     cmd = [sys.executable, "-m", "dsa_kernels.compile_report", *argv]
-    return subprocess.run(cmd, env=env).returncode
+    return subprocess.run(cmd, env=_report_env(side)).returncode
 
 
 if __name__ == "__main__":
