@@ -54,12 +54,9 @@ OLDEST_TRITON, NEWEST_TRITON = SUPPORTED_TRITON
 # The compile gate of `make test` (tests/test_kernels_compile.py): (Triton, arch) pairs.
 GATE_TARGETS = ((OLDEST_TRITON, "sm_90a"), (NEWEST_TRITON, "sm_90a"), (NEWEST_TRITON, "sm_100"))
 
-# Tensor-core instructions counted in the PTX, by row key.
-TENSOR_CORE_PTX = {
-    "wgmma": re.compile(r"\bwgmma\.mma_async\b"),
-    "mma_sync": re.compile(r"\bmma\.sync\b"),
-    "tcgen05_mma": re.compile(r"\btcgen05\.mma\b"),
-}
+# Tensor-core instructions counted in the PTX: row key -> PTX instruction.
+TENSOR_CORE_PTX = {"wgmma": "wgmma.mma_async", "mma_sync": "mma.sync", "tcgen05_mma": "tcgen05.mma"}
+_TENSOR_CORE_RE = {key: re.compile(rf"\b{re.escape(ins)}\b") for key, ins in TENSOR_CORE_PTX.items()}
 # Per compute capability, the instructions of which a dot-product kernel needs at least one.
 # sm_90a: wgmma; a kernel whose dots all fall back to mma.sync leaves Hopper's warpgroup MMA unused.
 # sm_100: wgmma is sm_90a-only; Triton 3.9 emits tcgen05.mma, and mma.sync for some dot shapes.
@@ -249,13 +246,9 @@ def compile_case(case, cap: int) -> dict:
     ptx = compiled.asm["ptx"]
     row.update(registers=stats["registers"], spill_bytes=stats["spill_bytes"],
                shared_bytes=int(compiled.metadata.shared) + stats["static_smem"],
-               **{key: len(pattern.findall(ptx)) for key, pattern in TENSOR_CORE_PTX.items()})
+               **{key: len(pattern.findall(ptx)) for key, pattern in _TENSOR_CORE_RE.items()})
     row["seconds"] = round(time.perf_counter() - t0, 1)
     return row
-
-
-def _ptx_name(key: str) -> str:
-    return {"wgmma": "wgmma.mma_async", "mma_sync": "mma.sync", "tcgen05_mma": "tcgen05.mma"}[key]
 
 
 def gate_failures(row: dict, cap: int, dots: bool) -> list[str]:
@@ -270,8 +263,8 @@ def gate_failures(row: dict, cap: int, dots: bool) -> list[str]:
         fails.append(f"needs {row['shared_bytes']} B shared memory > {SMEM_LIMIT[cap]} B")
     required = TENSOR_CORE_REQUIRED[cap]
     if dots and not any(row[key] for key in required):
-        counts = ", ".join(f"{_ptx_name(k)} {row[k]}" for k in TENSOR_CORE_PTX)
-        fails.append(f"dot-product kernel without {' or '.join(map(_ptx_name, required))} "
+        counts = ", ".join(f"{TENSOR_CORE_PTX[k]} {row[k]}" for k in TENSOR_CORE_PTX)
+        fails.append(f"dot-product kernel without {' or '.join(map(TENSOR_CORE_PTX.get, required))} "
                      f"on {_arch_name(cap)} (PTX: {counts})")
     return fails
 
@@ -467,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     for r, f in failing:
         print(f"GATE FAIL {r['op']} {r['kernel']}: {f}")
     if not failing:
-        cores = " or ".join(map(_ptx_name, TENSOR_CORE_REQUIRED[ARCHES[args.arch]]))
+        cores = " or ".join(map(TENSOR_CORE_PTX.get, TENSOR_CORE_REQUIRED[ARCHES[args.arch]]))
         print(f"gate (Triton {have_version}, {args.arch}): every kernel compiles, none spills, shared memory "
               f"within the limit, every dot-product kernel uses {cores}")
     if args.json:
