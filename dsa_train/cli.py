@@ -143,11 +143,13 @@ def run_hydra(argv: list[str], train) -> int:
             raise SystemExit(report(ConfigError(f"invalid recipe: {err}")))
         # Hydra prints any exception with a traceback: project errors leave as their one line here
         def run_training() -> None:
+            from dsa_train.logging.wandb_run import resolve_mode
             from dsa_train.runtime import require_train_extra
 
-            # the data sources read through `datasets`; W&B only when it is not disabled
-            mode = getattr(train_cfg.logging.wandb_mode, "value", train_cfg.logging.wandb_mode)
-            require_train_extra("datasets", *(() if mode == "disabled" else ("wandb",)))
+            # the data sources read through `datasets`; W&B unless the run's mode (auto: WANDB_MODE
+            # included) resolves to disabled
+            wandb = () if resolve_mode(train_cfg.logging.wandb_mode) == "disabled" else ("wandb",)
+            require_train_extra("datasets", *wandb)
             train(train_cfg)
 
         code = run_reporting(run_training)

@@ -10,11 +10,11 @@ import pytest
 from dsa_train.errors import DSATrainError
 from dsa_train.runtime import require_train_extra
 
-# run the CLI in a fresh interpreter in which `datasets` cannot be imported (None in sys.modules:
-# importing it or a submodule raises ModuleNotFoundError, importlib.util.find_spec gives None)
+# run the CLI in a fresh interpreter in which `datasets` and `wandb` cannot be imported (None in
+# sys.modules: importing one or a submodule raises ModuleNotFoundError, importlib.util.find_spec gives None)
 BLOCKED = r"""
 import sys
-sys.modules["datasets"] = None
+sys.modules["datasets"] = sys.modules["wandb"] = None
 from dsa_train.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -37,3 +37,15 @@ def test_training_without_datasets_is_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert any("datasets" in line and "dsa-train[train]" in line for line in err), proc.stderr[-2000:]
+
+
+def test_wandb_disabled_through_the_environment_is_not_required(tmp_path, monkeypatch):
+    # wandb_mode auto with WANDB_MODE=disabled never imports wandb (wandb_run.resolve_mode): only
+    # datasets is named missing
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    proc = subprocess.run([sys.executable, "-c", BLOCKED, "profile=smoke", f"run_dir={tmp_path}/run"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    err = [line for line in proc.stderr.splitlines() if "dsa-train[train]" in line]
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr[-2000:]
+    assert "datasets" in err[0] and "wandb" not in err[0], err[0]
