@@ -373,7 +373,7 @@ def main() -> None:
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
     ap.add_argument("--impls", nargs="+", default=None, help="subset of ours/megatron/sdpa")
     ap.add_argument("--megatron-max-t", type=int, default=None,
-                    help="largest T megatron is attempted at (CPU default 16384, under the cap)")
+                    help="largest T megatron is attempted at (default: every T, under --mem-cap-gb)")
     ap.add_argument("--mem-cap-gb", type=float, default=3.0)
     ap.add_argument("--timeout", type=int, default=1200)
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
