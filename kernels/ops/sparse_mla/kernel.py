@@ -281,7 +281,7 @@ def fwd_blocks(H: int, D_V: int, D_R: int) -> dict:
                 SPLIT_V=2 if block_dv >= 512 else 1)
 
 
-def bwd_blocks(H: int, D_V: int, D_R: int, deterministic: bool = False) -> dict:
+def bwd_blocks(H: int, D_V: int, D_R: int) -> dict:
     block_dv = pow2(D_V, 32)  # a program's columns come in two halves of >= 16 (tl.dot's minimum)
     # 16-key tiles: with 32 the backward spilled under Triton 3.6 for sm_90a (268 B with the
     # 0 <= idx < N mask). At 16 keys, sm_90a: 246 registers (3.9), 255 (3.6, no headroom), 0 spill.
@@ -334,7 +334,7 @@ def plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float, d
     det = stage is not None
     n_tok = T - t0 if n_tokens is None else n_tokens
     k_hi = indices.shape[-1] if k_hi is None else k_hi
-    blocks = bwd_blocks(H, d_v, D - d_v, det)
+    blocks = bwd_blocks(H, d_v, D - d_v)
     n_parts = triton.cdiv(H, blocks["BLOCK_H"]) * blocks["SPLIT"]
     if lse.stride() != delta.stride():
         raise ValueError(f"sparse_mla backward: lse {lse.stride()} and delta {delta.stride()} must share strides")
@@ -433,6 +433,14 @@ def deterministic_plan(B: int, T: int, K: int, D: int, n_hb: int, block_k: int) 
     return chunk, window
 
 
+def deterministic_layout(B: int, T: int, K: int, H: int, D: int, d_v: int) -> tuple[int, int, int]:
+    """(head blocks, tokens per chunk, slots per window) of the deterministic backward for q
+    [B, T, H, D] and K slots: the backward's head blocks (`bwd_blocks`) and `deterministic_plan`."""
+    blocks = bwd_blocks(H, d_v, D - d_v)
+    n_hb = triton.cdiv(H, blocks["BLOCK_H"])
+    return (n_hb, *deterministic_plan(B, T, K, D, n_hb, blocks["BLOCK_K"]))
+
+
 def sparse_mla_bwd_deterministic(q, kv, indices, n_slots, dout, lse, delta, dq, scale: float, d_v: int):
     """Bitwise-reproducible backward (no atomics): fills dq in place, returns dkv (kv's dtype).
 
@@ -446,9 +454,7 @@ def sparse_mla_bwd_deterministic(q, kv, indices, n_slots, dout, lse, delta, dq, 
     past the chunk's longest row are skipped (one host sync per chunk)."""
     B, T, H, D = q.shape
     K, N = indices.shape[-1], kv.shape[1]
-    blocks = bwd_blocks(H, d_v, D - d_v, deterministic=True)
-    n_hb = triton.cdiv(H, blocks["BLOCK_H"])
-    chunk, window = deterministic_plan(B, T, K, D, n_hb, blocks["BLOCK_K"])
+    n_hb, chunk, window = deterministic_layout(B, T, K, H, D, d_v)
     stage_buf = torch.empty(n_hb * B * min(chunk, T) * min(window, K) * D, dtype=torch.float32, device=q.device)
     dq_acc = torch.empty((B, min(chunk, T), H, D), dtype=torch.float32, device=q.device)
     dkv_acc = torch.zeros((B, N + 1, D), dtype=torch.float32, device=kv.device)  # row N: the spare row

@@ -4,10 +4,9 @@ launchers make there (their own planning functions on meta-device tensors)."""
 from __future__ import annotations
 
 import torch
-import triton
 
 from ...registry import SHAPES_671B, KernelCase, register
-from .kernel import bwd_blocks, deterministic_plan, plan_bwd, plan_fwd
+from .kernel import deterministic_layout, plan_bwd, plan_fwd
 
 # CP's dense-at-positions calls (model/mla.py `_dense_at_positions`): a chunk of queries over
 # every key of the 128K sequence, index lists as wide as the sequence
@@ -62,9 +61,7 @@ def bwd_launches(T: int | None = None, K: int | None = None) -> list[tuple[str, 
     atomic = plan_bwd(q, kv, idx, n_slots, dout, lse, delta, dq, dkv, scale, d_v)
     # the deterministic option (under torch.use_deterministic_algorithms): (token chunk, slot
     # window) launches storing into the stage, dq accumulated in fp32 (sparse_mla_bwd_deterministic)
-    blocks = bwd_blocks(H, d_v, D - d_v, deterministic=True)
-    n_hb = triton.cdiv(H, blocks["BLOCK_H"])
-    chunk, window = deterministic_plan(B, T, K, D, n_hb, blocks["BLOCK_K"])
+    n_hb, chunk, window = deterministic_layout(B, T, K, H, D, d_v)
     c, w = min(chunk, T), min(window, K)
     stage = torch.empty(n_hb, B, c, w, D, dtype=torch.float32, device="meta")
     dq_acc = torch.empty(B, c, H, D, dtype=torch.float32, device="meta")
