@@ -29,8 +29,8 @@ BLOCK_M queries) walks key tiles, rebuilding the head-averaged target tile from 
 and the indexer score tile, and keeps per-row running statistics; its second pass (gradient)
 recomputes the tiles, forms g = P softmax(I) - p and adds dq_I into the program's own rows
 (atomic adds that nothing else touches: no read-back, so no [BLOCK_M, D_I] fp32 old values in
-registers), dw into its own rows too (but a plain read-modify-write), and dk_I for the key tile over all indexer
-heads before one atomic add. Its dots have M = 64 (64 query rows, 8 warps): wgmma on sm_90a
+registers), dw into its own rows too (but a plain read-modify-write), and dk_I for the key
+tile over all indexer heads before one atomic add. Its dots have M = 64 (64 query rows, 8 warps): wgmma on sm_90a
 with bf16 inputs. Memory: O(T * heads) (the lse table and the gradients).
 """
 
