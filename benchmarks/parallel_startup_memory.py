@@ -1,6 +1,6 @@
 """Peak resident memory of each rank's meta-device start-up (docs/distributed.md, "Start-up").
 
-    python benchmarks/parallel_startup_memory.py make DIR          # tiny V3.1-Terminus-layout FP8 checkpoint
+    python benchmarks/parallel_startup_memory.py make DIR [experts|dense]   # tiny V3.1-Terminus-layout FP8 checkpoint
     python benchmarks/parallel_startup_memory.py single DIR        # the single-process load: peak, logits
     torchrun --nproc_per_node 2 benchmarks/parallel_startup_memory.py load DIR OUT.jsonl ep2   # or tp2
 
@@ -8,7 +8,10 @@
 indexer: the indexers are fresh) whose routed experts dominate (16 experts of [768, 256] in 3 MoE
 layers, main + MTP: ~55% of the model) beside a tensor-parallel part (32 MLA heads in 5 layers,
 2 dense MLPs, shared experts: ~33%), no tensor over 4.2 MB, and the sizes of those two parts
-(counted by name). `single` measures the single-process load (`dsa_train.from_pretrained`) in a
+(counted by name). `make DIR dense` writes the shape TP 2 is measured on instead: three wide dense
+MLPs (8192) and 8 small experts, the tensor-parallel part ~77% of the model, so that the share TP 2
+saves (~57 MB of 149) stands well clear of the rank's fixed start-up overhead (17-35 MB measured
+across machines). `single` measures the single-process load (`dsa_train.from_pretrained`) in a
 fresh process: its peak growth, the whole model's size and the logits of one batch.
 
 `load` runs on every rank, in fresh processes, the start-up the distributed trainer runs
@@ -31,11 +34,18 @@ from pathlib import Path
 
 import torch
 
-OVERRIDES = dict(
-    hidden_size=256, intermediate_size=4096, moe_intermediate_size=768, n_routed_experts=16, num_experts_per_tok=4,
-    n_group=4, topk_group=2, num_attention_heads=32, num_key_value_heads=32, q_lora_rank=256, kv_lora_rank=128,
-    qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, first_k_dense_replace=2, num_hidden_layers=4,
+COMMON = dict(
+    hidden_size=256, n_group=4, topk_group=2, num_attention_heads=32, num_key_value_heads=32, q_lora_rank=256,
+    kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, num_hidden_layers=4,
 )
+SHAPES = {
+    # routed experts dominate: what EP 2 saves
+    "experts": dict(COMMON, intermediate_size=4096, moe_intermediate_size=768, n_routed_experts=16,
+                    num_experts_per_tok=4, first_k_dense_replace=2),
+    # tensor-parallel weights dominate: what TP 2 saves
+    "dense": dict(COMMON, intermediate_size=8192, moe_intermediate_size=256, n_routed_experts=8,
+                  num_experts_per_tok=2, first_k_dense_replace=3),
+}
 LAYOUTS = {"ep2": dict(tensor_parallel=1, expert_parallel=2), "tp2": dict(tensor_parallel=2, expert_parallel=1)}
 
 
@@ -133,12 +143,12 @@ TP_SPLIT = re.compile(r"self_attn\.(q_b_proj|q_proj|kv_b_proj|o_proj)\.weight$|\
 EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
 
 
-def make(path: Path) -> None:
+def make(path: Path, shape: str = "experts") -> None:
     """The checkpoint, and the fp32 bytes of its routed experts and of its tensor-parallel part
     (counted by name from the written weights, independently of the loader)."""
     from dsa_train.checkpoint.tiny import make_tiny_checkpoint
 
-    make_tiny_checkpoint(path, seed=0, **OVERRIDES)
+    make_tiny_checkpoint(path, seed=0, **SHAPES[shape])
     from dsa_train.checkpoint.safetensors_file import read_header
 
     expert = tp_split = 0
@@ -174,7 +184,7 @@ def single(path: Path) -> None:
 if __name__ == "__main__":
     what = sys.argv[1]
     if what == "make":
-        make(Path(sys.argv[2]))
+        make(Path(sys.argv[2]), *sys.argv[3:4])
     elif what == "single":
         single(Path(sys.argv[2]))
     else:
