@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_train.parallel.selftest import free_port
+from tests.helpers import free_port
 
 
 TINY = [

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dsa_train.parallel.launch import render_sbatch, split_recipe_args
-from dsa_train.parallel.selftest import free_port
+from tests.helpers import free_port
 
 
 # the demo recipe (tiny DeepSeek-V3.2-shaped model, bundled corpus), a few steps per stage

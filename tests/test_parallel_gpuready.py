@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dsa_train.parallel.selftest import free_port
 from dsa_train.parallel.strict_devices import DeviceStrictError, StrictDevices
+from tests.helpers import free_port
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ Also the context-parallel pieces that need no process group."""
 import pytest
 import torch
 
-from dsa_train.parallel.selftest import launch
+from tests.helpers import launch_selftest
 
 
 
@@ -19,7 +19,7 @@ def _check(results, n, layout):
 
 
 def test_expert_parallel_2(tmp_path):
-    rc, results, log = launch(2, ["--ep", "2", "--zero", "0,1,2"], str(tmp_path / "r.jsonl"))
+    rc, results, log = launch_selftest(2, ["--ep", "2", "--zero", "0,1,2"], str(tmp_path / "r.jsonl"))
     assert rc == 0, log
     _check(results, 3, {"ep": 2, "dp": 2})
     # expert-load metrics count the tokens of the whole EP group
@@ -27,14 +27,14 @@ def test_expert_parallel_2(tmp_path):
 
 
 def test_tensor_parallel_2_with_attention_recompute(tmp_path):
-    rc, results, log = launch(2, ["--tp", "2", "--zero", "0,1,3", "--recompute", "attention"], str(tmp_path / "r.jsonl"))
+    rc, results, log = launch_selftest(2, ["--tp", "2", "--zero", "0,1,3", "--recompute", "attention"], str(tmp_path / "r.jsonl"))
     assert rc == 0, log
     _check(results, 3, {"tp": 2, "dp": 1})
 
 
 def test_context_parallel_2_sparse_selection_crosses_ranks(tmp_path):
     # 64 tokens = 4 chunks of 16, top-16: late queries select keys held by the other rank
-    rc, results, log = launch(2, ["--cp", "2", "--zero", "2", "--seq-len", "64", "--topk", "16"], str(tmp_path / "r.jsonl"))
+    rc, results, log = launch_selftest(2, ["--cp", "2", "--zero", "2", "--seq-len", "64", "--topk", "16"], str(tmp_path / "r.jsonl"))
     assert rc == 0, log
     _check(results, 1, {"cp": 2})
 
@@ -49,7 +49,7 @@ def test_context_parallel_2_sparse_triton_kernels(tmp_path, monkeypatch):
     # slack (~4 fp32 ulps of 4): kernels and references round those terms in different orders
     monkeypatch.setenv("DSA_KERNELS", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    rc, results, log = launch(2, ["--cp", "2", "--zero", "2", "--seq-len", "64", "--topk", "16", "--steps", "1",
+    rc, results, log = launch_selftest(2, ["--cp", "2", "--zero", "2", "--seq-len", "64", "--topk", "16", "--steps", "1",
                                   "--global-batch", "2", "--reference-kernels", "ref", "--indexer-loss-atol", "2e-6"],
                               str(tmp_path / "r.jsonl"))
     assert rc == 0, log
@@ -58,7 +58,7 @@ def test_context_parallel_2_sparse_triton_kernels(tmp_path, monkeypatch):
 
 def test_context_parallel_2_dense_warmup_full_recompute(tmp_path, monkeypatch):
     monkeypatch.setenv("DSA_CP_DENSE_CHUNK", "640")  # 10 queries per chunk: several chunks per rank
-    rc, results, log = launch(
+    rc, results, log = launch_selftest(
         2, ["--cp", "2", "--zero", "1", "--seq-len", "64", "--attention", "dense", "--trainable", "indexer",
             "--recompute", "full"],
         str(tmp_path / "r.jsonl"),
@@ -69,7 +69,7 @@ def test_context_parallel_2_dense_warmup_full_recompute(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_four_ranks_tp2_cp2_ep2(tmp_path):
-    rc, results, log = launch(4, ["--tp", "2", "--cp", "2", "--ep", "2", "--zero", "1", "--seq-len", "64"],
+    rc, results, log = launch_selftest(4, ["--tp", "2", "--cp", "2", "--ep", "2", "--zero", "1", "--seq-len", "64"],
                               str(tmp_path / "r.jsonl"))
     assert rc == 0, log
     _check(results, 1, {"tp": 2, "cp": 2, "ep": 2})

@@ -27,7 +27,7 @@ import time
 import pytest
 
 from dsa_train.config.recipes import compose_recipe, recipes_dir
-from dsa_train.parallel.selftest import free_port
+from tests.helpers import free_port
 
 # the shrunk model: the tiny V3.2 shape (MoE + shared expert, MLA with q-LoRA, indexer, MTP), smaller
 TINY_ARCH = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_attention_heads": 4,

@@ -1,13 +1,13 @@
 """Distributed == single process, checked on any layout:
 
-    torchrun --nproc_per_node 2 -m dsa_train.parallel.selftest --zero 2
-    torchrun --nproc_per_node 2 -m dsa_train.parallel.selftest --ep 2 --zero 1
-    torchrun --nproc_per_node 2 -m dsa_train.parallel.selftest --tp 2
-    torchrun --nproc_per_node 2 -m dsa_train.parallel.selftest --cp 2 --seq-len 96 --topk 16
+    torchrun --nproc_per_node 2 -m dsa_train.testing.selftest --zero 2
+    torchrun --nproc_per_node 2 -m dsa_train.testing.selftest --ep 2 --zero 1
+    torchrun --nproc_per_node 2 -m dsa_train.testing.selftest --tp 2
+    torchrun --nproc_per_node 2 -m dsa_train.testing.selftest --cp 2 --seq-len 96 --topk 16
 
 The Triton kernels (interpreted on the CPU) against a single process on the PyTorch references:
 
-    DSA_KERNELS=triton TRITON_INTERPRET=1 torchrun --nproc_per_node 2 -m dsa_train.parallel.selftest
+    DSA_KERNELS=triton TRITON_INTERPRET=1 torchrun --nproc_per_node 2 -m dsa_train.testing.selftest
         --cp 2 --seq-len 64 --reference-kernels ref --indexer-loss-atol 2e-6      (one command line)
 
 Every rank builds the same tiny model and the same global batches, trains a single-process copy
@@ -222,26 +222,3 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(nproc: int, args: list[str], out_path: str, timeout: float = 400) -> tuple[int, list[dict], str]:
-    """Run the self-test under torchrun on this machine (CPU, gloo) -> (rc, rank-0 results, log)."""
-    import subprocess
-
-    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "OMP_NUM_THREADS": "1",
-           "DSA_STRICT_DEVICES": os.environ.get("DSA_STRICT_DEVICES", "1")}  # collectives checked (strict_devices)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", "-m", "dsa_train.parallel.selftest", *args, "--out", out_path]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    results = []
-    if os.path.exists(out_path):
-        with open(out_path) as f:
-            results = [json.loads(line) for line in f if line.strip()]
-    return proc.returncode, results, proc.stdout[-6000:] + proc.stderr[-6000:]

@@ -1,6 +1,6 @@
 """Measured peak memory of a distributed CPU run vs `dsa-train plan`'s estimate for it:
 
-    torchrun --nproc_per_node 2 -m dsa_train.parallel.memcheck --zero 2 --seq-len 1024
+    torchrun --nproc_per_node 2 -m dsa_train.testing.memcheck --zero 2 --seq-len 1024
 
 Each rank reads its resident-set size before it builds anything (after imports and process
 groups), trains a few steps of a mid-sized DeepSeek-V3-shaped model (about 100M parameters,
