@@ -49,7 +49,7 @@ def make(path: Path) -> None:
 
     torch.manual_seed(0)
     model = dsa_train.DSAForCausalLM(dsa_train.tiny_config(**CONFIG))
-    model.save_pretrained(path, max_shard_bytes=SHARD_BYTES)
+    dsa_train.save_pretrained(model, path, max_shard_bytes=SHARD_BYTES)
 
 
 def measure(path: Path, how: str) -> dict:

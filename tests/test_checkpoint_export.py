@@ -109,7 +109,7 @@ def test_fp8_export_loads_in_transformers_with_close_logits(tmp_path):
     model measures about 0.08), and their cosine similarity, >= 0.95 (measured 0.98)."""
     make_tiny_checkpoint(tmp_path / "terminus", seed=2, **BLOCK_ALIGNED)
     model = train_a_few_steps(dsa_train.from_pretrained(tmp_path / "terminus"), steps=2)
-    model.save_pretrained(tmp_path / "fp8", fp8=True, ue8m0=True, dtype=torch.bfloat16)
+    dsa_train.save_pretrained(model, tmp_path / "fp8", fp8=True, ue8m0=True, dtype=torch.bfloat16)
     ids = probe_ids(4096)
     with torch.no_grad():
         hf = transformers_v32(tmp_path / "fp8")(ids).logits

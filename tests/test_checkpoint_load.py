@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import dsa_train
-from dsa_train.checkpoint import load_pretrained
 from dsa_train.checkpoint.tiny import make_tiny_checkpoint
 from tests.checkpoint_helpers import raw_tensors, read_json, reference_weights
 
@@ -80,7 +79,7 @@ def test_bf16_load_keeps_indexer_projections_and_router_bias_fp32(tiny):
 
 def test_v32_checkpoint_keeps_its_indexer(tiny, tmp_path):
     model = dsa_train.from_pretrained(tiny)
-    model.save_pretrained(tmp_path / "v32")
+    dsa_train.save_pretrained(model, tmp_path / "v32")
     again = dsa_train.from_pretrained(tmp_path / "v32")
     assert again.config.has_indexer_weights
     for name, value in model.state_dict().items():
@@ -101,7 +100,7 @@ def test_rank_filter_and_tensor_parallel_slices(tiny):
         return t
 
     full = reference_weights(tiny)
-    model = load_pretrained(tiny, torch.float32, param_filter=owns, shard_fn=tp_slice)
+    model = dsa_train.from_pretrained(tiny, torch.float32, param_filter=owns, shard_fn=tp_slice)
     params = dict(model.named_parameters())
     for name, p in params.items():
         if expert.search(name) and not owns(name):
@@ -114,7 +113,7 @@ def test_rank_filter_and_tensor_parallel_slices(tiny):
 
 
 def test_shard_fn_returning_none_drops_the_tensor(tiny):
-    model = load_pretrained(tiny, shard_fn=lambda name, t: None if name == "lm_head.weight" else t)
+    model = dsa_train.from_pretrained(tiny, shard_fn=lambda name, t: None if name == "lm_head.weight" else t)
     assert model.lm_head.weight.is_meta and not model.model.embed_tokens.weight.is_meta
 
 

@@ -67,7 +67,7 @@ def test_sparse_logits_and_selection_match_transformers_v32(tmp_path, seq_len):
 
 
 def test_export_loads_in_transformers_v32(tmp_path):
-    """save_pretrained writes the V3.2 layout that DeepseekV32ForCausalLM loads, same sparse logits."""
+    """dsa_train.save_pretrained writes the V3.2 layout that DeepseekV32ForCausalLM loads, same sparse logits."""
     from transformers import DeepseekV32ForCausalLM
 
     cfg = dsa_train.tiny_config(vocab_size=256, index_topk=8, index_n_heads=16, num_nextn_predict_layers=1)
@@ -76,7 +76,7 @@ def test_export_loads_in_transformers_v32(tmp_path):
     from tests.hf_tiny import randomize_
 
     randomize_(model, 5)
-    model.save_pretrained(tmp_path)
+    dsa_train.save_pretrained(model, tmp_path)
     ref_model = DeepseekV32ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

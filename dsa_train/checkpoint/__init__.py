@@ -5,9 +5,9 @@ tiny V3.1-Terminus-layout checkpoints, and `dsa-train export | inspect | make-ti
 from .errors import CheckpointError
 from .export import ExportOptions, save_pretrained, write_hf_dir
 from .fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
-from .loader import CheckpointPlan, examine_checkpoint, load_pretrained, open_checkpoint
+from .loader import CheckpointPlan, examine_checkpoint, from_pretrained, open_checkpoint
 
 __all__ = [
     "CheckpointError", "CheckpointPlan", "ExportOptions", "dequantize_fp8_blocks", "examine_checkpoint",
-    "load_pretrained", "open_checkpoint", "quantize_fp8_blocks", "save_pretrained", "write_hf_dir",
+    "from_pretrained", "open_checkpoint", "quantize_fp8_blocks", "save_pretrained", "write_hf_dir",
 ]

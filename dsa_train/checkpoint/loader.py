@@ -1,7 +1,7 @@
 """Streaming loader: a Hugging Face DeepSeek-V3 / V3.1 / V3.2 directory -> DSAForCausalLM.
 
     plan = open_checkpoint(path)            # config.json + every shard header, all checked
-    model = load_pretrained(path, dtype)    # = plan + a meta-device model filled tensor by tensor
+    model = from_pretrained(path, dtype)    # = plan + a meta-device model filled tensor by tensor
 
 Memory: the model is built with its parameters on the meta device; each tensor is read from its
 shard into a buffer of its own, dequantized (FP8), converted to its final dtype and put in place
@@ -128,7 +128,7 @@ def examine_checkpoint(path: str | os.PathLike) -> CheckpointPlan:
     return CheckpointPlan(hf=hf, config=config, block=block, stored=stored, match=match)
 
 
-def load_pretrained(
+def from_pretrained(
     path: str | os.PathLike,
     dtype: torch.dtype = torch.float32,
     param_filter: ParamFilter | None = None,

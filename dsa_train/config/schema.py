@@ -166,7 +166,7 @@ class CheckpointConfig:
     # training continues after a copy of this rank's pieces; the checkpoint is committed (renamed
     # into place, `latest` updated) only once every rank's write finished.
     async_save: bool = False
-    # Write `model.save_pretrained(<run_dir>/export)` (V3.2 Hugging Face layout) at the end.
+    # Write `dsa_train.save_pretrained(model, <run_dir>/export)` (V3.2 Hugging Face layout) at the end.
     export: bool = True
 
 

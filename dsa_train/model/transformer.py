@@ -8,7 +8,6 @@ Parameter names are Hugging Face's, so state dicts map 1:1 onto V3 / V3.2 checkp
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -156,16 +155,6 @@ class DSAForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def init_indexers(self) -> None:
-        """Fresh indexers (a dense V3 checkpoint has none): each tensor's value depends only on its
-        name (checkpoint.loader.fresh_indexer_tensor), the same under any parallel layout."""
-        from ..checkpoint.loader import fresh_indexer_tensor
-
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if ".indexer." in name:
-                    p.copy_(fresh_indexer_tensor(name, p.shape, self.config.initializer_range, p.dtype))
-
     def cast(self, dtype: torch.dtype) -> "DSAForCausalLM":
         """Cast parameters to dtype, keeping the indexer's weights_proj / k_norm in fp32. Buffers
         (RoPE frequencies, router biases, the Hadamard matrix) stay fp32 and are never rounded."""
@@ -176,9 +165,6 @@ class DSAForCausalLM(nn.Module):
         return self
 
     # ------------------------------------------------------------------ params
-    def indexer_parameters(self):
-        return [p for n, p in self.named_parameters() if ".indexer." in n]
-
     def main_layers(self) -> list[DecoderLayer]:
         return list(self.model.layers[: self.config.num_hidden_layers])
 
@@ -310,14 +296,3 @@ class DSAForCausalLM(nn.Module):
     def main_moe_modules(self) -> list[MoE]:
         return [layer.mlp for layer in self.main_layers() if isinstance(layer.mlp, MoE)]
 
-    # ------------------------------------------------------------------ I/O
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> "DSAForCausalLM":
-        from ..checkpoint.hf import load_pretrained
-
-        return load_pretrained(path, dtype=dtype)
-
-    def save_pretrained(self, path: str | os.PathLike, **kwargs) -> None:
-        from ..checkpoint.hf import save_pretrained
-
-        save_pretrained(self, path, **kwargs)
