@@ -3,7 +3,9 @@
 import torch
 
 import dsa_train
+from dsa_train.config import Attention, StageConfig, Trainable
 from dsa_train.model import flops
+from dsa_train.stage import Stage
 
 
 def test_matmul_params_match_the_model():
@@ -23,8 +25,8 @@ def test_indexer_flops_are_counted_and_stage_dependent():
     bigger = dsa_train.tiny_config(index_n_heads=cfg.index_n_heads * 4)
     T = 1024
     assert flops.flops_per_token(bigger, T, "sparse") > flops.flops_per_token(cfg, T, "sparse")
-    warmup = flops.flops_per_token(cfg, T, "dense", stage_trainable="indexer")
-    full = flops.flops_per_token(cfg, T, "dense", stage_trainable="all")
+    warmup = Stage.of("warmup", StageConfig(attention=Attention.dense, trainable=Trainable.indexer)).flops_per_token(cfg, T)
+    full = Stage.of("full", StageConfig(attention=Attention.dense, trainable=Trainable.all)).flops_per_token(cfg, T)
     assert 0 < warmup < full
     # sparse attention cost stops growing with T beyond k; dense keeps growing
     a = flops.attention_flops_per_token(cfg, 4096, "sparse", topk=64)["main"]

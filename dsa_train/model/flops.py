@@ -2,9 +2,10 @@
 
 Counts multiply-adds as 2 FLOPs, matmuls only (norms, softmax, RoPE and routing are ignored), with
 the average causal key count (T+1)/2 per query. Training = forward + backward (backward = 2x
-forward) for the parts that receive gradients:
-  * stage "all" (sparse training): everything x3.
-  * stage "indexer" (dense warm-up): the frozen main model runs forward only (x1, no LM head: the
+forward) for the parts that receive gradients. Which parts those are is a property of the stage's
+kind (`dsa_train.stage.StageKind`), passed in as flags:
+  * sparse training ("all"): everything x3, LM head included.
+  * dense warm-up ("indexer"): the frozen main model runs forward only (x1, no LM head: the
     warm-up skips it); the indexer and its KL loss run forward + backward (x3), and the KL target
     recomputes the main attention scores once more (x1).
 """
@@ -60,9 +61,16 @@ def flops_per_token(
     seq_len: int,
     attention: str = "sparse",
     topk: int | None = None,
-    stage_trainable: str = "all",
+    *,
+    main_backward: bool = True,
+    lm_head: bool = True,
+    kl_recomputes_main_scores: bool = False,
 ) -> float:
-    """Training FLOPs per token (forward + backward) for a step of the given stage."""
+    """Training FLOPs per token (forward + backward) of one step. The indexer and its KL loss always
+    run forward + backward (x3); the main model runs forward + backward (x3) with `main_backward`,
+    else forward only (x1); `lm_head` adds the LM head to the main model's part;
+    `kl_recomputes_main_scores` adds one more pass over the main attention scores (the KL target).
+    What a stage runs is said by its kind (`dsa_train.stage.Stage.flops_per_token`)."""
     attn = attention_flops_per_token(cfg, seq_len, attention, topk)
     head = 2 * cfg.hidden_size * cfg.vocab_size
     main_fwd, indexer_fwd = 0.0, 0.0
@@ -70,10 +78,8 @@ def flops_per_token(
         params = layer_linear_params(cfg, i)
         main_fwd += 2 * params["main"] + attn["main"]
         indexer_fwd += 2 * params["indexer"] + attn["indexer"]
-    if stage_trainable == "indexer":
-        # main forward, indexer fwd+bwd, and the KL target's second pass over the main scores
-        return main_fwd + 3 * indexer_fwd + cfg.num_hidden_layers * attn["main"]
-    if stage_trainable != "all":
-        raise ValueError(f"stage_trainable must be 'all' or 'indexer', got {stage_trainable!r}")
-    # sparse training: indexer input detached, but it is still trained by its own loss
-    return 3 * (main_fwd + head) + 3 * indexer_fwd
+    main = main_fwd + head if lm_head else main_fwd
+    total = (3 if main_backward else 1) * main + 3 * indexer_fwd
+    if kl_recomputes_main_scores:
+        total += cfg.num_hidden_layers * attn["main"]
+    return total
