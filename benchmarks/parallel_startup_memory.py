@@ -107,8 +107,8 @@ def load(ckpt: Path, out: Path, layout: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from dsa_train.config import ParallelConfig
-    from dsa_train.parallel.groups import ParallelState, init_distributed, resolve_sizes
+    from dsa_train.config import ParallelConfig, resolve_sizes
+    from dsa_train.parallel.groups import ParallelState, init_distributed
     from dsa_train.parallel.startup import load_parallel_pretrained
     from dsa_train.runtime import limit_heap_fragmentation
 

@@ -25,11 +25,11 @@ from dsa_train.config.schema import (
     WandbMode,
 )
 from dsa_train.config.store import register_configs
-from dsa_train.config.validate import ConfigError, validate
+from dsa_train.config.validate import ConfigError, ParallelSizes, resolve_sizes, validate
 
 __all__ = [
     "Attention", "CheckpointConfig", "ClusterConfig", "ConfigError", "DEFAULT_RECIPE", "DType",
     "DataSection", "Decay", "Device", "LoggingConfig", "ModelConfig", "OptimConfig",
-    "ParallelConfig", "StageConfig", "TrainConfig", "Trainable", "WandbMode", "compose_recipe",
-    "load_recipe", "recipes_dir", "register_configs", "to_train_config", "validate",
+    "ParallelConfig", "ParallelSizes", "StageConfig", "TrainConfig", "Trainable", "WandbMode", "compose_recipe",
+    "load_recipe", "recipes_dir", "register_configs", "resolve_sizes", "to_train_config", "validate",
 ]

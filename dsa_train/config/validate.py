@@ -5,14 +5,17 @@
 user fixes them in one attempt, not one per run). Outside such a block `_require` raises at once.
 `environment_problems` adds what depends on the machine the run starts on (CUDA present, one
 process or a launcher, the model's context length); the command line checks both together.
+`resolve_sizes` checks the `parallel` group against a world size and gives the layout's sizes
+(`ParallelSizes`), which `dsa_train.parallel.groups` builds its process groups from.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 
-from dsa_train.config.schema import Attention, Device, TrainConfig, Trainable
+from dsa_train.config.schema import Attention, Device, ParallelConfig, TrainConfig, Trainable
 from dsa_train.errors import DSATrainError
 
 
@@ -67,6 +70,55 @@ def collect_problems():
         raise ConfigError.of(list(dict.fromkeys(problems)))
 
 
+@dataclass(frozen=True)
+class ParallelSizes:
+    world: int
+    tensor: int = 1
+    context: int = 1
+    expert: int = 1
+    data: int = 1
+
+    @property
+    def dense_dp(self) -> int:
+        """Ranks holding replicas of a dense parameter (gradients averaged over them)."""
+        return self.context * self.data
+
+    @property
+    def expert_dp(self) -> int:
+        return self.dense_dp // self.expert
+
+
+def resolve_sizes(parallel: ParallelConfig, world_size: int) -> ParallelSizes:
+    """Check the recipe's `parallel` group against the world size; infer data_parallel=-1.
+    Raises ConfigError naming the sizes and the fix."""
+    tp, cp, ep, dp = parallel.tensor_parallel, parallel.context_parallel, parallel.expert_parallel, parallel.data_parallel
+    for key, v in (("tensor_parallel", tp), ("context_parallel", cp), ("expert_parallel", ep)):
+        if v < 1:
+            raise ConfigError(f"parallel.{key}={v}: must be >= 1")
+    if parallel.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero_stage={parallel.zero_stage}: must be 0, 1, 2 or 3")
+    if world_size % (tp * cp) != 0:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.tensor_parallel * parallel.context_parallel = "
+            f"{tp} * {cp} = {tp * cp}; launch a multiple of {tp * cp} ranks or lower tensor/context parallel"
+        )
+    inferred = world_size // (tp * cp)
+    if dp == -1:
+        dp = inferred
+    elif dp != inferred:
+        raise ConfigError(
+            f"parallel.data_parallel={dp} but world size {world_size} / (tensor_parallel {tp} * context_parallel "
+            f"{cp}) = {inferred}; set parallel.data_parallel={inferred} (or -1 to infer it), or launch "
+            f"{tp * cp * dp} ranks"
+        )
+    if (cp * dp) % ep != 0:
+        raise ConfigError(
+            f"parallel.expert_parallel={ep} must divide context_parallel * data_parallel = {cp} * {dp} = {cp * dp} "
+            f"(world {world_size}, tensor_parallel {tp}); pick expert_parallel among the divisors of {cp * dp}"
+        )
+    return ParallelSizes(world=world_size, tensor=tp, context=cp, expert=ep, data=dp)
+
+
 def validate(cfg: TrainConfig) -> None:
     with collect_problems():
         _validate(cfg)
@@ -83,8 +135,6 @@ def environment_problems(cfg: TrainConfig, model_known: bool = True, world_size:
                  "cuda requested but no CUDA device is available; use device=cpu (or profile=smoke)")
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        from dsa_train.parallel.groups import resolve_sizes
-
         try:
             sizes = resolve_sizes(cfg.parallel, world)
         except ConfigError as err:

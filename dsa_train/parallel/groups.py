@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dsa_train.config import ConfigError, ParallelConfig
+from dsa_train.config import ConfigError, ParallelConfig, ParallelSizes, resolve_sizes
 
 
 @dataclass(frozen=True)

@@ -78,8 +78,7 @@ def _sbatch_value(v) -> str:
 
 def render_sbatch(recipe: str, overrides: list[str], python: str | None = None, workdir: str | None = None) -> tuple[str, Path]:
     """The sbatch script for the recipe (+ overrides) and where it is written."""
-    from dsa_train.config import load_recipe
-    from dsa_train.parallel.groups import resolve_sizes
+    from dsa_train.config import load_recipe, resolve_sizes
 
     cfg = load_recipe(recipe, overrides)
     cl = cfg.cluster
