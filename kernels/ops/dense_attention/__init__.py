@@ -12,16 +12,18 @@ Differentiable w.r.t. q, k, v.
 CUDA tensors (or DSA_KERNELS=triton) in the MHA form -> the Triton kernels; the MQA form and CPU
 tensors -> the PyTorch path.
 
-Files: `reference.py` (PyTorch, chunked over queries, the specification), `function.py` (the
-flash-style autograd Function in PyTorch: forward keeps out + lse, backward recomputes each
-query chunk, what the CPU runs under autograd; and the Triton autograd Function + entry),
-`kernel.py` (Triton forward / backward kernels and their launch plans), `specs.py` (the launches
-the compile report compiles at the 671B shapes).
+Files: `reference.py` (PyTorch, chunked over queries, the specification), `chunked.py` (the
+PyTorch path `dense_attention_ref`: the reference's forward, under autograd the flash-style
+`DenseAttentionFunction` whose backward recomputes each query chunk), `kernel.py` (Triton
+forward / backward kernels and their launch plans), `function.py` (the autograd Function over
+them and `dense_attention_triton`), `specs.py` (the launches the compile report compiles at the
+671B shapes).
 """
 
 from ..._triton_common import use_triton as _use_triton
-from .function import DenseAttentionFunction, dense_attention_bwd_ref, dense_attention_triton, triton_supports
-from .reference import dense_attention_chunk, dense_attention_fwd_ref, dense_attention_logits, dense_attention_ref
+from .chunked import DenseAttentionFunction, dense_attention_bwd_ref, dense_attention_ref
+from .function import dense_attention_triton, triton_supports
+from .reference import dense_attention_chunk, dense_attention_fwd_ref, dense_attention_logits
 
 
 def dense_attention(q, k, v, scale, doc_start, chunk_size=None):

@@ -58,13 +58,3 @@ def dense_attention_fwd_ref(q, k, v, scale, doc_start, chunk_size=None) -> tuple
         out[:, q0:q1], lse[:, q0:q1] = dense_attention_chunk(q, k, v, scale, doc_start, q0, q1)
     return out, lse
 
-
-def dense_attention_ref(q, k, v, scale, doc_start, chunk_size=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (out [B, T, H, Dv] in q's dtype, lse [B, T, H] fp32, never differentiable).
-    Under autograd: the chunked Function (forward keeps out + lse, backward recomputes each
-    chunk's probabilities from lse), see function.py."""
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        from .function import DenseAttentionFunction
-
-        return DenseAttentionFunction.apply(q, k, v, scale, doc_start, chunk_size)
-    return dense_attention_fwd_ref(q, k, v, scale, doc_start, chunk_size)
