@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_train.parallel.selftest import free_port
+from tests.helpers import free_port
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "parallel_startup_memory.py"
 

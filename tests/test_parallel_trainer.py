@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from dsa_train.parallel.selftest import free_port
+from tests.helpers import free_port
 
 TINY = [
     "data.seq_len=64", "data.micro_batch_size=1", "logging.wandb_mode=disabled", "logging.progress_bar=false",

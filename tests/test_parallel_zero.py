@@ -3,14 +3,13 @@ per-step LM loss, indexer loss and grad norm, the last step's gradients and the 
 
 import pytest
 
-from dsa_train.config import ConfigError, ParallelConfig
-from dsa_train.parallel.groups import resolve_sizes
-from dsa_train.parallel.selftest import launch
+from dsa_train.config import ConfigError, ParallelConfig, resolve_sizes
+from tests.helpers import launch_selftest
 
 
 
 def test_zero_0_1_2_3_equal_single_process(tmp_path):
-    rc, results, log = launch(2, ["--zero", "0,1,2,3", "--steps", "3", "--global-batch", "4"], str(tmp_path / "r.jsonl"))
+    rc, results, log = launch_selftest(2, ["--zero", "0,1,2,3", "--steps", "3", "--global-batch", "4"], str(tmp_path / "r.jsonl"))
     assert rc == 0, log
     assert [r["layout"]["zero"] for r in results] == [0, 1, 2, 3]
     for r in results:
@@ -21,7 +20,7 @@ def test_zero_0_1_2_3_equal_single_process(tmp_path):
 
 def test_bf16_zero_1_2_close_to_single_process_bf16(tmp_path):
     # bf16 parameters, fp32 masters on both sides; per-step losses and grad norms within 1%
-    rc, results, log = launch(2, ["--zero", "1,2", "--bf16", "--rtol", "1e-2"], str(tmp_path / "r.jsonl"))
+    rc, results, log = launch_selftest(2, ["--zero", "1,2", "--bf16", "--rtol", "1e-2"], str(tmp_path / "r.jsonl"))
     assert rc == 0, log
     assert len(results) == 2 and all(not r["failures"] for r in results), results
     assert all(r["worst"]["loss"] < 1e-2 for r in results)
@@ -40,7 +39,7 @@ def test_sizes_validated_against_world():
 def test_mtp_loss_data_parallel_equals_single_process(tmp_path):
     # the MTP loss is token-weighted over the global batch like the LM loss (rows hold 1-3
     # documents, so the ranks' valid-label counts differ and a per-rank mean would not match)
-    rc, results, log = launch(2, ["--zero", "0,2", "--mtp", "--steps", "2"], str(tmp_path / "r.jsonl"))
+    rc, results, log = launch_selftest(2, ["--zero", "0,2", "--mtp", "--steps", "2"], str(tmp_path / "r.jsonl"))
     assert rc == 0, log
     assert len(results) == 2 and all(not r["failures"] for r in results), [r["failures"] for r in results]
     assert all(r["worst"]["loss"] < 2e-4 and r["worst"]["param"] < 5e-5 for r in results), [r["worst"] for r in results]

@@ -1,9 +1,9 @@
 """The seam between the training loop and how parameters are updated.
 
 `Engine` owns the model, the optimizer and the schedule of one stage, and exposes what the loop
-needs: backward, step (clip + update + schedule), zero_grad; checkpoints read its optimizer state
-per parameter (engine/sharded_state.py). The
-distributed work replaces it by a DeepSpeed / Megatron-backed engine with the same methods.
+needs: backward, step (clip + update + schedule), zero_grad, and `fragments` (its optimizer state
+per parameter, which checkpoints read and write: engine/sharded_state.py). With N ranks the
+layout (`dsa_train.parallel.layout`) builds `DeepSpeedEngine` instead, with the same methods.
 
 Parameters stored in a low-precision dtype (bfloat16) get an fp32 master copy: AdamW updates the
 master and the model parameter is its rounded copy, so small updates are not lost to rounding.
@@ -21,6 +21,7 @@ import torch
 from dsa_train.config import OptimConfig, StageConfig
 from dsa_train.engine.optimizer import build_optimizer
 from dsa_train.engine.schedule import build_scheduler
+from dsa_train.engine.sharded_state import Fragment
 from dsa_train.engine.trainable import set_trainable
 
 
@@ -88,5 +89,8 @@ class Engine:
         for _, param in self.trainable:
             param.grad = None
 
-    # Checkpointed state (fp32 masters, AdamW moments, step, schedule) is read and written per
-    # parameter by engine/sharded_state.py (`fragments`), the same for every engine.
+    def fragments(self) -> list[Fragment]:
+        """Whole trainable parameters, stepped as their fp32 masters (bf16 ones) or themselves:
+        the optimizer state engine/sharded_state.py reads and writes for checkpoints."""
+        return [Fragment(name, param, 0, param.numel(), self.optimizer, self.masters.get(name, param), 0)
+                for name, param in self.trainable]

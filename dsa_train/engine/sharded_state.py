@@ -10,15 +10,17 @@ how the run was laid out:
 
 Each rank contributes only the pieces it holds (`GlobalPieces`: boxes of the global tensor with
 their global offsets):
-  * model values: its tensor-parallel slice (`dsa_shard = (dim, start, stop)`) or the whole tensor
-    (replicas and this expert-parallel rank's experts, which keep their global names);
-  * optimizer state: its ZeRO partition. DeepSpeed's ZeRO-1/2 (and its BF16 optimizer) keep one
-    flat fp32 partition per parameter group; the part of a parameter in this rank's partition is
-    a contiguous range of the parameter's flattened (TP-local) tensor (`param._hp_mapping`:
-    `lp_fragment_address`), which is cut into at most 2 * ndim - 1 row-major boxes
-    (`range_boxes`) and shifted by the TP offset. ZeRO-3 partitions every parameter on its own:
-    rank r holds elements [r * partition, (r + 1) * partition) of it (`grad_position`). ZeRO-0
-    and the single-process engine contribute whole tensors.
+  * model values: its tensor-parallel slice or the whole tensor (replicas and this
+    expert-parallel rank's experts, which keep their global names), placed by the parameter's
+    `Sharding` record (`dsa_train.parallel.sharding`);
+  * optimizer state: its ZeRO partition, as the engine's `fragments()` (`Fragment`) describe it.
+    DeepSpeed's ZeRO-1/2 (and its BF16 optimizer) keep one flat fp32 partition per parameter
+    group; the part of a parameter in this rank's partition is a contiguous range of the
+    parameter's flattened (TP-local) tensor, which is cut into at most 2 * ndim - 1 row-major
+    boxes (`range_boxes`) and shifted by the TP offset. ZeRO-3 partitions every parameter on its
+    own: rank r holds elements [r * partition, (r + 1) * partition) of it. ZeRO-0 and the
+    single-process engine contribute whole tensors. (Reading DeepSpeed's layouts:
+    `dsa_train.parallel.deepspeed_compat.zero_fragments`.)
 Replicas (the same box on several ranks: data-parallel copies of the weights, tensor-parallel
 copies of replicated parameters' optimizer fragments) are proposed by every holder and written by
 one: DCP's global save plan keeps one write item per (name, offset) (`dedup_save_plans`) and
@@ -50,6 +52,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from dsa_train.parallel.sharding import sharding_of
 
 MODEL = "model/"
 MASTER = "optim/master/"
@@ -180,18 +184,6 @@ def range_boxes(shape: tuple[int, ...], start: int, numel: int) -> list[tuple[tu
     return out
 
 
-def local_place(param: torch.Tensor, tp_size: int, shard=None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(global shape, offsets of this rank's tensor in it) for a model tensor: a tensor-parallel
-    slice (`dsa_shard`, even splits over `tp_size`) or the whole tensor."""
-    shape, offsets = list(param.shape), [0] * param.dim()
-    shard = shard if shard is not None else getattr(param, "dsa_shard", None)
-    if shard is not None:
-        dim, start, stop = shard
-        shape[dim] = (stop - start) * tp_size
-        offsets[dim] = start
-    return tuple(shape), tuple(offsets)
-
-
 # ------------------------------------------------------------------------------ what a rank holds
 def model_pieces(model: torch.nn.Module, tp_size: int = 1) -> dict[str, GlobalPieces]:
     """model/<name> -> this rank's tensor of every model state-dict entry (parameters and
@@ -200,7 +192,7 @@ def model_pieces(model: torch.nn.Module, tp_size: int = 1) -> dict[str, GlobalPi
     for name, t in model.state_dict(keep_vars=True).items():
         if t is None:
             continue
-        shape, offsets = local_place(t, tp_size)
+        shape, offsets = sharding_of(t).place(tuple(t.shape), tp_size)
         out[MODEL + name] = GlobalPieces(shape, t.dtype, [(offsets, t.detach())])
     return out
 
@@ -240,35 +232,9 @@ class Fragment:
 
 
 def fragments(engine) -> list[Fragment]:
-    """The fragments of `engine` (dsa_train.engine.Engine, or the DeepSpeed engine with ZeRO
-    stage 0-2 or its BF16 optimizer) on this rank."""
-    ds = getattr(engine, "ds", None)
-    if ds is None:  # the single-process engine: whole parameters (fp32 masters of bf16 ones)
-        return [Fragment(name, param, 0, param.numel(), engine.optimizer, engine.masters.get(name, param), 0)
-                for name, param in engine.trainable]
-    opt = ds.optimizer
-    if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO-3: each parameter partitioned on its own
-        out = []
-        for name, p in engine.trainable:
-            group, dest, partition = opt.grad_position[opt.get_param_id(p)]
-            start = opt._get_param_partition_rank(p) * partition  # this rank's range of the flat parameter
-            numel = min(partition, p.ds_numel - start)  # the last partition is padded
-            if numel > 0:
-                out.append(Fragment(name, p, start, numel, opt.optimizer, opt.fp32_partitioned_groups_flat[group],
-                                    dest, shape=tuple(p.ds_shape)))
-        return out
-    if isinstance(opt, torch.optim.Optimizer) and not hasattr(opt, "bit16_groups"):
-        # no ZeRO wrapper (fp32, stage 0): the torch optimizer steps the parameters themselves
-        return [Fragment(name, p, 0, p.numel(), opt, p, 0) for name, p in engine.trainable]
-    flats = getattr(opt, "single_partition_of_fp32_groups", None) or getattr(opt, "fp32_groups_flat_partition")
-    out = []
-    for name, p in engine.trainable:
-        mapping = getattr(p, "_hp_mapping", None)
-        if mapping is None:
-            continue
-        out.append(Fragment(name, p, mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel,
-                            opt.optimizer, flats[mapping.param_group_index], mapping.hp_fragment_address.start))
-    return out
+    """The fragments of `engine` on this rank (each engine knows its optimizer's layout:
+    `Engine.fragments`, `DeepSpeedEngine.fragments`)."""
+    return engine.fragments()
 
 
 def optimizer_pieces(engine, tp_size: int = 1, create: bool = False) -> dict[str, GlobalPieces]:
@@ -277,7 +243,7 @@ def optimizer_pieces(engine, tp_size: int = 1, create: bool = False) -> dict[str
     out: dict[str, GlobalPieces] = {}
     for f in fragments(engine):
         local_shape = f.shape or tuple(f.param.shape)
-        shape, base = local_place(torch.empty(local_shape, device="meta"), tp_size, getattr(f.param, "dsa_shard", None))
+        shape, base = sharding_of(f.param).place(local_shape, tp_size)
         views = {"master": f.master(), **f.moments(create)}
         for offs, sizes, at in range_boxes(local_shape, f.start, f.numel):
             offsets = tuple(b + o for b, o in zip(base, offs))

@@ -9,16 +9,15 @@
   `backward` only accumulates, `step` is the boundary (reduce, clip, update, schedule).
   Losses arrive already scaled for accumulation (see `dsa_train.parallel.step`), so DeepSpeed
   does not divide by the accumulation steps.
-* MoE parameter groups: routed-expert parameters (marked `allreduce=False`, `group_name` by
-  `dsa_train.parallel.expert.shard_experts`) go into DeepSpeed MoE param groups whose gradients
-  are reduced over the expert-data-parallel group (megatron-core's). DeepSpeed learns the groups
-  through its MoE layer API (`set_deepspeed_parallelism`, `_deepspeed_moe_marker`), which fills
-  its group registry (`register_expert_groups`, the one place that writes DeepSpeed's dicts).
+* MoE parameter groups: routed-expert parameters (their `Sharding` record names an expert group,
+  set by `dsa_train.parallel.expert.shard_experts`) go into DeepSpeed MoE param groups whose
+  gradients are reduced over the expert-data-parallel group (megatron-core's). How DeepSpeed
+  learns the groups and the parameters (its MoE marks, group registry and MoE layer API) is in
+  `dsa_train.parallel.deepspeed_compat`, with every other DeepSpeed private name this engine needs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -27,8 +26,11 @@ import torch
 
 from dsa_train.config import OptimConfig, StageConfig
 from dsa_train.engine.schedule import build_scheduler
+from dsa_train.engine.sharded_state import Fragment
 from dsa_train.engine.trainable import set_trainable
+from dsa_train.parallel import deepspeed_compat
 from dsa_train.parallel.groups import MegatronMPU, ParallelState
+from dsa_train.parallel.sharding import copies_in_world, sharding_of
 
 log = logging.getLogger(__name__)
 
@@ -38,21 +40,8 @@ def _quiet_deepspeed() -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
 
-def register_expert_groups(state: ParallelState, group_name: str) -> None:
-    """Make megatron-core's expert groups DeepSpeed's expert groups named `group_name`."""
-    import torch.distributed as dist
-    from deepspeed.utils import groups as dsg
-
-    dsg._EXPERT_PARALLEL_GROUP[group_name] = state.ep_group
-    dsg._EXPERT_PARALLEL_GROUP_RANKS[group_name] = dist.get_process_group_ranks(state.ep_group)
-    dsg._EXPERT_DATA_PARALLEL_GROUP[group_name] = state.expert_dp_group
-    dsg._EXPERT_DATA_PARALLEL_GROUP_RANKS[group_name] = dist.get_process_group_ranks(state.expert_dp_group)
-
-
 def param_groups(trainable: list[tuple[str, torch.nn.Parameter]], optim: OptimConfig) -> list[dict]:
     """Matrices decay, vectors do not (as `build_optimizer`); expert parameters in MoE groups."""
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-
     decay = [p for _, p in trainable if p.ndim >= 2]
     no_decay = [p for _, p in trainable if p.ndim < 2]
     groups = [
@@ -60,8 +49,8 @@ def param_groups(trainable: list[tuple[str, torch.nn.Parameter]], optim: OptimCo
         {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
-    if any(getattr(p, "allreduce", True) is False for _, p in trainable):
-        groups = split_params_into_different_moe_groups_for_optimizer(groups)
+    if any(sharding_of(p).expert for _, p in trainable):
+        groups = deepspeed_compat.moe_param_groups(groups)
     return groups
 
 
@@ -94,46 +83,6 @@ def deepspeed_config(zero_stage: int, micro_batch_size: int, dp_size: int, bf16:
     return cfg
 
 
-def _deepspeed_moe_marker(num_experts: int, state: ParallelState, group_name: str) -> torch.nn.Module:
-    """DeepSpeed configures expert parameter groups (ZeRO's expert-data-parallel reduction) when
-    the model it initializes contains a `deepspeed.moe.layer.MoE`, and asks each such module for
-    its groups through `set_deepspeed_parallelism` (its MoE API). This parameter-free module is
-    such a layer (DeepSpeed's __init__ not run: it builds its own experts); it answers with
-    megatron-core's expert groups. It is attached to the model only for `deepspeed.initialize`."""
-    from deepspeed.moe.layer import MoE as DeepSpeedMoE
-
-    class ExpertGroups(DeepSpeedMoE):
-        def __init__(self):
-            torch.nn.Module.__init__(self)
-            self.num_experts = num_experts
-
-        def set_deepspeed_parallelism(self, *args, **kwargs) -> None:
-            register_expert_groups(state, group_name)
-
-    return ExpertGroups()
-
-
-@contextlib.contextmanager
-def _expert_groups_visible(model: torch.nn.Module, state: ParallelState, trainable: list):
-    """Let DeepSpeed see expert parallelism during initialize when expert parameters train (in a
-    stage whose experts are frozen, e.g. the dense warm-up, DeepSpeed must see none: it then
-    requires MoE parameter groups). The groups are registered whenever the model has expert
-    parameters: DeepSpeed broadcasts every parameter marked `allreduce=False` over its group."""
-    names = {getattr(p, "group_name", None) for p in model.parameters() if getattr(p, "allreduce", True) is False}
-    for name in names - {None}:
-        register_expert_groups(state, name)
-    trained = {getattr(p, "group_name", None) for _, p in trainable if getattr(p, "allreduce", True) is False}
-    if not trained:
-        yield
-        return
-    (group_name,) = trained
-    model.add_module("_deepspeed_expert_groups", _deepspeed_moe_marker(model.config.n_routed_experts, state, group_name))
-    try:
-        yield
-    finally:
-        del model._deepspeed_expert_groups
-
-
 REDUCE_BUCKET = int(5e7)  # elements; `dsa-train plan` counts one such bucket
 
 
@@ -153,6 +102,7 @@ class DeepSpeedEngine:
         self.module = model
         self.state = state
         self.trainable = set_trainable(model, stage.trainable)
+        deepspeed_compat.mark_expert_parameters(model.parameters())  # before the MoE param groups
         groups = param_groups(self.trainable, optim)
         optimizer = torch.optim.AdamW(groups, lr=stage.lr, betas=(optim.betas[0], optim.betas[1]), eps=optim.eps)
         scheduler = build_scheduler(optimizer, stage)
@@ -177,7 +127,7 @@ class DeepSpeedEngine:
         )
         self.grad_clip = optim.grad_clip
         self.zero_stage = zero_stage
-        with _expert_groups_visible(model, state, self.trainable):
+        with deepspeed_compat.expert_groups_visible(model, state, self.trainable):
             self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=model,
                 optimizer=optimizer,
@@ -187,7 +137,7 @@ class DeepSpeedEngine:
                 dist_init_required=False,
             )
         if self.own_norm:
-            self.ds.enable_backward_allreduce = False  # `reduce_gradients` does it in `step`
+            deepspeed_compat.disable_backward_allreduce(self.ds)  # `reduce_gradients` does it in `step`
         self.model = self.ds  # forward through DeepSpeed (ZeRO-3 gathers parameters in its hooks)
 
     @property
@@ -225,29 +175,17 @@ class DeepSpeedEngine:
         out = {}
         for name, p in self.trainable:
             g = self._captured.get(name, torch.zeros(p.shape, dtype=torch.float32, device=p.device))
-            group = self.state.expert_dp_group if getattr(p, "allreduce", True) is False else self.state.dense_dp_group
+            group = self.state.expert_dp_group if sharding_of(p).expert else self.state.dense_dp_group
             dist.all_reduce(g, group=group)
             out[name] = g / self.state.sizes.dense_dp
         return out
 
     def gradient_tensors(self) -> list[torch.Tensor]:
-        """The gradients this rank holds between backward and step, where DeepSpeed keeps them:
-        ZeRO-2 reduces each bucket during backward and accumulates this rank's partition over the
-        step's backwards (`all_grad_tensors`, caller-driven accumulation; `grads_in_partition` /
-        `averaged_gradients` at the boundary; `p.grad` is released), ZeRO-3 into its flat
-        partition buffer; bf16 ZeRO-1 with fp32 accumulation (DeepSpeed's BF16_Optimizer) into fp32 flat
-        buffers; otherwise ZeRO-0/1 keep them in `p.grad` until `step` reduces them."""
-        opt = self.ds.optimizer
+        """The gradients this rank holds between backward and step: `p.grad` (ZeRO-0/1 until
+        `step` reduces them) and DeepSpeed's own gradient buffers (ZeRO-2/3, the BF16 optimizer:
+        `deepspeed_compat.gradient_buffers`)."""
         grads = [p.grad for _, p in self.trainable if p.grad is not None]
-        for name in ("grads_in_partition", "grad_partitions_flat_buffer"):
-            buffer = getattr(opt, name, None)
-            if isinstance(buffer, torch.Tensor):
-                grads.append(buffer)
-        grads.extend(g for g in getattr(opt, "fp32_groups_gradients_flat", None) or [] if isinstance(g, torch.Tensor))
-        for name in ("all_grad_tensors", "averaged_gradients"):  # {param group: [tensor]}
-            for group in (getattr(opt, name, None) or {}).values():
-                grads.extend(g for g in (group or []) if isinstance(g, torch.Tensor))
-        return grads
+        return grads + deepspeed_compat.gradient_buffers(self.ds.optimizer)
 
     def step(self) -> float:
         """Reduce, clip, update, advance the schedule, clear gradients. Returns the pre-clip norm."""
@@ -282,7 +220,7 @@ class DeepSpeedEngine:
         by_group: dict[bool, list[torch.Tensor]] = {True: [], False: []}
         for _, p in self.trainable:
             if p.grad is not None:
-                by_group[getattr(p, "allreduce", True) is False].append(p.grad)
+                by_group[sharding_of(p).expert].append(p.grad)
         for expert, grads in by_group.items():
             group = self.state.expert_dp_group if expert else self.state.dense_dp_group
             if dist.get_world_size(group) == 1:
@@ -311,12 +249,7 @@ class DeepSpeedEngine:
         for _, p in self.trainable:
             if p.grad is None:
                 continue
-            copies = sizes.world
-            if getattr(p, "dsa_shard", None) is not None:
-                copies //= sizes.tensor
-            if getattr(p, "allreduce", True) is False:
-                copies //= sizes.expert
-            total += p.grad.detach().double().pow(2).sum().cpu() / copies
+            total += p.grad.detach().double().pow(2).sum().cpu() / copies_in_world(p, sizes)
         total = total.to(next(iter(self.module.parameters())).device)
         if sizes.world > 1:
             dist.all_reduce(total)
@@ -337,7 +270,8 @@ class DeepSpeedEngine:
         self.ds = self.model = self.optimizer = self.scheduler = None
         gc.collect()
 
-    # Checkpointed state: engine/sharded_state.py reads and writes this rank's ZeRO fragments of
-    # each parameter (`param._hp_mapping`: fp32 master, AdamW moments) as pieces of global
-    # tensors, so a checkpoint resumes under any layout. The masters always come from the
-    # checkpoint, never from the bf16 weights (that would drop every update below bf16 resolution).
+    def fragments(self) -> list[Fragment]:
+        """This rank's ZeRO fragments of the trainable parameters (fp32 master, AdamW moments),
+        which engine/sharded_state.py reads and writes as pieces of global tensors, so a
+        checkpoint resumes under any layout."""
+        return deepspeed_compat.zero_fragments(self.ds.optimizer, self.trainable)

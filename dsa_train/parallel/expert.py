@@ -28,6 +28,7 @@ from torch.distributed.nn.functional import all_to_all_single
 
 from dsa_train.model.moe import MoE
 from dsa_train.parallel.groups import ParallelState
+from dsa_train.parallel.sharding import Sharding, set_sharding
 
 
 def _counts_all_to_all(send_counts: torch.Tensor, group) -> torch.Tensor:
@@ -186,8 +187,7 @@ def shard_experts(model: torch.nn.Module, state: ParallelState, grouped: bool = 
             if int(e) not in module.dispatcher.local_experts:
                 del module.experts[e]
         for p in module.experts.parameters():
-            p.allreduce = False  # DeepSpeed's MoE parameter marks
-            p.group_name = expert_group_name(state)
+            set_sharding(p, Sharding(expert_group=expert_group_name(state)))
 
 
 def expert_group_name(state: ParallelState) -> str:

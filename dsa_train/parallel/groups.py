@@ -17,61 +17,12 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from dsa_train.config import ConfigError, ParallelConfig, ParallelSizes, resolve_sizes
-
-
-@dataclass(frozen=True)
-class ParallelSizes:
-    world: int
-    tensor: int = 1
-    context: int = 1
-    expert: int = 1
-    data: int = 1
-
-    @property
-    def dense_dp(self) -> int:
-        """Ranks holding replicas of a dense parameter (gradients averaged over them)."""
-        return self.context * self.data
-
-    @property
-    def expert_dp(self) -> int:
-        return self.dense_dp // self.expert
-
-
-def resolve_sizes(parallel: ParallelConfig, world_size: int) -> ParallelSizes:
-    """Check the recipe's `parallel` group against the world size; infer data_parallel=-1.
-    Raises ConfigError naming the sizes and the fix."""
-    tp, cp, ep, dp = parallel.tensor_parallel, parallel.context_parallel, parallel.expert_parallel, parallel.data_parallel
-    for key, v in (("tensor_parallel", tp), ("context_parallel", cp), ("expert_parallel", ep)):
-        if v < 1:
-            raise ConfigError(f"parallel.{key}={v}: must be >= 1")
-    if parallel.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"parallel.zero_stage={parallel.zero_stage}: must be 0, 1, 2 or 3")
-    if world_size % (tp * cp) != 0:
-        raise ConfigError(
-            f"world size {world_size} is not divisible by parallel.tensor_parallel * parallel.context_parallel = "
-            f"{tp} * {cp} = {tp * cp}; launch a multiple of {tp * cp} ranks or lower tensor/context parallel"
-        )
-    inferred = world_size // (tp * cp)
-    if dp == -1:
-        dp = inferred
-    elif dp != inferred:
-        raise ConfigError(
-            f"parallel.data_parallel={dp} but world size {world_size} / (tensor_parallel {tp} * context_parallel "
-            f"{cp}) = {inferred}; set parallel.data_parallel={inferred} (or -1 to infer it), or launch "
-            f"{tp * cp * dp} ranks"
-        )
-    if (cp * dp) % ep != 0:
-        raise ConfigError(
-            f"parallel.expert_parallel={ep} must divide context_parallel * data_parallel = {cp} * {dp} = {cp * dp} "
-            f"(world {world_size}, tensor_parallel {tp}); pick expert_parallel among the divisors of {cp * dp}"
-        )
-    return ParallelSizes(world=world_size, tensor=tp, context=cp, expert=ep, data=dp)
+from dsa_train.parallel import strict_devices
 
 
 def check_model_divisibility(sizes: ParallelSizes, model_config) -> None:
@@ -114,11 +65,9 @@ class ParallelState:
     def __init__(self, sizes: ParallelSizes):
         from megatron.core import parallel_state as ps
 
-        from dsa_train.parallel.strict_devices import compute_device
-
         self.sizes = sizes
         self.ps = ps
-        self.device = compute_device()  # where collective tensors live (NCCL: CUDA tensors only)
+        self.device = strict_devices.compute_device()  # where collective tensors live (NCCL: CUDA tensors only)
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.cp_group = ps.get_context_parallel_group()
         self.dp_group = ps.get_data_parallel_group()  # without CP
@@ -139,15 +88,9 @@ class ParallelState:
         )
 
 
-_STATE: ParallelState | None = None
-
-
 def init_parallel(parallel: ParallelConfig) -> ParallelState:
     """Initialize torch.distributed (if needed) and megatron-core's groups for the recipe's layout."""
-    global _STATE
     from megatron.core import parallel_state as ps
-
-    from dsa_train.parallel import strict_devices
 
     init_distributed()
     strict_devices.install()  # only with DSA_STRICT_DEVICES=1
@@ -160,23 +103,14 @@ def init_parallel(parallel: ParallelConfig) -> ParallelState:
         expert_model_parallel_size=sizes.expert,
         create_gloo_process_groups=False,
     )
-    _STATE = ParallelState(sizes)
-    return _STATE
-
-
-def get_state() -> ParallelState | None:
-    return _STATE
+    return ParallelState(sizes)
 
 
 def destroy_parallel() -> None:
-    global _STATE
     from megatron.core import parallel_state as ps
-
-    from dsa_train.parallel import strict_devices
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    _STATE = None
     strict_devices.uninstall()
     if dist.is_initialized():
         dist.destroy_process_group()

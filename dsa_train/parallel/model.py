@@ -4,24 +4,26 @@ parameter names.
 
 The model is built whole (same seed on every rank, or loaded) and each rank keeps its slices:
 TP shards of MLA heads and MLPs (megatron-core Column/RowParallelLinear), its EP share of the
-routed experts, and its context-parallel share of every sequence. Each sharded parameter records where it sits in
-the full tensor (`dsa_shard = (dim, start, stop)`), used by checkpoint gathering and tests.
+routed experts, and its context-parallel share of every sequence. Each sharded parameter carries a
+`dsa_train.parallel.sharding.Sharding` record of where it sits in the full tensor (read by
+checkpoints, the full-state gather, the gradient norm and DeepSpeed's MoE groups).
 """
 
 from __future__ import annotations
 
 import torch
 
-from dsa_train.parallel.groups import ParallelState
+from dsa_train.config import ConfigError
+from dsa_train.parallel.context import ContextParallel
+from dsa_train.parallel.expert import shard_experts
+from dsa_train.parallel.groups import ParallelState, check_model_divisibility
+from dsa_train.parallel.sharding import mark_parallelized, sharding_of
+from dsa_train.parallel.tensor import shard_tensor_parallel
 
 
 def full_tensor_slice(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """The part of the full (single-process) tensor `full` that the shard `param` holds."""
-    shard = getattr(param, "dsa_shard", None)
-    if shard is None:
-        return full
-    dim, start, stop = shard
-    return full.narrow(dim, start, stop - start)
+    return sharding_of(param).slice_of(full)
 
 
 RECOMPUTE = ("none", "attention", "moe", "full")
@@ -29,8 +31,6 @@ RECOMPUTE = ("none", "attention", "moe", "full")
 
 def check_recompute(mode: str) -> None:
     if mode not in RECOMPUTE:
-        from dsa_train.config import ConfigError
-
         raise ConfigError(f"parallel.recompute={mode!r}: one of {', '.join(RECOMPUTE)}")
 
 
@@ -47,22 +47,15 @@ def parallelize_model(
       4. activation recompute: `DecoderLayer.recompute` of every main layer.
     The model's forwards are the single-process ones throughout."""
     sizes = state.sizes
-    from dsa_train.parallel.groups import check_model_divisibility
-
     check_model_divisibility(sizes, model.config)
     check_recompute(recompute)
     if sizes.tensor > 1:
-        from dsa_train.parallel.tensor import shard_tensor_parallel
-
         shard_tensor_parallel(model, state)
     if sizes.world > 1:
-        from dsa_train.parallel.expert import shard_experts
-
         shard_experts(model, state, grouped=grouped_experts)
     if sizes.context > 1:
-        from dsa_train.parallel.context import ContextParallel
-
         model.context_parallel = ContextParallel(state)
     for layer in model.main_layers():
         layer.recompute = recompute
+    mark_parallelized(model, state)
     return model

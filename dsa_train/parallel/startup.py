@@ -8,12 +8,12 @@ then materializes and loads only what it holds, straight from the Hugging Face c
 2. `parallelize_model` on that model, under `torch.device("meta")`: the TP layers and EP
    dispatchers replace their modules as usual, their parameters stay on the meta device.
 3. Materialize in place: each parameter this rank holds gets an empty tensor of its shard's shape
-   and final dtype on `device` (`param.data = ...`: the Parameter object, its attributes -- TP and
-   expert-group marks, `dsa_shard` -- and its gradient hooks stay).
+   and final dtype on `device` (`param.data = ...`: the Parameter object, its attributes -- its
+   `Sharding` record, megatron's TP marks -- and its gradient hooks stay).
 4. Stream the checkpoint (`CheckpointPlan.tensors`): `param_filter` passes only the names this
    rank holds -- decided from the index before any byte is read, so a rank opens only the shard
    files that hold its tensors and never reads other ranks' experts -- and `shard_fn` narrows each
-   full tensor to this rank's TP slice (`dsa_shard`) as it arrives. FP8 weights are dequantized
+   full tensor to this rank's TP slice (its `Sharding` record) as it arrives. FP8 weights are dequantized
    tensor by tensor. Peak: the rank's share plus one full tensor in flight.
 5. Fresh indexers (a dense V3 / V3.1 checkpoint has none): `fresh_indexer_tensor` gives each
    tensor a value that depends only on its name, so every rank holding it (any layout) and the
@@ -31,7 +31,7 @@ from dsa_train.checkpoint.errors import CheckpointError
 from dsa_train.checkpoint.loader import fresh_indexer_tensor, open_checkpoint
 from dsa_train.checkpoint.skeleton import empty_model, target_dtype
 from dsa_train.parallel.groups import ParallelState
-from dsa_train.parallel.model import full_tensor_slice
+from dsa_train.parallel.model import full_tensor_slice, parallelize_model
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
 
 def _swap_in(param: torch.nn.Parameter, data: torch.Tensor) -> None:
     """Give the meta parameter `param` the storage of `data`, keeping the Parameter object: its
-    attributes (TP / expert-group marks, `dsa_shard`) and its gradient hooks (TP averaging of
+    attributes (its `Sharding` record, megatron's TP marks) and its gradient hooks (TP averaging of
     replicated parameters) stay. (`param.data = data` refuses meta -> real; `swap_tensors` moves
     the attributes and drops the autograd hooks, so both are put back.)"""
     hooks = list((param._backward_hooks or {}).values())
@@ -113,10 +113,9 @@ def load_parallel_pretrained(
     recompute: str = "none",
     grouped_experts: bool = True,
 ) -> torch.nn.Module:
-    """This rank's part of the model of a Hugging Face directory, parallelized (`parallelize_model`)
-    and loaded; never the whole model. Raises CheckpointError if the checkpoint does not fit."""
-    from dsa_train.parallel.model import parallelize_model
-
+    """This rank's part of the model of a Hugging Face directory, parallelized (`parallelize_model`,
+    which records it: the layout does not parallelize it again) and loaded; never the whole
+    model. Raises CheckpointError if the checkpoint does not fit."""
     device = torch.device(device)
     plan = open_checkpoint(path)
     model = empty_model(plan.config)
@@ -156,7 +155,6 @@ def load_parallel_pretrained(
             if buf is not None and buf.is_floating_point() and key in module._non_persistent_buffers_set:
                 module._buffers[key] = buf.to(dtype)
     model.to(device)
-    model.dsa_parallel_state = state  # parallelized here: the trainer must not do it again
     log.info("rank %d loaded %d tensors (%.1f MB) of %s", state.rank, len(loaded),
              sum(t.numel() * t.element_size() for t in held.values()) / 1e6, plan.path)
     return model

@@ -19,6 +19,7 @@ from torch import nn
 from dsa_train.model.moe import MLP, MoE
 from dsa_train.parallel.comm import all_gather_nograd, copy_to_group
 from dsa_train.parallel.groups import ParallelState
+from dsa_train.parallel.sharding import Sharding, set_sharding
 
 
 def _parallel_config(dtype: torch.dtype, tp: int):
@@ -86,11 +87,11 @@ def column_parallel(linear: nn.Linear, state: ParallelState) -> nn.Module:
     n = out_f // tp
     with torch.no_grad():
         _copy_in(layer.weight, linear.weight[r * n : (r + 1) * n])
-        layer.weight.dsa_shard = (0, r * n, (r + 1) * n)
+        set_sharding(layer.weight, Sharding(tp_dim=0, tp_range=(r * n, (r + 1) * n)))
         _mark_tp(layer.weight, 0)
         if linear.bias is not None:
             _copy_in(layer.bias, linear.bias[r * n : (r + 1) * n])
-            layer.bias.dsa_shard = (0, r * n, (r + 1) * n)
+            set_sharding(layer.bias, Sharding(tp_dim=0, tp_range=(r * n, (r + 1) * n)))
             _mark_tp(layer.bias, 0)
     return layer.to(linear.weight.device)
 
@@ -105,7 +106,7 @@ def row_parallel(linear: nn.Linear, state: ParallelState) -> nn.Module:
     n = in_f // tp
     with torch.no_grad():
         _copy_in(layer.weight, linear.weight[:, r * n : (r + 1) * n])
-        layer.weight.dsa_shard = (1, r * n, (r + 1) * n)
+        set_sharding(layer.weight, Sharding(tp_dim=1, tp_range=(r * n, (r + 1) * n)))
         _mark_tp(layer.weight, 1)
         if linear.bias is not None:
             _copy_in(layer.bias, linear.bias)
