@@ -1,0 +1,386 @@
+"""The code base's structure, read from the source (AST and text only: nothing here imports the
+project's modules: the whole file runs in seconds).
+
+- No import cycles among the project's modules (dsa_train and dsa_kernels, the top-level
+  `kernels/` directory). The graph is built from every import statement of every module: module
+  level, inside functions and under `if TYPE_CHECKING:` alike (an import hidden in a function is a
+  dependency all the same). Edges, for a module M:
+    * `import a.b.c` -> a.b.c;
+    * `from a.b import c` -> a.b.c when a.b.c is a module (Python imports the submodule; it needs
+      only the package object, which exists while the package's `__init__` runs), else -> a.b
+      (the name is read from the package's namespace, filled by its `__init__`);
+    * relative imports resolved against M's package first.
+  Parent packages are not edges: `import a.b.c` runs a/__init__ and a/b/__init__ first, but that
+  holds for every submodule of a package, so counting it would make every package that re-exports
+  its submodules (`__init__` -> sub) a cycle with each of them. A package's `__init__` importing
+  its submodules is therefore not a cycle by itself; a submodule that reads a name back through
+  its package (`from a.b import name`, the name defined by a/b/__init__) while that `__init__`
+  imports the submodule is one (its import works only in one order).
+  Every strongly connected component of more than one module is reported with one of its cycles.
+- No class in dsa_train/ longer than MAX_CLASS_LINES lines (`class` line to its last line).
+- No forward in dsa_train/model/ tests a module's type to pick a path: in every `forward` method
+  and every method or module-level function of the same file it calls (`self.name(...)` /
+  `name(...)`, followed transitively), no `type(x) is / == ...` test and no `isinstance(x, C)` with
+  C a module class (`nn.*` / `torch.nn.*` or a class of the project deriving from one). Choosing a
+  path belongs to construction time (`__init__`, `parallelize_model`), which is free to test types.
+- The parameter / module attribute protocol of the layout (`allreduce`, `dsa_shard`,
+  `group_name`, `dsa_parallel_state`, as attributes or as getattr/hasattr/setattr names) appears
+  only in dsa_train/parallel/{layout,sharding,deepspeed_compat}.py.
+- DeepSpeed's private names appear only in dsa_train/parallel/deepspeed_compat.py: names with a
+  leading underscore imported from or reached through a deepspeed module, DeepSpeed's expert-group
+  registry (`_EXPERT_*`), subclasses of DeepSpeed classes, and the attributes of DeepSpeed's engine,
+  ZeRO optimizers and partitioned parameters that are no published API (DEEPSPEED_INTERNALS),
+  read as attributes or by name.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# import name -> source directory
+PACKAGES = {"dsa_train": ROOT / "dsa_train", "dsa_kernels": ROOT / "kernels"}
+
+MAX_CLASS_LINES = 300
+
+LAYOUT_PROTOCOL = {"allreduce", "dsa_shard", "group_name", "dsa_parallel_state"}
+LAYOUT_MODULES = {"dsa_train/parallel/layout.py", "dsa_train/parallel/sharding.py", "dsa_train/parallel/deepspeed_compat.py"}
+
+DEEPSPEED_ADAPTER = "dsa_train/parallel/deepspeed_compat.py"
+# attributes of DeepSpeed objects that are not its published API: the engine's reduction switch and
+# ZeRO-stage method, the MoE layer's group hook, the ZeRO / BF16 optimizers' partitions and
+# gradient buffers, ZeRO-3's partitioned-parameter fields
+DEEPSPEED_INTERNALS = {
+    "enable_backward_allreduce", "zero_optimization_stage", "set_deepspeed_parallelism",
+    "fp32_partitioned_groups_flat", "bit16_groups", "grad_position", "get_param_id", "_get_param_partition_rank",
+    "single_partition_of_fp32_groups", "fp32_groups_flat_partition", "_hp_mapping",
+    "grads_in_partition", "grad_partitions_flat_buffer", "fp32_groups_gradients_flat", "all_grad_tensors",
+    "averaged_gradients", "ds_numel", "ds_shape", "ds_tensor",
+}
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str  # dotted import name: dsa_train.model.mla; a package is its __init__
+    path: str  # relative to the repository root (messages)
+    is_package: bool
+    tree: ast.Module
+
+
+def load_modules(sources: dict[str, tuple[str, str, bool]]) -> dict[str, Module]:
+    """{name: (path, source text, is_package)} -> {name: Module}."""
+    return {name: Module(name, path, is_package, ast.parse(text, filename=path))
+            for name, (path, text, is_package) in sources.items()}
+
+
+@functools.lru_cache(maxsize=1)
+def project_modules() -> dict[str, Module]:
+    sources = {}
+    for top, directory in PACKAGES.items():
+        for file in sorted(directory.rglob("*.py")):
+            parts = [top, *file.relative_to(directory).with_suffix("").parts]
+            is_package = parts[-1] == "__init__"
+            if is_package:
+                parts = parts[:-1]
+            sources[".".join(parts)] = (str(file.relative_to(ROOT)), file.read_text(), is_package)
+    return load_modules(sources)
+
+
+def in_dir(prefix: str) -> list[Module]:
+    return [m for m in project_modules().values() if m.path.startswith(prefix)]
+
+
+# ------------------------------------------------------------------------------ import graph
+def import_graph(modules: dict[str, Module]) -> dict[str, set[str]]:
+    """module -> the project modules it imports (edges as the module docstring defines them)."""
+    graph = {}
+    for mod in modules.values():
+        package = mod.name if mod.is_package else mod.name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(mod.tree):
+            if isinstance(node, ast.Import):
+                edges |= {alias.name for alias in node.names if alias.name in modules}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                for alias in node.names:
+                    if f"{base}.{alias.name}" in modules:
+                        edges.add(f"{base}.{alias.name}")
+                    elif base in modules:
+                        edges.add(base)
+        edges.discard(mod.name)
+        graph[mod.name] = edges
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle [a, b, ..., a] per strongly connected component of more than one module (Tarjan)."""
+    index, low, on_stack, stack, components = {}, {}, set(), [], []
+
+    def connect(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    cycles = []
+    for component in components:
+        start = min(component)
+        # shortest path start -> ... -> start inside the component (breadth first)
+        previous, frontier, found = {start: None}, [start], None
+        while frontier and found is None:
+            nxt = []
+            for v in frontier:
+                for w in sorted(graph[v] & component):
+                    if w == start:
+                        found = v
+                        break
+                    if w not in previous:
+                        previous[w] = v
+                        nxt.append(w)
+                if found is not None:
+                    break
+            frontier = nxt
+        chain, v = [], found  # found -> ... -> start, back along the search
+        while v is not None:
+            chain.append(v)
+            v = previous[v]
+        cycles.append([*reversed(chain), start])
+    return cycles
+
+
+def test_the_import_graph_follows_the_documented_definition():
+    modules = load_modules({
+        "pkg": ("pkg/__init__.py", "from .a import helper\nfrom .b import Thing\n", True),
+        "pkg.a": ("pkg/a.py", "from . import b\n\ndef helper():\n    from pkg.c import late\n", False),
+        "pkg.b": ("pkg/b.py", "import os\nThing = 1\n", False),
+        "pkg.c": ("pkg/c.py", "from .a import helper\nlate = 1\n", False),  # a -> c (in a function) -> a
+        "pkg.d": ("pkg/d.py", "from pkg import Thing\n", False),  # reads a name re-exported by pkg/__init__
+    })
+    graph = import_graph(modules)
+    assert graph == {"pkg": {"pkg.a", "pkg.b"}, "pkg.a": {"pkg.b", "pkg.c"}, "pkg.b": set(),
+                     "pkg.c": {"pkg.a"}, "pkg.d": {"pkg"}}
+    # the package re-exporting its submodules is no cycle; the function-level import is one
+    assert import_cycles(graph) == [["pkg.a", "pkg.c", "pkg.a"]]
+    graph["pkg"].add("pkg.d")  # __init__ imports d, which reads a name back from __init__
+    assert sorted(map(tuple, import_cycles(graph))) == [("pkg", "pkg.d", "pkg"), ("pkg.a", "pkg.c", "pkg.a")]
+
+
+def test_no_import_cycles():
+    graph = import_graph(project_modules())
+    assert len(graph) > 100 and "dsa_train.model.transformer" in graph and "dsa_kernels.ops" in graph
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles (break them by moving the seam):\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+# ------------------------------------------------------------------------------ class size
+def test_no_class_over_the_line_limit():
+    long = []
+    for mod in in_dir("dsa_train/"):
+        for node in ast.walk(mod.tree):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                long.append(f"{mod.path}:{node.lineno} class {node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not long, f"classes over {MAX_CLASS_LINES} lines:\n" + "\n".join(long)
+
+
+# ------------------------------------------------------------------------------ model forwards
+def dotted(node: ast.AST) -> str:
+    """a.b.c for a Name / Attribute chain, else ''."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return ""
+    return ".".join([node.id, *reversed(parts)])
+
+
+def module_classes() -> set[str]:
+    """Names of the project's classes that derive from torch.nn.Module (directly or through
+    another such class of the project)."""
+    bases = {}
+    for mod in in_dir("dsa_train/"):
+        for node in ast.walk(mod.tree):
+            if isinstance(node, ast.ClassDef):
+                bases.setdefault(node.name, set()).update(dotted(b) for b in node.bases)
+    found = {name for name, bs in bases.items() if any(b.startswith(("nn.", "torch.nn.")) for b in bs)}
+    while True:
+        more = {name for name, bs in bases.items() if bs & found} - found
+        if not more:
+            return found
+        found |= more
+
+
+def type_tests(fn: ast.AST, nn_classes: set[str]) -> list[tuple[int, str]]:
+    out = []
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Compare):
+            for side in (node.left, *node.comparators):
+                if isinstance(side, ast.Call) and dotted(side.func) == "type":
+                    out.append((node.lineno, ast.unparse(node)))
+                    break
+        elif isinstance(node, ast.Call) and dotted(node.func) == "isinstance" and len(node.args) == 2:
+            classes = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            names = [dotted(c) for c in classes]
+            if any(n.startswith(("nn.", "torch.nn.")) or n in nn_classes for n in names):
+                out.append((node.lineno, ast.unparse(node)))
+    return out
+
+
+def forward_paths(tree: ast.Module) -> list[tuple[str, ast.AST]]:
+    """(qualified name, function) of every `forward` of the file and of the methods / module-level
+    functions they call by `self.name(...)` / `name(...)`, transitively."""
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    todo = []
+    methods = {}
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        methods[cls.name] = {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
+        if "forward" in methods[cls.name]:
+            todo.append((cls.name, "forward"))
+    seen, out = set(), []
+    while todo:
+        owner, name = todo.pop()
+        if (owner, name) in seen:
+            continue
+        seen.add((owner, name))
+        fn = functions[name] if owner is None else methods[owner][name]
+        out.append((name if owner is None else f"{owner}.{name}", fn))
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Call):
+                callee = dotted(node.func)
+                if owner is not None and callee.startswith("self.") and callee[5:] in methods[owner]:
+                    todo.append((owner, callee[5:]))
+                elif callee in functions:
+                    todo.append((None, callee))
+    return out
+
+
+def test_model_forwards_pick_no_path_by_module_type():
+    nn_classes = module_classes()
+    assert {"MoE", "MLP", "DSAForCausalLM"} <= nn_classes
+    found = []
+    for mod in in_dir("dsa_train/model/"):
+        for qualname, fn in forward_paths(mod.tree):
+            found += [f"{mod.path}:{line} {qualname}: {text}" for line, text in type_tests(fn, nn_classes)]
+    assert not found, "forward paths that test a module's type (decide at construction instead):\n" + "\n".join(found)
+
+
+def test_the_forward_check_sees_a_type_test_behind_a_helper():
+    tree = ast.parse(
+        "class Block(nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return self._route(x)\n"
+        "    def _route(self, x):\n"
+        "        return pick(self.mlp, x)\n"
+        "def pick(m, x):\n"
+        "    return x if isinstance(m, (Block, nn.Linear)) else m(x)\n"
+        "def unused(m):\n"
+        "    return type(m) is nn.Linear\n")
+    paths = dict(forward_paths(tree))
+    assert set(paths) == {"Block.forward", "Block._route", "pick"}
+    assert [text for line, text in type_tests(paths["pick"], {"Block"})] == ["isinstance(m, (Block, nn.Linear))"]
+    assert type_tests(tree.body[2], set()) == [(9, "type(m) is nn.Linear")]
+
+
+# ------------------------------------------------------------------------------ layout protocol
+def named_uses(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
+    """Lines where one of `names` is an attribute (read or written) or a string constant (a name
+    for getattr / hasattr / setattr, or a tuple of names looped over)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            out.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
+            out.append((node.lineno, repr(node.value)))
+    return out
+
+
+def test_layout_attribute_protocol_only_in_the_layout_modules():
+    found = []
+    for mod in in_dir("dsa_train/"):
+        if mod.path not in LAYOUT_MODULES:
+            found += [f"{mod.path}:{line} {text}" for line, text in named_uses(mod.tree, LAYOUT_PROTOCOL)]
+    assert not found, ("sharding facts read or written outside parallel/{layout,sharding,deepspeed_compat}.py "
+                       "(ask the layout / the parameter's Sharding record):\n" + "\n".join(found))
+
+
+# ------------------------------------------------------------------------------ DeepSpeed's private names
+def deepspeed_private_uses(tree: ast.AST) -> list[tuple[int, str]]:
+    out = named_uses(tree, DEEPSPEED_INTERNALS)
+    bound = set()  # local names bound to deepspeed modules or objects imported from them
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "deepspeed":
+                    bound.add(alias.asname or "deepspeed")
+                    if any(part.startswith("_") for part in alias.name.split(".")):
+                        out.append((node.lineno, f"import {alias.name}"))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "deepspeed" and not node.level:
+            for alias in node.names:
+                bound.add(alias.asname or alias.name)
+                if any(part.startswith("_") for part in [*node.module.split("."), alias.name]):
+                    out.append((node.lineno, f"from {node.module} import {alias.name}"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and dotted(node).split(".")[0] in bound:
+            attr = node.attr
+            if attr.startswith("_") and not attr.startswith("__"):
+                out.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("_EXPERT_"):
+            out.append((node.lineno, repr(node.value)))
+        elif isinstance(node, ast.ClassDef) and any(dotted(b).split(".")[0] in bound for b in node.bases):
+            out.append((node.lineno, f"class {node.name} derives from a DeepSpeed class"))
+    return sorted(set(out))
+
+
+def test_the_deepspeed_check_finds_private_names():
+    tree = ast.parse(
+        "from deepspeed.utils import groups as dsg\n"
+        "import deepspeed\n"
+        "from deepspeed.moe.layer import MoE\n"
+        "dsg._EXPERT_PARALLEL_GROUP['x'] = 1\n"
+        "getattr(dsg, '_EXPERT_DATA_PARALLEL_GROUP')\n"
+        "engine.enable_backward_allreduce = False\n"
+        "hasattr(opt, 'fp32_partitioned_groups_flat')\n"
+        "class Marker(MoE):\n    pass\n"
+        "deepspeed.initialize(model=m)\n"
+        "opt._private_of_our_own()\n")  # not reached through a deepspeed name: not DeepSpeed's
+    assert [line for line, _ in deepspeed_private_uses(tree)] == [4, 5, 6, 7, 8]
+
+
+def test_deepspeed_private_names_only_in_the_adapter():
+    found = []
+    for mod in in_dir("dsa_train/"):
+        if mod.path != DEEPSPEED_ADAPTER:
+            found += [f"{mod.path}:{line} {text}" for line, text in deepspeed_private_uses(mod.tree)]
+    assert not found, f"DeepSpeed's private names outside {DEEPSPEED_ADAPTER}:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("path", sorted(LAYOUT_MODULES))
+def test_the_named_layout_modules_exist(path):
+    # the allowances above name files: a rename must move them, not silently widen the checks
+    assert (ROOT / path).is_file(), f"{path} is named by tests/test_structure.py but does not exist"
