@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from dsa_train.parallel.plan import count_params, main as plan_main
-from dsa_train.parallel.selftest import free_port
+from tests.helpers import free_port
 
 
 @pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": None, "num_nextn_predict_layers": 0, "n_shared_experts": 2}])
@@ -47,7 +47,7 @@ def _memcheck(tmp_path, args):
     out = tmp_path / "mem.json"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "dsa_train.parallel.memcheck", *args, "--out", str(out)]
+           "-m", "dsa_train.testing.memcheck", *args, "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())

@@ -37,9 +37,11 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field
 
+from dsa_train.parallel.buckets import REDUCE_BUCKET
+from dsa_train.stage import Stage
+
 GiB = 2**30
 KERNEL_CHUNK_ELEMS = 1 << 24  # kernels/masking.query_chunk_size budget
-REDUCE_BUCKET = int(5e7)  # elements; DeepSpeed reduce/allgather bucket (deepspeed_engine.py)
 
 
 @dataclass
@@ -105,30 +107,31 @@ class StagePlan:
     step_detail_gib: dict = field(default_factory=dict)  # the optimizer step's phase (see plan_stage)
 
 
-def largest_trainable_param(c, sizes, train_all: bool) -> float:
+def largest_trainable_param(c, sizes, main_trains: bool) -> float:
     """Elements of the largest trainable parameter tensor of a rank (vocabulary not split; MLA
-    output projection and dense MLPs split over TP; routed experts are one tensor per projection)."""
+    output projection and dense MLPs split over TP; routed experts are one tensor per projection);
+    `main_trains` False: the indexer's only."""
     idx = max((c.q_lora_rank or c.hidden_size) * c.index_n_heads * c.index_head_dim, c.hidden_size * c.index_n_heads)
-    if not train_all:
+    if not main_trains:
         return float(idx)
     h = c.hidden_size
     return float(max(idx, c.vocab_size * h, c.num_attention_heads * c.v_head_dim * h // sizes.tensor,
                      c.intermediate_size * h // sizes.tensor, (c.moe_intermediate_size or 0) * h))
 
 
-def activation_bytes_per_token(c, sizes, stage, recompute: str, dtype_bytes: int, seq_len: int, topk: int) -> dict:
+def activation_bytes_per_token(c, sizes, stage: Stage, recompute: str, dtype_bytes: int, seq_len: int, topk: int) -> dict:
     """Bytes kept for the backward per local token (and per-layer DSA buffers), see module doc."""
     h, H = c.hidden_size, c.num_attention_heads // sizes.tensor
     r, rope, nope, v = c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim
     qk, ql = nope + rope, (c.q_lora_rank or 0)
     HI, dI = c.index_n_heads, c.index_head_dim
-    sparse = stage.attention.value == "sparse"
-    train_all = stage.trainable.value == "all"
+    sparse = stage.sparse
+    main_trains = stage.kind.main_backward
     b = dtype_bytes
     # indexer (detached input): inputs of wq_b / wk / weights_proj for their weight gradients, the
     # k LayerNorm input, and the KL op's inputs q_I, k_I (fp32 weights); score chunks are recomputed
     indexer = b * ((ql or h) + h + HI * dI + 2 * dI) + 4 * HI
-    if train_all:
+    if main_trains:
         attn = b * (2 * h + 2 * ql + H * qk + (r + rope) + r + rope + H * rope)  # norms, q_a, q_b, kv_a, rope
         if sparse or sizes.context > 1:  # absorbed (MQA) form
             attn += b * (H * r + H * (r + rope) + (r + rope) + H * r + 2 * H * v) + 4 * H  # q_lat, q_abs, kv, out, lse
@@ -148,7 +151,7 @@ def activation_bytes_per_token(c, sizes, stage, recompute: str, dtype_bytes: int
             a, m = b * h, 0.0  # the layer input only
         elif recompute == "attention":
             a = b * h
-        elif recompute == "moe" and c.is_moe_layer(i) and train_all:
+        elif recompute == "moe" and c.is_moe_layer(i) and main_trains:
             m = b * h
         per_layer.append(a + m)
     largest_block = max(attn + indexer, moe, dense_mlp) if recompute != "none" else 0.0
@@ -157,11 +160,11 @@ def activation_bytes_per_token(c, sizes, stage, recompute: str, dtype_bytes: int
     # received order, the all-to-all's return buffer and the weighted product (5 x k x hidden),
     # plus the combined output. It exists in every forward; when layers are recomputed or frozen
     # (nothing of it kept for the backward) it can exceed what a recomputed block keeps.
-    if c.n_routed_experts and (recompute != "none" or not train_all):
+    if c.n_routed_experts and (recompute != "none" or not main_trains):
         largest_block = max(largest_block, b * (5 * (c.num_experts_per_tok or 0) * h + h))
-    head = (b + 8) * c.vocab_size / sizes.tensor * 0 + (b + 8) * c.vocab_size if stage.lm_loss_coef > 0 and train_all else 0.0
+    head = (b + 8) * c.vocab_size / sizes.tensor * 0 + (b + 8) * c.vocab_size if stage.uses_lm and main_trains else 0.0
     # DSA buffers per layer: top-k indices of local queries, CP-gathered latent KV + indexer key
-    dsa_layer_tokens = 4 * topk if (sparse and stage.indexer_loss_coef >= 0) else 0.0
+    dsa_layer_tokens = 4 * topk if sparse else 0.0
     cp_gather_full = b * ((r + rope) + dI) if sizes.context > 1 else 0.0  # per *full-sequence* token
     return {
         "layers": sum(per_layer), "recompute_block": largest_block, "head": head,
@@ -170,20 +173,19 @@ def activation_bytes_per_token(c, sizes, stage, recompute: str, dtype_bytes: int
     }
 
 
-def plan_stage(cfg, model_cfg, name: str, stage, sizes, opts) -> StagePlan:
-    from dsa_train.model.flops import flops_per_token
-
+def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
     c = model_cfg
     n = count_params(c)
     pb = 2 if cfg.model.dtype.value == "bfloat16" else 4
     zero = cfg.parallel.zero_stage
     dense_rank = n.replicated + n.tp_split / sizes.tensor
     expert_rank = n.expert * n.moe_layers * (n.n_experts / sizes.expert)
-    train_all = stage.trainable.value == "all"
-    t_dense = dense_rank if train_all else n.indexer
-    t_expert = expert_rank if train_all else 0.0
+    # a kind whose main model runs no backward trains the indexer only
+    main_trains = stage.kind.main_backward
+    t_dense = dense_rank if main_trains else n.indexer
+    t_expert = expert_rank if main_trains else 0.0
     shard_d, shard_e = sizes.dense_dp, sizes.expert_dp
-    p = StagePlan(name, stage.trainable.value, stage.attention.value)
+    p = StagePlan(stage.name, stage.kind.name, stage.attention)
     g = p.gib
     if zero == 3:
         layer_rank = n.largest_layer + n.expert * n.n_experts / sizes.expert
@@ -194,7 +196,7 @@ def plan_stage(cfg, model_cfg, name: str, stage, sizes, opts) -> StagePlan:
     # + the largest trainable parameter's gradient in the model dtype: autograd produces p.grad
     # whole before ZeRO's hook reduces it into the fp32 bucket (the LM head / embedding, vocab x
     # hidden, in the sparse stage: 1.7 GiB at 671B; the indexer's wq_b in the warm-up)
-    grad_elems += (pb / 4) * largest_trainable_param(c, sizes, train_all)
+    grad_elems += (pb / 4) * largest_trainable_param(c, sizes, main_trains)
     g["gradients"] = 4 * (grad_elems + (min(REDUCE_BUCKET, t_dense + t_expert) if zero >= 1 else 0)) / GiB
     master = 4 if (zero >= 1 or pb == 2) else 0
     opt_elems = (t_dense / shard_d + t_expert / shard_e) if zero >= 1 else (t_dense + t_expert)
@@ -208,7 +210,7 @@ def plan_stage(cfg, model_cfg, name: str, stage, sizes, opts) -> StagePlan:
     g["optimizer"] = (8 + master) * opt_elems / GiB
     step_temporaries = 2 * 4 * largest_group / GiB
     T_loc = cfg.data.micro_batch_size * cfg.data.seq_len / sizes.context
-    topk = stage.topk or c.index_topk
+    topk = stage.topk_for(c)
     act = activation_bytes_per_token(c, sizes, stage, cfg.parallel.recompute, pb, cfg.data.seq_len, topk)
     g["activations"] = T_loc * (act["layers"] + act["recompute_block"] + act["head"]) / GiB
     chunk = 4 * KERNEL_CHUNK_ELEMS * 3  # a few fp32 chunk-sized blocks live in the reference kernels
@@ -220,8 +222,8 @@ def plan_stage(cfg, model_cfg, name: str, stage, sizes, opts) -> StagePlan:
     p.total_gib = max(sum(g.values()), step_phase)
     p.step_detail_gib = {"optimizer_step_temporaries": step_temporaries, "optimizer_step_phase": step_phase}
     # step time
-    tokens = stage.global_batch_size * cfg.data.seq_len
-    fpt = flops_per_token(c, cfg.data.seq_len, stage.attention.value, topk, stage_trainable=stage.trainable.value)
+    tokens = stage.config.global_batch_size * cfg.data.seq_len
+    fpt = stage.flops_per_token(c, cfg.data.seq_len)
     world = sizes.world
     compute = tokens * fpt / (world * opts.peak_tflops * 1e12 * opts.mfu)
     bw = opts.net_gbps * 1e9
@@ -229,7 +231,7 @@ def plan_stage(cfg, model_cfg, name: str, stage, sizes, opts) -> StagePlan:
     dp_comm = 2 * grad_bytes / bw if shard_d > 1 else 0.0  # reduce-scatter + all-gather of a rank's params
     k = c.num_experts_per_tok or 0
     a2a_tokens = tokens / world * k * n.moe_layers
-    ep_comm = (4 if train_all else 2) * a2a_tokens * c.hidden_size * pb * (1 - 1 / sizes.expert) / bw if sizes.expert > 1 else 0.0
+    ep_comm = (4 if main_trains else 2) * a2a_tokens * c.hidden_size * pb * (1 - 1 / sizes.expert) / bw if sizes.expert > 1 else 0.0
     cp_comm = (2 * tokens / (sizes.tensor * sizes.data) * (c.kv_lora_rank + c.qk_rope_head_dim + c.index_head_dim) * pb
                * c.num_hidden_layers / bw) if sizes.context > 1 else 0.0
     tp_comm = (4 * 2 * tokens / world * sizes.context * c.hidden_size * pb * c.num_hidden_layers / bw) if sizes.tensor > 1 else 0.0
@@ -265,7 +267,7 @@ def make_plan(cfg, opts, world: int | None = None) -> dict:
     sizes = resolve_sizes(cfg.parallel, world)
     model_cfg, source = model_config_of(cfg)
     check_model_divisibility(sizes, model_cfg)
-    stages = [plan_stage(cfg, model_cfg, name, st, sizes, opts) for name, st in cfg.stages.items()]
+    stages = [plan_stage(cfg, model_cfg, Stage.of(name, st), sizes, opts) for name, st in cfg.stages.items()]
     n = count_params(model_cfg)
     peak = max(s.total_gib for s in stages)
     return {
@@ -318,7 +320,8 @@ def traced_plan(cfg, opts, plan: dict) -> dict:
     from dsa_train.parallel.trace import trace_step
 
     stage = max(plan["stages"], key=lambda s: s["total_gib"])
-    traced = trace_step(cfg, rank=opts.rank, world=plan["layout"]["world"], stage_name=stage["stage"])
+    model_cfg, _ = model_config_of(cfg)
+    traced = trace_step(cfg, model_cfg, rank=opts.rank, world=plan["layout"]["world"], stage_name=stage["stage"])
     planned = {k: int(v * GiB) for k, v in stage["gib"].items()}
     return {
         "world_size": traced["world_size"], "rank": traced["rank"], "stage": stage["stage"],

@@ -50,6 +50,9 @@ from collections import defaultdict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dsa_train.parallel.buckets import REDUCE_BUCKET
+from dsa_train.stage import Stage
+
 GiB = 2**30
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "dsa_buffers", "comm_buffers")
 _DSA_FILES = ("indexer", "kernels/")  # allocations from these source files are DSA buffers
@@ -324,24 +327,22 @@ def close_fake_world() -> None:
         dist.destroy_process_group()
 
 
-def trace_step(cfg, rank: int = 0, world: int | None = None, stage_name: str | None = None):
-    """Trace one step of `stage_name` (default: the recipe's last stage) on rank `rank`; returns
-    the per-category peak in bytes and what was traced."""
+def trace_step(cfg, model_cfg, rank: int = 0, world: int | None = None, stage_name: str | None = None):
+    """Trace one step of `stage_name` (default: the recipe's last stage) on rank `rank` of the model
+    `model_cfg` (a DSAConfig; the planner's `model_config_of(cfg)`); returns the per-category peak
+    in bytes and what was traced."""
     from dsa_kernels.chunk_ops import workspace_listener
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from dsa_train.checkpoint.skeleton import empty_model
     from dsa_train.engine.step import forward_backward
-    from dsa_train.engine.trainable import set_trainable
     from dsa_train.parallel.model import parallelize_model
-    from dsa_train.parallel.plan import REDUCE_BUCKET, model_config_of
     from dsa_train.parallel.startup import materialize
 
     cl = cfg.cluster
     world = world or cl.nodes * (cl.procs_per_node or cl.gpus_per_node)
-    model_cfg, _ = model_config_of(cfg)
     stage_name = stage_name or list(cfg.stages)[-1]
-    stage = cfg.stages[stage_name]
+    stage = Stage.of(stage_name, cfg.stages[stage_name])
     dtype = getattr(torch, cfg.model.dtype.value)
     start = time.perf_counter()
     state = init_fake_world(cfg.parallel, rank, world)
@@ -361,7 +362,7 @@ def trace_step(cfg, rank: int = 0, world: int | None = None, stage_name: str | N
             for t in list(model.parameters()) + list(model.buffers()):
                 trace.retag(t, "parameters")
             model.train()
-            trainable = set_trainable(model, stage.trainable)
+            trainable = stage.select_trainable(model)
             zero = TracedZeroStep(trainable, sizes, cfg.parallel.zero_stage, trace, REDUCE_BUCKET)
             T, B = cfg.data.seq_len, cfg.data.micro_batch_size
             ids = torch.zeros(B, T, dtype=torch.long)
