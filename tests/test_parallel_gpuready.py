@@ -88,7 +88,7 @@ def test_two_rank_zero2_training_strict_devices_mfu_per_device_and_inf_gradient_
     import dsa_train
     from dsa_train.config import load_recipe
     from dsa_train.logging import find_run_file, read_history
-    from dsa_train.model.flops import flops_per_token
+    from dsa_train.stage import Stage
 
     ckpt = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))[-1]
     config = dsa_train.DSAConfig.from_pretrained(ckpt)
@@ -97,8 +97,7 @@ def test_two_rank_zero2_training_strict_devices_mfu_per_device_and_inf_gradient_
     assert len(rows) == 3
     assert [row["train/nonfinite_skipped"] for row in rows] == [0, 1, 1]
     for row, (name, stage) in zip(rows, recipe.stages.items()):
-        fpt = flops_per_token(config, recipe.data.seq_len, stage.attention.value, stage.topk or config.index_topk,
-                              stage_trainable=stage.trainable.value)
+        fpt = Stage.of(name, stage).flops_per_token(config, recipe.data.seq_len)
         job_flops_per_s = row["perf/tokens_per_s"] * fpt
         assert row["perf/mfu"] == pytest.approx(job_flops_per_s / (2 * peak), rel=1e-6), name
         assert row["perf/tflops_per_device"] == pytest.approx(job_flops_per_s / 2 / 1e12, rel=1e-6), name
