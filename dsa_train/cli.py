@@ -7,6 +7,8 @@
     dsa-train export|inspect|make-tiny-checkpoint ...
                                             checkpoint tools (dsa_train.checkpoint.cli)
     dsa-train launch|plan|report|kernels|gpu-check ...
+    dsa-train eval MODEL [--compare MODEL2] ...
+                                            dense vs sparse vs oracle evaluation (dsa_train.eval)
     dsa-train --help                        subcommands, shipped recipes and profiles, one line each
 """
 
@@ -27,6 +29,7 @@ SUBCOMMANDS = {
     "kernels": "dsa_kernels.compile_report",  # `kernels report --arch sm_90a`: compile gate without a GPU
     "report": "dsa_train.logging.report",  # per-stage summary and PNG plots of a run
     "gpu-check": "dsa_train.gpucheck.runner",  # one GPU: kernels vs references, speed, end to end, NCCL
+    "eval": "dsa_train.eval.cli",  # dense vs sparse vs oracle top-k, LM loss by position, passkey
 }
 
 # one line each for `dsa-train --help`
@@ -40,6 +43,7 @@ SUBCOMMAND_HELP = {
     "prepare-data": "pre-tokenize and pack a corpus into fixed-length sequences",
     "kernels": "`kernels report`: compile the Triton kernels for a GPU architecture without a GPU",
     "gpu-check": "prove and measure the CUDA path on one GPU in 10 minutes: report.json + report.md (--dry-run)",
+    "eval": "held-out loss by position, dense vs sparse vs oracle top-k; per-layer recall; passkey (eval.json + PNGs)",
 }
 
 log = logging.getLogger("dsa_train")

@@ -1,0 +1,86 @@
+"""`dsa-train eval MODEL [--compare MODEL2] ...`: dense vs sparse vs oracle top-k, by position.
+
+    dsa-train eval /ckpt/V3.2 --seq-len 1024 2048 --topk 256 --passkey --out eval/
+    dsa-train eval runs/demo --compare /ckpt/start --modes dense,sparse
+
+Prints a table per model and length, writes `<out>/eval.json` and PNG plots (docs/eval.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+
+from .data import DEFAULT_SEED
+from .errors import EvalError
+from .report import print_tables, write_json, write_plots
+from .run import MODES, EvalOptions, evaluate
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dsa-train eval",
+        description="Held-out LM loss by query position (dense, sparse with the learned indexer, sparse with the "
+                    "oracle top-k), per-layer indexer recall / KL-captured / oracle and FP8 overlap, passkey retrieval.")
+    p.add_argument("model", help="Hugging Face directory (V3, V3.1, V3.2 layout, FP8 included) or a run directory "
+                                 "(its export/)")
+    p.add_argument("--compare", metavar="MODEL2", help="a second model evaluated the same way (same tokenizer)")
+    p.add_argument("--data", nargs="+", default=["bundled"], metavar="SOURCE",
+                   help="data sources as in data.sources (files, directories, globs, hub datasets); "
+                        "default: the bundled corpus")
+    p.add_argument("--seq-len", nargs="+", type=int, default=[512], metavar="T", help="sequence lengths (default 512)")
+    p.add_argument("--topk", type=int, default=None, help="k of the sparse modes (default: the model's index_topk)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    p.add_argument("--num-sequences", type=int, default=4, metavar="N", help="held-out sequences per length (default 4)")
+    p.add_argument("--buckets", nargs="+", type=int, default=None, metavar="EDGE",
+                   help="position bucket edges, e.g. 0 512 1024 2048 (default: 0 k 2k 4k ... T)")
+    p.add_argument("--passkey", action="store_true", help="also run passkey retrieval at each length")
+    p.add_argument("--passkey-per-depth", type=int, default=2, metavar="N",
+                   help="passkey examples per depth (depths 0, 0.25, 0.5, 0.75, 1; default 2)")
+    p.add_argument("--no-layer-metrics", action="store_true", help="skip the per-layer measurements")
+    p.add_argument("--ue8m0", action="store_true", help="power-of-two scales in the bf16-vs-FP8 index-scoring overlap")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory or tokenizer.json (default: the model's, else the bundled one)")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED,
+                   help=f"the training loader's data.seed whose first epoch feeds the held-out rows last "
+                        f"(default {DEFAULT_SEED})")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (default float32)")
+    p.add_argument("--out", type=Path, default=Path("eval"), help="output directory (default ./eval)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def options(args: argparse.Namespace) -> EvalOptions:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.passkey_per_depth < 1:
+        raise EvalError(f"--passkey-per-depth {args.passkey_per_depth} must be at least 1", "e.g. --passkey-per-depth 2")
+    return EvalOptions(data=args.data, seq_lens=args.seq_len, topk=args.topk, modes=modes,
+                       num_sequences=args.num_sequences, buckets=args.buckets, layer_metrics=not args.no_layer_metrics,
+                       fp8_ue8m0=args.ue8m0, passkey=args.passkey, passkey_per_depth=args.passkey_per_depth,
+                       seed=args.seed, tokenizer=args.tokenizer, dtype=DTYPES[args.dtype])
+
+
+def main(argv: list[str]) -> int:
+    from dsa_train.runtime import require_train_extra
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    args = parser().parse_args(argv)
+    opts = options(args)
+    require_train_extra("datasets", purpose="`dsa-train eval`'s data sources")
+    models = [args.model] + ([args.compare] if args.compare else [])
+    doc = evaluate(models, opts, show_progress=None if not args.no_progress else False)
+    print_tables(doc)
+    path = write_json(doc, args.out)
+    print(f"wrote {path}")
+    plots = write_plots(doc, args.out)
+    if isinstance(plots, str):
+        print(plots)
+    else:
+        for p in plots:
+            print(f"wrote {p}")
+    return 0

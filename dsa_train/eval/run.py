@@ -1,0 +1,240 @@
+"""The evaluation: for each model, sequence length and attention mode, LM loss by position, per-layer
+attention measurements and (optionally) passkey retrieval.
+
+Modes, each one forward of the model as the trainer calls it (`model(input_ids, attention=...,
+topk=..., position_ids=...)`, no gradient, one sequence at a time):
+
+  * dense:  `attention="dense"`;
+  * sparse: `attention="sparse"` with the model's `index_topk` or `--topk`: the learned indexer picks;
+  * oracle: the dense forward with each layer's attention output replaced (a forward hook,
+    `attention.layer_hooks`) by sparse attention over the oracle top-k, the k keys with the most
+    true head-summed attention mass, computed from the layer's own weights: the loss a perfect
+    indexer would reach at this k.
+
+The per-layer measurements (`attention.measure_layer`) run on the dense forward's layer inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import dsa_train
+from dsa_train.data import Tokenizer, check_vocab, load_tokenizer
+
+from .attention import LayerMeasurements, LayerStats, layer_hooks, oracle_attention_output
+from .data import DEFAULT_SEED, heldout_sequences
+from .errors import EvalError
+from .passkey import DEFAULT_DEPTHS, passkey_examples, score_example, summarize
+from .positions import LossByPosition, check_buckets, default_buckets, token_losses
+
+log = logging.getLogger(__name__)
+
+MODES = ("dense", "sparse", "oracle")
+
+
+@dataclass
+class EvalOptions:
+    data: list[str] = field(default_factory=lambda: ["bundled"])  # data sources ("bundled": the bundled corpus)
+    seq_lens: list[int] = field(default_factory=lambda: [512])
+    topk: int | None = None  # None: each model's index_topk
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    num_sequences: int = 4
+    buckets: list[int] | None = None  # position bucket edges; None: [0, k, 2k, 4k, ...]
+    layer_metrics: bool = True
+    fp8_ue8m0: bool = False  # power-of-two FP8 scales in the bf16-vs-FP8 index-scoring overlap
+    passkey: bool = False
+    passkey_depths: tuple[float, ...] = DEFAULT_DEPTHS
+    passkey_per_depth: int = 2
+    seed: int = DEFAULT_SEED  # the training loader's data.seed whose last rows are held out
+    tokenizer: str | None = None  # None: the model directory's tokenizer.json, else the bundled one
+    dtype: torch.dtype = torch.float32
+
+
+def check_options(opts: EvalOptions) -> EvalOptions:
+    unknown = [m for m in opts.modes if m not in MODES]
+    if unknown or not opts.modes:
+        raise EvalError(f"unknown attention mode {', '.join(unknown) or '(none given)'}",
+                        f"--modes takes a comma-separated subset of {','.join(MODES)}")
+    if not opts.seq_lens or any(t < 2 for t in opts.seq_lens):
+        raise EvalError(f"--seq-len {opts.seq_lens} must be lengths of at least 2 tokens", "e.g. --seq-len 512 1024")
+    if opts.topk is not None and opts.topk < 1:
+        raise EvalError(f"--topk {opts.topk} must be at least 1", "e.g. --topk 64")
+    if opts.num_sequences < 1:
+        raise EvalError(f"--num-sequences {opts.num_sequences} must be at least 1", "e.g. --num-sequences 4")
+    if opts.buckets is not None:
+        check_buckets(opts.buckets)
+    return opts
+
+
+def model_directory(path: str | Path) -> Path:
+    """A Hugging Face directory, or a run directory's `export/`."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise EvalError(f"model {p} does not exist",
+                        "pass a Hugging Face directory (config.json + *.safetensors) or a run directory with export/")
+    if (p / "config.json").is_file():
+        return p
+    if (p / "export" / "config.json").is_file():
+        return p / "export"
+    raise EvalError(f"{p} holds no config.json and no export/config.json",
+                    f"pass a Hugging Face directory, or export the run first: dsa-train export {p} --out {p}/export")
+
+
+def model_tokenizer(model_dir: Path, tokenizer: str | None) -> Tokenizer:
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    return load_tokenizer(model_dir if (model_dir / "tokenizer.json").is_file() else None)
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    topk: int
+
+
+def load_model(path: str | Path, opts: EvalOptions) -> LoadedModel:
+    directory = model_directory(path)
+    tokenizer = model_tokenizer(directory, opts.tokenizer)
+    model = dsa_train.from_pretrained(directory, dtype=opts.dtype).eval()
+    check_vocab(tokenizer.vocab_size, model.config.vocab_size)
+    return LoadedModel(str(path), directory, model, tokenizer, opts.topk or model.config.index_topk)
+
+
+def check_same_tokenizer(models: list[LoadedModel]) -> None:
+    hashes = {m.tokenizer.content_hash for m in models}
+    if len(hashes) > 1:
+        names = ", ".join(f"{m.name} ({m.tokenizer.path}, hash {m.tokenizer.content_hash[:12]})" for m in models)
+        raise EvalError(f"the models use different tokenizers: {names}",
+                        "compare models of one tokenizer, or pass --tokenizer to use one for both")
+
+
+def check_lengths(seq_lens: list[int], models: list[LoadedModel], modes: list[str]) -> None:
+    """Sparse modes compare with dense only where T > k (at T <= k every key is selected)."""
+    if not set(modes) & {"sparse", "oracle"}:
+        return
+    for m in models:
+        short = [t for t in seq_lens if t <= m.topk]
+        if short:
+            raise EvalError(f"--seq-len {' '.join(map(str, short))} is not longer than top-k {m.topk} of {m.name}: "
+                            f"sparse attention would select every key",
+                            f"use --seq-len above {m.topk}, or a smaller --topk")
+        limit = m.model.config.max_position_embeddings
+        if max(seq_lens) > limit:
+            raise EvalError(f"--seq-len {max(seq_lens)} is beyond {m.name}'s max_position_embeddings {limit}",
+                            f"use --seq-len up to {limit}")
+
+
+# ---------------------------------------------------------------------------- forwards
+@torch.no_grad()
+def mode_logits(model: torch.nn.Module, mode: str, topk: int, input_ids: torch.Tensor,
+                position_ids: torch.Tensor | None = None, measure=None) -> torch.Tensor:
+    """Logits [B, T, V] of one attention mode. `measure(i, attn, tensors)` (dense mode only) sees
+    every layer's input during the forward (`attention.layer_hooks`)."""
+    if mode == "oracle":
+        on_layer = lambda i, attn, lt: oracle_attention_output(attn, lt, topk)  # noqa: E731
+    else:
+        on_layer = measure if mode == "dense" else None
+    with layer_hooks(model, on_layer) if on_layer is not None else nullcontext():
+        out = model(input_ids, attention="sparse" if mode == "sparse" else "dense", topk=topk,
+                    position_ids=position_ids)
+    return out.logits
+
+
+@dataclass
+class ModeResult:
+    losses: LossByPosition
+    passkey: dict | None = None
+
+
+@dataclass
+class LengthResult:
+    seq_len: int
+    rows: list[int]
+    available_rows: int
+    modes: dict[str, ModeResult]
+    layers: dict[int, LayerStats]
+
+
+def evaluate_length(m: LoadedModel, seq_len: int, opts: EvalOptions, progress=None) -> LengthResult:
+    held = heldout_sequences(opts.data, m.tokenizer, seq_len, opts.num_sequences, opts.seed)
+    edges = opts.buckets or default_buckets(m.topk, seq_len)
+    results = {mode: ModeResult(LossByPosition(list(edges))) for mode in opts.modes}
+    measure = LayerMeasurements(m.topk, fp8=True, ue8m0=opts.fp8_ue8m0) if opts.layer_metrics else None
+    for batch in held.batches:
+        ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
+        for mode in opts.modes:
+            logits = mode_logits(m.model, mode, m.topk, ids, pos, measure)
+            results[mode].losses.add(token_losses(logits, labels), labels, pos)
+            _advance(progress)
+        if measure is not None and "dense" not in opts.modes:  # the measurements' dense forward
+            mode_logits(m.model, "dense", m.topk, ids, pos, measure)
+    if opts.passkey:
+        examples = passkey_examples(m.tokenizer, seq_len, opts.passkey_depths, opts.passkey_per_depth, seed=opts.seed)
+        for mode in opts.modes:
+            scored = []
+            for ex in examples:
+                scored.append(score_example(lambda ids: mode_logits(m.model, mode, m.topk, ids), ex))
+                _advance(progress)
+            results[mode].passkey = summarize(scored)
+    return LengthResult(seq_len, held.rows, held.available, results, measure.layers if measure is not None else {})
+
+
+def _advance(progress) -> None:
+    if progress is not None:
+        progress()
+
+
+def forwards_per_length(opts: EvalOptions) -> int:
+    passkey = len(opts.passkey_depths) * opts.passkey_per_depth if opts.passkey else 0
+    return len(opts.modes) * (opts.num_sequences + passkey)
+
+
+def evaluate(model_paths: list[str], opts: EvalOptions, show_progress: bool | None = None) -> dict:
+    """Evaluate every model at every sequence length -> the `eval.json` document."""
+    check_options(opts)
+    models = [load_model(p, opts) for p in model_paths]
+    check_same_tokenizer(models)
+    check_lengths(opts.seq_lens, models, opts.modes)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    enabled = sys.stdout.isatty() if show_progress is None else show_progress
+    total = len(models) * len(opts.seq_lens) * forwards_per_length(opts)
+    doc = {"options": _options_dict(opts), "models": []}
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TimeRemainingColumn(), disable=not enabled) as bar:
+        task = bar.add_task("eval", total=total)
+        for m in models:
+            entry = {"model": m.name, "path": str(m.path), "topk": m.topk, "num_hidden_layers": m.model.config.num_hidden_layers,
+                     "lengths": []}
+            for seq_len in opts.seq_lens:
+                bar.update(task, description=f"eval {Path(m.name).name} T={seq_len}")
+                result = evaluate_length(m, seq_len, opts, lambda: bar.advance(task))
+                entry["lengths"].append(_length_dict(result))
+            doc["models"].append(entry)
+    return doc
+
+
+def _options_dict(opts: EvalOptions) -> dict:
+    return {"data": opts.data, "seq_lens": opts.seq_lens, "topk": opts.topk, "modes": opts.modes,
+            "num_sequences": opts.num_sequences, "buckets": opts.buckets, "passkey": opts.passkey,
+            "fp8_ue8m0": opts.fp8_ue8m0, "seed": opts.seed, "dtype": str(opts.dtype).replace("torch.", "")}
+
+
+def _length_dict(r: LengthResult) -> dict:
+    return {
+        "seq_len": r.seq_len,
+        "rows": r.rows,
+        "available_rows": r.available_rows,
+        "modes": {mode: {**res.losses.as_dict(), **({"passkey": res.passkey} if res.passkey else {})}
+                  for mode, res in r.modes.items()},
+        "layers": [{"layer": i, **stats.values()} for i, stats in sorted(r.layers.items())],
+    }
