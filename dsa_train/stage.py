@@ -19,10 +19,15 @@ from typing import Callable
 
 import torch
 
+from dsa_train.errors import DSATrainError
 from dsa_train.model.config import DSAConfig
 from dsa_train.model.flops import flops_per_token
 
-__all__ = ["STAGE_KINDS", "Stage", "StageKind", "register_stage_kind", "stage_kind"]
+__all__ = ["STAGE_KINDS", "Stage", "StageKind", "UnknownStageKind", "register_stage_kind", "stage_kind"]
+
+
+class UnknownStageKind(DSATrainError, ValueError):
+    """A recipe's `trainable` names no declared stage kind."""
 
 
 def _value(setting) -> str:
@@ -81,11 +86,11 @@ def register_stage_kind(kind: StageKind) -> StageKind:
 
 
 def stage_kind(name) -> StageKind:
-    """The kind a `trainable` value names; ValueError naming the known kinds otherwise."""
+    """The kind a `trainable` value names; `UnknownStageKind` naming the known kinds otherwise."""
     key = _value(name)
     if key not in STAGE_KINDS:
-        raise ValueError(f"trainable={key}: no such stage kind; use one of {', '.join(STAGE_KINDS)} "
-                         "or declare it in dsa_train/stage.py (docs/stages.md)")
+        raise UnknownStageKind(f"trainable={key}: no such stage kind",
+                               f"use one of {', '.join(STAGE_KINDS)} or declare it in dsa_train/stage.py (docs/stages.md)")
     return STAGE_KINDS[key]
 
 

@@ -7,7 +7,7 @@ import torch
 from dsa_train.config import Attention, StageConfig, Trainable
 from dsa_train.loss import MetricSums, Reduction, micro_batch_loss, step_counts
 from dsa_train.model import DSAForCausalLM, flops, tiny_config
-from dsa_train.stage import STAGE_KINDS, Stage, StageKind, stage_kind
+from dsa_train.stage import STAGE_KINDS, Stage, StageKind, UnknownStageKind, stage_kind
 
 VOCAB, SEQ = 256, 32
 
@@ -38,7 +38,7 @@ def test_a_kind_with_no_parameters_is_one_clear_error():
     model = torch.nn.Linear(2, 2)  # no ".indexer." parameter
     with pytest.raises(ValueError, match=r"^trainable=indexer: the model has no such parameters$"):
         Stage.of("warmup", WARMUP).select_trainable(model)
-    with pytest.raises(ValueError, match="trainable=bogus: no such stage kind; use one of indexer, all"):
+    with pytest.raises(UnknownStageKind, match="^trainable=bogus: no such stage kind — use one of indexer, all or declare"):
         stage_kind("bogus")
 
 
@@ -123,3 +123,11 @@ def test_a_new_kind_trains_only_what_it_names(monkeypatch):
     assert all(".self_attn." in n for n in changed)
     assert stage.flops_per_token(model.config, SEQ) == Stage.of(
         "s", StageConfig(attention=Attention.sparse, trainable=Trainable.all, topk=8)).flops_per_token(model.config, SEQ)
+
+
+def test_the_indexer_kind_rejects_loss_terms_that_cannot_train_it():
+    kind = stage_kind(Trainable.indexer)
+    assert kind.config_errors(WARMUP) == []
+    bad = StageConfig(trainable=Trainable.indexer, lm_loss_coef=1.0, indexer_loss_coef=0.0, router_bias_update_rate=0.1)
+    assert [f for f, _ in kind.config_errors(bad)] == ["indexer_loss_coef", "lm_loss_coef", "router_bias_update_rate"]
+    assert stage_kind("all").config_errors(bad) == []

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from dsa_train.config.schema import Attention, ProfileConfig, TrainConfig
+from dsa_train.config.schema import ProfileConfig, TrainConfig
+from dsa_train.stage import Stage
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ def apply_profile(cfg: TrainConfig, announce: bool = True) -> list[str]:
         put(stage, "steps", f"{key}.steps", _at_most(stage.steps, p.steps))
         put(stage, "warmup_steps", f"{key}.warmup_steps", _at_most(stage.warmup_steps, p.warmup_steps))
         put(stage, "global_batch_size", f"{key}.global_batch_size", p.global_batch_size)
-        if stage.attention == Attention.sparse:
+        if Stage.of(name, stage).sparse:
             if p.topk is not None:
                 put(stage, "topk", f"{key}.topk", p.topk if stage.topk is None else min(stage.topk, p.topk))
             put(stage, "topk_recall_queries", f"{key}.topk_recall_queries",

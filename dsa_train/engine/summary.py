@@ -10,6 +10,7 @@ from rich.table import Table
 
 from dsa_train.config import TrainConfig
 from dsa_train.logging.report import KL_CAPTURED_NOTE, PROBE_NOTE
+from dsa_train.stage import Stage
 
 COLUMNS = [("lm_loss", "LM loss"), ("indexer_kl_captured", "indexer KL captured"), ("topk_recall", "top-k recall")]
 
@@ -41,10 +42,11 @@ def format_summary(cfg: TrainConfig, result) -> str:
     table.add_column("steps", justify="right")
     for _, label in COLUMNS:
         table.add_column(label)
-    for name, stage in cfg.stages.items():
+    for name, stage_config in cfg.stages.items():
         moments = result.summary.get(name, {})
+        stage = Stage.of(name, stage_config)
         table.add_row(
-            name, stage.attention.value, stage.trainable.value, str(stage.steps),
+            name, stage.attention, stage.kind.name, str(stage_config.steps),
             *[_cell(moments, key) for key, _ in COLUMNS],
         )
     buffer = StringIO()

@@ -1,10 +1,10 @@
 """Throughput, MFU and memory.
 
 MFU = achieved model FLOP/s / peak FLOP/s of the devices used. Model FLOPs per token come from
-`dsa_train.model.flops.flops_per_token`, which counts the training FLOPs of the stage
-(forward + backward of what trains, the indexer included). Peak FLOP/s of one device:
-`logging.peak_flops` when set, else dense bf16 tensor-core peak for known GPUs, and on the CPU
-96 GFLOP/s per thread used by torch (fp32: 2 AVX2 FMA units x 8 lanes x 2 FLOPs at 3 GHz).
+`dsa_train.stage.Stage.flops_per_token` (the arithmetic of `dsa_train.model.flops`), which counts
+the training FLOPs of the stage as its kind runs it (forward + backward of what trains, the indexer
+included). Peak FLOP/s of one device: `logging.peak_flops` when set, else dense bf16 tensor-core
+peak for known GPUs, and on the CPU 96 GFLOP/s per thread used by torch (fp32: 2 AVX2 FMA units x 8 lanes x 2 FLOPs at 3 GHz).
 """
 
 from __future__ import annotations
