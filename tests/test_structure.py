@@ -5,17 +5,20 @@ project's modules: the whole file runs in seconds).
   `kernels/` directory). The graph is built from every import statement of every module: module
   level, inside functions and under `if TYPE_CHECKING:` alike (an import hidden in a function is a
   dependency all the same). Edges, for a module M:
-    * `import a.b.c` -> a.b.c;
+    * `import a.b.c` / `from a.b.c import name` -> a.b.c;
     * `from a.b import c` -> a.b.c when a.b.c is a module (Python imports the submodule; it needs
       only the package object, which exists while the package's `__init__` runs), else -> a.b
       (the name is read from the package's namespace, filled by its `__init__`);
-    * relative imports resolved against M's package first.
-  Parent packages are not edges: `import a.b.c` runs a/__init__ and a/b/__init__ first, but that
-  holds for every submodule of a package, so counting it would make every package that re-exports
-  its submodules (`__init__` -> sub) a cycle with each of them. A package's `__init__` importing
-  its submodules is therefore not a cycle by itself; a submodule that reads a name back through
-  its package (`from a.b import name`, the name defined by a/b/__init__) while that `__init__`
-  imports the submodule is one (its import works only in one order).
+    * relative imports resolved against M's package first;
+    * and, for each target, every package above it (a, a.b) that does not contain M: Python runs
+      those packages' `__init__` before the target, and what they import runs then too.
+  A package containing M is no edge of M: it is already being imported when M runs (importing M
+  starts with it). So a package's `__init__` importing (re-exporting) its submodules is not a
+  cycle by itself; it is one when a submodule reads a name back from the package
+  (`from a.b import name`, the name set by a/b/__init__), or when a module outside the package
+  imports one of its submodules while the package's `__init__` imports, directly or not, that
+  module (e.g. parallel/x -> engine/schedule runs engine/__init__ -> engine/trainer -> parallel/x:
+  importing parallel/x first fails on a partially initialized module).
   Every strongly connected component of more than one module is reported with one of its cycles.
 - No class in dsa_train/ longer than MAX_CLASS_LINES lines (`class` line to its last line).
 - No forward in dsa_train/model/ tests a module's type to pick a path: in every `forward` method
@@ -101,10 +104,10 @@ def import_graph(modules: dict[str, Module]) -> dict[str, set[str]]:
     graph = {}
     for mod in modules.values():
         package = mod.name if mod.is_package else mod.name.rpartition(".")[0]
-        edges = set()
+        targets = set()
         for node in ast.walk(mod.tree):
             if isinstance(node, ast.Import):
-                edges |= {alias.name for alias in node.names if alias.name in modules}
+                targets |= {alias.name for alias in node.names if alias.name in modules}
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
@@ -112,9 +115,16 @@ def import_graph(modules: dict[str, Module]) -> dict[str, set[str]]:
                     base = ".".join(anchor + ([base] if base else []))
                 for alias in node.names:
                     if f"{base}.{alias.name}" in modules:
-                        edges.add(f"{base}.{alias.name}")
+                        targets.add(f"{base}.{alias.name}")
                     elif base in modules:
-                        edges.add(base)
+                        targets.add(base)
+        edges = set(targets)
+        for target in targets:  # the packages Python initializes before the target
+            parts = target.split(".")
+            for n in range(1, len(parts)):
+                above = ".".join(parts[:n])
+                if above in modules and not (mod.name == above or mod.name.startswith(above + ".")):
+                    edges.add(above)
         edges.discard(mod.name)
         graph[mod.name] = edges
     return graph
@@ -181,14 +191,27 @@ def test_the_import_graph_follows_the_documented_definition():
         "pkg.b": ("pkg/b.py", "import os\nThing = 1\n", False),
         "pkg.c": ("pkg/c.py", "from .a import helper\nlate = 1\n", False),  # a -> c (in a function) -> a
         "pkg.d": ("pkg/d.py", "from pkg import Thing\n", False),  # reads a name re-exported by pkg/__init__
+        "app": ("app/__init__.py", "", True),
+        "app.main": ("app/main.py", "import pkg.b\n", False),  # runs pkg/__init__ first
     })
     graph = import_graph(modules)
     assert graph == {"pkg": {"pkg.a", "pkg.b"}, "pkg.a": {"pkg.b", "pkg.c"}, "pkg.b": set(),
-                     "pkg.c": {"pkg.a"}, "pkg.d": {"pkg"}}
+                     "pkg.c": {"pkg.a"}, "pkg.d": {"pkg"}, "app": set(), "app.main": {"pkg", "pkg.b"}}
     # the package re-exporting its submodules is no cycle; the function-level import is one
     assert import_cycles(graph) == [["pkg.a", "pkg.c", "pkg.a"]]
     graph["pkg"].add("pkg.d")  # __init__ imports d, which reads a name back from __init__
     assert sorted(map(tuple, import_cycles(graph))) == [("pkg", "pkg.d", "pkg"), ("pkg.a", "pkg.c", "pkg.a")]
+    # app.main imports pkg.c, so pkg/__init__ runs first; it imports b, which imports app.main:
+    # importing app.main first fails (run is not defined yet), a cycle through the package
+    graph = import_graph(load_modules({
+        "pkg": ("pkg/__init__.py", "from .b import Thing\n", True),
+        "pkg.b": ("pkg/b.py", "from app.main import run\nThing = 1\n", False),
+        "pkg.c": ("pkg/c.py", "x = 1\n", False),
+        "app": ("app/__init__.py", "", True),
+        "app.main": ("app/main.py", "from pkg.c import x\n\ndef run():\n    pass\n", False),
+    }))
+    assert graph["app.main"] == {"pkg", "pkg.c"} and graph["pkg.b"] == {"app", "app.main"}
+    assert import_cycles(graph) == [["app.main", "pkg", "pkg.b", "app.main"]]
 
 
 def test_no_import_cycles():

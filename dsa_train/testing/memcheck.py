@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     from dsa_train.parallel.groups import destroy_parallel, init_parallel
     from dsa_train.parallel.model import parallelize_model
     from dsa_train.parallel.plan import make_plan, parse_opts
-    from dsa_train.engine.step import forward_backward
+    from dsa_train.engine.step import train_step
     from dsa_train.parallel.step import parallel_reduction
 
     torch.set_num_threads(1)
@@ -101,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                 "position_ids": torch.arange(args.seq_len, device="cpu")[None]} for _ in range(micro)]
         for mb in mbs:
             mb["labels"] = torch.roll(mb["input_ids"], -1, 1)
-        forward_backward(engine, mbs, stage, reduction=parallel_reduction(state))
-        engine.step()
+        train_step(engine, mbs, stage, reduction=parallel_reduction(state))
     peak = vm("VmHWM") - base
     opts, _ = parse_opts(["--world", str(dist.get_world_size())])
     plan = make_plan(cfg, opts, world=dist.get_world_size())

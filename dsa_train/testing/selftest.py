@@ -27,11 +27,22 @@ import sys
 import warnings
 from unittest import mock
 
+import torch
+import torch.distributed as dist
+
+from dsa_train.config import Attention, DType, OptimConfig, ParallelConfig, StageConfig, Trainable
+from dsa_train.engine.engine import Engine
+from dsa_train.engine.step import StepHooks, train_step
+from dsa_train.model import DSAForCausalLM, tiny_config
+from dsa_train.parallel.deepspeed_engine import DeepSpeedEngine
+from dsa_train.parallel.groups import destroy_parallel, init_parallel
+from dsa_train.parallel.model import full_tensor_slice, parallelize_model
+from dsa_train.parallel.step import parallel_reduction
+from dsa_train.testing import gradients
+
 
 def make_batches(steps: int, global_batch: int, seq_len: int, vocab: int, seed: int):
     """Global batches of packed random documents: [G, T] input_ids / labels / position_ids."""
-    import torch
-
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
@@ -55,6 +66,17 @@ def split_micro(batch, rows, micro: int):
     sub = {k: v[rows] for k, v in batch.items()}
     n = sub["input_ids"].shape[0]
     return [{k: v[i : i + micro] for k, v in sub.items()} for i in range(0, n, micro)]
+
+
+class KeepGradients(StepHooks):
+    """A step hook keeping `read(engine)` (name -> gradient) between backward and the update."""
+
+    def __init__(self, read):
+        self.read = read
+        self.grads: dict = {}
+
+    def after_backward(self, engine, metrics: dict) -> None:
+        self.grads = self.read(engine)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,19 +115,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
-    import torch
-    import torch.distributed as dist
-
-    from dsa_train.config import Attention, DType, OptimConfig, ParallelConfig, StageConfig, Trainable
-    from dsa_train.engine.engine import Engine
-    from dsa_train.engine.step import train_step as ref_train_step
-    from dsa_train.model import DSAForCausalLM, tiny_config
-    from dsa_train.parallel.deepspeed_engine import DeepSpeedEngine
-    from dsa_train.parallel.groups import destroy_parallel, init_parallel
-    from dsa_train.parallel.model import full_tensor_slice, parallelize_model
-    from dsa_train.engine.step import forward_backward
-    from dsa_train.parallel.step import parallel_reduction
-
     torch.set_num_threads(1)
     zero_stages = [int(z) for z in str(args.zero).split(",")]
     state = init_parallel(ParallelConfig(tensor_parallel=args.tp, context_parallel=args.cp,
@@ -131,21 +140,15 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- reference: one process, the whole global batch per step
     ref_engine = Engine(ref_model, stage, optim)
-    ref_hist, ref_grads = [], {}
+    ref_hist = []
+    # the last step's gradients, as the update sees them
+    ref_grads = KeepGradients(lambda e: {n: p.grad.detach().clone() for n, p in e.trainable if p.grad is not None})
     # --reference-kernels ref: DSA_KERNELS=ref for the reference only; the distributed run below has
     # the caller's DSA_KERNELS again
     with mock.patch.dict(os.environ, {"DSA_KERNELS": "ref"} if args.reference_kernels == "ref" else {}):
         for s, batch in enumerate(batches):
             mbs = split_micro(batch, list(range(args.global_batch)), args.micro_batch)
-            if s == len(batches) - 1:
-                from dsa_train.engine.step import forward_backward as ref_fb
-
-                m = ref_fb(ref_engine, mbs, stage)
-                ref_grads = {n: p.grad.detach().clone() for n, p in ref_engine.trainable if p.grad is not None}
-                m["grad_norm"] = ref_engine.step()
-            else:
-                m = ref_train_step(ref_engine, mbs, stage)
-            ref_hist.append(m)
+            ref_hist.append(train_step(ref_engine, mbs, stage, hooks=[ref_grads] if s == len(batches) - 1 else []))
 
     all_failures = []
     for zero in zero_stages:
@@ -153,17 +156,16 @@ def main(argv: list[str] | None = None) -> int:
         model = copy.deepcopy(init_model)
         model = parallelize_model(model, state, recompute=args.recompute, grouped_experts=not args.expert_loop)
         engine = DeepSpeedEngine(model, stage, optim, state, zero_stage=zero, micro_batch_size=args.micro_batch)
-        hist, grads = [], {}
+        hist = []
+        capture = None  # this rank's gradient contributions during the last step (ZeRO-0/1/2)
+        grads = KeepGradients(lambda e: gradients.full_grads(e, capture))
         for s, batch in enumerate(batches):
             rows = list(range(state.dp_rank, args.global_batch, dp))
             mbs = split_micro(batch, rows, args.micro_batch)
-            if s == len(batches) - 1:
-                engine.capture_gradients()
-            m = forward_backward(engine, mbs, stage, reduction=parallel_reduction(state))
-            if s == len(batches) - 1:
-                grads = engine.full_grads()
-            m["grad_norm"] = engine.step()
-            hist.append(m)
+            last = s == len(batches) - 1
+            if last:
+                capture = gradients.capture_gradients(engine)
+            hist.append(train_step(engine, mbs, stage, reduction=parallel_reduction(state), hooks=[grads] if last else []))
 
         # ---- compare
         def rel(a, b):
@@ -185,10 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, p in engine.trainable:
             # bf16: compare the fp32 master weights (the bf16 copies differ by rounding ulps)
             ref_slice = full_tensor_slice(p, ref_engine.masters.get(name, ref_params[name]) if args.bf16 else ref_params[name])
-            if name in ref_grads:
-                d = rel(grads[name], full_tensor_slice(p, ref_grads[name]))
+            if name in ref_grads.grads:
+                d = rel(grads.grads[name], full_tensor_slice(p, ref_grads.grads[name]))
                 worst["grad"] = max(worst["grad"], d)
-                if os.environ.get("SELFTEST_DEBUG"): print(name, float(grads[name].abs().max()), float(ref_grads[name].abs().max()), flush=True)
+                if os.environ.get("SELFTEST_DEBUG"): print(name, float(grads.grads[name].abs().max()), float(ref_grads.grads[name].abs().max()), flush=True)
                 if d > args.rtol * 5 and not args.bf16:  # bf16 gradients: reported, not checked
                     failures.append(f"grad {name}: rel diff {d:.3g}")
             value = safe_get_full_fp32_param(p) if (zero == 3 or (args.bf16 and zero >= 1)) else p.detach()
