@@ -170,7 +170,7 @@ def test_trainer_falls_back_past_a_corrupt_checkpoint_and_says_so(tmp_path, capl
     data = (newest / "state/__0_0.distcp").read_bytes()
     (newest / "state/__0_0.distcp").write_bytes(data[:-100])  # truncated
     (ckpts / "step_00000003" / "trainer_state.json").write_text("{}")  # and the one before corrupt too
-    with caplog.at_level(logging.WARNING, logger="dsa_train.engine.trainer"):
+    with caplog.at_level(logging.WARNING, logger="dsa_train.engine.checkpoint_manager"):
         resumed = train(tiny_run(tmp_path / "run"))  # checkpoint.resume: auto (the default)
     log = caplog.text
     assert "rejecting" in log and "step_00000004" in log and "truncated" in log

@@ -59,8 +59,8 @@ from typing import Callable
 
 import torch
 
-from dsa_train.engine import faults
-from dsa_train.engine import sharded_state as sharded
+import dsa_train.engine.faults as faults
+import dsa_train.engine.sharded_state as sharded
 from dsa_train.errors import DSATrainError
 
 log = logging.getLogger(__name__)

@@ -11,15 +11,15 @@ import dataclasses
 
 import torch
 
-from dsa_train.config import Attention, DataSection, StageConfig
+from dsa_train.config import DataSection
+from dsa_train.data import DataConfig, build_dataloader
 from dsa_train.loss import MetricSums, Reduction
+from dsa_train.stage import Stage
 
 PROBE_SEED_OFFSET = 1
 
 
 def probe_batches(data: DataSection, count: int) -> list[dict[str, torch.Tensor]]:
-    from dsa_train.data import DataConfig, build_dataloader
-
     if count == 0:
         return []
     probe_cfg = DataConfig(**{**dataclasses.asdict(data), "seed": data.seed + PROBE_SEED_OFFSET})
@@ -29,7 +29,7 @@ def probe_batches(data: DataSection, count: int) -> list[dict[str, torch.Tensor]
 
 @torch.no_grad()
 def measure(
-    model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], stage: StageConfig, device: torch.device,
+    model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], stage: Stage, device: torch.device,
     reduction: Reduction | None = None,
 ) -> dict[str, float]:
     """lm_loss, indexer_kl, indexer_kl_uniform, indexer_kl_captured and, in sparse stages with
@@ -37,23 +37,14 @@ def measure(
     like a training step's: `dsa_train.loss.MetricSums`)."""
     if not batches:
         return {}
-    recall_queries = stage.topk_recall_queries if stage.attention == Attention.sparse else 0
-    keys = ["lm_loss", "indexer_kl", "indexer_kl_uniform", "indexer_kl_captured"] + (["topk_recall"] if recall_queries else [])
+    keys = ["lm_loss", "indexer_kl", "indexer_kl_uniform", "indexer_kl_captured"] + (["topk_recall"] if stage.recall_queries else [])
     was_training = model.training
     model.eval()
     sums = MetricSums()
     for batch in batches:
         batch = {k: v.to(device) for k, v in batch.items()}
-        out = model(
-            batch["input_ids"],
-            attention=stage.attention.value,
-            labels=batch["labels"],
-            indexer_loss=True,
-            position_ids=batch["position_ids"],
-            compute_logits=True,
-            topk=stage.topk,
-            measure_topk_recall=recall_queries,
-        )
+        out = model(batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"],
+                    **stage.probe_forward_kwargs())
         sums.add(out.stats)
     model.train(was_training)
     values = sums.values(reduction or Reduction(), device=device)

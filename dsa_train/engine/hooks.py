@@ -1,0 +1,105 @@
+"""The trainer's policies around one optimizer step, as `StepHooks` of `engine/step.train_step`.
+
+Called in this order at the points of every training step:
+
+    after_backward  InjectedFaults    DSA_FAULT's at=mid_step faults (crash, signals, NaN loss, +inf gradient)
+    skip_update     NonFiniteGuard    a non-finite loss or gradient on any rank: skip the update or stop
+    after_update    NonFiniteGuard    the skip counters, `nonfinite_skipped` in the metrics
+                    RouterBias        the MoE router-bias update (or, without one, the loads cleared)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from dsa_train.config.schema import FaultToleranceConfig, NonFinitePolicy
+import dsa_train.engine.faults as faults
+from dsa_train.engine.checkpoint import TrainerState
+from dsa_train.engine.nonfinite import NonFiniteError, check_step, poison, poison_gradient
+from dsa_train.engine.step import StepHooks
+
+log = logging.getLogger(__name__)
+
+
+class InjectedFaults(StepHooks):
+    """The `DSA_FAULT` faults set for after backward, before the update (engine/faults.py) of
+    the step `step_of()` returns (the global step it becomes)."""
+
+    def __init__(self, step_of: Callable[[], int]):
+        self.step_of = step_of
+
+    def after_backward(self, engine, metrics: dict) -> None:
+        step = self.step_of()
+        faults.at("mid_step", step)
+        if faults.poison_step(step):
+            poison(metrics, engine)
+        if faults.inf_gradient_step(step):
+            poison_gradient(engine)
+
+
+class NonFiniteGuard(StepHooks):
+    """`fault_tolerance.nonfinite` (engine/nonfinite.py): a step whose loss or gradients are not
+    finite on any rank is skipped (gradients cleared, counted in `state`), or the run stops with
+    a checkpoint of the state before the step (`save_step_start(engine)`) and NonFiniteError."""
+
+    def __init__(self, policy: FaultToleranceConfig, state: TrainerState, any_rank: Callable[[bool], bool],
+                 save_step_start: Callable[[object], None], checkpoint_dir: str):
+        self.policy = policy
+        self.state = state
+        self.any_rank = any_rank
+        self.save_step_start = save_step_start
+        self.checkpoint_dir = checkpoint_dir
+
+    def skip_update(self, engine, metrics: dict) -> bool:
+        bad = check_step(metrics, engine)
+        if not self.any_rank(bool(bad)):
+            return False
+        self.skip(engine, bad or ["values on another rank"])
+        return True
+
+    def skip(self, engine, bad: list[str]) -> None:
+        policy, state = self.policy, self.state
+        engine.zero_grad()
+        step = state.global_step + 1
+        consecutive = state.nonfinite_consecutive + 1
+        what = ", ".join(bad)
+        if policy.nonfinite == NonFinitePolicy.stop or consecutive > policy.max_consecutive_nonfinite:
+            self.save_step_start(engine)
+            reason = ("fault_tolerance.nonfinite=stop" if policy.nonfinite == NonFinitePolicy.stop else
+                      f"{consecutive} non-finite steps in a row (fault_tolerance.max_consecutive_nonfinite="
+                      f"{policy.max_consecutive_nonfinite})")
+            raise NonFiniteError(
+                f"non-finite {what} at global step {step}: stopping ({reason}). A checkpoint of the state before "
+                f"this step is in {self.checkpoint_dir} (resuming reproduces the step). Lower the stage's lr, "
+                "check the data at this position, or resume with fault_tolerance.nonfinite=skip to skip such steps"
+            )
+        log.warning("non-finite %s at global step %d: update skipped (%d in a row)", what, step, consecutive)
+        state.nonfinite_consecutive = consecutive
+        state.nonfinite_skipped += 1
+
+    def after_update(self, engine, metrics: dict, skipped: bool) -> None:
+        if not skipped:
+            self.state.nonfinite_consecutive = 0
+        metrics["nonfinite_skipped"] = self.state.nonfinite_skipped
+
+
+class RouterBias(StepHooks):
+    """The auxiliary-loss-free MoE balancing: after an applied update, the router biases move by
+    `rate` towards balanced loads. The loads a step accumulated are not part of a checkpoint, so
+    a step without a bias update (rate 0, or skipped) clears them: they are zero at every step
+    boundary, for an exact resume."""
+
+    def __init__(self, model: torch.nn.Module, rate: float):
+        self.model = model
+        self.rate = rate
+
+    def after_update(self, engine, metrics: dict, skipped: bool) -> None:
+        if self.rate > 0 and not skipped:
+            self.model.update_router_bias(self.rate)
+        else:
+            for module in self.model.modules():
+                if isinstance(getattr(module, "load_since_update", None), torch.Tensor):
+                    module.load_since_update.zero_()
