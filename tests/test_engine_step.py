@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsa_train.config import Attention, Decay, OptimConfig, StageConfig, Trainable
-from dsa_train.engine import Engine, forward_backward, is_indexer_parameter, lr_multiplier, train_step
+from dsa_train.engine import Engine, StepHooks, forward_backward, is_indexer_parameter, lr_multiplier, train_step
 from dsa_train.model import DSAForCausalLM, tiny_config
 
 VOCAB, SEQ = 256, 48
@@ -157,3 +157,42 @@ def test_mtp_loss_coef_trains_the_mtp_module():
     model.zero_grad(set_to_none=True)
     metrics = forward_backward(engine, [batch(2)], SPARSE)  # default 0: MTP untouched
     assert "mtp_loss" not in metrics and mtp.eh_proj.weight.grad is None
+
+
+class RecordingHooks(StepHooks):
+    """Records what each point of train_step sees; `skip` decides the update."""
+
+    def __init__(self, skip: bool):
+        self.skip, self.seen = skip, []
+
+    def after_backward(self, engine, metrics):
+        has_grads = any(p.grad is not None for _, p in engine.trainable)
+        self.seen.append(("after_backward", has_grads, "grad_norm" in metrics))
+
+    def skip_update(self, engine, metrics):
+        self.seen.append(("skip_update", "grad_norm" in metrics))
+        if self.skip:
+            engine.zero_grad()
+        return self.skip
+
+    def after_update(self, engine, metrics, skipped):
+        self.seen.append(("after_update", skipped, "grad_norm" in metrics and "lr" in metrics))
+
+
+def test_train_step_hooks_run_between_backward_and_update_and_can_skip_it():
+    model = tiny_model()
+    engine = Engine(model, SPARSE, OptimConfig())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    lr = engine.lr
+    skipping, watching = RecordingHooks(skip=True), RecordingHooks(skip=False)
+    metrics = train_step(engine, [batch(1)], SPARSE, hooks=[skipping, watching])
+    expected = [("after_backward", True, False), ("skip_update", False), ("after_update", True, True)]
+    assert skipping.seen == watching.seen == expected  # every hook asked at every point, in order
+    assert math.isnan(metrics["grad_norm"]) and metrics["lr"] == lr
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # no update
+    assert engine.scheduler.last_epoch == 0  # nor a schedule step
+
+    applied = RecordingHooks(skip=False)
+    metrics = train_step(engine, [batch(1)], SPARSE, hooks=[applied])
+    assert applied.seen[-1] == ("after_update", False, True) and metrics["grad_norm"] > 0
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())

@@ -110,7 +110,7 @@ def test_torchrun_does_not_restart_an_error_a_restart_cannot_fix(tmp_path):
     """`dsa-train launch torchrun --max-restarts 2` with a data file that is not JSON lines: the
     restarted workers exit at once (before loading anything), the launch ends with the rank's one
     line and exit 2, no torchrun traceback."""
-    from dsa_train.parallel.selftest import free_port
+    from tests.helpers import free_port
 
     bad = write_bad_jsonl(tmp_path / "bad.jsonl")
     proc = cli("launch", "torchrun", "--nproc-per-node", "2", "--max-restarts", "2", "--master-port", str(free_port()),
