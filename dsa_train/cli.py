@@ -176,7 +176,7 @@ def run_hydra(argv: list[str], train) -> int:
 
 
 def train_app(argv: list[str]) -> int:
-    from dsa_train.engine import train
+    from dsa_train.engine.trainer import train
     from dsa_train.runtime import limit_heap_fragmentation, quiet_third_party
 
     limit_heap_fragmentation()  # chunked DSA ops otherwise fragment glibc's heap (dsa_train/runtime.py)

@@ -14,7 +14,7 @@ import sys
 def main(argv: list[str]) -> int:
     out, recipe, *overrides = argv
     from dsa_train.config import load_recipe
-    from dsa_train.engine import train
+    from dsa_train.engine.trainer import train
     from dsa_train.engine.signals import Preempted
 
     def dump(result, code):

@@ -3,7 +3,7 @@
 import pytest
 
 from dsa_train.config import load_recipe
-from dsa_train.engine import train
+from dsa_train.engine.trainer import train
 
 
 @pytest.mark.slow

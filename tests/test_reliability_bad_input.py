@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from dsa_train.config import ConfigError, load_recipe
-from dsa_train.engine import Trainer, faults, train
+from dsa_train.engine import faults
+from dsa_train.engine.trainer import Trainer, train
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from dsa_train.config import load_recipe
-from dsa_train.engine import faults, train
+from dsa_train.engine import faults
+from dsa_train.engine.trainer import train
 from dsa_train.engine.checkpoint import (
     CheckpointSaveError,
     CorruptCheckpoint,
@@ -184,7 +185,7 @@ def test_trainer_falls_back_past_a_corrupt_checkpoint_and_says_so(tmp_path, capl
 
 def test_resume_false_refuses_to_overwrite_existing_checkpoints(tmp_path):
     from dsa_train.config import ConfigError
-    from dsa_train.engine import Trainer
+    from dsa_train.engine.trainer import Trainer
 
     cfg = tiny_run(tmp_path / "run", "stages.sparse.steps=1", "stages.warmup.steps=1")
     train(cfg)

@@ -166,7 +166,7 @@ def _write_lock(run_dir: Path, **holder) -> Path:
 
 
 def test_a_second_run_on_a_run_dir_is_refused_naming_the_holder(tmp_path):
-    from dsa_train.engine import Trainer
+    from dsa_train.engine.trainer import Trainer
     from dsa_train.engine.run_lock import RunDirLocked
 
     holder = subprocess.Popen(["sleep", "60"])  # a live process on this host holds the run
@@ -186,7 +186,7 @@ def test_a_second_run_on_a_run_dir_is_refused_naming_the_holder(tmp_path):
 
 
 def test_a_stale_lock_is_recovered(tmp_path, monkeypatch, caplog):
-    from dsa_train.engine import train
+    from dsa_train.engine.trainer import train
     from dsa_train.engine.run_lock import LOCK_NAME
 
     dead = subprocess.Popen(["true"])
@@ -259,7 +259,7 @@ def test_hf_config_values_of_the_wrong_type_name_the_field(tmp_path, capsys):
 
 # ------------------------------------------------------------------ 3. integrity
 def _trained_run(tmp_path):
-    from dsa_train.engine import train
+    from dsa_train.engine.trainer import train
 
     run_dir = tmp_path / "run"
     train(tiny(run_dir, "stages.sparse.steps=1", "stages.warmup.steps=1"))
@@ -269,7 +269,7 @@ def _trained_run(tmp_path):
 def test_a_checkpoint_without_manifest_is_not_resumed_or_exported(tmp_path, capsys):
     """Corrupt weights and no manifest: resume and export refuse (nothing moved), saying how to
     proceed; with checkpoint.verify_checksums=false the user takes the risk explicitly."""
-    from dsa_train.engine import Trainer
+    from dsa_train.engine.trainer import Trainer
     from dsa_train.engine.checkpoint import UnverifiedCheckpoint
 
     run_dir, last = _trained_run(tmp_path)
@@ -362,7 +362,7 @@ def test_values_that_make_no_sense_together_are_refused_at_start_up(tmp_path, ov
 def test_doubtful_values_are_reported_at_start_up(tmp_path, caplog):
     """Allowed, but said in the log before training: a warm-up longer than its stage (the demo
     recipe's 5-step sparse warm-up in a 2-step smoke run), a log interval longer than a stage."""
-    from dsa_train.engine import Trainer
+    from dsa_train.engine.trainer import Trainer
 
     with caplog.at_level("WARNING"):
         Trainer(tiny(tmp_path / "run", "stages.sparse.warmup_steps=5", "logging.log_every=3"))
@@ -375,7 +375,8 @@ def test_doubtful_values_are_reported_at_start_up(tmp_path, caplog):
 def test_full_disk_prunes_what_keep_last_allows_and_saves(tmp_path, monkeypatch, caplog):
     """Out of space while saving step 4 with keep_last=2 (steps 2 and 3 on disk): the save prunes
     what it would have pruned after committing (step 2, never the newest, step 3) and tries again."""
-    from dsa_train.engine import faults, train
+    from dsa_train.engine import faults
+    from dsa_train.engine.trainer import train
     from dsa_train.engine.checkpoint import list_checkpoints
 
     run_dir = tmp_path / "run"
@@ -404,7 +405,8 @@ def test_read_only_checkpoint_dir_is_a_permission_problem(tmp_path, monkeypatch,
 def stopped_in_sparse_once(tmp_path_factory):
     """A run stopped by a crash at global step 4: its newest checkpoint is step 3, one step into
     the sparse stage (warm-up 2 steps, sparse 2). Trained once for the module."""
-    from dsa_train.engine import faults, train
+    from dsa_train.engine import faults
+    from dsa_train.engine.trainer import train
 
     run_dir = tmp_path_factory.mktemp("stopped") / "run"
     os.environ[faults.ENV] = "step=4,kind=crash"
@@ -430,7 +432,7 @@ def stopped_in_sparse(stopped_in_sparse_once, tmp_path):
 
 
 def test_resume_applies_a_longer_stage_and_says_so(stopped_in_sparse, caplog):
-    from dsa_train.engine import train
+    from dsa_train.engine.trainer import train
 
     with caplog.at_level("WARNING"):
         result = train(tiny(stopped_in_sparse, "stages.sparse.steps=3", "logging.log_every=2"))
@@ -448,7 +450,7 @@ def test_resume_applies_a_longer_stage_and_says_so(stopped_in_sparse, caplog):
     ("optim.weight_decay=0.5", r"optim.weight_decay: 0.1 \(checkpoint\) -> 0.5"),
 ])
 def test_resume_refuses_other_recipe_changes_naming_the_key(stopped_in_sparse, override, message):
-    from dsa_train.engine import Trainer
+    from dsa_train.engine.trainer import Trainer
     from dsa_train.engine.recipe_change import RecipeChanged
 
     with pytest.raises(RecipeChanged, match=message + r".* start a new run under another run_dir"):

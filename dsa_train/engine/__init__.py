@@ -1,12 +1,15 @@
-"""Training engine: stages, optimizer and schedule, training checkpoints, the trainer."""
+"""Training engine: the pieces a trainer is built from — the optimizer and schedule (`Engine`),
+one optimizer step (`train_step` and its `StepHooks`), trainable parameters, training checkpoints.
+
+The trainer composing them with the layout (`dsa_train.parallel.layout`) is
+`dsa_train.engine.trainer` (`Trainer`, `train`); it is not imported here, since the layout itself
+builds on these pieces."""
 
 from dsa_train.engine.engine import Engine
 from dsa_train.engine.schedule import lr_multiplier
 from dsa_train.engine.step import StepHooks, forward_backward, train_step
 from dsa_train.engine.trainable import is_indexer_parameter, set_trainable
-from dsa_train.engine.trainer import Trainer, TrainResult, train
 
 __all__ = [
-    "Engine", "StepHooks", "TrainResult", "forward_backward", "Trainer", "is_indexer_parameter", "lr_multiplier", "set_trainable",
-    "train", "train_step",
+    "Engine", "StepHooks", "forward_backward", "is_indexer_parameter", "lr_multiplier", "set_trainable", "train_step",
 ]

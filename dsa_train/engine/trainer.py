@@ -42,7 +42,7 @@ from dsa_train.engine.probe import measure, probe_batches
 from dsa_train.engine.rng import load_rng_state, rng_state, seed_everything, set_deterministic
 from dsa_train.engine.run_lock import lock_run
 from dsa_train.engine.signals import EXIT_PREEMPTED, PreemptionHandler, Preempted, mark_preempted
-from dsa_train.engine.step import train_step
+from dsa_train.engine.step import StepHooks, train_step
 from dsa_train.engine.summary import format_summary, summary_metrics
 from dsa_train.logging.perf import memory_metrics, peak_flops_per_device, throughput_metrics
 from dsa_train.logging.progress import StageProgress, describe_step
@@ -148,6 +148,10 @@ class Trainer:
         self.result = TrainResult(run_dir=self.run_dir)
         self.finished: str | None = None  # set by a resume of a run whose stages are all done
         self.preemption: PreemptionHandler | None = None
+        # the stage being run: its type, engine and the hooks of its steps (open_stage)
+        self.stage: Stage | None = None
+        self.engine = None
+        self.step_hooks: list[StepHooks] = []
         self.checkpoints = CheckpointManager(cfg.checkpoint, layout, self.model, self.loader, self.config_dict,
                                              self.device)
         # one run per run_dir (rank 0 holds the lock for all ranks; released when the run ends)
