@@ -4,6 +4,7 @@ measurements, position buckets, the bf16-vs-FP8 overlap, passkey retrieval and b
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ from dsa_train.data import load_tokenizer
 from dsa_train.eval.attention import LayerTensors, fp8_topk_overlap, layer_hooks, measure_layer
 from dsa_train.eval.passkey import passkey_examples, score_example, summarize
 from dsa_train.eval.positions import LossByPosition, token_losses
-from dsa_train.eval.run import mode_logits
+from dsa_train.eval.errors import EvalError
+from dsa_train.eval.run import LoadedModel, check_same_tokenizer, mode_logits
 from dsa_kernels.masking import chunk_valid_mask
 
 T = 48
@@ -208,3 +210,16 @@ def test_bad_input_gets_one_line(tiny_checkpoint, tmp_path, capsys):
     make_tiny_checkpoint(small_vocab, vocab_size=1024)
     err = bad_input(["eval", str(small_vocab), "--seq-len", "64", "--topk", "8"], capsys)
     assert "vocab" in err.lower() and "1024" in err
+
+
+def test_models_with_different_tokenizers_are_refused(tmp_path):
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(load_tokenizer(None).path.parent, other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    spec["model"]["dropout"] = 0.5  # another tokenizer (content hash), same vocabulary size
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    models = [LoadedModel("a", tmp_path, None, load_tokenizer(None), 8),
+              LoadedModel("b", tmp_path, None, load_tokenizer(other), 8)]
+    with pytest.raises(EvalError, match="different tokenizers"):
+        check_same_tokenizer(models)
+    check_same_tokenizer(models[:1] * 2)

@@ -128,7 +128,8 @@ def mass_inside(mass: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 
 def set_overlap(selected: torch.Tensor, reference: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (|selected ∩ reference| / |reference| [B, C] (1 for an empty reference), |selected ∩ reference| [B, C])."""
+    """selected, reference [B, C, k] -> (|selected ∩ reference| / |reference| [B, C], 1 for an empty
+    reference; |selected ∩ reference| [B, C])."""
     a, b = _members(selected, T), _members(reference, T)
     inter = (a & b).sum(-1).float()
     size = b.sum(-1).float()

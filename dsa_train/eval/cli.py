@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from dsa_train.runtime import require_train_extra
+
 from .data import DEFAULT_SEED
 from .errors import EvalError
 from .report import print_tables, write_json, write_plots
@@ -26,7 +28,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dsa-train eval",
         description="Held-out LM loss by query position (dense, sparse with the learned indexer, sparse with the "
-                    "oracle top-k), per-layer indexer recall / KL-captured / oracle and FP8 overlap, passkey retrieval.")
+                    "oracle top-k), per-layer indexer recall / KL-captured / oracle and FP8 overlap, "
+                    "passkey retrieval.")
     p.add_argument("model", help="Hugging Face directory (V3, V3.1, V3.2 layout, FP8 included) or a run directory "
                                  "(its export/)")
     p.add_argument("--compare", metavar="MODEL2", help="a second model evaluated the same way (same tokenizer)")
@@ -36,7 +39,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", nargs="+", type=int, default=[512], metavar="T", help="sequence lengths (default 512)")
     p.add_argument("--topk", type=int, default=None, help="k of the sparse modes (default: the model's index_topk)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
-    p.add_argument("--num-sequences", type=int, default=4, metavar="N", help="held-out sequences per length (default 4)")
+    p.add_argument("--num-sequences", type=int, default=4, metavar="N",
+                   help="held-out sequences per length (default 4)")
     p.add_argument("--buckets", nargs="+", type=int, default=None, metavar="EDGE",
                    help="position bucket edges, e.g. 0 512 1024 2048 (default: 0 k 2k 4k ... T)")
     p.add_argument("--passkey", action="store_true", help="also run passkey retrieval at each length")
@@ -58,7 +62,8 @@ def parser() -> argparse.ArgumentParser:
 def options(args: argparse.Namespace) -> EvalOptions:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if args.passkey_per_depth < 1:
-        raise EvalError(f"--passkey-per-depth {args.passkey_per_depth} must be at least 1", "e.g. --passkey-per-depth 2")
+        raise EvalError(f"--passkey-per-depth {args.passkey_per_depth} must be at least 1",
+                        "e.g. --passkey-per-depth 2")
     return EvalOptions(data=args.data, seq_lens=args.seq_len, topk=args.topk, modes=modes,
                        num_sequences=args.num_sequences, buckets=args.buckets, layer_metrics=not args.no_layer_metrics,
                        fp8_ue8m0=args.ue8m0, passkey=args.passkey, passkey_per_depth=args.passkey_per_depth,
@@ -66,8 +71,6 @@ def options(args: argparse.Namespace) -> EvalOptions:
 
 
 def main(argv: list[str]) -> int:
-    from dsa_train.runtime import require_train_extra
-
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     args = parser().parse_args(argv)
     opts = options(args)

@@ -24,7 +24,7 @@ DEFAULT_SEED = 1234  # data.seed's default (dsa_train.data.DataConfig)
 @dataclass
 class HeldOut:
     rows: list[int]  # row indices of the packed stream at this sequence length
-    batches: list[dict[str, torch.Tensor]]  # one {"input_ids", "labels", "position_ids": [1, T]} per row
+    batches: list[dict[str, torch.Tensor]]  # per row {"input_ids", "labels", "position_ids"}: [1, T]
     available: int  # rows the stream holds at this length
 
 

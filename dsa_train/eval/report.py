@@ -16,17 +16,18 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import sys
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-LAYER_SERIES = [
-    ("topk_recall", "indexer top-k recall"),
-    ("oracle_recall", "oracle top-k recall"),
-    ("oracle_overlap", "overlap with oracle top-k"),
-    ("indexer_kl_captured", "indexer KL-captured"),
-    ("fp8_overlap", "bf16 vs FP8 top-k overlap"),
+LAYER_SERIES = [  # (eval.json key, plot legend, table column)
+    ("topk_recall", "indexer top-k recall", "recall"),
+    ("oracle_recall", "oracle top-k recall", "oracle recall"),
+    ("oracle_overlap", "overlap with oracle top-k", "oracle overlap"),
+    ("indexer_kl_captured", "indexer KL-captured", "KL-captured"),
+    ("fp8_overlap", "bf16 vs FP8 top-k overlap", "bf16/FP8 overlap"),
 ]
 
 
@@ -42,13 +43,15 @@ def _fmt(x) -> str:
 
 
 def print_tables(doc: dict, console: Console | None = None) -> None:
-    console = console or Console()
+    """On a terminal at its width; into a file or pipe 120 columns wide (rich's default 80 cuts the
+    bucket columns)."""
+    console = console or Console(width=None if sys.stdout.isatty() else 120)
     for entry in doc["models"]:
         for length in entry["lengths"]:
             modes = length["modes"]
             buckets = [b["bucket"] for b in next(iter(modes.values()))["buckets"]]
-            table = Table(title=f"{entry['model']}  T={length['seq_len']}  top-k={entry['topk']}: LM loss, overall and "
-                                f"by query position ({len(length['rows'])} held-out sequences)")
+            table = Table(title=f"{entry['model']} T={length['seq_len']} k={entry['topk']}: LM loss by query position "
+                                f"({len(length['rows'])} held-out sequences)")
             table.add_column("mode")
             table.add_column("loss", justify="right")
             table.add_column("ppl", justify="right")
@@ -65,12 +68,12 @@ def print_tables(doc: dict, console: Console | None = None) -> None:
                 table.add_row(*row)
             console.print(table)
             if length["layers"]:
-                layers = Table(title=f"per layer (dense forward, k={entry['topk']})")
+                layers = Table(title=f"per layer (dense forward, k={entry['topk']}; recall: the indexer's top-k)")
                 layers.add_column("layer", justify="right")
-                for key, label in LAYER_SERIES:
-                    layers.add_column(label, justify="right")
+                for _, _, column in LAYER_SERIES:
+                    layers.add_column(column, justify="right")
                 for row in length["layers"]:
-                    layers.add_row(str(row["layer"]), *[_fmt(row.get(key)) for key, _ in LAYER_SERIES])
+                    layers.add_row(str(row["layer"]), *[_fmt(row.get(key)) for key, _, _ in LAYER_SERIES])
                 console.print(layers)
 
 
@@ -114,7 +117,7 @@ def write_plots(doc: dict, out_dir: Path) -> list[Path] | str:
             if length["layers"]:
                 fig, ax = plt.subplots(figsize=(6.4, 4.0))
                 xs = [row["layer"] for row in length["layers"]]
-                for key, label in LAYER_SERIES:
+                for key, label, _ in LAYER_SERIES:
                     ys = [row.get(key) for row in length["layers"]]
                     if all(y is not None for y in ys):
                         ax.plot(xs, ys, marker="o", label=label)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 import dsa_train
 from dsa_train.data import Tokenizer, check_vocab, load_tokenizer
@@ -204,8 +205,6 @@ def evaluate(model_paths: list[str], opts: EvalOptions, show_progress: bool | No
     models = [load_model(p, opts) for p in model_paths]
     check_same_tokenizer(models)
     check_lengths(opts.seq_lens, models, opts.modes)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
     enabled = sys.stdout.isatty() if show_progress is None else show_progress
     total = len(models) * len(opts.seq_lens) * forwards_per_length(opts)
     doc = {"options": _options_dict(opts), "models": []}
@@ -213,8 +212,8 @@ def evaluate(model_paths: list[str], opts: EvalOptions, show_progress: bool | No
                   TimeRemainingColumn(), disable=not enabled) as bar:
         task = bar.add_task("eval", total=total)
         for m in models:
-            entry = {"model": m.name, "path": str(m.path), "topk": m.topk, "num_hidden_layers": m.model.config.num_hidden_layers,
-                     "lengths": []}
+            entry = {"model": m.name, "path": str(m.path), "topk": m.topk,
+                     "num_hidden_layers": m.model.config.num_hidden_layers, "lengths": []}
             for seq_len in opts.seq_lens:
                 bar.update(task, description=f"eval {Path(m.name).name} T={seq_len}")
                 result = evaluate_length(m, seq_len, opts, lambda: bar.advance(task))
