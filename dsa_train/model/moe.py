@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .config import DSAConfig
+from .grouped_experts import grouped_experts
 
 
 class _RowChunkedMLP(torch.autograd.Function):
@@ -71,17 +72,20 @@ class _RowChunkedMLP(torch.autograd.Function):
 
 
 class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)). With `row_chunked` (the default) a training forward
+    runs as `_RowChunkedMLP` on the three weights; tensor parallelism (`parallel/tensor.py`)
+    replaces the linears by ones whose forward runs collectives and clears it."""
+
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.row_chunked = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        linears = (self.gate_proj, self.up_proj, self.down_proj)
-        # plain nn.Linear only: tensor parallelism swaps in linears whose forward runs collectives
-        if torch.is_grad_enabled() and all(type(m) is nn.Linear and m.bias is None for m in linears):
-            weights = [m.weight for m in linears]
+        if self.row_chunked and torch.is_grad_enabled():
+            weights = [self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight]
             if x.requires_grad or any(w.requires_grad for w in weights):
                 return _RowChunkedMLP.apply(x, *weights)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -144,9 +148,9 @@ class LocalDispatcher:
 
 
 class MoE(nn.Module):
-    """route -> dispatch -> experts -> combine (+ shared experts), as Megatron's MoELayer. The
-    dispatcher (`self.dispatcher`) is the seam where expert parallelism is applied from outside;
-    `self.grouped_gemm` runs the local experts as grouped GEMMs instead of a loop."""
+    """route -> dispatch -> experts -> combine (+ shared experts), as Megatron's MoELayer. One
+    process: every expert local (`LocalDispatcher`), a loop over experts, loads not summed. A
+    parallel layout changes that through one method, `set_layout` (dsa_train.parallel.expert)."""
 
     def __init__(self, config: DSAConfig):
         super().__init__()
@@ -167,9 +171,22 @@ class MoE(nn.Module):
         # training-mode forwards since the last bias update (all micro-batches of a step)
         self.register_buffer("last_expert_load", torch.zeros(config.n_routed_experts), persistent=False)
         self.register_buffer("load_since_update", torch.zeros(config.n_routed_experts), persistent=False)
-        # sums the loads over the router's replicas before a bias update (set from outside: the
-        # data x context parallel group's all-reduce); None: one process
+        # sums the loads over the router's replicas before a bias update; None: one process
         self.sum_loads = None
+
+    def set_layout(self, grouped_gemm: bool, sum_loads=None, dispatcher=None) -> None:
+        """How this layer runs under a parallel layout (`dsa_train.parallel.expert.shard_experts`):
+        `grouped_gemm` runs the local experts as grouped GEMMs instead of a loop; `sum_loads`
+        sums a load tensor over the router's replicas in place (before a bias update); a
+        `dispatcher` (the interface of `LocalDispatcher`) moves tokens to the experts it names
+        local (`dispatcher.local_experts`), and the layer keeps only those."""
+        self.grouped_gemm = grouped_gemm
+        self.sum_loads = sum_loads
+        if dispatcher is not None:
+            self.dispatcher = dispatcher
+            for e in list(self.experts.keys()):
+                if int(e) not in dispatcher.local_experts:
+                    del self.experts[e]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -192,8 +209,6 @@ class MoE(nn.Module):
         same parameter gathers) on every rank."""
         experts = [self.experts[str(e)] for e in self.dispatcher.local_experts]
         if self.grouped_gemm:
-            from dsa_train.parallel.expert import grouped_experts
-
             return grouped_experts(experts, x_sorted, counts)
         outs, start = [], 0
         for expert, n in zip(experts, counts):

@@ -29,6 +29,7 @@ from dsa_train.engine.schedule import build_scheduler
 from dsa_train.engine.sharded_state import Fragment
 from dsa_train.engine.trainable import set_trainable
 from dsa_train.parallel import deepspeed_compat
+from dsa_train.parallel.buckets import REDUCE_BUCKET
 from dsa_train.parallel.groups import MegatronMPU, ParallelState
 from dsa_train.parallel.sharding import copies_in_world, sharding_of
 
@@ -81,9 +82,6 @@ def deepspeed_config(zero_stage: int, micro_batch_size: int, dp_size: int, bf16:
             cfg["data_types"] = {"grad_accum_dtype": "fp32"}
             cfg["communication_data_type"] = "fp32"
     return cfg
-
-
-REDUCE_BUCKET = int(5e7)  # elements; `dsa-train plan` counts one such bucket
 
 
 class DeepSpeedEngine:
@@ -146,39 +144,6 @@ class DeepSpeedEngine:
 
     def backward(self, loss: torch.Tensor) -> None:
         self.ds.backward(loss, scale_wrt_gas=False)
-
-    def capture_gradients(self) -> None:
-        """Record this rank's gradient contributions from the next backward passes (tensor hooks
-        see them before ZeRO takes them into its buckets); `full_grads` reduces them."""
-        self._captured: dict[str, torch.Tensor] = {}
-        self._hooks = []
-        if self.zero_stage == 3:
-            return
-        for name, p in self.trainable:
-            def hook(grad, name=name):
-                prev = self._captured.get(name)
-                self._captured[name] = grad.detach().float().clone() if prev is None else prev + grad.float()
-            self._hooks.append(p.register_hook(hook))
-
-    def full_grads(self) -> dict[str, torch.Tensor]:
-        """name -> fp32 gradient of each trainable parameter (this rank's shard for TP/EP
-        parameters) averaged over data parallel, as the optimizer will see it before clipping.
-        ZeRO-3: DeepSpeed's reduced gradients; stages 0-2: the contributions recorded since
-        `capture_gradients`, reduced here the way DeepSpeed reduces them. Call before `step`."""
-        import torch.distributed as dist
-        from deepspeed.utils import safe_get_full_grad
-
-        if self.zero_stage == 3:
-            return {name: safe_get_full_grad(p).detach().float().clone() for name, p in self.trainable}
-        for h in self._hooks:
-            h.remove()
-        out = {}
-        for name, p in self.trainable:
-            g = self._captured.get(name, torch.zeros(p.shape, dtype=torch.float32, device=p.device))
-            group = self.state.expert_dp_group if sharding_of(p).expert else self.state.dense_dp_group
-            dist.all_reduce(g, group=group)
-            out[name] = g / self.state.sizes.dense_dp
-        return out
 
     def gradient_tensors(self) -> list[torch.Tensor]:
         """The gradients this rank holds between backward and step: `p.grad` (ZeRO-0/1 until

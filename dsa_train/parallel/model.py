@@ -38,14 +38,16 @@ def parallelize_model(
     model: torch.nn.Module, state: ParallelState, recompute: str = "none", grouped_experts: bool = True
 ) -> torch.nn.Module:
     """Apply the layout to a plain `DSAForCausalLM`, in place and in this order (the one place
-    where parallelism meets the model; the engine, DeepSpeed, comes after, in the trainer):
+    where parallelism meets the model; the engine, DeepSpeed, comes after: `Layout.make_engine`):
       1. tensor parallel: MLA heads and dense MLPs / shared experts split over TP
-         (megatron-core Column/RowParallelLinear; `MLA.heads` = `TensorParallelHeads`);
+         (megatron-core Column/RowParallelLinear; `MLA.heads` = `TensorParallelHeads`; those MLPs
+         run their linears, not the row-chunked path: `MLP.row_chunked`);
       2. expert parallel: each MoE's routed experts sharded over EP, its token dispatcher an
-         all-to-all over the EP group (`MoE.dispatcher`);
+         all-to-all over the EP group, grouped GEMMs or a loop (`MoE.set_layout`);
       3. context parallel: `model.context_parallel`, which gives attention its per-sequence handle;
       4. activation recompute: `DecoderLayer.recompute` of every main layer.
-    The model's forwards are the single-process ones throughout."""
+    Sharded parameters get their `Sharding` record, and the model is recorded as laid out for
+    `state` (`sharding.parallelized_state`). The model's forwards are the single-process ones."""
     sizes = state.sizes
     check_model_divisibility(sizes, model.config)
     check_recompute(recompute)

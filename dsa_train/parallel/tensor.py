@@ -114,9 +114,12 @@ def row_parallel(linear: nn.Linear, state: ParallelState) -> nn.Module:
 
 
 def shard_mlp(mlp: MLP, state: ParallelState) -> None:
+    """gate/up column-parallel, down row-parallel; the MLP then runs its linears' forwards (which
+    run the TP collectives), not the row-chunked function of the weights."""
     mlp.gate_proj = column_parallel(mlp.gate_proj, state)
     mlp.up_proj = column_parallel(mlp.up_proj, state)
     mlp.down_proj = row_parallel(mlp.down_proj, state)
+    mlp.row_chunked = False
 
 
 def average_over_group(param: torch.Tensor, group, size: int) -> None:

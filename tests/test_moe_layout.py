@@ -1,0 +1,51 @@
+"""The MoE seam in one process: the MLP's row-chunked path is a field the layout sets (not a type
+test), and `MoE.set_layout` is the one way a layout changes an MoE layer."""
+
+import torch
+
+from dsa_train.model import MoE, tiny_config
+from dsa_train.model.moe import MLP, LocalDispatcher
+
+
+def test_mlp_path_follows_row_chunked_field():
+    torch.manual_seed(0)
+    mlp = MLP(16, 32)
+    x = torch.randn(5, 16, requires_grad=True)
+    chunked = mlp(x)
+    assert type(chunked.grad_fn).__name__.startswith("_RowChunkedMLP")
+    mlp.row_chunked = False
+    plain = mlp(x)
+    assert not type(plain.grad_fn).__name__.startswith("_RowChunkedMLP")
+    torch.testing.assert_close(chunked, plain)
+    with torch.no_grad():  # no graph: the plain expression either way
+        mlp.row_chunked = True
+        assert mlp(x).grad_fn is None
+
+
+class HalfDispatcher(LocalDispatcher):
+    """Names the second half of the experts local (as expert-parallel rank 1 of 2)."""
+
+    def __init__(self, n_experts: int):
+        super().__init__(n_experts)
+        self.local_experts = range(n_experts // 2, n_experts)
+
+
+def test_set_layout_installs_dispatcher_and_keeps_its_experts():
+    cfg = tiny_config(vocab_size=64, hidden_size=16, moe_intermediate_size=8, n_routed_experts=4)
+    moe = MoE(cfg)
+    assert isinstance(moe.dispatcher, LocalDispatcher) and not moe.grouped_gemm and moe.sum_loads is None
+    summed = []
+    dispatcher = HalfDispatcher(moe.n_experts)
+    moe.set_layout(grouped_gemm=True, sum_loads=summed.append, dispatcher=dispatcher)
+    assert moe.dispatcher is dispatcher and moe.grouped_gemm
+    assert sorted(moe.experts.keys()) == ["2", "3"]
+    moe.load_since_update += 1
+    moe.update_bias(0.1)
+    assert len(summed) == 2  # both load tensors summed over the (fake) replicas before the update
+
+
+def test_set_layout_without_dispatcher_keeps_every_expert():
+    cfg = tiny_config(vocab_size=64, hidden_size=16, moe_intermediate_size=8, n_routed_experts=4)
+    moe = MoE(cfg)
+    moe.set_layout(grouped_gemm=True)
+    assert sorted(moe.experts.keys()) == ["0", "1", "2", "3"] and isinstance(moe.dispatcher, LocalDispatcher)
