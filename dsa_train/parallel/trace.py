@@ -51,6 +51,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsa_train.parallel.buckets import REDUCE_BUCKET
+from dsa_train.parallel.sharding import sharding_of
 from dsa_train.stage import Stage
 
 GiB = 2**30
@@ -226,8 +227,8 @@ class TracedZeroStep:
     def __init__(self, trainable, sizes, zero_stage: int, trace: MemoryTrace, bucket: int):
         self.trace = trace
         self.zero = zero_stage
-        dense = [p for _, p in trainable if getattr(p, "allreduce", True) is not False]
-        expert = [p for _, p in trainable if getattr(p, "allreduce", True) is False]
+        dense = [p for _, p in trainable if not sharding_of(p).expert]
+        expert = [p for _, p in trainable if sharding_of(p).expert]
         self.groups = [(dense, sizes.dense_dp), (expert, sizes.expert_dp)]
         self.bucket = bucket
         trace.phase = "optimizer"
