@@ -14,9 +14,12 @@ multiplied by that number (`Reduction.gradient_replicas`) to make the average a 
 accumulated gradient then equals that of one process holding the whole step (torchtitan's
 `global_valid_tokens` rescaling, `components/loss.py`).
 
-Metrics: the model reports (numerator, denominator) sums (`DSAOutput.stats`); `MetricSums` adds
-them over micro-batches and, in one all-reduce, over ranks, then divides; derived metrics
-(`indexer_kl_captured`) are computed once from the reduced values (`metric_values`).
+Metrics: the model reports (numerator, denominator) sums (`DSAOutput.stats`), left on the
+device; `MetricSums` adds them over micro-batches in float64 on the device, sums them over ranks
+in one all-reduce and reads them back once per step, then divides; derived metrics
+(`indexer_kl_captured`) are computed once from the reduced values (`metric_values`). The
+arithmetic is that of Python floats (fp32 values widened to float64, added in micro-batch order),
+so the numbers are those of reading each value back as it came.
 """
 
 from __future__ import annotations
@@ -75,14 +78,17 @@ class _CrossEntropySum(torch.autograd.Function):
         return grad, None, None
 
 
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, chunk_elems: int = 1 << 22) -> tuple[torch.Tensor, float]:
-    """(CE summed over the valid labels, their number): logits [..., V], labels [...] with
-    IGNORE_INDEX. The value and gradient of F.cross_entropy(logits.float(), reduction="sum"),
-    with fp32 blocks of at most chunk_elems logits at a time."""
+def cross_entropy_sum(
+    logits: torch.Tensor, labels: torch.Tensor, chunk_elems: int = 1 << 22
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(CE summed over the valid labels, their number as a 0-dim int64 tensor on the labels'
+    device): logits [..., V], labels [...] with IGNORE_INDEX. The value and gradient of
+    F.cross_entropy(logits.float(), reduction="sum"), with fp32 blocks of at most chunk_elems
+    logits at a time."""
     V = logits.shape[-1]
     flat_labels = labels.reshape(-1)
     ce = _CrossEntropySum.apply(logits.reshape(-1, V), flat_labels, max(1, chunk_elems // V))
-    return ce, float((flat_labels != IGNORE_INDEX).sum())
+    return ce, (flat_labels != IGNORE_INDEX).sum()
 
 
 def _sum(t: torch.Tensor, all_reduce: Callable[[torch.Tensor], None] | None) -> torch.Tensor:
@@ -113,12 +119,18 @@ class StepCounts:
 
 
 def step_counts(micro_batches: list[dict[str, torch.Tensor]], reduction: Reduction) -> StepCounts:
-    local = torch.tensor(
-        [[float((mb["labels"] != IGNORE_INDEX).sum()), float((mtp_targets(mb["labels"]) != IGNORE_INDEX).sum()),
-          float(mb["input_ids"].numel())] for mb in micro_batches],
-        dtype=torch.float64, device=micro_batches[0]["input_ids"].device,
-    ).sum(0)
-    lm, mtp, queries = _sum(local, reduction.sum_over_data).tolist()
+    """Counted on the device ([micro-batches, 3] float64, summed over micro-batches and ranks),
+    read back once."""
+    device = micro_batches[0]["input_ids"].device
+    per_micro_batch = torch.stack([
+        torch.stack([
+            (mb["labels"] != IGNORE_INDEX).sum().double(),
+            (mtp_targets(mb["labels"]) != IGNORE_INDEX).sum().double(),
+            torch.full((), float(mb["input_ids"].numel()), dtype=torch.float64, device=device),
+        ])
+        for mb in micro_batches
+    ]).to(device)
+    lm, mtp, queries = _sum(per_micro_batch.sum(0), reduction.sum_over_data).tolist()
     return StepCounts(lm, mtp, queries)
 
 
@@ -137,7 +149,7 @@ def micro_batch_loss(out, coefs: dict[str, float], counts: StepCounts, reduction
     return sum(terms) * reduction.gradient_replicas
 
 
-def metric_values(sums: dict[str, list[float]]) -> dict[str, float]:
+def metric_values(sums: dict[str, tuple[float, float]]) -> dict[str, float]:
     """{name: [numerator, denominator]} -> {name: value}, plus the derived metrics (once)."""
     values = {key: num / den for key, (num, den) in sums.items() if den > 0}
     if "indexer_kl" in values and values.get("indexer_kl_uniform", 0) > 0:
@@ -145,24 +157,38 @@ def metric_values(sums: dict[str, list[float]]) -> dict[str, float]:
     return values
 
 
+def _widened(x: torch.Tensor | float) -> torch.Tensor | float:
+    """A stat as float64: a device tensor stays on its device (no read-back), a float stays one."""
+    return x.detach().double() if isinstance(x, torch.Tensor) else float(x)
+
+
 class MetricSums:
-    """Numerator / denominator sums of the model's stats over micro-batches, reduced over ranks."""
+    """Numerator / denominator sums of the model's stats over micro-batches, reduced over ranks.
+    A sum is a 0-dim float64 device tensor while any of its terms is one (Python float otherwise);
+    `values` reads them all back in one transfer per step."""
 
     def __init__(self):
-        self.sums: dict[str, list[float]] = {}
+        self.sums: dict[str, list[torch.Tensor | float]] = {}
 
-    def add(self, stats: dict[str, tuple[float, float]]) -> None:
+    def add(self, stats: dict[str, tuple[torch.Tensor | float, torch.Tensor | float]]) -> None:
         for key, (num, den) in stats.items():
             acc = self.sums.setdefault(key, [0.0, 0.0])
-            acc[0] += float(num)
-            acc[1] += float(den)
+            acc[0] = acc[0] + _widened(num)
+            acc[1] = acc[1] + _widened(den)
 
     def values(self, reduction: Reduction, device=None) -> dict[str, float]:
         """The metrics of the step. Every rank must hold the same keys (the same stages and
         requests give the same stats on every rank)."""
         keys = sorted(self.sums)
-        if reduction.sum_over_replicas is not None and keys:
-            flat = torch.tensor([self.sums[k] for k in keys], dtype=torch.float64, device=device)
-            reduction.sum_over_replicas(flat)
+        cells = [x for k in keys for x in self.sums[k]]
+        on_device = [x for x in cells if isinstance(x, torch.Tensor)]
+        if keys and (on_device or reduction.sum_over_replicas is not None):
+            device = device if device is not None or not on_device else on_device[0].device
+            flat = torch.stack([
+                x.to(device) if isinstance(x, torch.Tensor) else torch.full((), x, dtype=torch.float64, device=device)
+                for x in cells
+            ]).view(len(keys), 2)  # [metrics, (numerator, denominator)]
+            if reduction.sum_over_replicas is not None:
+                reduction.sum_over_replicas(flat)
             self.sums = {k: v for k, v in zip(keys, flat.tolist())}
         return metric_values(self.sums)

@@ -184,7 +184,7 @@ class MLA(nn.Module):
                     q_idx, k_idx, w_idx, self.heads.gather(q.detach()), self.heads.gather(k.detach()), self.scale,
                     doc_start, lse_main=self.heads.gather(lse.detach()),
                 )
-                self._record_kl(aux, kl, stats)
+                self._record_kl(aux, kl, stats["kl_uniform"], B * T_loc)
             return self.o_proj(out.reshape(B, T_loc, -1)), aux
 
         q_abs, kv = self.mqa_qkv(q_nope, q_rope, latent, k_rope)
@@ -197,7 +197,7 @@ class MLA(nn.Module):
                     q_idx, k_idx_all, w_idx, topk_indices, self.heads.gather(q_abs.detach()), kv_all.detach(),
                     self.heads.gather(lse.detach()), self.scale,
                 )
-                self._record_kl(aux, kl, stats)
+                self._record_kl(aux, kl, stats["kl_uniform"], B * T_loc)
             if request.recall_queries is not None:
                 self._record_recall(aux, q_abs.detach(), kv_all.detach(), topk_indices, doc_start, request, cp)
             if request.return_topk:
@@ -209,7 +209,7 @@ class MLA(nn.Module):
                     q_idx, k_idx, w_idx, self.heads.gather(q_abs.detach()), kv.detach()[:, :, None, :], self.scale,
                     doc_start, lse_main=self.heads.gather(lse.detach()),
                 )
-                self._record_kl(aux, kl, stats)
+                self._record_kl(aux, kl, stats["kl_uniform"], B * T_loc)
         else:
             out_latent = self._dense_at_positions(aux, request, q_abs, kv_all, q_idx if request.indexer_loss else None,
                                                   k_idx_all if request.indexer_loss else None,
@@ -256,7 +256,7 @@ class MLA(nn.Module):
                 kl_total = value if kl_total is None else kl_total + value
                 klu_total = klu_total + klu
         if request.indexer_loss:
-            self._record_kl(aux, kl_total, {"kl_uniform": klu_total, "queries": float(q_abs.shape[0] * Tq)})
+            self._record_kl(aux, kl_total, klu_total, q_abs.shape[0] * Tq)
         return torch.cat(outs, dim=1)
 
     def _record_recall(self, aux, q_abs, kv_all, topk_indices, doc_start, request, cp) -> None:
@@ -280,10 +280,12 @@ class MLA(nn.Module):
         aux.topk_recall_count = float(B * len(local))
 
     @staticmethod
-    def _record_kl(aux: AttentionAux, kl_sum: torch.Tensor, stats: dict) -> None:
+    def _record_kl(aux: AttentionAux, kl_sum: torch.Tensor, kl_uniform_sum: torch.Tensor, queries: int) -> None:
+        """kl_sum / kl_uniform_sum stay on the device; queries (B x T_loc, the kernels' "queries"
+        stat) is known from the shapes."""
         aux.indexer_kl_sum = kl_sum
-        aux.indexer_kl_uniform_sum = stats["kl_uniform"]
-        aux.indexer_queries = float(stats["queries"])
+        aux.indexer_kl_uniform_sum = kl_uniform_sum
+        aux.indexer_queries = float(queries)
 
 
 # index-list elements per query chunk of dense attention at given positions (env override for tests)

@@ -28,18 +28,46 @@ FP32_PARAM_SUFFIXES = ("indexer.weights_proj.weight", "indexer.k_norm.weight", "
 
 @dataclass
 class DSAOutput:
+    """What a forward returns. Nothing in it has been read back to the host: the stats stay on
+    the device until `dsa_train.loss.MetricSums` reduces a whole step's at once; `lm_loss`,
+    `mtp_loss` and `metrics` read their token counts / stats when accessed."""
+
     logits: torch.Tensor | None = None  # [B, T, V]
-    lm_loss: torch.Tensor | None = None
     indexer_loss: torch.Tensor | None = None  # mean over layers of (KL sum / query tokens)
-    mtp_loss: torch.Tensor | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
     topk_indices: list[torch.Tensor] | None = None  # per layer [B, T, k] when return_topk
     # Sums over the tokens this process holds (all of them without context parallelism), from
     # which `dsa_train.loss` forms the step's loss with global token counts:
     lm_loss_sum: torch.Tensor | None = None  # CE summed over valid labels
+    lm_tokens: torch.Tensor | None = None  # number of valid labels (0-dim int64, on the device)
     mtp_loss_sum: torch.Tensor | None = None  # CE summed over valid MTP targets
+    mtp_tokens: torch.Tensor | None = None  # number of valid MTP targets (0-dim int64)
     indexer_kl_sum: torch.Tensor | None = None  # mean over layers of the KL summed over queries
-    stats: dict[str, tuple[float, float]] = field(default_factory=dict)  # metric: (numerator, denominator)
+    # metric: (numerator, denominator), each a 0-dim tensor on the device or a Python float
+    stats: dict[str, tuple[torch.Tensor | float, torch.Tensor | float]] = field(default_factory=dict)
+
+    @property
+    def lm_loss(self) -> torch.Tensor | None:
+        """Mean CE over this forward's valid labels (reads their count from the device)."""
+        return None if self.lm_loss_sum is None else self.lm_loss_sum / max(float(self.lm_tokens), 1.0)
+
+    @property
+    def mtp_loss(self) -> torch.Tensor | None:
+        return None if self.mtp_loss_sum is None else self.mtp_loss_sum / max(float(self.mtp_tokens), 1.0)
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """This forward's metrics (indexer_kl, topk_recall, MoE load, ...), read from the device."""
+        return metric_values({key: (float(num), float(den)) for key, (num, den) in self.stats.items()})
+
+
+def mean_over_layers(values: list[torch.Tensor]) -> torch.Tensor:
+    """sum(values) / len(values) in float64 on the device, added one layer at a time from 0.0:
+    the value Python's `sum(float(v) for v in values) / len(values)` gives, without reading any
+    back. (The divisor is a device tensor: a true division, as Python's.)"""
+    total = torch.zeros((), dtype=torch.float64, device=values[0].device)
+    for v in values:
+        total = total + v.detach().double()
+    return total / torch.full((), float(len(values)), dtype=torch.float64, device=total.device)
 
 
 class DecoderLayer(nn.Module):
@@ -249,49 +277,43 @@ class DSAForCausalLM(nn.Module):
         if compute_logits or labels is not None:
             out.logits = self.lm_head(self.model.norm(h))
             if labels is not None:
-                out.lm_loss_sum, n = self._cross_entropy_sum(out.logits, local(labels))
-                out.lm_loss = out.lm_loss_sum / max(n, 1.0)
-                out.stats["lm_loss"] = (float(out.lm_loss_sum.detach()), n)
+                out.lm_loss_sum, out.lm_tokens = cross_entropy_sum(out.logits, local(labels))
+                out.stats["lm_loss"] = (out.lm_loss_sum.detach(), out.lm_tokens)
         if mtp and labels is not None and self.mtp_layers() and T > 1:
             # position t sees h_t and token t+1 (the last position: any token, its target ignored)
             next_ids = torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
             mtp_request = AttentionRequest(attention=request.attention, topk=request.topk, context=cp)
             logits = self.mtp_layers()[0].predict(h, local(next_ids), cos, sin, doc_start, mtp_request)
-            out.mtp_loss_sum, n = self._cross_entropy_sum(logits, local(mtp_targets(labels)))
-            out.mtp_loss = out.mtp_loss_sum / max(n, 1.0)
-            out.stats["mtp_loss"] = (float(out.mtp_loss_sum.detach()), n)
+            out.mtp_loss_sum, out.mtp_tokens = cross_entropy_sum(logits, local(mtp_targets(labels)))
+            out.stats["mtp_loss"] = (out.mtp_loss_sum.detach(), out.mtp_tokens)
         if indexer_loss:
             queries = auxes[0].indexer_queries
             out.indexer_kl_sum = torch.stack([a.indexer_kl_sum for a in auxes]).mean()
             out.indexer_loss = out.indexer_kl_sum / max(queries, 1.0)
             for i, a in enumerate(auxes):
-                out.stats[f"indexer_kl/layer_{i}"] = (float(a.indexer_kl_sum.detach()), queries)
-            out.stats["indexer_kl"] = (float(out.indexer_kl_sum.detach()), queries)
-            uniform = sum(float(a.indexer_kl_uniform_sum) for a in auxes) / len(auxes)
+                out.stats[f"indexer_kl/layer_{i}"] = (a.indexer_kl_sum.detach(), queries)
+            out.stats["indexer_kl"] = (out.indexer_kl_sum.detach(), queries)
+            uniform = mean_over_layers([a.indexer_kl_uniform_sum for a in auxes])
             out.stats["indexer_kl_uniform"] = (uniform, queries)
         if request.recall_queries is not None:
-            recall = sum(float(a.topk_recall_sum) for a in auxes) / len(auxes)
+            recall = mean_over_layers([a.topk_recall_sum for a in auxes])
             out.stats["topk_recall"] = (recall, auxes[0].topk_recall_count)
         if return_topk:
             out.topk_indices = [a.topk_indices for a in auxes]
         self._moe_stats(out.stats)
-        out.metrics = metric_values(out.stats)
         return out
 
-    @staticmethod
-    def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """(CE summed over the valid labels, their number), fp32 one row chunk at a time."""
-        return cross_entropy_sum(logits, labels)
-
     def _moe_stats(self, stats: dict) -> None:
-        loads = [m.last_expert_load for m in self.main_moe_modules() if m.last_expert_load.sum() > 0]
+        """Expert-load balance of this forward over the main MoE layers (each ran on this
+        forward's tokens, so each load sums to tokens x experts per token > 0)."""
+        loads = [m.last_expert_load for m in self.main_moe_modules()]
         if not loads:
             return
         load = torch.stack(loads)  # [L_moe, E]
         frac = load / load.sum(-1, keepdim=True)
-        stats["moe/expert_load_min"] = (float(frac.min(-1).values.mean()), 1.0)
-        stats["moe/expert_load_max"] = (float(frac.max(-1).values.mean()), 1.0)
-        stats["moe/expert_load_cv"] = (float((frac.std(-1) / frac.mean(-1)).mean()), 1.0)
+        stats["moe/expert_load_min"] = (frac.min(-1).values.mean(), 1.0)
+        stats["moe/expert_load_max"] = (frac.max(-1).values.mean(), 1.0)
+        stats["moe/expert_load_cv"] = ((frac.std(-1) / frac.mean(-1)).mean(), 1.0)
 
     def main_moe_modules(self) -> list[MoE]:
         return [layer.mlp for layer in self.main_layers() if isinstance(layer.mlp, MoE)]
