@@ -30,8 +30,8 @@ class HeldOut:
 
 def heldout_sequences(sources: list[str], tokenizer: Tokenizer, seq_len: int, num_sequences: int,
                       seed: int = DEFAULT_SEED) -> HeldOut:
-    """`sources` as in `data.sources` ("bundled": the bundled corpus). The last `num_sequences` rows of the training loader's first-epoch order (fewer if the stream
-    holds fewer rows)."""
+    """`sources` as in `data.sources` ("bundled": the bundled corpus) -> the last `num_sequences` rows
+    of the training loader's first-epoch order (fewer if the stream holds fewer rows)."""
     dataset = PackedDataset.from_sources(sources, tokenizer, seq_len)
     order = ShardedEpochSampler(len(dataset), 1, seed).epoch_permutation(0)
     rows = [int(r) for r in order[::-1][:num_sequences]]
