@@ -77,13 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     from dsa_train.parallel.plan import make_plan, parse_opts
     from dsa_train.engine.step import train_step
     from dsa_train.parallel.step import parallel_reduction
+    from dsa_train.stage import Stage
 
     torch.set_num_threads(1)
     cfg = OmegaConf.to_object(compose_recipe("demo", ["stage@stages.sparse=sparse", *recipe_overrides(args)]))
     cfg.stages = {"sparse": cfg.stages["sparse"]}
     cfg.model.arch = dict(ARCH)
     state = init_parallel(cfg.parallel)
-    stage = cfg.stages["sparse"]
+    stage = Stage.of("sparse", cfg.stages["sparse"])
     import gc
 
     gc.collect()
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model = DSAForCausalLM(tiny_config(**ARCH))
     model = parallelize_model(model, state, recompute=args.recompute)
-    engine = DeepSpeedEngine(model, stage, cfg.optim, state, zero_stage=args.zero, micro_batch_size=1)
+    engine = DeepSpeedEngine(model, stage.config, cfg.optim, state, zero_stage=args.zero, micro_batch_size=1)
     after_init = vm("VmHWM") - base
     g = torch.Generator().manual_seed(state.rank)
     micro = args.global_batch // state.sizes.data

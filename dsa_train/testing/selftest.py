@@ -38,6 +38,7 @@ from dsa_train.parallel.deepspeed_engine import DeepSpeedEngine
 from dsa_train.parallel.groups import destroy_parallel, init_parallel
 from dsa_train.parallel.model import full_tensor_slice, parallelize_model
 from dsa_train.parallel.step import parallel_reduction
+from dsa_train.stage import STAGE_KINDS, Stage, stage_kind
 from dsa_train.testing import gradients
 
 
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=48)
     p.add_argument("--topk", type=int, default=16)
     p.add_argument("--attention", choices=["dense", "sparse"], default="sparse")
-    p.add_argument("--trainable", choices=["all", "indexer"], default="all")
+    p.add_argument("--trainable", choices=sorted(STAGE_KINDS), default="all", help="the stage kind (dsa_train.stage)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--recompute", default="none", choices=["none", "attention", "moe", "full"])
     p.add_argument("--expert-loop", action="store_true", help="experts by a Python loop, not grouped GEMMs")
@@ -128,9 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.bf16:
         ref_model = ref_model.cast(torch.bfloat16)
     init_model = copy.deepcopy(ref_model)
-    stage = StageConfig(attention=Attention(args.attention), trainable=Trainable(args.trainable), steps=args.steps,
-                        global_batch_size=args.global_batch, lr=args.lr, lm_loss_coef=1.0 if args.trainable == "all" else 0.0,
-                        indexer_loss_coef=1.0, topk=args.topk, mtp_loss_coef=0.3 if args.mtp else 0.0)
+    # the LM loss where the kind trains the model under it (an indexer-only kind: the indexer loss alone)
+    lm_loss_coef = 1.0 if stage_kind(args.trainable).main_backward else 0.0
+    stage_config = StageConfig(attention=Attention(args.attention), trainable=Trainable(args.trainable), steps=args.steps,
+                               global_batch_size=args.global_batch, lr=args.lr, lm_loss_coef=lm_loss_coef,
+                               indexer_loss_coef=1.0, topk=args.topk, mtp_loss_coef=0.3 if args.mtp else 0.0)
+    stage = Stage.of("selftest", stage_config)
     # Adam eps 1e-6 (default 1e-8): Adam's update g / (sqrt(v) + eps) turns fp32 rounding noise of
     # near-zero gradients (sums that cancel) into O(lr) parameter differences at eps 1e-8, which
     # would hide real mismatches behind a loose tolerance.
@@ -139,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                for b in make_batches(args.steps, args.global_batch, args.seq_len, cfg.vocab_size, seed=1)]
 
     # ---- reference: one process, the whole global batch per step
-    ref_engine = Engine(ref_model, stage, optim)
+    ref_engine = Engine(ref_model, stage_config, optim)
     ref_hist = []
     # the last step's gradients, as the update sees them
     ref_grads = KeepGradients(lambda e: {n: p.grad.detach().clone() for n, p in e.trainable if p.grad is not None})
@@ -155,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         # ---- distributed
         model = copy.deepcopy(init_model)
         model = parallelize_model(model, state, recompute=args.recompute, grouped_experts=not args.expert_loop)
-        engine = DeepSpeedEngine(model, stage, optim, state, zero_stage=zero, micro_batch_size=args.micro_batch)
+        engine = DeepSpeedEngine(model, stage_config, optim, state, zero_stage=zero, micro_batch_size=args.micro_batch)
         hist = []
         capture = None  # this rank's gradient contributions during the last step (ZeRO-0/1/2)
         grads = KeepGradients(lambda e: gradients.full_grads(e, capture))
