@@ -1,7 +1,8 @@
 """The evaluation's outputs: a terminal table, `eval.json`, and PNG plots.
 
 Plots (matplotlib, the optional `train` extra; without it one line says so and the JSON and table
-are still written), one file per model and sequence length:
+are still written), one file per model and sequence length (`<model>`: the directory's name,
+prefixed `model0_` / `model1_` when the two models' names are the same):
 
   * `loss_by_position_<model>_T<T>.png`: LM loss per position bucket, one line per mode (dense,
     sparse, oracle); sparse above dense past the first bucket is what sparsity costs there, and the
@@ -93,8 +94,10 @@ def write_plots(doc: dict, out_dir: Path) -> list[Path] | str:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for entry in doc["models"]:
-        slug = _slug(entry["model"])
+    slugs = [_slug(entry["model"]) for entry in doc["models"]]
+    if len(set(slugs)) < len(slugs):  # e.g. two runs' export/ directories
+        slugs = [f"model{i}_{slug}" for i, slug in enumerate(slugs)]
+    for entry, slug in zip(doc["models"], slugs):
         for length in entry["lengths"]:
             T = length["seq_len"]
             fig, ax = plt.subplots(figsize=(6.4, 4.0))
