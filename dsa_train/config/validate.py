@@ -140,11 +140,7 @@ def environment_problems(cfg: TrainConfig, model_known: bool = True, world_size:
         except ConfigError as err:
             problem(str(err))
         else:
-            for name, stage in cfg.stages.items():
-                per_step = cfg.data.micro_batch_size * sizes.data
-                _require(stage.global_batch_size % per_step == 0, f"stages.{name}.global_batch_size",
-                         f"{stage.global_batch_size} is not a multiple of data.micro_batch_size * data-parallel size "
-                         f"= {cfg.data.micro_batch_size} * {sizes.data}")
+            check_global_batches(cfg, sizes.data)
     else:
         p = cfg.parallel
         for key in ("tensor_parallel", "context_parallel", "expert_parallel"):
@@ -156,9 +152,25 @@ def environment_problems(cfg: TrainConfig, model_known: bool = True, world_size:
                  f"{p.data_parallel}: one process runs one rank; set it to 1 or -1, or use `dsa-train launch`")
     max_pos = _max_positions(cfg) if model_known else None
     if max_pos is not None:
-        _require(cfg.data.seq_len <= max_pos, "data.seq_len",
-                 f"{cfg.data.seq_len}-token sequences are longer than the model's max_position_embeddings="
-                 f"{max_pos}; lower data.seq_len")
+        check_sequence_fits(cfg, max_pos)
+
+
+def check_global_batches(cfg: TrainConfig, data_parallel: int) -> None:
+    """Every stage's global batch splits into whole micro-batches over `data_parallel` ranks (the
+    launcher's check before starting workers and the layout's at start-up)."""
+    for name, stage in cfg.stages.items():
+        per_step = cfg.data.micro_batch_size * data_parallel
+        _require(stage.global_batch_size % per_step == 0, f"stages.{name}.global_batch_size",
+                 f"{stage.global_batch_size} is not a multiple of data.micro_batch_size * data-parallel size "
+                 f"= {cfg.data.micro_batch_size} * {data_parallel}")
+
+
+def check_sequence_fits(cfg: TrainConfig, max_positions: int) -> None:
+    """data.seq_len within the model's max_position_embeddings (from its config.json before the
+    run, from the loaded model at start-up)."""
+    _require(cfg.data.seq_len <= max_positions, "data.seq_len",
+             f"{cfg.data.seq_len}-token sequences are longer than the model's max_position_embeddings="
+             f"{max_positions}; lower data.seq_len or use a model with longer context (YaRN)")
 
 
 def _max_positions(cfg: TrainConfig) -> int | None:
