@@ -66,11 +66,12 @@ def run_ours(seq_len: int) -> dict:
     import torch
 
     import dsa_train
+    from dsa_train.stage import STAGE_KINDS
 
     torch.manual_seed(0)
     model = dsa_train.DSAForCausalLM(model_config(seq_len))
     for n, p in model.named_parameters():
-        p.requires_grad_(".indexer." in n)
+        p.requires_grad_(STAGE_KINDS["indexer"].trains(n))  # the dense warm-up's trainable set
     ids = torch.randint(0, 1024, (1, seq_len))
     before = rss_mb()
     t0 = time.perf_counter()

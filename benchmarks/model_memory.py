@@ -52,6 +52,7 @@ def run_stage(stage_name: str, seq_len: int, topk: int | None) -> dict:
     from dsa_train.data.tokenizer import load_tokenizer
     from dsa_train.engine import Engine, forward_backward
     from dsa_train.engine.trainer import build_model
+    from dsa_train.stage import Stage
 
     overrides = [
         "device=cpu",
@@ -67,6 +68,7 @@ def run_stage(stage_name: str, seq_len: int, topk: int | None) -> dict:
     model = build_model(cfg, vocab_size)
     model.train()
     stage = cfg.stages[stage_name]
+    stage_type = Stage.of(stage_name, stage)
     engine = Engine(model, stage, cfg.optim)
     ids = torch.randint(0, vocab_size, (1, seq_len))
     half = seq_len // 2  # two packed documents
@@ -81,7 +83,7 @@ def run_stage(stage_name: str, seq_len: int, topk: int | None) -> dict:
     peak = peak_mb()
     return {
         "bench": "model_memory", "recipe": RECIPE, "stage": stage_name, "seq_len": seq_len,
-        "topk": (stage.topk or model.config.index_topk) if stage.attention.value == "sparse" else None,
+        "topk": stage_type.topk_for(model.config) if stage_type.sparse else None,
         "dtype": cfg.model.dtype.value, "heads": model.config.num_attention_heads, "layers": 1,
         "seconds": round(seconds, 1), "rss_before_mb": round(before, 1), "peak_rss_mb": round(peak, 1),
         "extra_mb": round(peak - before, 1), "loss": metrics["loss"],
