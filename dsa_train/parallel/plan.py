@@ -24,7 +24,7 @@ Per rank and per stage (the largest stage decides whether it fits):
 `--trace` also builds rank R of the layout at the full world size under a fake process group and
 traces one training step of the largest stage under FakeTensorMode (dsa_train.parallel.trace):
 the per-category peak beside these figures; `--json` prints it as one JSON object on the last line.
-Step time: training FLOPs of the stage (dsa_train.model.flops, indexer included) at the given
+Step time: training FLOPs of the stage (`Stage.flops_per_token`, indexer included) at the given
 MFU, plus the data-parallel gradient reduction and the expert all-to-all at --net-gbps per GPU
 (not overlapped: an upper bound). The CPU check in tests/test_parallel_plan.py compares the memory
 terms with measured peaks.
