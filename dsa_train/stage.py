@@ -2,9 +2,9 @@
 which loss terms count and what a step costs.
 
 A recipe's stage is `config.StageConfig` (the Hydra schema: attention, trainable, loss
-coefficients, schedule). `Stage.of(name, stage_config)` reads it once; everything that used to
-interpret those fields (the engines' parameter selection, the step, the probes, the FLOPs count, the
-planner, the summary) asks the `Stage` instead.
+coefficients, schedule). `Stage.of(name, stage_config)` reads it once; the engines' parameter
+selection, the step, the probes, the FLOPs count, the planner, the profiles and the summary ask
+the `Stage`, none of them reads `trainable` or the loss coefficients itself.
 
 The value of `stages.<name>.trainable` names a `StageKind` declared in `STAGE_KINDS` below: which
 parameters train, whether the main model (everything but the indexer) runs a backward, whether the
@@ -43,14 +43,15 @@ class StageKind:
     # parameter name -> whether this kind trains it
     trains: Callable[[str], bool]
     # the main model's weights receive gradients: its backward runs, its activations are kept for it
-    # and its parameters have optimizer state (planner, FLOPs); False: it runs forward only
+    # and its parameters have optimizer state (planner, FLOPs); False: it runs forward only and
+    # the planner counts the indexer's parameters as the trainable set
     main_backward: bool
     # the FLOPs count the LM head (forward, and backward with `main_backward`)
     lm_head: bool
     # the indexer's KL target recomputes the main attention scores once more (FLOPs)
     kl_recomputes_main_scores: bool
-    # StageConfig -> [(field, message)]: values this kind rejects (config/validate.py reports them
-    # as `stages.<name>.<field>: <message>`)
+    # StageConfig -> [(field, message)]: values this kind rejects, for the config check to report
+    # as `stages.<name>.<field>: <message>`
     config_errors: Callable[[object], list[tuple[str, str]]] = field(default=lambda config: [])
     summary: str = ""
 
