@@ -127,7 +127,7 @@ def test_checkpoint_resumes_under_other_layouts_and_exports_offline(tmp_path, ep
     both ranks' tokens; without EP: per-rank GEMMs + an all-reduce; one process: micro-batches
     accumulated) — fp32 rounding, measured 6e-8 relative."""
     from dsa_train.config import load_recipe
-    from dsa_train.engine import Trainer
+    from dsa_train.engine.trainer import Trainer
 
     ref_dir, _ = ep2_zero2_run
     want = _metrics(ref_dir)
@@ -249,7 +249,7 @@ def test_zero3_tensor_parallel_trains_and_exports(tmp_path):
     # its mid-stage checkpoint (ZeRO-3 partitions of TP slices) continues in one process; TP
     # changes the forward's sums (row-parallel partial products), so rel 1e-6 (measured 2e-10)
     from dsa_train.config import load_recipe
-    from dsa_train.engine import Trainer
+    from dsa_train.engine.trainer import Trainer
     from dsa_train.engine.checkpoint import read_tensors
 
     step5 = tmp_path / "run/checkpoints/step_00000005"
