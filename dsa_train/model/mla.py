@@ -269,12 +269,13 @@ class MLA(nn.Module):
             positions = cp.positions[local]
         total = q_abs.new_zeros((), dtype=torch.float32)
         B = q_abs.shape[0]
+        # local / positions are host tensors without context parallelism (request.recall_queries)
         for j, t in zip(local.tolist(), positions.tolist()):
             # query t alone over keys [0, t]: broadcast views (no copies) put it at position t
             q_t = q_abs[:, j : j + 1].expand(B, t + 1, *q_abs.shape[2:])
             idx_t = topk_indices[:, j : j + 1].expand(B, t + 1, topk_indices.shape[-1])
             recall = K.dense_mass_recall(q_t, kv_all[:, : t + 1], idx_t, self.scale, doc_start[:, : t + 1],
-                                         torch.tensor([t], device=q_abs.device))
+                                         torch.full((1,), t, dtype=torch.long, device=q_abs.device))
             total = total + recall.float() * B
         aux.topk_recall_sum = total
         aux.topk_recall_count = float(B * len(local))
