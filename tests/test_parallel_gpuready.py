@@ -164,7 +164,7 @@ def _shipped_model_recipes():
 
 
 def test_expert_gemm_path_follows_what_cuda_accepts():
-    from dsa_train.parallel.expert import expert_gemm_path
+    from dsa_train.model.grouped_experts import expert_gemm_path
 
     recipes = _shipped_model_recipes()
     assert {name for name, *_ in recipes} >= {"tiny", "small", "v3.1_terminus"}
@@ -185,7 +185,7 @@ def test_expert_gemm_path_follows_what_cuda_accepts():
 def test_every_expert_gemm_path_equals_the_expert_modules(path):
     # unaligned sizes (h 20, I 12: 40- and 24-byte bf16 rows) and an idle expert
     from dsa_train.model.moe import MLP
-    from dsa_train.parallel.expert import grouped_expert_mlp
+    from dsa_train.model.grouped_experts import grouped_expert_mlp
 
     torch.manual_seed(0)
     experts = [MLP(20, 12) for _ in range(4)]

@@ -108,7 +108,7 @@ def test_global_topk_at_local_positions_matches_full_sequence():
 
 def test_grouped_gemm_experts_match_loop_with_idle_experts():
     from dsa_train.model.moe import MLP
-    from dsa_train.parallel.expert import grouped_expert_mlp
+    from dsa_train.model.grouped_experts import grouped_expert_mlp
 
     torch.manual_seed(0)
     experts = [MLP(16, 24) for _ in range(4)]
