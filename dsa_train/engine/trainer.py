@@ -33,7 +33,7 @@ import dsa_train.engine.recipe_change as recipe_change
 from dsa_train.checkpoint import from_pretrained
 from dsa_train.checkpoint.export import trained_index_topk
 from dsa_train.config import ConfigError, Device, TrainConfig, validate
-from dsa_train.config.validate import doubtful_values
+from dsa_train.config.validate import check_sequence_fits, doubtful_values
 from dsa_train.data import BUNDLED_TOKENIZER_DIR, DataConfig, build_dataloader, check_vocab
 from dsa_train.engine.checkpoint import TrainerState
 from dsa_train.engine.checkpoint_manager import CheckpointManager
@@ -93,21 +93,14 @@ def build_model(cfg: TrainConfig, vocab_size: int, parallel_state=None) -> torch
     return model
 
 
-def check_sequence_length(cfg: TrainConfig, stages: dict[str, Stage], model_config) -> None:
-    """ConfigError when sequences are longer than the model's context; a warning (and log line)
-    for each sparse stage whose top-k selects every key of a sequence."""
-    max_pos = model_config.max_position_embeddings
-    if cfg.data.seq_len > max_pos:
-        raise ConfigError(
-            f"data.seq_len: {cfg.data.seq_len}-token sequences are longer than the model's "
-            f"max_position_embeddings={max_pos}; lower data.seq_len or use a model with longer context (YaRN)"
-        )
+def warn_if_topk_covers_sequence(seq_len: int, stages: dict[str, Stage], model_config) -> None:
+    """A warning (and log line) for each sparse stage whose top-k selects every key of a sequence."""
     for name, stage in stages.items():
         topk = stage.topk_for(model_config)
-        if stage.sparse and cfg.data.seq_len <= topk:
+        if stage.sparse and seq_len <= topk:
             # not an error: the run is correct, only no faster than dense (every key is selected)
             message = (
-                f"stages.{name}.topk: top-{topk} selection on {cfg.data.seq_len}-token sequences "
+                f"stages.{name}.topk: top-{topk} selection on {seq_len}-token sequences "
                 "selects every key, so sparse attention equals dense attention here; raise "
                 f"data.seq_len above {topk} or lower stages.{name}.topk for sparse training"
             )
@@ -139,7 +132,8 @@ class Trainer:
         model = build_model(cfg, self.loader.tokenizer.vocab_size, layout.parallel_state).to(self.device)
         self.model = layout.prepare_model(model, cfg)
         self.model.train()
-        check_sequence_length(cfg, self.stages, self.model.config)
+        check_sequence_fits(cfg, self.model.config.max_position_embeddings)
+        warn_if_topk_covers_sequence(cfg.data.seq_len, self.stages, self.model.config)
         self.probes = probe_batches(cfg.data, cfg.probe_batches)
         self.peak_flops = peak_flops_per_device(self.device, cfg.logging.peak_flops)
         self.state = TrainerState()
