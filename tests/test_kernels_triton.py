@@ -23,12 +23,16 @@ from dsa_kernels import (  # noqa: E402
     sparse_mla_ref,
 )
 from dsa_kernels.ops.indexer_kl.function import dense_indexer_kl_triton, sparse_indexer_kl_triton  # noqa: E402
-from dsa_kernels.ops.indexer_topk import index_scores_ref, indexer_topk_at_positions_ref, topk_from_scores  # noqa: E402
+from dsa_kernels.ops.indexer_topk import (  # noqa: E402
+    index_scores_ref,
+    indexer_topk_at_positions_ref,
+    quantize_fp8_groups,
+    topk_from_scores,
+)
 from dsa_kernels.ops.indexer_topk.kernel import (  # noqa: E402
     _select_chunk,
     index_scores_triton,
     indexer_topk_triton,
-    quantize_fp8_groups,
 )
 from dsa_kernels.ops.sparse_mla.function import sparse_mla_triton  # noqa: E402
 

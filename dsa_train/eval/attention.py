@@ -18,7 +18,7 @@ eq. 3). From it:
     `indexer_kl_captured` in training (docs/training.md), summed over queries before the ratio;
   * FP8 overlap: the indexer's top-k scored with bf16 q_I / k_I against e4m3 q_I / k_I with one
     scale per 128 channels (per token, and per head for q; power-of-two scales with ue8m0), the
-    quantizer of the FP8 indexer kernel (`dsa_kernels.ops.indexer_topk.kernel.quantize_fp8_groups`).
+    quantizer of the FP8 indexer kernel (`dsa_kernels.ops.indexer_topk.quantize_fp8_groups`).
 
 Every [queries, keys] block exists one query chunk at a time (`chunk_queries`): memory is bounded
 by `BLOCK_ELEMS` fp32 elements per block whatever T is.
@@ -37,7 +37,7 @@ from torch import nn
 import dsa_kernels as K
 from dsa_kernels.masking import chunk_valid_mask
 from dsa_kernels.ops.indexer_topk import index_scores_block, topk_from_scores
-from dsa_kernels.ops.indexer_topk.kernel import FP8_GROUP, quantize_fp8_groups
+from dsa_kernels.ops.indexer_topk import FP8_GROUP, quantize_fp8_groups
 
 from dsa_train.model.rope import apply_rope_half, apply_rope_interleaved
 

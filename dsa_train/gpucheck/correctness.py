@@ -213,7 +213,8 @@ def sparse_mla_check(T_asked: int, cp: bool = False):
 def index_scores_check(T: int, fp8: bool):
     def fn(opts: Options) -> Outcome:
         from dsa_kernels.ops.indexer_topk import index_scores_ref
-        from dsa_kernels.ops.indexer_topk.kernel import index_scores_triton, quantize_fp8_groups
+        from dsa_kernels.ops.indexer_topk import quantize_fp8_groups
+        from dsa_kernels.ops.indexer_topk.kernel import index_scores_triton
 
         d, dev = dims_for(opts.small), _device(opts)
         ds = doc_start_of(doc_lengths(T), dev)

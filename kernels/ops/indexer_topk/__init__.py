@@ -22,11 +22,13 @@ implementation for the memory trace), `specs.py` (the launches the compile repor
 from ..._triton_common import use_triton as _use_triton
 from .op import indexer_topk_at_positions_op
 from .reference import (
+    FP8_GROUP,
     gather_index_scores,
     index_scores_block,
     index_scores_ref,
     indexer_topk_at_positions_ref,
     indexer_topk_ref,
+    quantize_fp8_groups,
     topk_from_scores,
 )
 
@@ -45,5 +47,5 @@ def indexer_topk(q, k, w, doc_start, topk, chunk_size=None, query_positions=None
     return indexer_topk_ref(q, k, w, doc_start, topk, chunk_size)
 
 
-__all__ = ["gather_index_scores", "index_scores_block", "index_scores_ref", "indexer_topk",
-           "indexer_topk_at_positions_op", "indexer_topk_at_positions_ref", "indexer_topk_ref", "topk_from_scores"]
+__all__ = ["FP8_GROUP", "gather_index_scores", "index_scores_block", "index_scores_ref", "indexer_topk",
+           "indexer_topk_at_positions_op", "indexer_topk_at_positions_ref", "indexer_topk_ref", "quantize_fp8_groups", "topk_from_scores"]

@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 from ..._triton_common import Launch, compute_dtype, kernel_input, pow2
+from .reference import FP8_GROUP, quantize_fp8_groups
 
-FP8_GROUP = 128
 DEFAULT_SCORE_BUDGET = 1 << 26  # fp32 elements of one query chunk's [B, C, W] score block
 
 
@@ -220,23 +220,6 @@ def _radix_topk_kernel(
         tl.store(out_v + pos, x, mask=sel != 0)
         count += tl.sum(sel, 0)
         ties += tl.sum(eq, 0)
-
-
-def quantize_fp8_groups(x: torch.Tensor, group: int = FP8_GROUP, ue8m0: bool = False):
-    """x [..., D] -> (e4m3 [..., D], fp32 scales [..., ceil(D / group)]): one scale per `group`
-    channels (the last group may be partial), dequantized = fp8 * scale."""
-    D = x.shape[-1]
-    G = -(-D // group)
-    pad = G * group - D
-    xf = torch.nn.functional.pad(x.float(), (0, pad)) if pad else x.float()
-    xg = xf.view(*x.shape[:-1], G, group)
-    amax = xg.abs().amax(-1).clamp_min(1e-12)
-    scale = amax / 448.0
-    if ue8m0:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    q = (xg / scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    q = q.view(*x.shape[:-1], G * group)[..., :D]
-    return q.contiguous(), scale.contiguous()
 
 
 SCORE_ROWS = 256  # (query, head) rows of the resident query operand: 4 queries x 64 indexer heads

@@ -19,6 +19,26 @@ import torch
 from ...masking import chunk_key_range, chunk_valid_mask, query_chunk_size
 
 
+FP8_GROUP = 128  # channels per FP8 scale (e4m3 with one fp32 scale per 128 channels)
+
+
+def quantize_fp8_groups(x: torch.Tensor, group: int = FP8_GROUP, ue8m0: bool = False):
+    """x [..., D] -> (e4m3 [..., D], fp32 scales [..., ceil(D / group)]): one scale per `group`
+    channels (the last group may be partial), dequantized = fp8 * scale."""
+    D = x.shape[-1]
+    G = -(-D // group)
+    pad = G * group - D
+    xf = torch.nn.functional.pad(x.float(), (0, pad)) if pad else x.float()
+    xg = xf.view(*x.shape[:-1], G, group)
+    amax = xg.abs().amax(-1).clamp_min(1e-12)
+    scale = amax / 448.0
+    if ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (xg / scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    q = q.view(*x.shape[:-1], G * group)[..., :D]
+    return q.contiguous(), scale.contiguous()
+
+
 def index_scores_block(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor
 ) -> torch.Tensor:
