@@ -81,6 +81,12 @@ def test_every_listed_subcommand_runs_and_answers_help(name, capsys):
     assert usage.startswith("usage: dsa-train " + " ".join(argv[:-1])), usage[:200]
 
 
+def test_launch_help_prints_its_launchers(capsys):
+    assert main(["launch", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "dsa-train launch torchrun" in out and "dsa-train launch slurm" in out
+
+
 def test_help_lists_every_subcommand_with_a_description(capsys):
     assert main(["--help"]) == 0
     lines = capsys.readouterr().out.splitlines()

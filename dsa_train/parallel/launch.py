@@ -316,6 +316,9 @@ def _has_cuda() -> bool:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] in (["--help"], ["-h"]):  # asked for: the usage on stdout, success
+        print(__doc__)
+        return 0
     if not argv or argv[0] not in ("torchrun", "slurm"):
         print(__doc__, file=sys.stderr)
         return 2
