@@ -69,7 +69,7 @@ def run_stage(stage_name: str, seq_len: int, topk: int | None) -> dict:
     model.train()
     stage = cfg.stages[stage_name]
     stage_type = Stage.of(stage_name, stage)
-    engine = Engine(model, stage, cfg.optim)
+    engine = Engine(model, stage_type, cfg.optim)
     ids = torch.randint(0, vocab_size, (1, seq_len))
     half = seq_len // 2  # two packed documents
     position_ids = torch.cat([torch.arange(half), torch.arange(seq_len - half)])[None]
@@ -78,7 +78,7 @@ def run_stage(stage_name: str, seq_len: int, topk: int | None) -> dict:
     micro_batch = {"input_ids": ids, "labels": labels, "position_ids": position_ids}
     before = rss_mb()
     t0 = time.perf_counter()
-    metrics = forward_backward(engine, [micro_batch], stage)
+    metrics = forward_backward(engine, [micro_batch], stage_type)
     seconds = time.perf_counter() - t0
     peak = peak_mb()
     return {

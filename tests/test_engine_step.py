@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from dsa_train.config import Attention, Decay, OptimConfig, StageConfig, Trainable
-from dsa_train.engine import Engine, StepHooks, forward_backward, is_indexer_parameter, lr_multiplier, train_step
+from dsa_train.engine import Engine, StepHooks, forward_backward, lr_multiplier, train_step
 from dsa_train.model import DSAForCausalLM, tiny_config
+from dsa_train.stage import STAGE_KINDS, Stage
+
+is_indexer_parameter = STAGE_KINDS["indexer"].trains
 
 VOCAB, SEQ = 256, 48
 
@@ -41,12 +44,12 @@ def split_rows(b):
 def test_warmup_trains_only_the_indexer():
     model = tiny_model()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    engine = Engine(model, WARMUP, OptimConfig())
+    engine = Engine(model, Stage.of("test", WARMUP), OptimConfig())
     optimized = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
     indexer = {id(p) for n, p in model.named_parameters() if is_indexer_parameter(n)}
     assert indexer and optimized == indexer
 
-    forward_backward(engine, [batch(2)], WARMUP)
+    forward_backward(engine, [batch(2)], Stage.of("test", WARMUP))
     with_grad = {n for n, p in model.named_parameters() if p.grad is not None}
     assert with_grad and all(is_indexer_parameter(n) for n in with_grad)
     for name, p in model.named_parameters():
@@ -59,25 +62,25 @@ def test_warmup_trains_only_the_indexer():
 
 def test_sparse_stage_trains_everything_and_unfreezes():
     model = tiny_model()
-    Engine(model, WARMUP, OptimConfig())
-    engine = Engine(model, SPARSE, OptimConfig())
+    Engine(model, Stage.of("test", WARMUP), OptimConfig())
+    engine = Engine(model, Stage.of("test", SPARSE), OptimConfig())
     n_params = len(list(model.parameters()))
     assert sum(len(g["params"]) for g in engine.optimizer.param_groups) == n_params
-    metrics = train_step(engine, [batch(1)], SPARSE)
+    metrics = train_step(engine, [batch(1)], Stage.of("test", SPARSE))
     assert metrics["lm_loss"] > 0 and metrics["indexer_loss"] > 0 and metrics["grad_norm"] > 0
     assert math.isclose(metrics["loss"], metrics["lm_loss"] + metrics["indexer_loss"], rel_tol=1e-5)
 
 
 def test_warmup_skips_the_lm_head():
     model = tiny_model()
-    engine = Engine(model, WARMUP, OptimConfig())
-    metrics = forward_backward(engine, [batch(1)], WARMUP)
+    engine = Engine(model, Stage.of("test", WARMUP), OptimConfig())
+    metrics = forward_backward(engine, [batch(1)], Stage.of("test", WARMUP))
     assert "lm_loss" not in metrics and model.lm_head.weight.grad is None
     assert 0 < metrics["indexer_loss"] == metrics["loss"]
 
 
 def test_no_weight_decay_on_vectors():
-    engine = Engine(tiny_model(), SPARSE, OptimConfig(weight_decay=0.1))
+    engine = Engine(tiny_model(), Stage.of("test", SPARSE), OptimConfig(weight_decay=0.1))
     decayed, plain = engine.optimizer.param_groups
     assert decayed["weight_decay"] == 0.1 and all(p.ndim >= 2 for p in decayed["params"])
     assert plain["weight_decay"] == 0.0 and all(p.ndim < 2 for p in plain["params"])
@@ -90,8 +93,8 @@ def test_gradient_accumulation_matches_one_big_batch(stage):
     losses = []
     for micro_batches in ([full], split_rows(full)):
         model = tiny_model()
-        engine = Engine(model, stage, OptimConfig())
-        metrics = forward_backward(engine, micro_batches, stage)
+        engine = Engine(model, Stage.of("test", stage), OptimConfig())
+        metrics = forward_backward(engine, micro_batches, Stage.of("test", stage))
         losses.append(metrics["loss"])
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and grads[0]
@@ -123,19 +126,19 @@ def test_lr_schedule_cosine_and_linear_reach_the_floor():
 def test_engine_applies_the_schedule_per_step():
     stage = StageConfig(trainable=Trainable.all, lm_loss_coef=1.0, indexer_loss_coef=0.0, lr=2e-3, steps=4,
                         warmup_steps=2, decay=Decay.linear)
-    engine = Engine(tiny_model(), stage, OptimConfig())
-    used = [train_step(engine, [batch(1)], stage)["lr"] for _ in range(4)]
+    engine = Engine(tiny_model(), Stage.of("test", stage), OptimConfig())
+    used = [train_step(engine, [batch(1)], Stage.of("test", stage))["lr"] for _ in range(4)]
     assert used == pytest.approx([1e-3, 2e-3, 2e-3, 0.0])
 
 
 def test_bfloat16_parameters_update_through_fp32_masters():
     model = tiny_model().to(torch.bfloat16)
     stage = StageConfig(trainable=Trainable.all, lm_loss_coef=1.0, indexer_loss_coef=0.0, lr=1e-5, steps=3)
-    engine = Engine(model, stage, OptimConfig(weight_decay=0.0))
+    engine = Engine(model, Stage.of("test", stage), OptimConfig(weight_decay=0.0))
     name = "model.embed_tokens.weight"
     start = engine.masters[name].detach().clone()
     for _ in range(3):
-        train_step(engine, [batch(1)], stage)
+        train_step(engine, [batch(1)], Stage.of("test", stage))
     master = engine.masters[name]
     assert master.dtype == torch.float32
     assert (master - start).abs().max() > 0  # 3 x 1e-5 steps: lost to rounding in bfloat16 alone
@@ -149,13 +152,13 @@ def test_mtp_loss_coef_trains_the_mtp_module():
 
     model = tiny_model()
     stage = dataclasses.replace(SPARSE, mtp_loss_coef=0.3)
-    engine = Engine(model, stage, OptimConfig())
-    metrics = forward_backward(engine, [batch(2)], stage)
+    engine = Engine(model, Stage.of("test", stage), OptimConfig())
+    metrics = forward_backward(engine, [batch(2)], Stage.of("test", stage))
     assert metrics["mtp_loss"] > 0
     mtp = model.mtp_layers()[0]
     assert mtp.eh_proj.weight.grad is not None and mtp.eh_proj.weight.grad.abs().sum() > 0
     model.zero_grad(set_to_none=True)
-    metrics = forward_backward(engine, [batch(2)], SPARSE)  # default 0: MTP untouched
+    metrics = forward_backward(engine, [batch(2)], Stage.of("test", SPARSE))  # default 0: MTP untouched
     assert "mtp_loss" not in metrics and mtp.eh_proj.weight.grad is None
 
 
@@ -181,11 +184,11 @@ class RecordingHooks(StepHooks):
 
 def test_train_step_hooks_run_between_backward_and_update_and_can_skip_it():
     model = tiny_model()
-    engine = Engine(model, SPARSE, OptimConfig())
+    engine = Engine(model, Stage.of("test", SPARSE), OptimConfig())
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     lr = engine.lr
     skipping, watching = RecordingHooks(skip=True), RecordingHooks(skip=False)
-    metrics = train_step(engine, [batch(1)], SPARSE, hooks=[skipping, watching])
+    metrics = train_step(engine, [batch(1)], Stage.of("test", SPARSE), hooks=[skipping, watching])
     expected = [("after_backward", True, False), ("skip_update", False), ("after_update", True, True)]
     assert skipping.seen == watching.seen == expected  # every hook asked at every point, in order
     assert math.isnan(metrics["grad_norm"]) and metrics["lr"] == lr
@@ -193,6 +196,6 @@ def test_train_step_hooks_run_between_backward_and_update_and_can_skip_it():
     assert engine.scheduler.last_epoch == 0  # nor a schedule step
 
     applied = RecordingHooks(skip=False)
-    metrics = train_step(engine, [batch(1)], SPARSE, hooks=[applied])
+    metrics = train_step(engine, [batch(1)], Stage.of("test", SPARSE), hooks=[applied])
     assert applied.seen[-1] == ("after_update", False, True) and metrics["grad_norm"] > 0
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())

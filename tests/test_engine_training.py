@@ -9,9 +9,11 @@ import torch
 import dsa_train
 from dsa_train.config import load_recipe
 from dsa_train.data import DataConfig, build_dataloader
-from dsa_train.engine import is_indexer_parameter
 from dsa_train.engine.trainer import Trainer, train
 from dsa_train.engine.checkpoint import list_checkpoints, load_checkpoint, read_tensors
+from dsa_train.stage import STAGE_KINDS
+
+is_indexer_parameter = STAGE_KINDS["indexer"].trains
 
 
 def tiny_run(run_dir, *extra):

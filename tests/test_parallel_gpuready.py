@@ -215,6 +215,7 @@ def test_bf16_gradients_accumulate_in_fp32_by_default():
     from dsa_train.config import Attention, DType, OptimConfig, StageConfig, Trainable
     from dsa_train.engine import Engine, forward_backward
     from dsa_train.model import DSAForCausalLM, tiny_config
+    from dsa_train.stage import Stage
 
     assert OptimConfig().grad_accum_dtype == DType.float32
     stage = StageConfig(attention=Attention.dense, trainable=Trainable.all, lm_loss_coef=1.0, indexer_loss_coef=0.0,
@@ -229,8 +230,8 @@ def test_bf16_gradients_accumulate_in_fp32_by_default():
     param = dict(model.named_parameters())[name]
 
     def grad_of(batches, accum):
-        engine = Engine(model, stage, OptimConfig(grad_accum_dtype=accum))
-        forward_backward(engine, batches, stage)
+        engine = Engine(model, Stage.of("test", stage), OptimConfig(grad_accum_dtype=accum))
+        forward_backward(engine, batches, Stage.of("test", stage))
         grad = (engine.masters[name].grad if param.grad is None else param.grad).clone()
         engine.zero_grad()
         return grad

@@ -1,5 +1,5 @@
 """Training engine: the pieces a trainer is built from — the optimizer and schedule (`Engine`),
-one optimizer step (`train_step` and its `StepHooks`), trainable parameters, training checkpoints.
+one optimizer step (`train_step` and its `StepHooks`), training checkpoints.
 
 The trainer composing them with the layout (`dsa_train.parallel.layout`) is
 `dsa_train.engine.trainer` (`Trainer`, `train`); it is not imported here, since the layout itself
@@ -8,8 +8,7 @@ builds on these pieces."""
 from dsa_train.engine.engine import Engine
 from dsa_train.engine.schedule import lr_multiplier
 from dsa_train.engine.step import StepHooks, forward_backward, train_step
-from dsa_train.engine.trainable import is_indexer_parameter, set_trainable
 
 __all__ = [
-    "Engine", "StepHooks", "forward_backward", "is_indexer_parameter", "lr_multiplier", "set_trainable", "train_step",
+    "Engine", "StepHooks", "forward_backward", "lr_multiplier", "train_step",
 ]

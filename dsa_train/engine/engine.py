@@ -18,17 +18,17 @@ import math
 
 import torch
 
-from dsa_train.config import OptimConfig, StageConfig
+from dsa_train.config import OptimConfig
+from dsa_train.stage import Stage
 from dsa_train.engine.optimizer import build_optimizer
 from dsa_train.engine.schedule import build_scheduler
 from dsa_train.engine.sharded_state import Fragment
-from dsa_train.engine.trainable import set_trainable
 
 
 class Engine:
-    def __init__(self, model: torch.nn.Module, stage: StageConfig, optim: OptimConfig):
+    def __init__(self, model: torch.nn.Module, stage: Stage, optim: OptimConfig):
         self.model = model
-        self.trainable = set_trainable(model, stage.trainable)
+        self.trainable = stage.select_trainable(model)
         # name -> fp32 master of a low-precision trainable parameter
         self.masters = {
             name: torch.nn.Parameter(p.detach().float().clone())
@@ -36,8 +36,8 @@ class Engine:
             if p.dtype != torch.float32
         }
         self.optimized = [(name, self.masters.get(name, p)) for name, p in self.trainable]
-        self.optimizer = build_optimizer(self.optimized, optim, stage.lr)
-        self.scheduler = build_scheduler(self.optimizer, stage)
+        self.optimizer = build_optimizer(self.optimized, optim, stage.config.lr)
+        self.scheduler = build_scheduler(self.optimizer, stage.config)
         self.grad_clip = optim.grad_clip
         self.accumulate_fp32 = getattr(optim.grad_accum_dtype, "value", optim.grad_accum_dtype) == "float32"
 

@@ -15,29 +15,21 @@ from collections.abc import Sequence
 
 import torch
 
-from dsa_train.config import StageConfig
 from dsa_train.loss import IGNORE_INDEX, MetricSums, Reduction, micro_batch_loss, step_counts
 from dsa_train.stage import Stage
 
 __all__ = ["IGNORE_INDEX", "StepHooks", "forward_backward", "train_step"]
 
 
-def as_stage(stage: Stage | StageConfig) -> Stage:
-    """The stage's type; a bare `StageConfig` (as the self-test and unit tests pass it) is read
-    unnamed."""
-    return stage if isinstance(stage, Stage) else Stage.of("", stage)
-
-
 def forward_backward(
     engine,
     micro_batches: list[dict[str, torch.Tensor]],
-    stage: Stage | StageConfig,
+    stage: Stage,
     topk_recall_queries: int = 0,
     reduction: Reduction | None = None,
 ) -> dict[str, float]:
     """Accumulates the gradients of one step; returns its metrics (loss terms of the step, model
     metrics over its micro-batches), reduced over ranks by `reduction` (None: one process)."""
-    stage = as_stage(stage)
     reduction = reduction or Reduction()
     coefs = stage.loss_coefficients
     counts = step_counts(micro_batches, reduction)
@@ -83,7 +75,7 @@ class StepHooks:
 def train_step(
     engine,
     micro_batches: list[dict[str, torch.Tensor]],
-    stage: Stage | StageConfig,
+    stage: Stage,
     topk_recall_queries: int = 0,
     reduction: Reduction | None = None,
     *,

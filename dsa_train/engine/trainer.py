@@ -217,7 +217,7 @@ class Trainer:
     def open_stage(self, stage: Stage) -> None:
         """The stage's engine (with the resumed optimizer state) and step hooks."""
         self.stage = stage
-        self.engine = self.layout.make_engine(self.model, stage.config, self.cfg)
+        self.engine = self.layout.make_engine(self.model, stage, self.cfg)
         self.checkpoints.load_optimizer_state(self.engine)
         if self.resume_rng is not None:
             load_rng_state(self.resume_rng)

@@ -24,10 +24,10 @@ import os
 
 import torch
 
-from dsa_train.config import OptimConfig, StageConfig
+from dsa_train.config import OptimConfig
+from dsa_train.stage import Stage
 from dsa_train.engine.schedule import build_scheduler
 from dsa_train.engine.sharded_state import Fragment
-from dsa_train.engine.trainable import set_trainable
 from dsa_train.parallel import deepspeed_compat
 from dsa_train.parallel.buckets import REDUCE_BUCKET
 from dsa_train.parallel.groups import MegatronMPU, ParallelState
@@ -88,7 +88,7 @@ class DeepSpeedEngine:
     def __init__(
         self,
         model: torch.nn.Module,
-        stage: StageConfig,
+        stage: Stage,
         optim: OptimConfig,
         state: ParallelState,
         zero_stage: int,
@@ -99,11 +99,11 @@ class DeepSpeedEngine:
 
         self.module = model
         self.state = state
-        self.trainable = set_trainable(model, stage.trainable)
+        self.trainable = stage.select_trainable(model)
         deepspeed_compat.mark_expert_parameters(model.parameters())  # before the MoE param groups
         groups = param_groups(self.trainable, optim)
-        optimizer = torch.optim.AdamW(groups, lr=stage.lr, betas=(optim.betas[0], optim.betas[1]), eps=optim.eps)
-        scheduler = build_scheduler(optimizer, stage)
+        optimizer = torch.optim.AdamW(groups, lr=stage.config.lr, betas=(optim.betas[0], optim.betas[1]), eps=optim.eps)
+        scheduler = build_scheduler(optimizer, stage.config)
         bf16 = any(p.dtype == torch.bfloat16 for _, p in self.trainable)
         # fp32 without ZeRO: DeepSpeed wraps no optimizer, keeps no gradient norm, and its clipping
         # norm averages MoE parameters over data parallel. Here the norm is computed (each

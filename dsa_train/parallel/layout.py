@@ -20,7 +20,8 @@ import logging
 import torch
 import torch.distributed as dist
 
-from dsa_train.config import ConfigError, StageConfig, TrainConfig, WandbMode
+from dsa_train.config import ConfigError, TrainConfig, WandbMode
+from dsa_train.stage import Stage
 from dsa_train.engine.sharded_state import GlobalPieces, model_pieces, optimizer_pieces
 from dsa_train.engine.engine import Engine
 from dsa_train.parallel.deepspeed_engine import DeepSpeedEngine
@@ -56,7 +57,7 @@ class Layout:
         """The model laid out for this rank (here: as built)."""
         return model
 
-    def make_engine(self, model: torch.nn.Module, stage: StageConfig, cfg: TrainConfig):
+    def make_engine(self, model: torch.nn.Module, stage: Stage, cfg: TrainConfig):
         """The engine of one stage: AdamW + schedule over the stage's trainable parameters."""
         return Engine(model, stage, cfg.optim)
 
@@ -121,7 +122,7 @@ class DistributedLayout(Layout):
                 log.info("%s", line)
         return model
 
-    def make_engine(self, model: torch.nn.Module, stage: StageConfig, cfg: TrainConfig):
+    def make_engine(self, model: torch.nn.Module, stage: Stage, cfg: TrainConfig):
         return DeepSpeedEngine(model, stage, cfg.optim, self.parallel_state, zero_stage=self.zero_stage,
                                micro_batch_size=self.micro_batch_size)
 

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model = DSAForCausalLM(tiny_config(**ARCH))
     model = parallelize_model(model, state, recompute=args.recompute)
-    engine = DeepSpeedEngine(model, stage.config, cfg.optim, state, zero_stage=args.zero, micro_batch_size=1)
+    engine = DeepSpeedEngine(model, stage, cfg.optim, state, zero_stage=args.zero, micro_batch_size=1)
     after_init = vm("VmHWM") - base
     g = torch.Generator().manual_seed(state.rank)
     micro = args.global_batch // state.sizes.data

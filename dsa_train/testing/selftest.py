@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                for b in make_batches(args.steps, args.global_batch, args.seq_len, cfg.vocab_size, seed=1)]
 
     # ---- reference: one process, the whole global batch per step
-    ref_engine = Engine(ref_model, stage_config, optim)
+    ref_engine = Engine(ref_model, stage, optim)
     ref_hist = []
     # the last step's gradients, as the update sees them
     ref_grads = KeepGradients(lambda e: {n: p.grad.detach().clone() for n, p in e.trainable if p.grad is not None})
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         # ---- distributed
         model = copy.deepcopy(init_model)
         model = parallelize_model(model, state, recompute=args.recompute, grouped_experts=not args.expert_loop)
-        engine = DeepSpeedEngine(model, stage_config, optim, state, zero_stage=zero, micro_batch_size=args.micro_batch)
+        engine = DeepSpeedEngine(model, stage, optim, state, zero_stage=zero, micro_batch_size=args.micro_batch)
         hist = []
         capture = None  # this rank's gradient contributions during the last step (ZeRO-0/1/2)
         grads = KeepGradients(lambda e: gradients.full_grads(e, capture))
