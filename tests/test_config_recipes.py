@@ -1,14 +1,11 @@
 """Recipes compose against the structured schema; bad keys, types and values fail by name."""
 
-import dataclasses
-
 import pytest
 from hydra.errors import ConfigCompositionException
 
 from dsa_train.config import (
     Attention,
     ConfigError,
-    DataSection,
     Trainable,
     compose_recipe,
     load_recipe,
@@ -131,10 +128,12 @@ def test_semantic_errors_name_the_key(overrides, key):
         load_recipe("demo", overrides)
 
 
-def test_data_section_mirrors_data_config():
-    from dsa_train.data import DataConfig
+def test_the_recipe_data_section_is_what_the_data_loader_takes():
+    from dsa_train.data import BUNDLED_SOURCE, DataConfig
 
-    assert dataclasses.asdict(DataSection()) == dataclasses.asdict(DataConfig())
+    cfg = load_recipe("demo", ["data.seq_len=64"])
+    assert type(cfg.data) is DataConfig and cfg.data.seq_len == 64
+    assert DataConfig().sources == [BUNDLED_SOURCE]
 
 
 def test_small_32k_model_is_a_valid_one_gpu_model():

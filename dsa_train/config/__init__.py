@@ -11,7 +11,7 @@ from dsa_train.config.schema import (
     Attention,
     CheckpointConfig,
     ClusterConfig,
-    DataSection,
+    DataConfig,
     Decay,
     Device,
     DType,
@@ -29,7 +29,7 @@ from dsa_train.config.validate import ConfigError, ParallelSizes, resolve_sizes,
 
 __all__ = [
     "Attention", "CheckpointConfig", "ClusterConfig", "ConfigError", "DEFAULT_RECIPE", "DType",
-    "DataSection", "Decay", "Device", "LoggingConfig", "ModelConfig", "OptimConfig",
+    "DataConfig", "Decay", "Device", "LoggingConfig", "ModelConfig", "OptimConfig",
     "ParallelConfig", "ParallelSizes", "StageConfig", "TrainConfig", "Trainable", "WandbMode", "compose_recipe",
     "load_recipe", "recipes_dir", "register_configs", "resolve_sizes", "to_train_config", "validate",
 ]

@@ -93,23 +93,24 @@ class StageConfig:
 
 
 @dataclass
-class DataSection:
-    """Mirror of `dsa_train.data.DataConfig` (same fields, same defaults)."""
+class DataConfig:
+    """The ``data:`` section of a recipe, and what `dsa_train.data.build_dataloader` takes."""
 
+    # files/dirs/globs/hub names; "bundled" (dsa_train.data.BUNDLED_SOURCE): the bundled corpus
     sources: list[str] = field(default_factory=lambda: ["bundled"])
-    text_field: str = "text"
-    tokenizer: str | None = None
-    seq_len: int = 512
-    micro_batch_size: int = 1
-    seed: int = 1234
-    streaming: bool = False
-    cache_dir: str | None = None
-    add_bos: bool = True
+    text_field: str = "text"  # field holding the text in .jsonl/.json/.parquet
+    tokenizer: str | None = None  # None: bundled demo tokenizer; or a checkpoint dir/tokenizer.json
+    seq_len: int = 512  # T, tokens per sequence
+    micro_batch_size: int = 1  # B, sequences per rank per forward pass
+    seed: int = 1234  # shuffling seed (order is a pure function of seed, epoch, dp_size, B)
+    streaming: bool = False  # pack on the fly from a datasets.IterableDataset (huge corpora)
+    cache_dir: str | None = None  # pre-tokenized cache; None: $DSA_TRAIN_CACHE or ~/.cache/dsa_train
+    add_bos: bool = True  # frame each document as [bos] + tokens + [eos]
     add_eos: bool = True
-    num_workers: int = 0
-    txt_sample_by: str = "document"  # .txt files: "document" (one per file) or "paragraph"
+    num_workers: int = 0  # background reader processes (map-style path only)
+    txt_sample_by: str = "document"  # .txt: "document" (one per file) or "paragraph" (blank lines)
     split: str = "train"  # split of hub datasets
-    shuffle_buffer: int = 10_000  # streaming only: documents in the shuffle buffer (0: none)
+    shuffle_buffer: int = 10_000  # streaming only: documents in the shuffle buffer (0: no shuffle)
 
 
 @dataclass
@@ -275,7 +276,7 @@ class TrainConfig:
     # end for the run summary. 0 disables.
     probe_batches: int = 2
     model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataSection = field(default_factory=DataSection)
+    data: DataConfig = field(default_factory=DataConfig)
     # Stages run in this order; keys are stage names (override with stages.<name>.<field>=...).
     stages: dict[str, StageConfig] = field(default_factory=dict)
     optim: OptimConfig = field(default_factory=OptimConfig)

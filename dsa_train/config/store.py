@@ -11,7 +11,7 @@ from hydra.core.config_store import ConfigStore
 from dsa_train.config.schema import (
     CheckpointConfig,
     ClusterConfig,
-    DataSection,
+    DataConfig,
     LoggingConfig,
     ModelConfig,
     OptimConfig,
@@ -26,7 +26,7 @@ ROOT_SCHEMA = "dsa_train_schema"
 GROUP_SCHEMAS = {
     "model": ModelConfig,
     "stage": StageConfig,
-    "data": DataSection,
+    "data": DataConfig,
     "optim": OptimConfig,
     "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,

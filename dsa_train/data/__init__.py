@@ -14,8 +14,7 @@ start); ``labels`` are -100 at document ends. See ``packing.py`` and ``docs/data
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+from dsa_train.config.schema import DataConfig
 from dsa_train.data.dataset import PackedDataset, collate_sequences, default_cache_dir
 from dsa_train.data.loader import DataLoaderState, PackedDataLoader, ShardedEpochSampler
 from dsa_train.data.packing import (IGNORE_INDEX, PackingConfig, cu_seqlens_from_position_ids,
@@ -26,26 +25,6 @@ from dsa_train.data.sources import (BUNDLED_CORPUS, BUNDLED_SOURCE, DataSourceEr
                                     load_documents)
 from dsa_train.data.streaming import StreamingPackedLoader
 from dsa_train.data.tokenizer import BUNDLED_TOKENIZER_DIR, Tokenizer, check_vocab, load_tokenizer
-
-
-@dataclass
-class DataConfig:
-    """The ``data:`` section of a recipe."""
-
-    sources: list[str] = field(default_factory=lambda: [BUNDLED_SOURCE])  # files/dirs/globs/hub
-    text_field: str = "text"  # field holding the text in .jsonl/.json/.parquet
-    tokenizer: str | None = None  # None: bundled demo tokenizer; or a checkpoint dir/tokenizer.json
-    seq_len: int = 512  # T, tokens per sequence
-    micro_batch_size: int = 1  # B, sequences per rank per forward pass
-    seed: int = 1234  # shuffling seed (order is a pure function of seed, epoch, dp_size, B)
-    streaming: bool = False  # pack on the fly from a datasets.IterableDataset (huge corpora)
-    cache_dir: str | None = None  # pre-tokenized cache; None: $DSA_TRAIN_CACHE or ~/.cache/dsa_train
-    add_bos: bool = True  # frame each document as [bos] + tokens + [eos]
-    add_eos: bool = True
-    num_workers: int = 0  # background reader processes (map-style path only)
-    txt_sample_by: str = "document"  # .txt: "document" (one per file) or "paragraph" (blank lines)
-    split: str = "train"  # split of hub datasets
-    shuffle_buffer: int = 10_000  # streaming only: documents in the shuffle buffer (0: no shuffle)
 
 
 DataLoaderLike = PackedDataLoader | StreamingPackedLoader
