@@ -11,18 +11,18 @@ import dataclasses
 
 import torch
 
-from dsa_train.config import DataSection
-from dsa_train.data import DataConfig, build_dataloader
+from dsa_train.config import DataConfig
+from dsa_train.data import build_dataloader
 from dsa_train.loss import MetricSums, Reduction
 from dsa_train.stage import Stage
 
 PROBE_SEED_OFFSET = 1
 
 
-def probe_batches(data: DataSection, count: int) -> list[dict[str, torch.Tensor]]:
+def probe_batches(data: DataConfig, count: int) -> list[dict[str, torch.Tensor]]:
     if count == 0:
         return []
-    probe_cfg = DataConfig(**{**dataclasses.asdict(data), "seed": data.seed + PROBE_SEED_OFFSET})
+    probe_cfg = dataclasses.replace(data, seed=data.seed + PROBE_SEED_OFFSET)
     loader = build_dataloader(probe_cfg, dp_rank=0, dp_size=1)
     return [next(loader) for _ in range(count)]
 

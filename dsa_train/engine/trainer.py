@@ -18,7 +18,6 @@ Rank 0 logs (W&B, progress) and writes the shared files.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import warnings
@@ -34,7 +33,7 @@ from dsa_train.checkpoint import from_pretrained
 from dsa_train.checkpoint.export import trained_index_topk
 from dsa_train.config import ConfigError, Device, TrainConfig, validate
 from dsa_train.config.validate import check_sequence_fits, doubtful_values
-from dsa_train.data import BUNDLED_TOKENIZER_DIR, DataConfig, build_dataloader, check_vocab
+from dsa_train.data import BUNDLED_TOKENIZER_DIR, build_dataloader, check_vocab
 from dsa_train.engine.checkpoint import TrainerState
 from dsa_train.engine.checkpoint_manager import CheckpointManager
 from dsa_train.engine.hooks import InjectedFaults, NonFiniteGuard, RouterBias
@@ -127,7 +126,7 @@ class Trainer:
         seed_everything(cfg.seed)
 
         layout = self.layout
-        self.loader = build_dataloader(DataConfig(**dataclasses.asdict(cfg.data)), dp_rank=layout.dp_rank,
+        self.loader = build_dataloader(cfg.data, dp_rank=layout.dp_rank,
                                        dp_size=layout.dp_size)
         model = build_model(cfg, self.loader.tokenizer.vocab_size, layout.parallel_state).to(self.device)
         self.model = layout.prepare_model(model, cfg)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dsa_train.config import ConfigError, TrainConfig, WandbMode
+from dsa_train.config.validate import check_global_batches
 from dsa_train.stage import Stage
 from dsa_train.engine.sharded_state import GlobalPieces, model_pieces, optimizer_pieces
 from dsa_train.engine.engine import Engine
@@ -186,13 +187,7 @@ def init_layout(cfg: TrainConfig, distributed: bool) -> tuple[Layout, TrainConfi
         return Layout(), cfg
     state = init_parallel(cfg.parallel)
     layout = DistributedLayout(state, cfg.parallel.zero_stage, cfg.data.micro_batch_size)
-    for name, stage in cfg.stages.items():
-        per_step = cfg.data.micro_batch_size * state.sizes.data
-        if stage.global_batch_size % per_step:
-            raise ConfigError(
-                f"stages.{name}.global_batch_size={stage.global_batch_size} is not a multiple of "
-                f"data.micro_batch_size * data-parallel size = {cfg.data.micro_batch_size} * {state.sizes.data}"
-            )
+    check_global_batches(cfg, state.sizes.data)
     if cfg.device.value == "cuda" or (cfg.device.value == "auto" and torch.cuda.is_available()):
         torch.cuda.set_device(torch.cuda.current_device())
     if layout.rank != 0:

@@ -260,7 +260,8 @@ def model_config_of(cfg):
 
 
 def make_plan(cfg, opts, world: int | None = None) -> dict:
-    from dsa_train.parallel.groups import check_model_divisibility, resolve_sizes
+    from dsa_train.config import resolve_sizes
+    from dsa_train.parallel.groups import check_model_divisibility
 
     cl = cfg.cluster
     world = world or cl.nodes * (cl.procs_per_node or cl.gpus_per_node)

@@ -305,7 +305,8 @@ def init_fake_world(parallel, rank: int, world: int):
     from megatron.core import parallel_state as ps
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from dsa_train.parallel.groups import ParallelState, resolve_sizes
+    from dsa_train.config import resolve_sizes
+    from dsa_train.parallel.groups import ParallelState
 
     sizes = resolve_sizes(parallel, world)
     if dist.is_initialized():
