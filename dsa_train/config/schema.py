@@ -13,15 +13,17 @@ from typing import Any, Union
 
 from omegaconf import MISSING
 
+from dsa_train.stage import STAGE_KINDS
+
 
 class Attention(str, Enum):
     dense = "dense"    # full causal attention
     sparse = "sparse"  # attention over the indexer's top-k keys (DSA)
 
 
-class Trainable(str, Enum):
-    indexer = "indexer"  # parameters with ".indexer." in their name; everything else frozen
-    all = "all"
+# The values of `stages.<name>.trainable`: the stage kinds declared in dsa_train/stage.py
+# (`STAGE_KINDS`: "indexer", the dense warm-up's indexer-only training; "all", every parameter).
+Trainable = Enum("Trainable", {name: name for name in STAGE_KINDS}, type=str, module=__name__, qualname="Trainable")
 
 
 class Decay(str, Enum):

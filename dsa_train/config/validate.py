@@ -15,8 +15,9 @@ import contextlib
 import os
 from dataclasses import dataclass
 
-from dsa_train.config.schema import Attention, Device, ParallelConfig, TrainConfig, Trainable
+from dsa_train.config.schema import Attention, Device, ParallelConfig, TrainConfig
 from dsa_train.errors import DSATrainError
+from dsa_train.stage import stage_kind
 
 
 class ConfigError(DSATrainError, ValueError):
@@ -229,13 +230,8 @@ def _validate(cfg: TrainConfig) -> None:
         _require(0.0 <= stage.min_lr_ratio <= 1.0, f"{key}.min_lr_ratio", "must be within [0, 1]")
         _require(stage.lm_loss_coef >= 0 and stage.indexer_loss_coef >= 0,
                  f"{key}.lm_loss_coef", "loss coefficients must be >= 0")
-        if stage.trainable == Trainable.indexer:
-            _require(stage.indexer_loss_coef > 0, f"{key}.indexer_loss_coef",
-                     "an indexer-only stage needs the indexer loss")
-            _require(stage.lm_loss_coef == 0, f"{key}.lm_loss_coef",
-                     "the LM loss does not reach the indexer (its input is detached); use 0")
-            _require(stage.router_bias_update_rate == 0, f"{key}.router_bias_update_rate",
-                     "the router is frozen in an indexer-only stage")
+        for field_name, message in stage_kind(stage.trainable).config_errors(stage):  # the kind's own rules
+            _require(False, f"{key}.{field_name}", message)
         _require(stage.mtp_loss_coef >= 0, f"{key}.mtp_loss_coef", "loss coefficients must be >= 0")
         _require(stage.mtp_loss_coef == 0 or stage.lm_loss_coef > 0, f"{key}.mtp_loss_coef",
                  "the MTP loss needs the LM head and labels: set lm_loss_coef > 0 or mtp_loss_coef: 0")
