@@ -77,7 +77,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = MLA(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MoE(config) if config.is_moe_layer(layer_idx) else MLP(config.hidden_size, config.intermediate_size)
+        self.is_moe = config.is_moe_layer(layer_idx)  # routed experts (MoE) or a dense MLP, fixed here
+        self.mlp = MoE(config) if self.is_moe else MLP(config.hidden_size, config.intermediate_size)
         # activation recompute of this layer (set from outside, `parallelize_model`):
         # "none" | "attention" | "moe" | "full" (the whole layer)
         self.recompute = "none"
@@ -95,7 +96,7 @@ class DecoderLayer(nn.Module):
             attn_out, aux = self.self_attn(x, cos, sin, doc_start, request)
         h = h + attn_out
         x = self.post_attention_layernorm(h)
-        if self.recompute == "moe" and isinstance(self.mlp, MoE):
+        if self.recompute == "moe" and self.is_moe:
             return h + _checkpointed(self.mlp, x), aux
         return h + self.mlp(x), aux
 
@@ -316,5 +317,5 @@ class DSAForCausalLM(nn.Module):
         stats["moe/expert_load_cv"] = ((frac.std(-1) / frac.mean(-1)).mean(), 1.0)
 
     def main_moe_modules(self) -> list[MoE]:
-        return [layer.mlp for layer in self.main_layers() if isinstance(layer.mlp, MoE)]
+        return [layer.mlp for layer in self.main_layers() if layer.is_moe]
 
