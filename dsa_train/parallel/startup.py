@@ -150,7 +150,7 @@ def load_parallel_pretrained(
     missing = [n for n in held if n not in loaded and not _runtime_buffer(model, n)]
     if missing:
         raise CheckpointError(f"{plan.path}: {missing[:4]} were not loaded on this rank (internal error: please report)")
-    for module in model.modules():  # runtime buffers (RoPE, Hadamard) follow the dtype, as in load_pretrained
+    for module in model.modules():  # runtime buffers (RoPE, Hadamard) follow the dtype, as in from_pretrained
         for key, buf in module._buffers.items():
             if buf is not None and buf.is_floating_point() and key in module._non_persistent_buffers_set:
                 module._buffers[key] = buf.to(dtype)
