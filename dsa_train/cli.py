@@ -175,14 +175,21 @@ def run_hydra(argv: list[str], train) -> int:
     return 0
 
 
-def train_app(argv: list[str]) -> int:
+def _train(cfg):
+    # imported once run_hydra has checked the `train` extra: the trainer's data loader imports
+    # `datasets`, which a core install (docs/install.md) lacks -- that gets one line, not a traceback
     from dsa_train.engine.trainer import train
+
+    return train(cfg)
+
+
+def train_app(argv: list[str]) -> int:
     from dsa_train.runtime import limit_heap_fragmentation, quiet_third_party
 
     limit_heap_fragmentation()  # chunked DSA ops otherwise fragment glibc's heap (dsa_train/runtime.py)
     quiet_third_party()
 
-    return run_hydra(argv, train)
+    return run_hydra(argv, _train)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -234,9 +234,9 @@ def test_fp32_inputs_sparse_indexer_kl_computed_in_bf16(monkeypatch):
 
 
 def test_fp32_inputs_dense_attention_computed_in_bf16(monkeypatch):
-    import dsa_kernels._triton_common as common
+    import dsa_kernels.ops.dense_attention.function as dense_function
 
-    monkeypatch.setattr(common, "compute_dtype", _bf16_policy)
+    monkeypatch.setattr(dense_function, "compute_dtype", _bf16_policy)
     monkeypatch.setenv("DSA_KERNELS", "triton")
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 20, 2, s, generator=g).to(DEV).requires_grad_() for s in (24, 24, 16))
