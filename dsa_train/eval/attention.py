@@ -39,7 +39,6 @@ from dsa_kernels.masking import chunk_valid_mask
 from dsa_kernels.ops.indexer_topk import index_scores_block, topk_from_scores
 from dsa_kernels.ops.indexer_topk import FP8_GROUP, quantize_fp8_groups
 
-from dsa_train.model.rope import apply_rope_half, apply_rope_interleaved
 
 BLOCK_ELEMS = 1 << 24  # fp32 elements of one [chunk, heads, keys] logit block (64 MB)
 
@@ -64,27 +63,10 @@ class LayerTensors:
     scale: float
 
 
-def mla_projections(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """MLA's projections from its Hugging Face-named weights: x [B, T, hidden] ->
-    (q_latent, q_nope [B, T, H, nope], q_rope [B, T, H, rope], latent [B, T, C], k_rope [B, T, rope])."""
-    cfg = attn.config
-    B, T, _ = x.shape
-    rope = apply_rope_interleaved if cfg.rope_interleave else apply_rope_half
-    if cfg.q_lora_rank is None:
-        q_latent, q = x, attn.q_proj(x)
-    else:
-        q_latent = attn.q_a_layernorm(attn.q_a_proj(x))
-        q = attn.q_b_proj(q_latent)
-    q = q.view(B, T, -1, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
-    q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-    latent, k_rope = attn.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-    return q_latent, q_nope, rope(q_rope, cos, sin), attn.kv_a_layernorm(latent), rope(k_rope, cos, sin)
-
-
 @torch.no_grad()
 def layer_tensors(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   doc_start: torch.Tensor) -> LayerTensors:
-    q_latent, q_nope, q_rope, latent, k_rope = mla_projections(attn, x, cos, sin)
+    q_latent, q_nope, q_rope, latent, k_rope = attn.project(x, cos, sin)
     q_abs, kv = attn.mqa_qkv(q_nope, q_rope, latent, k_rope)
     q_index, k_index, w_index = attn.indexer(x, q_latent, cos, sin)
     return LayerTensors(q_abs, kv, q_index, k_index, w_index, doc_start, float(attn.config.softmax_scale))

@@ -106,7 +106,9 @@ class MLA(nn.Module):
         self._rope = apply_rope_interleaved if config.rope_interleave else apply_rope_half
 
     # -------------------------------------------------------------- projections
-    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, T, hidden] -> (q_latent, q_nope [B, T, H, nope], q_rope [B, T, H, rope] (roped),
+        latent [B, T, kv_lora_rank], k_rope [B, T, rope] (roped))."""
         B, T, _ = x.shape
         if self.config.q_lora_rank is None:
             q_latent = x
@@ -161,7 +163,7 @@ class MLA(nn.Module):
         B, T_loc, _ = x.shape
         aux = AttentionAux()
         cp = request.context
-        q_latent, q_nope, q_rope, latent, k_rope = self._project(x, cos, sin)
+        q_latent, q_nope, q_rope, latent, k_rope = self.project(x, cos, sin)
         sparse = request.attention == "sparse"
         if request.attention not in ("dense", "sparse"):
             raise ValueError(f"attention must be 'dense' or 'sparse', got {request.attention!r}")
