@@ -3,7 +3,8 @@ expert) with one `torch._grouped_mm` per projection instead of a loop over exper
 
 `MoE.run_experts` calls `grouped_experts` when the layer's `grouped_gemm` is set (by the
 parallel layout: `parallel.grouped_experts`). The expert weights keep their per-expert (Hugging
-Face) parameters and are stacked per call; `grouped_expert_mlp` takes the stacked weights and
+Face) parameters, grouped into one [E, ...] operand without a copy where they sit evenly
+strided in one storage (DeepSpeed's flat buffers; `stacked_weights`); `grouped_expert_mlp` takes the stacked weights and
 picks, per dtype and device, grouped GEMMs, grouped GEMMs on zero-padded sizes, or a loop
 (`expert_gemm_path`).
 """
@@ -88,15 +89,62 @@ def grouped_expert_mlp(x: torch.Tensor, offs: torch.Tensor, w_gate, w_up, w_down
     return out[:, :h] if out.shape[-1] != h else out
 
 
+class _Stacked(torch.autograd.Function):
+    """[E, ...] over E same-shaped weights: a view of their common storage when they sit at one
+    stride in it (as in DeepSpeed's flat ZeRO-1/2 buffers, where a layer's experts follow each
+    other), else a stacked copy. Backward: the [E, ...] gradient's slices, one per weight (views)."""
+
+    @staticmethod
+    def forward(ctx, *weights):
+        view = _strided_view(weights)
+        return view if view is not None else torch.stack(weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.unbind(0)
+
+
+def _strided_view(weights) -> torch.Tensor | None:
+    first = weights[0]
+    try:  # meta and fake tensors (the traced plan) have no storage address: stacked
+        same_storage = all(w.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for w in weights)
+    except (RuntimeError, NotImplementedError):
+        return None
+    if first.device.type == "meta" or not same_storage or any(w.shape != first.shape or w.stride() != first.stride()
+                                                                  or w.dtype != first.dtype for w in weights):
+        return None
+    offsets = [w.storage_offset() for w in weights]
+    step = offsets[1] - offsets[0] if len(weights) > 1 else first.numel()
+    if step < first.numel() or any(b - a != step for a, b in zip(offsets, offsets[1:])):
+        return None
+    return first.as_strided((len(weights), *first.shape), (step, *first.stride()), first.storage_offset())
+
+
+def stacked_weights(weights: list[torch.Tensor]) -> torch.Tensor:
+    """The experts' weights as one [E, ...] operand of a grouped GEMM (no copy when they are
+    evenly spaced in one storage; see `_Stacked`)."""
+    return _Stacked.apply(*weights)
+
+
+def expert_offsets(counts: list[int], device: torch.device) -> torch.Tensor:
+    """Cumulative token counts [E] int32 on `device`, from host counts: a pinned, non-blocking copy
+    on CUDA (no wait for the device)."""
+    offs = torch.tensor(counts, dtype=torch.long).cumsum(0).to(torch.int32)
+    if device.type == "cuda":
+        return offs.pin_memory().to(device, non_blocking=True)
+    return offs.to(device)
+
+
 def grouped_experts(experts: list, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """The local experts on their tokens (sorted by expert) with grouped GEMMs instead of a loop.
-    The expert weights keep their per-expert (Hugging Face) parameters; they are stacked per call."""
+    The expert weights keep their per-expert (Hugging Face) parameters; `stacked_weights` groups
+    them without a copy where they share one evenly strided storage."""
     if not _grouped_mm_available():
         outs, start = [], 0
         for expert, n in zip(experts, counts):
             outs.append(expert(x_sorted[start : start + n]))
             start += n
         return torch.cat(outs)
-    offs = torch.tensor(counts, device=x_sorted.device).cumsum(0).to(torch.int32)
-    stack = lambda name: torch.stack([getattr(e, name).weight for e in experts])  # noqa: E731
+    offs = expert_offsets(counts, x_sorted.device)
+    stack = lambda name: stacked_weights([getattr(e, name).weight for e in experts])  # noqa: E731
     return grouped_expert_mlp(x_sorted, offs, stack("gate_proj"), stack("up_proj"), stack("down_proj"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.nn import functional as F
 
 from .config import DSAConfig
@@ -122,29 +123,125 @@ class Router(nn.Module):
         return expert_ids, weights * self.routed_scaling_factor
 
 
+NOT_ROUTED = -1.0  # routing-table entry of a (token, expert) pair the router did not pick (weights are >= 0)
+
+
+def routing_table(expert_ids: torch.Tensor, weights: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """expert_ids [N, top_k], weights [N, top_k] -> [N, n_experts]: the routing weight of each
+    (token, expert), NOT_ROUTED where the router did not pick the expert. Differentiable in the
+    weights (the backward gathers the picked entries)."""
+    table = torch.full((expert_ids.shape[0], n_experts), NOT_ROUTED, dtype=weights.dtype, device=weights.device)
+    return table.scatter(1, expert_ids, weights)
+
+
+def tokens_per_expert(expert_ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """expert_ids [N, top_k] -> [n_experts] int64 counts, on the device (a bincount without its
+    host read of the largest id)."""
+    flat = expert_ids.reshape(-1)
+    return torch.zeros(n_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+
+
+class HostCopy:
+    """A device tensor's integer values on the host: the copy starts now without blocking (CUDA:
+    into pinned memory, ordered after the work queued so far) and `values()` waits for it -- the
+    one point where the host waits for the device. On the CPU `values()` is a plain read. Fake
+    tensors (`dsa-train plan --trace`) have no values: `values()` gives `balanced`, the sizes of
+    balanced routing."""
+
+    def __init__(self, t: torch.Tensor, balanced: list[int]):
+        self.event, self.host, self.balanced = None, t, balanced
+        if is_fake(t):
+            self.host = None
+        elif t.is_cuda:
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def values(self) -> list[int]:
+        if self.host is None:
+            return list(self.balanced)
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+class ExpertSlots:
+    """The (row, local expert) slots of rows that carry their routing weights for the local experts,
+    sorted by expert (then row): one stable sort of the [experts, rows] routed mask, no host read
+    (the number of slots comes from counts already on the host).
+
+    `gather` gives the experts' input rows; `weighted_sum` weights the expert outputs and adds them
+    per row (in expert order), so a row routed to several local experts comes back as one row."""
+
+    def __init__(self, weight_rows: torch.Tensor, n_slots: int):
+        # weight_rows [R, L] (fp32, NOT_ROUTED where the row does not go to that expert)
+        n_rows = weight_rows.shape[0]
+        skipped = (weight_rows.detach() < 0).t().reshape(-1).to(torch.uint8)  # [L * R], expert-major
+        slot = torch.argsort(skipped, stable=True)[:n_slots]  # routed first, by (expert, row)
+        self.row, expert = slot % n_rows, slot // n_rows  # [S]
+        self.weight = weight_rows[self.row, expert]  # [S]
+        self.n_rows = n_rows
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [R, h] -> the experts' inputs [S, h], sorted by expert."""
+        return rows[self.row]
+
+    def weighted_sum(self, y: torch.Tensor) -> torch.Tensor:
+        """Expert outputs y [S, h] -> [R, h]: weighted, summed per row."""
+        weighted = y * self.weight[:, None].to(y.dtype)
+        return y.new_zeros(self.n_rows, y.shape[-1]).index_add(0, self.row, weighted)
+
+
 class LocalDispatcher:
     """Token dispatcher with every routed expert on this process: the (token, expert) slots are
     only sorted by expert. `dsa_train.parallel.expert.AllToAllDispatcher` is the expert-parallel
-    one (same methods; tokens travel to their experts' ranks and back)."""
+    one (same methods; tokens travel to their experts' ranks and back). One host read per forward
+    (the per-expert counts, which size the expert GEMMs), none in the backward."""
 
     def __init__(self, n_experts: int):
         self.n_experts = n_experts
         self.local_experts = range(n_experts)  # global ids of the experts this process runs
 
-    def dispatch(self, tokens: torch.Tensor, expert_ids: torch.Tensor):
-        """tokens [N, h], expert_ids [N, top_k] -> (x [S, h] sorted by local expert,
-        counts [n_local] (list), state for `combine`)."""
-        flat = expert_ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # slots grouped by expert
-        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
-        return tokens[order // expert_ids.shape[1]], counts, order
+    def dispatch(self, tokens: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor):
+        """tokens [N, h], expert_ids / weights [N, top_k], counts [n_experts] (tokens per expert, on
+        the device) -> (x [S, h] sorted by local expert, counts per local expert (host list), state
+        for `combine`)."""
+        balanced = [max(expert_ids.numel() // self.n_experts, 1)] * self.n_experts  # for fake tensors
+        counts_host = HostCopy(counts, balanced).values()  # the forward's one host read
+        slots = ExpertSlots(routing_table(expert_ids, weights, self.n_experts), sum(counts_host))
+        return slots.gather(tokens), counts_host, slots
 
-    def combine(self, y: torch.Tensor, state, weights: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def combine(self, y: torch.Tensor, state) -> torch.Tensor:
         """Expert outputs y [S, h] (dispatch order) -> [N, h]: weighted and summed per token."""
-        order = state
-        weight_of_slot = weights.reshape(-1)[order]
-        token_of_slot = order // weights.shape[1]
-        return torch.zeros_like(tokens).index_add(0, token_of_slot, y * weight_of_slot[:, None].to(tokens.dtype))
+        return state.weighted_sum(y)
+
+
+class SideStream:
+    """`module(x)` on a CUDA side stream, started now and joined by `result()`: the shared experts
+    overlap the dispatch all-to-all (their backward runs on the same side stream, overlapping the
+    combine's all-to-all backward). Without CUDA it runs at `result()`, sequentially."""
+
+    def __init__(self, module: nn.Module, x: torch.Tensor):
+        self.module, self.x, self.out, self.stream = module, x, None, None
+
+    @classmethod
+    def start(cls, module: nn.Module, x: torch.Tensor) -> "SideStream":
+        run = cls(module, x)
+        if x.is_cuda and not is_fake(x):
+            run.stream = torch.cuda.Stream(device=x.device)
+            run.stream.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(run.stream):
+                run.out = module(x)
+            x.record_stream(run.stream)
+        return run
+
+    def result(self) -> torch.Tensor:
+        if self.stream is None:
+            return self.module(self.x)
+        torch.cuda.current_stream(self.x.device).wait_stream(self.stream)
+        self.out.record_stream(torch.cuda.current_stream(self.x.device))
+        return self.out
 
 
 class MoE(nn.Module):
@@ -192,15 +289,18 @@ class MoE(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])  # [N, hidden]
         expert_ids, weights = self.gate(tokens)
-        load = torch.bincount(expert_ids.reshape(-1), minlength=self.n_experts)
+        load = tokens_per_expert(expert_ids, self.n_experts)  # [E] on the device
         self.last_expert_load = load.detach().float()
         if self.training:
             self.load_since_update += self.last_expert_load
-        x_sorted, counts, state = self.dispatcher.dispatch(tokens, expert_ids)
+        # on CUDA the shared experts run on a side stream beside the dispatch all-to-all; on the
+        # CPU after the combine (the same math; the order keeps gradient sums as they were)
+        shared = SideStream.start(self.shared_experts, tokens) if self.shared_experts is not None else None
+        x_sorted, counts, state = self.dispatcher.dispatch(tokens, expert_ids, weights, load)
         y_sorted = self.run_experts(x_sorted, counts)
-        out = self.dispatcher.combine(y_sorted, state, weights, tokens)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(tokens)
+        out = self.dispatcher.combine(y_sorted, state)
+        if shared is not None:
+            out = out + shared.result()
         return out.view(shape)
 
     def run_experts(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
