@@ -49,3 +49,34 @@ def test_set_layout_without_dispatcher_keeps_every_expert():
     moe = MoE(cfg)
     moe.set_layout(grouped_gemm=True)
     assert sorted(moe.experts.keys()) == ["0", "1", "2", "3"] and isinstance(moe.dispatcher, LocalDispatcher)
+
+
+def test_stacked_weights_view_a_flat_buffer_without_copy():
+    """Experts laid out one after another in one flat buffer (as DeepSpeed's ZeRO-1/2 flattening
+    leaves them: gate, up, down of expert 0, then expert 1, ...) give the grouped GEMM a view, not a
+    copy; separate tensors give a stacked copy; values and gradients are torch.stack's either way."""
+    from dsa_train.model.grouped_experts import stacked_weights
+
+    torch.manual_seed(0)
+    experts = [MLP(6, 4) for _ in range(3)]
+    names = ("gate_proj", "up_proj", "down_proj")
+    flat = torch.cat([getattr(e, n).weight.detach().reshape(-1) for e in experts for n in names])
+    offset = 0
+    for e in experts:
+        for n in names:
+            w = getattr(e, n).weight
+            w.data = flat[offset : offset + w.numel()].view_as(w)
+            offset += w.numel()
+    probe = torch.randn(3, 4, 6)
+    for layout in ("flat", "separate"):
+        if layout == "separate":
+            for e in experts:
+                e.gate_proj.weight.data = e.gate_proj.weight.data.clone()
+        weights = [e.gate_proj.weight for e in experts]
+        stacked = stacked_weights(weights)
+        assert (stacked.data_ptr() == weights[0].data_ptr()) == (layout == "flat"), layout
+        assert torch.equal(stacked, torch.stack([w.detach() for w in weights]))
+        (stacked * probe).sum().backward()
+        for i, w in enumerate(weights):
+            assert torch.equal(w.grad, probe[i]), layout
+            w.grad = None
