@@ -7,10 +7,14 @@ Layout (megatron order `tp-cp-ep-dp`, no pipeline parallelism):
 Dense parameters are replicated over DP x CP (their gradients are averaged there: that group is
 what DeepSpeed sees as "data parallel"); tensor-parallel shards live in the TP group; routed
 experts are sharded over the EP group and replicated over the expert-data-parallel group.
-Backend: with CUDA `cpu:gloo,cuda:nccl` (device collectives on NCCL; CPU tensors made on purpose
-for bookkeeping, `device="cpu"`, on gloo: megatron-core's groups inherit both), gloo without it.
-`DSA_TRAIN_BACKEND=gloo` forces gloo. With `DSA_STRICT_DEVICES=1` every collective checks that its
-tensors are on the compute device (`dsa_train.parallel.strict_devices`).
+Backends: with CUDA the world is NCCL only, initialized with this rank's `device_id` (the world
+communicator is created eagerly, so a broken fabric fails at start-up, and megatron-core's groups,
+which inherit the world's backend, are NCCL only: no gloo mesh per TP/CP/DP/EP group). CPU
+collectives (checkpoint agreement, DCP planning, object collectives over the whole job) go through
+one gloo group over the world, `cpu_group()`, created on first use. Without CUDA (or with
+`DSA_TRAIN_BACKEND=gloo`) everything is gloo, as `cpu_group()` is. With `DSA_STRICT_DEVICES=1`
+every collective checks that its tensors are on the compute device (`dsa_train.parallel.strict_devices`).
+What each costs at 1024 ranks: docs/distributed.md, "Process groups at scale".
 """
 
 from __future__ import annotations
@@ -41,22 +45,56 @@ def check_model_divisibility(sizes: ParallelSizes, model_config) -> None:
         )
 
 
-CUDA_BACKEND = "cpu:gloo,cuda:nccl"
+# The world's backend before issue 19: every megatron-core group inherited gloo as well, an eager
+# gloo mesh (a TCP connection per peer) per group. Kept to count what it opened (tests, docs).
+MIXED_BACKEND = "cpu:gloo,cuda:nccl"
+CPU_GROUP_DESC = "dsa_cpu_collectives"
 
 
-def default_backend() -> str:
-    """Both backends with CUDA (NCCL rejects CPU tensors; gloo takes the CPU-side bookkeeping)."""
-    return CUDA_BACKEND if torch.cuda.is_available() and os.environ.get("DSA_TRAIN_BACKEND") != "gloo" else "gloo"
+def uses_nccl() -> bool:
+    """NCCL for the world when this process has CUDA (unless DSA_TRAIN_BACKEND=gloo)."""
+    return torch.cuda.is_available() and os.environ.get("DSA_TRAIN_BACKEND") != "gloo"
+
+
+def world_backend(nccl: bool) -> str:
+    """The world's (and so every megatron-core group's) backend: NCCL only on GPUs, gloo without."""
+    return "nccl" if nccl else "gloo"
+
+
+def process_group_args(nccl: bool, local_rank: int) -> dict:
+    """`init_process_group` arguments: on GPUs the backend and this rank's device (`device_id`:
+    eager NCCL init; new groups are then split from the world communicator)."""
+    if nccl:
+        return {"backend": world_backend(True), "device_id": torch.device("cuda", local_rank)}
+    return {"backend": world_backend(False)}
 
 
 def init_distributed(timeout_minutes: int = 30) -> None:
     """torch.distributed from the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
     if dist.is_initialized():
         return
-    backend = default_backend()
-    if "nccl" in backend:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    nccl = uses_nccl()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if nccl:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(**process_group_args(nccl, local_rank), timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+_CPU_GROUP = None  # (the world it belongs to, the group)
+
+
+def cpu_group():
+    """The gloo group over the world for CPU collectives (checkpoint agreement and DCP planning,
+    object gathers), created on first use: every rank must reach its first use at the same point
+    (as with any new group), which the checkpoint code does. Its own group on a gloo world too,
+    so an async save's background thread never shares a group with the training collectives. Under
+    the `fake` backend (`dsa-train plan --trace`, tests) it is a fake group: a fake world has no peers."""
+    global _CPU_GROUP
+    world = dist.group.WORLD
+    if _CPU_GROUP is None or _CPU_GROUP[0] is not world:  # (a new world: a new group)
+        backend = "fake" if dist.get_backend() == "fake" else "gloo"
+        _CPU_GROUP = (world, dist.new_group(backend=backend, group_desc=CPU_GROUP_DESC))
+    return _CPU_GROUP[1]
 
 
 class ParallelState:
@@ -109,8 +147,10 @@ def init_parallel(parallel: ParallelConfig) -> ParallelState:
 def destroy_parallel() -> None:
     from megatron.core import parallel_state as ps
 
+    global _CPU_GROUP
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    _CPU_GROUP = None
     strict_devices.uninstall()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -26,7 +26,7 @@ from dsa_train.stage import Stage
 from dsa_train.engine.sharded_state import GlobalPieces, model_pieces, optimizer_pieces
 from dsa_train.engine.engine import Engine
 from dsa_train.parallel.deepspeed_engine import DeepSpeedEngine
-from dsa_train.parallel.groups import ParallelState, init_parallel
+from dsa_train.parallel.groups import ParallelState, cpu_group, init_parallel
 from dsa_train.parallel.model import parallelize_model
 from dsa_train.parallel.sharding import parallelized_state, sharding_of
 from dsa_train.parallel.step import parallel_reduction
@@ -93,9 +93,12 @@ class DistributedLayout(Layout):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dp_rank, self.dp_size = state.dp_rank, state.sizes.data
         self.tp_size = state.sizes.tensor
-        # DCP's planning collectives run on their own gloo group: CPU objects on any backend, and
-        # an async save's background thread never shares a group with the training collectives
-        self.checkpoint_group = dist.new_group(backend="gloo")
+
+    @property
+    def checkpoint_group(self):
+        """DCP's planning and the checkpoint agreement run on the one gloo group (`groups.cpu_group`:
+        CPU objects on an NCCL world; created at the first checkpoint, not at start-up)."""
+        return cpu_group()
 
     def barrier(self) -> None:
         dist.barrier()

@@ -15,8 +15,8 @@ and, from `init_parallel` to `destroy_parallel`, this process:
   on a GPU run: an operation on host tensors gives a host tensor, a 0-dim host tensor combined
   with device tensors gives a device tensor (CUDA accepts CPU scalars). An explicit move
   (`.to(device)`, `.to(other_tensor)`, `.cuda()`, `.cpu()`) drops it: CPU tensors made on
-  purpose (`device="cpu"`, gloo-side bookkeeping) are allowed, since the process groups carry
-  a gloo backend for them (`init_distributed`: `cpu:gloo,cuda:nccl`);
+  purpose (`device="cpu"`) are allowed; on GPUs they belong on the one gloo group,
+  `groups.cpu_group()` (the world and megatron-core's groups are NCCL only);
 * checks every tensor of every `torch.distributed` collective (all_reduce, all_gather,
   reduce_scatter, broadcast, all_to_all, send/recv, ...): a host-marked tensor, or a tensor on
   a device other than the compute device (or the CPU), raises `DeviceStrictError` naming the
