@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pwd
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -232,10 +233,17 @@ def test_slurm_job_from_generated_sbatch_trains(tmp_path):
         slurm.start()
         run_dir = tmp_path / "run"
         env = {**slurm.env, "DS_ACCELERATOR": "cpu", "DSA_TRAIN_BACKEND": "gloo"}
+        # the step's resources from the cluster group: gloo bound to the loopback interface (the job
+        # trains only if gloo accepts it), and a job submitted with a low open-files soft limit
+        # (Slurm propagates it) that the step raises to the node's hard limit
         cmd = [sys.executable, "-m", "dsa_train.cli", "launch", "slurm", "--config-name", "demo", *TINY,
                "parallel=zero2", "cluster.gpus_per_node=0", "cluster.procs_per_node=2", "cluster.time=00:15:00",
+               "cluster.gloo_socket_ifname=lo", "cluster.nccl_socket_ifname=lo",
                f"cluster.master_port={free_port()}", f"run_dir={run_dir}"]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        low = min(1024, hard)
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120,
+                             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard)))
         assert out.returncode == 0, out.stdout + out.stderr
         job = out.stdout.split()[2]
         assert (run_dir / "launch" / "demo.sbatch").is_file()
@@ -249,6 +257,16 @@ def test_slurm_job_from_generated_sbatch_trains(tmp_path):
         log = (run_dir / f"slurm-{job}.out").read_text() if (run_dir / f"slurm-{job}.out").exists() else ""
         assert state == "COMPLETED", f"job {job} {state}\n{log[-4000:]}"
         assert "rank 0/2" in log and "rank 1/2" in log, log[-3000:]
+        script = (run_dir / "launch" / "demo.sbatch").read_text()
+        assert "srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task=2 " in script, script
+        step = re.search(r"dsa-train: step on \S+: cpus (\d+) for 2 ranks, OMP_NUM_THREADS (\d+), open files (\d+), "
+                         r"NCCL_SOCKET_IFNAME ([^,\s]+), GLOO_SOCKET_IFNAME (\S+)", log)
+        assert step, log[-3000:]
+        cpus, omp, open_files, nccl_if, gloo_if = step.groups()
+        # the step got the CPUs asked for (not 1, as a step without --cpus-per-task can), one thread per rank
+        assert (int(cpus), int(omp)) == (2, 1), step.group(0)
+        assert int(open_files) == hard, (step.group(0), low, hard)  # raised from the submitted soft limit `low`
+        assert (nccl_if, gloo_if) == ("lo", "lo"), step.group(0)
         assert "sparse 2/2" in log, log[-3000:]
         assert (run_dir / "export" / "model.safetensors").is_file()
     finally:

@@ -83,6 +83,27 @@ def test_sbatch_dry_run_from_cluster_group(tmp_path):
     assert bad.returncode == 0, bad.stderr
     warmup, _ = render_sbatch("v3.2_warmup", ["model.pretrained=/ckpt/v3.1", "data.sources=[/data/x.parquet]", f"run_dir={tmp_path}/w"], python="python")
     assert "#SBATCH --nodes=16" in warmup and "--nnodes=16 --nproc_per_node=8" in warmup
+    # the step asks for the task's CPUs itself (Slurm >= 22.05 does not pass --cpus-per-task to srun),
+    # OMP threads = those CPUs over the node's ranks, the open-files limit raised, no interface forced
+    assert "#SBATCH --cpus-per-task=64" in script and "srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task=64 " in script
+    assert "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}" in script and 'ulimit -n "$(ulimit -Hn)"' in script
+    assert "SOCKET_IFNAME=" not in script
+    tuned, _ = render_sbatch("v3.2_sparse", ["data.sources=[/data/x.parquet]", f"run_dir={tmp_path}/r", "cluster.open_files=65536",
+                                             "cluster.nccl_socket_ifname=ib0", "cluster.gloo_socket_ifname='^docker,lo'"], python="python")
+    assert "export NCCL_SOCKET_IFNAME=ib0\n" in tuned and "export GLOO_SOCKET_IFNAME='^docker,lo'\n" in tuned
+    assert "ulimit -n 65536 ||" in tuned
+    bad = subprocess.run(["bash", "-n"], input=tuned, text=True, capture_output=True)
+    assert bad.returncode == 0, bad.stderr
+
+
+def test_sbatch_refuses_bad_cluster_network_and_cpu_values():
+    for override, key in (("cluster.gloo_socket_ifname=eth0 lo", "cluster.gloo_socket_ifname"),
+                          ("cluster.open_files=10", "cluster.open_files"),
+                          ("cluster.cpus_per_task=4", "cluster.cpus_per_task")):
+        out = subprocess.run([sys.executable, "-m", "dsa_train.cli", "launch", "slurm", "--dry-run", "--config-name", "demo",
+                              "parallel=zero2", "cluster.gpus_per_node=8", override], capture_output=True, text=True, timeout=120)
+        lines = [line for line in out.stderr.splitlines() if line.strip()]
+        assert out.returncode == 2 and len(lines) == 1 and key in lines[0], out.stderr
 
 
 def test_sbatch_names_a_missing_recipe_value_and_its_fix():

@@ -221,8 +221,15 @@ class ClusterConfig:
     # Training processes per node (torchrun --nproc_per_node); null: gpus_per_node. CPU nodes:
     # gpus_per_node 0 and procs_per_node N (no GPU request in the sbatch).
     procs_per_node: int | None = None
-    cpus_per_task: int | None = None
+    cpus_per_task: int | None = None  # null: 8 per GPU; CPU nodes: one per rank
     mem: str | None = None  # e.g. "480G"; null: the partition's default
+    # Network interfaces for NCCL's and gloo's sockets (NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME,
+    # e.g. "ib0" or "^docker,lo"); null: the libraries pick one.
+    nccl_socket_ifname: str | None = None
+    gloo_socket_ifname: str | None = None
+    # `ulimit -n` of the step (soft limit on open files: gloo and NCCL open sockets per peer);
+    # null: raised to the node's hard limit.
+    open_files: int | None = None
     master_port: int = 29500  # c10d rendezvous port on the first node (by IP address)
     # torchrun --max-restarts: a crashed rank restarts all workers, which resume from the last
     # checkpoint, without leaving the allocation (0: a crash ends the job)

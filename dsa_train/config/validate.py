@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from dataclasses import dataclass
 
 from dsa_train.config.schema import Attention, Device, ParallelConfig, TrainConfig
@@ -219,6 +220,12 @@ def _validate(cfg: TrainConfig) -> None:
     _require(len(cfg.optim.betas) == 2, "optim.betas", "needs two values")
     _require(cfg.optim.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables)")
     _require(cfg.cluster.max_restarts >= 0, "cluster.max_restarts", "must be >= 0 (0: a crashed rank ends the job)")
+    _require(cfg.cluster.open_files is None or cfg.cluster.open_files >= 1024, "cluster.open_files",
+             f"must be >= 1024 or null (the node's hard limit), got {cfg.cluster.open_files}")
+    for key in ("nccl_socket_ifname", "gloo_socket_ifname"):
+        value = getattr(cfg.cluster, key)
+        _require(value is None or re.fullmatch(r"[\^=]?[A-Za-z0-9_.:,^-]+", str(value)) is not None, f"cluster.{key}",
+                 f"{value!r} is not an interface list: give names such as ib0 or ^docker,lo (no spaces or quotes)")
     for size_key in ("tensor_parallel", "context_parallel", "expert_parallel"):
         _require(getattr(cfg.parallel, size_key) >= 1, f"parallel.{size_key}", "must be >= 1")
     for name, stage in cfg.stages.items():
