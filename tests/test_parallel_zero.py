@@ -43,3 +43,19 @@ def test_mtp_loss_data_parallel_equals_single_process(tmp_path):
     assert rc == 0, log
     assert len(results) == 2 and all(not r["failures"] for r in results), [r["failures"] for r in results]
     assert all(r["worst"]["loss"] < 2e-4 and r["worst"]["param"] < 5e-5 for r in results), [r["worst"] for r in results]
+
+
+def test_gradient_reduction_config_per_zero_stage():
+    """ZeRO-0/1 reduce once per step (in step(), the caller's boundary): no overlap. ZeRO-2 reduces
+    every micro-batch into its partition, overlapped with the backward; bf16 gradients go over the
+    wire in fp32 unless asked otherwise (the measured choice: docs/distributed.md, "Gradient reduction")."""
+    from dsa_train.parallel.deepspeed_engine import deepspeed_config
+
+    def cfg(zero, **kw):
+        return deepspeed_config(zero, micro_batch_size=1, dp_size=2, bf16=True, grad_clip=1.0, **kw)
+
+    assert cfg(2)["zero_optimization"]["overlap_comm"] is True and cfg(2)["managed_gradient_accumulation"] is False
+    assert cfg(1)["zero_optimization"]["overlap_comm"] is False  # DeepSpeed: overlap only with partitioned gradients
+    assert cfg(2)["communication_data_type"] == "fp32" and cfg(2)["data_types"]["grad_accum_dtype"] == "fp32"
+    assert cfg(2, reduce_fp32=False)["communication_data_type"] == "bf16"
+    assert "communication_data_type" not in cfg(2, grad_fp32=False)  # bf16 accumulation: bf16 reduce

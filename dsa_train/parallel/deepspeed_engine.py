@@ -6,7 +6,9 @@
   known to it through the same `mpu` (gradient clipping counts each shard once).
 * bf16 parameters -> DeepSpeed bf16 with fp32 master weights (ZeRO >= 1).
 * Gradient accumulation is driven by the caller (`managed_gradient_accumulation: false`):
-  `backward` only accumulates, `step` is the boundary (reduce, clip, update, schedule).
+  `backward` only accumulates, `step` is the boundary (reduce, clip, update, schedule). ZeRO-0/1
+  reduce once per step there; ZeRO-2 reduce-scatters each micro-batch into its partition, overlapped
+  with the backward (`overlap_comm`), in fp32 by default (docs/distributed.md, "Gradient reduction").
   Losses arrive already scaled for accumulation (see `dsa_train.parallel.step`), so DeepSpeed
   does not divide by the accumulation steps.
 * MoE parameter groups: routed-expert parameters (their `Sharding` record names an expert group,
@@ -56,7 +58,13 @@ def param_groups(trainable: list[tuple[str, torch.nn.Parameter]], optim: OptimCo
 
 
 def deepspeed_config(zero_stage: int, micro_batch_size: int, dp_size: int, bf16: bool, grad_clip: float,
-                     grad_fp32: bool = True) -> dict:
+                     grad_fp32: bool = True, reduce_fp32: bool | None = None) -> dict:
+    """DeepSpeed's config. Gradient reduction: ZeRO-0/1 reduce once per step (in `step`, the
+    caller-owned accumulation boundary); ZeRO-2 must reduce-scatter every micro-batch's gradients
+    into its partition (it keeps no full gradient), so it overlaps that reduction with the backward
+    (`overlap_comm`). bf16 gradients are reduced in fp32 with `grad_fp32` (`reduce_fp32` None), or
+    in bf16 and accumulated in fp32 with `reduce_fp32=False` (measured against fp32:
+    docs/distributed.md, "Gradient reduction")."""
     cfg = {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": 1,
@@ -69,7 +77,7 @@ def deepspeed_config(zero_stage: int, micro_batch_size: int, dp_size: int, bf16:
         "zero_optimization": {"stage": zero_stage},
     }
     if zero_stage in (1, 2):
-        cfg["zero_optimization"].update({"reduce_scatter": True, "overlap_comm": False, "contiguous_gradients": True,
+        cfg["zero_optimization"].update({"reduce_scatter": True, "overlap_comm": zero_stage == 2, "contiguous_gradients": True,
                                          "reduce_bucket_size": REDUCE_BUCKET, "allgather_bucket_size": REDUCE_BUCKET})
     if zero_stage == 3:
         cfg["zero_optimization"].update({"stage3_param_persistence_threshold": 0, "overlap_comm": False})
@@ -80,7 +88,7 @@ def deepspeed_config(zero_stage: int, micro_batch_size: int, dp_size: int, bf16:
         cfg["bf16"] = {"enabled": True}
         if grad_fp32:
             cfg["data_types"] = {"grad_accum_dtype": "fp32"}
-            cfg["communication_data_type"] = "fp32"
+            cfg["communication_data_type"] = "fp32" if reduce_fp32 in (None, True) else "bf16"
     return cfg
 
 
@@ -93,6 +101,7 @@ class DeepSpeedEngine:
         state: ParallelState,
         zero_stage: int,
         micro_batch_size: int = 1,
+        reduce_fp32: bool | None = None,  # bf16 reduce under fp32 accumulation: for benchmarks/grad_reduce_error.py
     ):
         _quiet_deepspeed()
         import deepspeed
@@ -121,7 +130,7 @@ class DeepSpeedEngine:
             grad_fp32 = False
         self.ds_config = deepspeed_config(
             zero_stage, micro_batch_size, state.sizes.dense_dp, bf16, 0.0 if self.own_norm else optim.grad_clip,
-            grad_fp32=grad_fp32,
+            grad_fp32=grad_fp32, reduce_fp32=reduce_fp32,
         )
         self.grad_clip = optim.grad_clip
         self.zero_stage = zero_stage
