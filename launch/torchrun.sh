@@ -28,6 +28,8 @@ if [ "$NPROC_PER_NODE" -ge 1 ] && ! "$PYTHON" -c 'import torch, sys; sys.exit(0 
   export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 fi
 MAX_RESTARTS=${MAX_RESTARTS:-3}
+# gloo and NCCL keep a socket per peer: raise the open-files soft limit to the hard limit
+ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 # restarts need a fresh rendezvous store per attempt (torch shares the agent's by default)
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 # a node-local Triton cache (a shared one races between nodes)
