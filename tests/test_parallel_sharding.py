@@ -62,8 +62,6 @@ def test_single_process_layout_is_trivial():
     assert layout.all_gather_object({"a": 1}) == [{"a": 1}]
     model = torch.nn.Linear(2, 3)
     assert layout.prepare_model(model, cfg) is model
-    assert {k: v.tolist() for k, v in layout.full_state_dict(model).items()} == \
-        {k: v.tolist() for k, v in model.state_dict().items()}
     assert list(layout.model_pieces(model)) == ["model/weight", "model/bias"]
 
 

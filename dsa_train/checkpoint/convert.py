@@ -1,8 +1,8 @@
 """`dsa-train export`: a training checkpoint or a Hugging Face directory -> the V3.2-Exp layout.
 
-Both sources are streamed: tensors go one at a time from the source to the shard writer, so the
-export holds about one output shard (a training checkpoint's `model.pt` is memory-mapped; a
-Hugging Face source is read tensor by tensor). A dense (V3 / V3.1) Hugging Face source gets
+Both sources are streamed. A training checkpoint is exported by `streamed_export` (shards
+planned from its metadata, each written tensor by tensor: one tensor held at a time); a Hugging
+Face source is read tensor by tensor into the shard writer, which holds about one output shard. A dense (V3 / V3.1) Hugging Face source gets
 freshly initialized indexers, one layer at a time.
 """
 
@@ -18,10 +18,10 @@ import torch
 from ..model.config import DSAConfig
 from ..model.indexer import LightningIndexer
 from .errors import CheckpointError
-from .export import ExportOptions, ExportResult, natural_key, v32_config_json, write_hf_dir
+from .export import ExportOptions, ExportResult, v32_config_json, write_hf_dir
 from .hf_layout import is_hf_dir
 from .loader import fresh_indexer_tensor, open_checkpoint
-from .training_source import open_training_checkpoint
+from .streamed_export import export_training_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +55,8 @@ def export_checkpoint(
         model_config = plan.config
         if tokenizer_dir is None and (src / "tokenizer.json").is_file():
             tokenizer_dir = src
-    else:
-        ckpt = open_training_checkpoint(src, config)
-        names = sorted(ckpt.state, key=natural_key)
-        tensors = ((n, ckpt.state[n]) for n in names)
-        model_config = ckpt.config
-        if tokenizer_dir is None:
-            tokenizer_dir = ckpt.tokenizer_dir
+    else:  # planned from the checkpoint's metadata, one tensor at a time (streamed_export.py)
+        return export_training_checkpoint(src, out, options, tokenizer_dir, config)
     return write_hf_dir(out, v32_config_json(model_config, options), tensors, options, tokenizer_dir)
 
 

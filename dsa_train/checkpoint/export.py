@@ -27,9 +27,9 @@ import torch
 
 from ..model.config import DSAConfig
 from .errors import CheckpointError
-from .fp8 import SCALE_SUFFIX, is_quantized_in_reference, quantize_fp8_blocks
+from .fp8 import SCALE_SUFFIX, is_quantized_in_reference, quantize_fp8_blocks, scale_shape
 from .hf_layout import CONFIG_FILE, INDEX_FILE
-from .shard_writer import ShardWriter
+from .shard_writer import ShardWriter, Spec
 
 KEEP_FP32 = ("indexer.k_norm.weight", "indexer.k_norm.bias", "mlp.gate.e_score_correction_bias")
 # the demo tokenizer (dsa_train.data.tokenizer uses the same files; importing it would pull `datasets`)
@@ -93,6 +93,31 @@ def v32_config_json(config: DSAConfig, options: ExportOptions, fallback_dtype: t
     return cfg
 
 
+def _stored_as(name: str, ndim: int, dtype: torch.dtype, options: ExportOptions) -> torch.dtype | None:
+    """The dtype a parameter is stored in; None: FP8 with block scales. The one rule behind
+    `encode` (values) and `encoded_specs` (shapes and dtypes before any value is read)."""
+    if options.fp8 and ndim == 2 and is_quantized_in_reference(name):
+        return None
+    if not dtype.is_floating_point:
+        return dtype
+    if name.endswith(KEEP_FP32):
+        return torch.float32
+    return options.dtype if options.dtype is not None else dtype
+
+
+def _scale_name(name: str) -> str:
+    return name[: -len(".weight")] + ".weight" + SCALE_SUFFIX
+
+
+def encoded_specs(name: str, shape: tuple[int, ...], dtype: torch.dtype, options: ExportOptions) -> list[Spec]:
+    """[(stored name, dtype, shape)] of what `encode` makes of a tensor of this shape and dtype."""
+    target = _stored_as(name, len(shape), dtype, options)
+    if target is None:
+        return [(name, torch.float8_e4m3fn, tuple(shape)), (_scale_name(name), torch.float32,
+                                                            tuple(scale_shape(tuple(shape), options.block)))]
+    return [(name, target, tuple(shape))]
+
+
 def encode(name: str, tensor: torch.Tensor, options: ExportOptions) -> dict[str, torch.Tensor]:
     """One parameter as it is stored: {name: tensor} or {name: fp8, name_scale_inv: scales}."""
     t = tensor.detach()
@@ -100,14 +125,11 @@ def encode(name: str, tensor: torch.Tensor, options: ExportOptions) -> dict[str,
         t = t.cpu()
     if t.is_meta:
         raise CheckpointError(f"tensor {name} is on the meta device (not loaded on this rank); export needs the full model")
-    if options.fp8 and t.dim() == 2 and is_quantized_in_reference(name):
+    target = _stored_as(name, t.dim(), t.dtype, options)
+    if target is None:
         q, scale = quantize_fp8_blocks(t, options.block, options.ue8m0)
-        return {name: q, name[: -len(".weight")] + ".weight" + SCALE_SUFFIX: scale}
-    if not t.is_floating_point():
-        return {name: t}
-    if name.endswith(KEEP_FP32):
-        return {name: t.float()}
-    return {name: t.to(options.dtype) if options.dtype is not None else t}
+        return {name: q, _scale_name(name): scale}
+    return {name: t.to(target)}
 
 
 def copy_tokenizer(src: str | os.PathLike, dst: Path) -> list[str]:
@@ -153,14 +175,15 @@ def write_hf_dir(
         if tokenizer_dir is not None:
             result.tokenizer_files = copy_tokenizer(tokenizer_dir, tmp)
         result.files = [out / f.name for f in files]
-        _place(tmp, out)
+        place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return result
 
 
-def _place(tmp: Path, out: Path) -> None:
+def place(tmp: Path, out: Path) -> None:
+    """Move the assembled directory `tmp` to `out` (replacing an earlier export's shards)."""
     if not out.exists():
         os.replace(tmp, out)
         return

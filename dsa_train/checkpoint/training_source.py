@@ -51,10 +51,10 @@ class ShardedModelState(Mapping):
 
         self.directory = step_dir / "state"
         self.regions = regions
-        md = sharded_state.read_metadata(self.directory).state_dict_metadata
+        self.metadata = sharded_state.read_metadata(self.directory)  # read once, not once per tensor
         prefix = sharded_state.MODEL
         self.meta = {k[len(prefix):]: torch.empty(tuple(v.size), dtype=v.properties.dtype, device="meta")
-                     for k, v in md.items() if k.startswith(prefix) and hasattr(v, "size")}
+                     for k, v in self.metadata.state_dict_metadata.items() if k.startswith(prefix) and hasattr(v, "size")}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         from dsa_train.engine import sharded_state
@@ -62,7 +62,7 @@ class ShardedModelState(Mapping):
         if name not in self.meta:
             raise KeyError(name)
         ((_, t),) = sharded_state.read_full_tensors(
-            self.directory, [name], regions=self.regions,
+            self.directory, [name], regions=self.regions, metadata=self.metadata,
             corrupt=lambda m: CheckpointError(f"{self.directory.parent}: {m}",
                                               fix="export an earlier step_* directory of the run"))
         return t
@@ -372,13 +372,17 @@ def check_state_dict(state: dict, files: dict[str, Path], config: DSAConfig, ste
         )
 
 
-def open_training_checkpoint(path: str | os.PathLike, config: str | os.PathLike | None = None) -> TrainingCheckpoint:
+def open_training_checkpoint(path: str | os.PathLike, config: str | os.PathLike | None = None,
+                             checksums: bool | None = None) -> TrainingCheckpoint:
+    """The model of a training checkpoint, its files verified (`checksums` None: VERIFY_CHECKSUMS),
+    its tensors read on access."""
     step_dir = find_step_dir(path)
     if step_dir is None:
         raise CheckpointError(f"{path} is neither a Hugging Face model directory nor a training checkpoint (no {MODEL_FILE_GLOB})")
-    verify_model_files(step_dir)
+    checksums = VERIFY_CHECKSUMS if checksums is None else checksums
+    verify_model_files(step_dir, checksums)
     if is_sharded(step_dir):
-        state = ShardedModelState(step_dir, _sharded_regions(step_dir, VERIFY_CHECKSUMS))
+        state = ShardedModelState(step_dir, _sharded_regions(step_dir, checksums))
         files = {name: step_dir / "state" for name in state}
     else:
         state, files = _read_state(step_dir)

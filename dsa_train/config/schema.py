@@ -169,7 +169,8 @@ class CheckpointConfig:
     # training continues after a copy of this rank's pieces; the checkpoint is committed (renamed
     # into place, `latest` updated) only once every rank's write finished.
     async_save: bool = False
-    # Write `dsa_train.save_pretrained(model, <run_dir>/export)` (V3.2 Hugging Face layout) at the end.
+    # Write <run_dir>/export (V3.2 Hugging Face layout) at the end, streamed from the last checkpoint
+    # by every rank (docs/checkpoints.md, "Export at the end of a run"; as `dsa-train export`).
     export: bool = True
 
 

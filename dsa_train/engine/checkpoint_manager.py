@@ -16,7 +16,6 @@ that depends on the number of ranks; with one process its collectives are no-ops
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import logging
@@ -28,10 +27,11 @@ import torch
 import dsa_train.engine.checkpoint as ckpt
 import dsa_train.engine.recipe_change as recipe_change
 import dsa_train.engine.sharded_state as sharded_state
-from dsa_train.checkpoint import save_pretrained
+from dsa_train.checkpoint.errors import CheckpointError
+from dsa_train.checkpoint.export import ExportOptions
+from dsa_train.checkpoint.streamed_export import export_training_checkpoint
 from dsa_train.config import CheckpointConfig, ConfigError
 from dsa_train.engine.rng import rng_state
-from dsa_train.model import DSAForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -206,9 +206,9 @@ class CheckpointManager:
 
     def _write(self, state: ckpt.TrainerState, engine, data_state: dict | None, rng: dict | None) -> None:
         state.recipe = self.recipe()
-        tensors = self.layout.model_pieces(self.model)
+        tensors = self.layout.model_pieces(self.model, to_write=True)  # one holder per replicated piece
         if engine is not None:
-            tensors.update(self.layout.optimizer_pieces(engine))
+            tensors.update(self.layout.optimizer_pieces(engine, to_write=True))
         layout = self.layout
         saved = ckpt.save_checkpoint(
             self.directory,
@@ -245,14 +245,16 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ export
     def export(self, path: Path, tokenizer_dir: str) -> None:
-        """The model in the V3.2 Hugging Face layout (N ranks: gathered to rank 0, written there)."""
-        if not self.layout.distributed:
-            save_pretrained(self.model, path, tokenizer_dir=tokenizer_dir)
-        else:
-            full = self.layout.full_state_dict(self.model)
-            if self.layout.rank == 0:
-                model = DSAForCausalLM(copy.deepcopy(self.model.config))
-                model.load_state_dict(full, strict=False)
-                save_pretrained(model, path, tokenizer_dir=tokenizer_dir)
-            self.layout.barrier()
-        log.info("exported %s", path)
+        """The model in the V3.2 Hugging Face layout, streamed from the checkpoint just committed
+        (`checkpoint.streamed_export`, as `dsa-train export`): every rank writes its share of the
+        shards, one tensor at a time; nothing is gathered. Every tensor keeps its dtype."""
+        if self.last_saved_step is None:
+            raise CheckpointError("the run has no checkpoint of its end to export",
+                                  fix=f"run `dsa-train export {self.directory} {path}`")
+        self.commit_pending_save()
+        step_dir = Path(self.directory) / f"{ckpt.PREFIX}{self.last_saved_step:08d}"
+        export_training_checkpoint(
+            step_dir, path, ExportOptions(dtype=None), tokenizer_dir, model_config=self.model.config,
+            torch_dtype=next(self.model.parameters()).dtype, checksums=self.cfg.verify_checksums,
+            rank=self.layout.rank, world_size=self.layout.world_size, agree=self.first_problem)
+        log.info("exported %s (from %s)", path, step_dir)

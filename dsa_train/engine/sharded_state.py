@@ -22,15 +22,17 @@ their global offsets):
     single-process engine contribute whole tensors. (Reading DeepSpeed's layouts:
     `dsa_train.parallel.deepspeed_compat.zero_fragments`.)
 Replicas (the same box on several ranks: data-parallel copies of the weights, tensor-parallel
-copies of replicated parameters' optimizer fragments) are proposed by every holder and written by
-one: DCP's global save plan keeps one write item per (name, offset) (`dedup_save_plans`) and
-rejects overlapping or out-of-bounds chunks, so no element is stored twice.
+copies of replicated parameters' optimizer fragments) are proposed by one holder only, decided
+on each rank from the layout without communication (`replica_slot`, `proposes`: the holder is
+picked by a hash of the name, so the writes spread over the holders); DCP's global save plan
+then has one write item per stored chunk, and it rejects overlapping, out-of-bounds or
+incompletely covered tensors, so no element is stored twice or missed.
 
 Loading under another layout builds the pieces of the *new* layout (views into the model's
 parameters and the new engine's partitions) and DCP reads the overlapping parts of the saved
 chunks: each rank reads only what it holds. Region checksums: every write item's byte range
-(file, offset, length) gets a sha256 when written (`HashingWriter`); a reader verifies only the
-ranges it reads (`VerifyingReader`). An error on any rank fails the load on every rank (DCP
+(file, offset, length) gets a sha256 as it is written (`HashingWriter`, no re-read); a reader
+verifies only the ranges it reads (`VerifyingReader`). An error on any rank fails the load on every rank (DCP
 gathers the ranks' results), raised as `CorruptCheckpoint`.
 
 Why DCP (docs/checkpoints.md): it composes with our engine as it is. DeepSpeed's universal
@@ -47,6 +49,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,13 +187,66 @@ def range_boxes(shape: tuple[int, ...], start: int, numel: int) -> list[tuple[tu
     return out
 
 
+# ------------------------------------------------------------------------------ who writes a replica
+@dataclass(frozen=True)
+class ReplicaCoordinates:
+    """This rank's coordinates in the layout, as far as they decide which ranks hold the same
+    piece: world = TP x (DP x CP) for dense tensors, = expert-TP x EP x expert-DP for routed
+    experts (megatron-core's two grids; pipeline parallel is 1). ZeRO partitions dense tensors
+    over DP x CP and experts over expert-DP."""
+
+    rank: int
+    world: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    dense_dp_rank: int = 0  # rank in DP x CP
+    dense_dp_size: int = 1
+    etp_rank: int = 0  # expert tensor parallel (megatron-core: = TP unless set otherwise)
+    etp_size: int = 1
+    edp_rank: int = 0  # expert data parallel
+    edp_size: int = 1
+    zero_stage: int = 0  # 0: whole tensors in the optimizer (as the single-process engine)
+
+
+def replica_slot(tensor: torch.Tensor, optimizer: bool, c: ReplicaCoordinates) -> tuple[int, int]:
+    """(which holder this rank is, how many ranks hold the same piece) for a piece of `tensor`'s
+    model value (`optimizer` False) or of its ZeRO fragment (True), from the layout alone:
+      model value   replicated: every rank; TP slice: the DP x CP ranks of this TP rank; routed
+                    expert: the expert-TP x expert-DP ranks of this EP rank
+      ZeRO >= 1     a fragment of a replicated tensor: the TP ranks (each partitions its copy the
+                    same way); of an expert: the expert-TP ranks; of a TP slice: this rank alone"""
+    record = sharding_of(tensor)
+    if optimizer and c.zero_stage > 0:
+        if record.tensor_parallel:
+            return 0, 1
+        if record.expert:
+            return c.etp_rank, c.etp_size
+        return c.tp_rank, c.tp_size
+    if record.expert:
+        return c.etp_rank * c.edp_size + c.edp_rank, c.etp_size * c.edp_size
+    if record.tensor_parallel:
+        return c.dense_dp_rank, c.dense_dp_size
+    return c.rank, c.world
+
+
+def proposes(name: str, slot: tuple[int, int]) -> bool:
+    """Whether this rank writes its piece of `name`: one holder of each replicated piece, the
+    same on every holder without communication, spread over the holders by the name (crc32)."""
+    index, copies = slot
+    return copies <= 1 or zlib.crc32(name.encode()) % copies == index
+
+
 # ------------------------------------------------------------------------------ what a rank holds
-def model_pieces(model: torch.nn.Module, tp_size: int = 1) -> dict[str, GlobalPieces]:
+def model_pieces(model: torch.nn.Module, tp_size: int = 1, writer: ReplicaCoordinates | None = None
+                 ) -> dict[str, GlobalPieces]:
     """model/<name> -> this rank's tensor of every model state-dict entry (parameters and
-    persistent buffers), placed in the global tensor."""
+    persistent buffers), placed in the global tensor. `writer`: only the pieces this rank writes
+    (`proposes`), for a save; None: every piece it holds (a load fills them all)."""
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():
         if t is None:
+            continue
+        if writer is not None and not proposes(MODEL + name, replica_slot(t, False, writer)):
             continue
         shape, offsets = sharding_of(t).place(tuple(t.shape), tp_size)
         out[MODEL + name] = GlobalPieces(shape, t.dtype, [(offsets, t.detach())])
@@ -237,11 +293,15 @@ def fragments(engine) -> list[Fragment]:
     return engine.fragments()
 
 
-def optimizer_pieces(engine, tp_size: int = 1, create: bool = False) -> dict[str, GlobalPieces]:
+def optimizer_pieces(engine, tp_size: int = 1, create: bool = False, writer: ReplicaCoordinates | None = None
+                     ) -> dict[str, GlobalPieces]:
     """optim/<kind>/<name> -> this rank's fragments of the fp32 masters and AdamW moments.
-    `create`: make the optimizer's state (zeros) where it has none yet, to load into."""
+    `create`: make the optimizer's state (zeros) where it has none yet, to load into. `writer`:
+    only the fragments this rank writes (`proposes`)."""
     out: dict[str, GlobalPieces] = {}
     for f in fragments(engine):
+        if writer is not None and not proposes("optim/" + f.name, replica_slot(f.param, True, writer)):
+            continue
         local_shape = f.shape or tuple(f.param.shape)
         shape, base = sharding_of(f.param).place(local_shape, tp_size)
         views = {"master": f.master(), **f.moments(create)}
@@ -300,13 +360,63 @@ def _sha_range(path: Path, offset: int, length: int) -> str:
     return h.hexdigest()
 
 
+class RegionHashingStream:
+    """A file DCP writes, hashed as it is written: the sha256 of the bytes between consecutive
+    positions DCP asks for (`tell`, called at the start and end of every write item) is kept as
+    `segments[(start, end)]`, so each item's byte range gets its checksum without a re-read."""
+
+    def __init__(self, f):
+        self.f = f
+        self.position = 0
+        self.start = 0
+        self.sha = hashlib.sha256()
+        self.segments: dict[tuple[int, int], str] = {}
+
+    def write(self, data) -> int:
+        n = self.f.write(data)
+        self.sha.update(data)
+        self.position += len(memoryview(data).cast("B"))
+        return n
+
+    def tell(self) -> int:
+        if self.position != self.start:
+            self.segments[(self.start, self.position)] = self.sha.hexdigest()
+            self.start, self.sha = self.position, hashlib.sha256()
+        return self.position
+
+    def __getattr__(self, name):  # fileno, flush, close, ...
+        return getattr(self.f, name)
+
+
 def hashing_writer(path: Path, on_write: Callable[[], None] | None = None):
     """A DCP FileSystemWriter that records the sha256 of every byte range it wrote
-    (`.regions`: {file relative to `path`: {"offset+length": sha256}}) once its files are written."""
+    (`.regions`: {file relative to `path`: {"offset+length": sha256}}), hashed while writing.
+    `.reread_bytes` counts the bytes it had to read back instead (a range DCP's positions did
+    not delimit; none in practice: the tests check it)."""
+    from contextlib import contextmanager
+
     from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class HashingFileSystem(FileSystem):
+        def __init__(self):
+            super().__init__()
+            self.segments: dict[str, dict[tuple[int, int], str]] = {}
+
+        @contextmanager
+        def create_stream(self, stream_path, mode: str):
+            with super().create_stream(stream_path, mode) as f:
+                if "w" not in mode:
+                    yield f
+                    return
+                stream = RegionHashingStream(f)
+                yield stream
+                stream.tell()
+                self.segments[Path(stream_path).name] = stream.segments
 
     class HashingWriter(FileSystemWriter):
         regions: dict[str, dict[str, str]] = {}
+        reread_bytes = 0
 
         def write_data(self, plan, planner):
             if on_write is not None:
@@ -316,20 +426,30 @@ def hashing_writer(path: Path, on_write: Callable[[], None] | None = None):
             regions: dict[str, dict[str, str]] = {}
             for r in results:
                 info = r.storage_data
-                regions.setdefault(info.relative_path, {})[region_key(info.offset, info.length)] = _sha_range(
-                    Path(self.path) / info.relative_path, info.offset, info.length)
+                sha = self.fs.segments.get(Path(info.relative_path).name, {}).get((info.offset, info.offset + info.length))
+                if sha is None:
+                    sha = _sha_range(Path(self.path) / info.relative_path, info.offset, info.length)
+                    self.reread_bytes += info.length
+                regions.setdefault(info.relative_path, {})[region_key(info.offset, info.length)] = sha
             self.regions = regions
             return fut
 
-    return HashingWriter(path, single_file_per_rank=True, sync_files=True, overwrite=True)
+    writer = HashingWriter(path, single_file_per_rank=True, sync_files=True, overwrite=True)
+    writer.fs = HashingFileSystem()
+    return writer
 
 
-def verifying_reader(path: Path, regions: dict[str, dict[str, str]] | None, corrupt: Callable[[str], Exception]):
+def verifying_reader(path: Path, regions: dict[str, dict[str, str]] | None, corrupt: Callable[[str], Exception],
+                     metadata=None):
     """A DCP FileSystemReader that checks, before reading, the sha256 of each byte range this
-    rank reads against `regions` (None: no checksums)."""
+    rank reads against `regions` (None: no checksums). `metadata`: the checkpoint's metadata,
+    already read (else read from `.metadata`)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     class VerifyingReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            return metadata if metadata is not None else super().read_metadata(*args, **kwargs)
+
         def read_data(self, plan, planner):
             if regions is not None:
                 checked = set()
@@ -445,17 +565,19 @@ def global_shapes(directory: Path, prefix: str = MODEL) -> dict[str, tuple[int, 
 
 
 def read_full_tensors(directory: Path, names: list[str], prefix: str = MODEL, regions: dict | None = None,
-                      corrupt: Callable[[str], Exception] = RuntimeError, batch_bytes: int = 1 << 30
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+                      corrupt: Callable[[str], Exception] = RuntimeError, batch_bytes: int = 1 << 30,
+                      metadata=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Offline (one process, no process group): the full tensors `names` under `prefix`, read a
-    batch of at most `batch_bytes` at a time (the export streams them)."""
-    md = read_metadata(directory).state_dict_metadata
+    batch of at most `batch_bytes` at a time (the export streams them). `metadata`: the
+    checkpoint's, already read."""
+    metadata = metadata if metadata is not None else read_metadata(directory)
+    md = metadata.state_dict_metadata
     batch: dict[str, torch.Tensor] = {}
     size = 0
 
     def flush():
         if batch:
-            load_pieces_offline(directory, batch, regions, corrupt)
+            load_pieces_offline(directory, batch, regions, corrupt, metadata)
             yield from batch.items()
 
     for name in names:
@@ -472,12 +594,12 @@ def read_full_tensors(directory: Path, names: list[str], prefix: str = MODEL, re
 
 
 def load_pieces_offline(directory: Path, tensors: dict[str, torch.Tensor], regions: dict | None,
-                        corrupt: Callable[[str], Exception]) -> None:
+                        corrupt: Callable[[str], Exception], metadata=None) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.load(tensors, storage_reader=verifying_reader(directory, regions, corrupt), no_dist=True)
+        dcp.load(tensors, storage_reader=verifying_reader(directory, regions, corrupt, metadata), no_dist=True)
     except CheckpointException as e:
         _raise_first_failure(e, corrupt)
 

@@ -7,7 +7,8 @@ everything that follows from it for the trainer.
 single-process `Engine`, whole tensors). `DistributedLayout` is N ranks on megatron-core's groups
 (`dsa_train.parallel.groups`): the model parallelized (`parallelize_model`), the DeepSpeed engine,
 the step's numbers combined over ranks (`parallel_reduction`), checkpoint pieces placed in the
-global tensors (`dsa_train.engine.sharded_state`) and the full state gathered for the export.
+global tensors (`dsa_train.engine.sharded_state`). The export streams from the checkpoint
+(`dsa_train.checkpoint.streamed_export`): the layout never gathers the model.
 The trainer asks the layout and never tests which one it has.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 
 import torch
@@ -23,12 +25,13 @@ import torch.distributed as dist
 from dsa_train.config import ConfigError, TrainConfig, WandbMode
 from dsa_train.config.validate import check_global_batches
 from dsa_train.stage import Stage
-from dsa_train.engine.sharded_state import GlobalPieces, model_pieces, optimizer_pieces
+from dsa_train.engine.sharded_state import GlobalPieces, ReplicaCoordinates, model_pieces, optimizer_pieces
 from dsa_train.engine.engine import Engine
+from dsa_train.parallel import deepspeed_compat
 from dsa_train.parallel.deepspeed_engine import DeepSpeedEngine
 from dsa_train.parallel.groups import ParallelState, cpu_group, init_parallel
 from dsa_train.parallel.model import parallelize_model
-from dsa_train.parallel.sharding import parallelized_state, sharding_of
+from dsa_train.parallel.sharding import parallelized_state
 from dsa_train.parallel.step import parallel_reduction
 
 log = logging.getLogger(__name__)
@@ -66,18 +69,23 @@ class Layout:
         """A context in which every parameter of `model` holds its values (ZeRO-3 partitions them)."""
         return contextlib.nullcontext()
 
-    def model_pieces(self, model: torch.nn.Module) -> dict[str, GlobalPieces]:
-        """model/<name> -> this rank's pieces of every model tensor, placed in the global tensor."""
-        return model_pieces(model, self.tp_size)
+    replicas: ReplicaCoordinates | None = None  # which holder of a replicated piece writes it
 
-    def optimizer_pieces(self, engine, create: bool = False) -> dict[str, GlobalPieces]:
+    def model_pieces(self, model: torch.nn.Module, to_write: bool = False) -> dict[str, GlobalPieces]:
+        """model/<name> -> this rank's pieces of every model tensor, placed in the global tensor
+        (`to_write`: only those this rank writes, one holder per replica)."""
+        return model_pieces(model, self.tp_size, self.replicas if to_write else None)
+
+    def optimizer_pieces(self, engine, create: bool = False, to_write: bool = False) -> dict[str, GlobalPieces]:
         """optim/<kind>/<name> -> this rank's fragments of the optimizer state (`create`: zeros
-        where the optimizer has no state yet, to load into)."""
-        return optimizer_pieces(engine, self.tp_size, create=create)
-
-    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The single-process state dict of `model`, on every rank."""
-        return dict(model.state_dict())
+        where the optimizer has no state yet, to load into; `to_write`: as model_pieces)."""
+        writer = None
+        if to_write and self.replicas is not None:
+            # DeepSpeed partitions the optimizer state unless it steps the parameters themselves
+            # (fp32 ZeRO-0); bf16 ZeRO-0 (its BF16 optimizer) partitions over DP x CP as ZeRO-1
+            partitioned = deepspeed_compat.optimizer_kind(engine.optimizer) != "torch"
+            writer = dataclasses.replace(self.replicas, zero_stage=max(self.replicas.zero_stage, int(partitioned)))
+        return optimizer_pieces(engine, self.tp_size, create=create, writer=writer)
 
 
 class DistributedLayout(Layout):
@@ -93,6 +101,7 @@ class DistributedLayout(Layout):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dp_rank, self.dp_size = state.dp_rank, state.sizes.data
         self.tp_size = state.sizes.tensor
+        self.replicas = replica_coordinates(state, zero_stage)
 
     @property
     def checkpoint_group(self):
@@ -137,34 +146,17 @@ class DistributedLayout(Layout):
             return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
         return contextlib.nullcontext()
 
-    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Gathered to every rank: TP shards concatenated, EP experts collected. For small models
-        and the tests; big models export from checkpoints."""
-        st = self.parallel_state
-        out: dict[str, torch.Tensor] = {}
-        experts: dict[str, torch.Tensor] = {}  # this rank's routed experts (EP), global names
-        with self.gathered(model):
-            for name, p in model.state_dict(keep_vars=True).items():
-                if p is None:
-                    continue
-                t = p.detach().clone()
-                record = sharding_of(p)
-                if record.expert:
-                    experts[name] = t
-                    continue
-                if record.tensor_parallel:
-                    parts = [torch.empty_like(t) for _ in range(st.sizes.tensor)]
-                    dist.all_gather(parts, t.contiguous(), group=st.tp_group)
-                    t = torch.cat(parts, dim=record.tp_dim)
-                out[name] = t
-        if st.sizes.expert > 1:
-            gathered = [None] * st.sizes.expert
-            dist.all_gather_object(gathered, experts, group=st.ep_group)
-            for part in gathered:
-                out.update(part)
-        else:
-            out.update(experts)
-        return out
+
+def replica_coordinates(state: ParallelState, zero_stage: int) -> ReplicaCoordinates:
+    """This rank's coordinates in megatron-core's dense and expert grids (sharded_state.replica_slot)."""
+    ps, sizes = state.ps, state.sizes
+    return ReplicaCoordinates(
+        rank=state.rank, world=sizes.world, tp_rank=state.tp_rank, tp_size=sizes.tensor,
+        dense_dp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
+        dense_dp_size=ps.get_data_parallel_world_size(with_context_parallel=True),
+        etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
+        edp_rank=ps.get_expert_data_parallel_rank(), edp_size=ps.get_expert_data_parallel_world_size(),
+        zero_stage=zero_stage)
 
 
 def check_single_process(cfg: TrainConfig) -> None:
