@@ -8,7 +8,7 @@
 the ~100 M-parameter model of benchmarks/checkpoint_load_memory.py. `export` runs
 `export_training_checkpoint` on every rank (world from torchrun, gloo), as `CheckpointManager.export`
 does at the end of a run, with 40 MB shards so that both ranks write several; each rank prints one
-JSON line: the growth of its peak resident set during the export (VmHWM reset through
+JSON line (also written to OUT.rank<r>.json): the growth of its peak resident set during the export (VmHWM reset through
 /proc/self/clear_refs just before, minus the resident set then), the shards it wrote and the
 largest tensor. `full` reads every model tensor of the checkpoint into one dict (what a gather of
 the full state holds on a rank): its growth shows that the measurement sees a whole model.
@@ -107,7 +107,10 @@ if __name__ == "__main__":
     if how == "make":
         make(src)
     elif how == "export":
-        print(json.dumps(export(src / "step_00000001", Path(sys.argv[3]))), flush=True)
+        out = Path(sys.argv[3])
+        line = json.dumps(export(src / "step_00000001", out))
+        (out.parent / f"{out.name}.rank{os.environ.get('RANK', '0')}.json").write_text(line + "\n")
+        print(line, flush=True)
     elif how == "full":
         print(json.dumps(full(src / "step_00000001")), flush=True)
     else:

@@ -229,7 +229,7 @@ def test_zero3_tensor_parallel_trains_and_exports(tmp_path):
     assert float(attn.o_proj.weight.detach().abs().sum()) > 0
 
     # `dsa-train export` of the run's last checkpoint (tensor-parallel slices in two rank files)
-    # equals the export the run gathered itself
+    # equals the export the run wrote at its end (the same streamed export, on 2 ranks)
     from safetensors.torch import load_file
 
     offline = _export(tmp_path / "run", tmp_path / "offline")
