@@ -12,7 +12,8 @@ flat partitions over DP x CP, experts over expert-DP, as the planner's traced Ze
 DCP's own save planner makes the rank's local plan from them: metadata only, no tensor. Prints
 one JSON line: write items and pickled plan bytes before (every holder proposes) and after (one
 holder per replica), the planning time and the peak Python memory (tracemalloc) of the local
-plan, and the rank-0 totals they imply at the full world size.
+plan, and the rank-0 totals they imply at the full world size; and the largest model tensor (what
+bounds the end-of-run export's memory per rank).
 """
 
 from __future__ import annotations
@@ -114,6 +115,10 @@ def measure(recipe: str, rank: int = 0) -> dict:
         # total is the number of distinct model chunks, counted here from the held model); ZeRO
         # fragments are each rank's own (one per rank and partition, `world` times this rank's)
         held = model_pieces(model, state.sizes.tensor)
+        # the end-of-run export holds one tensor at a time (up to 3x in DCP's read): its largest
+        largest = max(held.items(), key=lambda kv: math.prod(kv[1].shape) * kv[1].dtype.itemsize)
+        out["largest_tensor"] = largest[0]
+        out["largest_tensor_bytes"] = math.prod(largest[1].shape) * largest[1].dtype.itemsize
         dense_chunks = sum(1 for k, p in held.items() if "mlp.experts." not in k)
         expert_chunks = sum(1 for k in held if "mlp.experts." in k) * state.sizes.expert
         after, before = out["one_holder"], out["every_holder"]
