@@ -67,3 +67,97 @@ def test_plan_matches_measured_peak_expert_parallel(tmp_path):
     # phase (they never coexist with the activations) and the CPU sparse kernels are memory-bounded
     # (was 0.79-0.81, with a loosened lower bound of 0.75).
     assert 0.8 <= r["ratio"] <= 1.2, r
+
+
+def _plan_json(capsys, *args):
+    code = plan_main([*args, "--json"])
+    out = capsys.readouterr()
+    return code, json.loads(out.out)
+
+
+def test_671b_sparse_plan_communication_by_kind(capsys):
+    """The sparse stage's communication per step, by kind, from the code's byte formulas: the MoE
+    all-to-all runs in the forward, again in the recompute (recompute: full) and in the backward;
+    ZeRO-2 reduces the fp32 gradients on every one of the 15 micro-batches."""
+    from dsa_train.model.config import DSAConfig
+
+    _, plan = _plan_json(capsys, "--config-name", "v3.2_sparse")
+    (stage,) = plan["stages"]
+    kinds = {r["kind"]: r for r in stage["communication"]}
+    c = DSAConfig()
+    micro_batches = 480 // 32
+    assert stage["step_detail"]["micro_batches"] == micro_batches
+    moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
+    tokens = 131072 // 32 * c.num_experts_per_tok * c.hidden_size * 2  # bf16 token vectors per MoE layer and pass
+    fwd, rec, bwd = (kinds[f"moe_all_to_all_{p}"] for p in ("forward", "recompute", "backward"))
+    assert rec["payload_bytes"] == fwd["payload_bytes"]  # every MoE layer again (the MTP layer does not run)
+    assert abs(bwd["payload_bytes"] / (2 * tokens * moe_layers * micro_batches) - 1) < 1e-9
+    assert 1 < fwd["payload_bytes"] / bwd["payload_bytes"] < 1.001  # + slot counts and expert ids
+    grads = kinds["gradient_reduction_dense_dp"]
+    assert grads["phase"] == "backward" and grads["calls"] % micro_batches == 0
+    dense_params = grads["payload_bytes"] / micro_batches / 4  # fp32, every micro-batch
+    assert 15e9 < dense_params < 25e9  # the replicated part (MLA, embeddings, LM heads, shared experts)
+    d = stage["step_detail"]
+    assert abs(d["communication_s"] - sum(r["seconds"] for r in stage["communication"])) < 1e-6
+    assert abs(stage["step_s"] - d["compute_s"] - d["communication_s"]) < 1e-6
+    assert stage["gib"]["nccl_buffers"] > 0
+
+
+def test_plan_prices_communication_with_the_recipes_bandwidths(capsys):
+    """Halving the effective all-to-all bandwidth doubles the MoE all-to-all's transfer time (its
+    latency aside); the warm-up (frozen main model) has no MoE backward and no recompute of it."""
+    _, base = _plan_json(capsys, "--config-name", "v3.2_warmup")
+    _, slow = _plan_json(capsys, "--config-name", "v3.2_warmup", "cluster.network.all_to_all_inter_node_gbps=15")
+    a, b = ({r["kind"]: r for r in p["stages"][0]["communication"]} for p in (base, slow))
+    assert set(a) == set(b) and not {"moe_all_to_all_recompute", "moe_all_to_all_backward"} & set(a)
+    latency = a["moe_all_to_all_forward"]["calls"] * 30e-6
+    ratio = (b["moe_all_to_all_forward"]["seconds"] - latency) / (a["moe_all_to_all_forward"]["seconds"] - latency)
+    assert abs(ratio - 2) < 1e-6
+    assert a["cp_gather_forward"]["seconds"] == b["cp_gather_forward"]["seconds"]
+    assert a["gradient_reduction_dense_dp"]["phase"] == "step"  # ZeRO-1: reduced once, at the step
+
+
+@pytest.mark.parametrize("args, message", [
+    (["cluster.network.inter_node_gbps=0"], "cluster.network.inter_node_gbps=0.0"),
+    (["--net-gbps", "50"], "cluster.network.inter_node_gbps"),
+])
+def test_plan_rejects_bad_network(args, message, capsys):
+    assert plan_main(["--config-name", "v3.2_sparse", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_group_spans_match_megatron_groups():
+    """The plan's group sizes and per-node counts (megatron-core's rank generator) are those of the
+    process groups megatron-core creates, for ranks on different nodes of the sparse layout."""
+    import torch.distributed as dist
+
+    from dsa_train.config import ParallelConfig
+    from dsa_train.parallel.plan_comm import group_spans, span_of
+    from dsa_train.parallel.trace import close_fake_world, init_fake_world
+
+    parallel = ParallelConfig(tensor_parallel=2, context_parallel=4, expert_parallel=8, data_parallel=4)
+    for rank in (0, 13, 31):
+        state = init_fake_world(parallel, rank, 32)
+        try:
+            planned = group_spans(state.sizes, 8, rank)
+            groups = {"tp": state.tp_group, "cp": state.cp_group, "ep": state.ep_group, "dp": state.dp_group,
+                      "dense_dp": state.dense_dp_group, "expert_dp": state.expert_dp_group}
+            for name, group in groups.items():
+                assert planned[name] == span_of(dist.get_process_group_ranks(group), rank, 8), (rank, name)
+        finally:
+            close_fake_world()
+
+
+def test_collective_seconds_intra_and_inter_node():
+    from dsa_train.config.schema import NetworkConfig
+    from dsa_train.parallel.plan_comm import GroupSpan, collective_seconds
+
+    net = NetworkConfig(intra_node_gbps=100, inter_node_gbps=10, all_to_all_inter_node_gbps=5,
+                        intra_node_latency_us=0, inter_node_latency_us=0)
+    gb = 1e9
+    assert collective_seconds("all_reduce", gb, GroupSpan(8, 8), net) == 2 * 7 / 8 / 100
+    assert collective_seconds("all_gather", gb, GroupSpan(16, 8), net) == 15 / 16 / 10
+    # 256 ranks, 8 per node: 7/256 of the payload over NVLink, 248/256 over the network (slower)
+    assert collective_seconds("all_to_all", gb, GroupSpan(256, 8), net) == 248 / 256 / 5
+    assert collective_seconds("all_to_all", gb, GroupSpan(1, 1), net) == 0.0

@@ -2,7 +2,8 @@
 (bf16, the 671B recipes' dtype), built on the meta device under torch's fake process group and
 traced for one training step under FakeTensorMode. Its per-category peak agrees with the analytic
 plan where both count the same thing: the rank's parameters, its ZeRO-2 gradient partition plus
-the reduce bucket, and its AdamW state (fp32 master + moments, plan incl. the update's temporaries).
+the reduce bucket, and its AdamW state (fp32 master + moments, plan incl. the update's temporaries);
+and the plan's communication per step agrees with the traced step's collectives.
 (The 671B traces take longer than minutes on this CPU: docs/distributed.md.)"""
 
 import json
@@ -28,6 +29,23 @@ def test_trace_of_an_ep2_zero2_rank_matches_the_plan():
     assert abs((traced["gradients"] + traced["comm_buffers"]) / planned["gradients"] - 1) < 0.2, t
     assert abs(traced["optimizer"] / planned["optimizer"] - 1) < 0.2, t
     assert t["traced_peak_bytes"] == sum(traced.values())
+    keys = assert_communication_agrees(t)
+    assert {"all_to_all ep forward", "all_to_all ep backward", "reduce dense_dp backward"} <= keys, keys
+
+
+def assert_communication_agrees(t: dict) -> set:
+    """The plan's communication per step against the traced step's collectives: per (op, group,
+    phase) and in total, bytes and seconds within 20%; every traced collective has a planned kind.
+    Returns the traced keys."""
+    comm = t["communication"]
+    assert t["traced_collective_calls"] > 0 and t["planned_comm_bytes"] > 0
+    for r in comm:
+        assert r["kinds"] or r["traced_bytes"] == 0, r  # a traced collective the plan does not know
+        if max(r["planned_bytes"], r["traced_bytes"]) > 0.01 * t["planned_comm_bytes"]:
+            assert r["planned_bytes"] > 0 and abs(r["traced_bytes"] / r["planned_bytes"] - 1) < 0.2, r
+    assert abs(t["traced_comm_bytes"] / t["planned_comm_bytes"] - 1) < 0.2, t
+    assert abs(t["traced_comm_s"] / t["planned_comm_s"] - 1) < 0.2, t
+    return {r["key"] for r in comm if r["traced_calls"] > 0}
 
 
 # The 671B recipes as shipped (layout at the full world size, stage, ZeRO stage, recompute, bf16,
@@ -58,3 +76,17 @@ def test_trace_of_671b_recipe_agrees_with_plan(recipe, tmp_path):
     # gradients: the plan's term is its maximum over the step (partition + reduce bucket + the
     # largest parameter's model-dtype gradient); the trace's is what is live at its peak
     assert traced["gradients"] <= 1.2 * planned["gradients"], t
+    # communication: every collective of the step as the plan counts it. The sparse stage
+    # (recompute: full, all parameters train) runs the MoE all-to-all and the CP gather forward,
+    # again in the recompute and backward, and reduces gradients in every micro-batch (ZeRO-2);
+    # the warm-up (frozen main model) runs no MoE backward, and the recompute stops after the
+    # attention (the indexer's tensors are all it needs), so its all-to-all is not re-run;
+    # ZeRO-1 reduces once, at the step
+    keys = assert_communication_agrees(t)
+    if recipe == "v3.2_sparse":
+        assert {"all_to_all ep forward", "all_to_all ep recompute", "all_to_all ep backward", "all_gather cp forward",
+                "all_gather cp recompute", "all_reduce cp backward", "reduce dense_dp backward",
+                "reduce expert_dp backward"} <= keys, keys
+    else:
+        assert {"all_to_all ep forward", "all_gather cp recompute", "reduce dense_dp step"} <= keys, keys
+        assert not {"all_to_all ep recompute", "all_to_all ep backward"} & keys, keys

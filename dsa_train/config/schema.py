@@ -210,8 +210,31 @@ class FaultToleranceConfig:
 
 
 @dataclass
+class NetworkConfig:
+    """What collectives achieve on the cluster, per GPU: EFFECTIVE bandwidths (what nccl-tests'
+    busbw shows at large messages, not the links' line rate), per-call latencies, and the GPU
+    memory NCCL allocates for its buffers (outside PyTorch's allocator). `dsa-train plan` prices
+    the step's communication and adds NCCL's memory with these (docs/distributed.md,
+    "Communication"). The defaults are an 8-GPU NVLink (H100/H800 SXM) node with one 400 Gb/s
+    InfiniBand NIC per GPU; measure yours (nccl-tests all_reduce_perf / alltoall_perf at 1 GiB
+    over the job's node count) and set them in the recipe's cluster group."""
+
+    intra_node_gbps: float = 300.0  # GB/s, ring collectives and all-to-all among a node's GPUs (NVLink)
+    inter_node_gbps: float = 40.0  # GB/s per GPU, ring collectives across nodes (400 Gb/s = 50 line rate)
+    all_to_all_inter_node_gbps: float = 30.0  # GB/s per GPU, the cross-node part of an all-to-all
+    intra_node_latency_us: float = 10.0  # per collective call within one node
+    inter_node_latency_us: float = 30.0  # per collective call spanning nodes
+    # NCCL's own buffers: per communicator used for collectives (ring/tree channels x protocol
+    # buffers), per NVLink peer of an all-to-all (p2p channels x buffers), per network peer
+    nccl_communicator_mib: float = 300.0
+    nccl_nvlink_peer_mib: float = 470.0
+    nccl_net_peer_mib: float = 2.0
+
+
+@dataclass
 class ClusterConfig:
-    """Slurm allocation (used by the launchers in `launch/`)."""
+    """Slurm allocation (used by the launchers in `launch/`) and its network (`network`: what
+    `dsa-train plan` prices communication with)."""
 
     nodes: int = 1
     gpus_per_node: int = 1
@@ -243,6 +266,7 @@ class ClusterConfig:
     setup: list[str] = field(default_factory=list)
     # Extra "#SBATCH ..." option lines, e.g. ["--exclusive", "--constraint=h100"].
     sbatch_options: list[str] = field(default_factory=list)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """`dsa-train plan`: per-GPU memory and step-time estimate of a recipe on its cluster layout.
 
     dsa-train plan [--config-name R | recipe=R] [overrides ...] [--peak-tflops 989] [--mfu 0.35]
-                   [--gpu-gb 80] [--net-gbps 50] [--json] [--trace [--rank R]]
+                   [--gpu-gb 80] [--json] [--trace [--rank R]]
 
 Per rank and per stage (the largest stage decides whether it fits):
   parameters   dense ones replicated over DP x CP (or sharded by ZeRO-3), MLA heads / MLPs / shared
@@ -20,13 +20,20 @@ Per rank and per stage (the largest stage decides whether it fits):
                logits and their fp32 cross-entropy copies;
   DSA buffers  per layer the top-k indices (T_loc x k int32) and, with CP, the all-gathered
                latent KV (T x 576) and indexer keys (T x 128); plus the chunked kernels' working
-               set (query chunks are sized to 2^24 fp32 elements).
+               set (query chunks are sized to 2^24 fp32 elements);
+  NCCL buffers NCCL's own GPU memory (outside PyTorch's allocator, in both phases): per
+               communicator the step uses and per all-to-all peer (`cluster.network.nccl_*`).
 `--trace` also builds rank R of the layout at the full world size under a fake process group and
 traces one training step of the largest stage under FakeTensorMode (dsa_train.parallel.trace):
-the per-category peak beside these figures; `--json` prints it as one JSON object on the last line.
+the per-category peak beside these figures, and every collective of the step beside the plan's
+communication (dsa_train.parallel.trace_comm); `--json` prints it as one JSON object on the last
+line.
 Step time: training FLOPs of the stage (`Stage.flops_per_token`, indexer included) at the given
-MFU, plus the data-parallel gradient reduction and the expert all-to-all at --net-gbps per GPU
-(not overlapped: an upper bound). The CPU check in tests/test_parallel_plan.py compares the memory
+MFU, plus every kind of communication of the step (dsa_train.parallel.plan_comm: MoE all-to-all
+in the forward, the recompute and the backward; CP gathers; TP; the data-parallel gradient
+reduction, per micro-batch under ZeRO-2; ZeRO's parameter all-gather; the step's small
+all-reduces) at the EFFECTIVE bandwidths and latencies of the recipe's `cluster.network` (not
+overlapped: an upper bound). The CPU check in tests/test_parallel_plan.py compares the memory
 terms with measured peaks.
 """
 
@@ -38,10 +45,16 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from dsa_train.parallel.buckets import REDUCE_BUCKET
+from dsa_train.parallel.plan_comm import (
+    check_network, group_spans, nccl_buffer_bytes, price, ranks_per_node, step_collectives, step_shape,
+)
 from dsa_train.stage import Stage
 
 GiB = 2**30
 KERNEL_CHUNK_ELEMS = 1 << 24  # kernels/masking.query_chunk_size budget
+# the step line's communication summary: seconds of the kinds whose names start so
+COMM_SUMMARY = {"moe_all_to_all_s": "moe_all_to_all", "grad_reduce_s": ("gradient_reduction", "parameter_all_gather"),
+                "cp_gather_s": "cp_gather", "tp_s": "tp_"}
 
 
 @dataclass
@@ -55,6 +68,9 @@ class ParamCounts:
     moe_layers: int = 0  # layers (incl. MTP) with routed experts
     n_experts: int = 0
     largest_layer: float = 0.0  # dense part of the largest layer (ZeRO-3's gathered working set)
+    mtp_replicated: float = 0.0  # of `replicated` / `tp_split`: the MTP layers' (no gradient
+    mtp_tp_split: float = 0.0  # where the stage does not run them)
+    mtp_moe_layers: int = 0
 
     @property
     def total(self) -> float:
@@ -89,6 +105,9 @@ def count_params(c) -> ParamCounts:
             tp += 3 * h * c.intermediate_size
         if i >= c.num_hidden_layers:  # MTP: its own embedding, enorm/hnorm, eh_proj, shared head
             rep += c.vocab_size * h * 2 + 3 * h + 2 * h * h
+            n.mtp_replicated += rep
+            n.mtp_tp_split += tp
+            n.mtp_moe_layers += int(c.is_moe_layer(i))
         n.replicated += rep
         n.tp_split += tp
         n.largest_layer = max(n.largest_layer, rep + tp)  # + this rank's experts (plan_stage)
@@ -105,6 +124,7 @@ class StagePlan:
     step_s: float = 0.0
     step_detail: dict = field(default_factory=dict)
     step_detail_gib: dict = field(default_factory=dict)  # the optimizer step's phase (see plan_stage)
+    communication: list = field(default_factory=list)  # per kind (plan_comm.price)
 
 
 def largest_trainable_param(c, sizes, main_trains: bool) -> float:
@@ -219,25 +239,30 @@ def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
     # two phases: forward/backward (everything above) and the optimizer step (model state plus the
     # update's temporaries; activations and DSA buffers are freed by then) -- the peak is the larger
     step_phase = g["parameters"] + g["gradients"] + g["optimizer"] + step_temporaries
-    p.total_gib = max(sum(g.values()), step_phase)
     p.step_detail_gib = {"optimizer_step_temporaries": step_temporaries, "optimizer_step_phase": step_phase}
-    # step time
+    # step time: compute at the MFU, plus every kind of communication at the cluster's effective
+    # bandwidths (parallel/plan_comm.py), added without overlap
     tokens = stage.config.global_batch_size * cfg.data.seq_len
     fpt = stage.flops_per_token(c, cfg.data.seq_len)
-    world = sizes.world
-    compute = tokens * fpt / (world * opts.peak_tflops * 1e12 * opts.mfu)
-    bw = opts.net_gbps * 1e9
-    grad_bytes = 4 * (t_dense + t_expert)
-    dp_comm = 2 * grad_bytes / bw if shard_d > 1 else 0.0  # reduce-scatter + all-gather of a rank's params
-    k = c.num_experts_per_tok or 0
-    a2a_tokens = tokens / world * k * n.moe_layers
-    ep_comm = (4 if main_trains else 2) * a2a_tokens * c.hidden_size * pb * (1 - 1 / sizes.expert) / bw if sizes.expert > 1 else 0.0
-    cp_comm = (2 * tokens / (sizes.tensor * sizes.data) * (c.kv_lora_rank + c.qk_rope_head_dim + c.index_head_dim) * pb
-               * c.num_hidden_layers / bw) if sizes.context > 1 else 0.0
-    tp_comm = (4 * 2 * tokens / world * sizes.context * c.hidden_size * pb * c.num_hidden_layers / bw) if sizes.tensor > 1 else 0.0
-    p.step_s = compute + dp_comm + ep_comm + cp_comm + tp_comm
-    p.step_detail = {"compute_s": compute, "dp_grad_s": dp_comm, "ep_all_to_all_s": ep_comm, "cp_gather_s": cp_comm,
-                     "tp_s": tp_comm, "flops_per_token": fpt, "tokens_per_step": tokens}
+    compute = tokens * fpt / (sizes.world * opts.peak_tflops * 1e12 * opts.mfu)
+    # what gets a gradient to reduce: the trainable parameters less the MTP layer's where it does not run
+    reduced_dense, reduced_expert = t_dense, t_expert
+    if main_trains and not stage.uses_mtp:
+        reduced_dense -= n.mtp_replicated + n.mtp_tp_split / sizes.tensor
+        reduced_expert -= n.expert * n.mtp_moe_layers * (n.n_experts / sizes.expert)
+    shape = step_shape(cfg, stage, sizes, (t_dense, t_expert), (reduced_dense, reduced_expert))
+    rows = step_collectives(c, sizes, shape, REDUCE_BUCKET)
+    spans = group_spans(sizes, ranks_per_node(cfg), opts.rank)
+    p.communication = price(rows, spans, cfg.cluster.network)
+    # NCCL's buffers (outside PyTorch's allocator) count in every phase
+    g["nccl_buffers"] = nccl_buffer_bytes(rows, spans, cfg.cluster.network) / GiB
+    p.total_gib = max(sum(g.values()), step_phase + g["nccl_buffers"])
+    comm = sum(r["seconds"] for r in p.communication)
+    p.step_s = compute + comm
+    p.step_detail = {"compute_s": compute, "communication_s": comm, "micro_batches": shape.micro_batches,
+                     "flops_per_token": fpt, "tokens_per_step": tokens}
+    for key, kinds in COMM_SUMMARY.items():
+        p.step_detail[key] = sum(r["seconds"] for r in p.communication if r["kind"].startswith(kinds))
     return p
 
 
@@ -268,6 +293,7 @@ def make_plan(cfg, opts, world: int | None = None) -> dict:
     sizes = resolve_sizes(cfg.parallel, world)
     model_cfg, source = model_config_of(cfg)
     check_model_divisibility(sizes, model_cfg)
+    check_network(cfg.cluster.network)
     stages = [plan_stage(cfg, model_cfg, Stage.of(name, st), sizes, opts) for name, st in cfg.stages.items()]
     n = count_params(model_cfg)
     peak = max(s.total_gib for s in stages)
@@ -292,9 +318,16 @@ def format_plan(plan: dict) -> str:
         d = s["step_detail"]
         out.append(f"  stage {s['stage']} ({s['attention']}, trains {s['trainable']}): {s['total_gib']:.2f} GiB/rank "
                    f"[{parts}]")
-        out.append(f"      step ~{s['step_s']:.1f} s (compute {d['compute_s']:.1f}, DP grads {d['dp_grad_s']:.1f}, "
-                   f"EP all-to-all {d['ep_all_to_all_s']:.1f}, CP gather {d['cp_gather_s']:.2f}, TP {d['tp_s']:.1f}); "
-                   f"{d['flops_per_token'] / 1e9:.1f} GFLOP/token")
+        out.append(f"      step ~{s['step_s']:.1f} s = compute {d['compute_s']:.1f} + communication "
+                   f"{d['communication_s']:.1f} (MoE all-to-all {d['moe_all_to_all_s']:.1f}, gradients "
+                   f"{d['grad_reduce_s']:.1f}, CP gather {d['cp_gather_s']:.2f}, TP {d['tp_s']:.1f}; not overlapped); "
+                   f"{d['micro_batches']} micro-batches; {d['flops_per_token'] / 1e9:.1f} GFLOP/token")
+        out.append(f"      {'communication per step':33s} {'op':10s} {'group':>18s} {'calls':>7s} {'GB sent':>9s} "
+                   f"{'seconds':>8s}")
+        for r in s["communication"]:
+            group = f"{r['group']} {r['group_size']}" + (f"/{r['group_nodes']}n" if r["group_nodes"] > 1 else "")
+            out.append(f"        {r['kind']:31s} {r['op']:10s} {group:>18s} {r['calls']:7.0f} "
+                       f"{r['wire_bytes'] / 1e9:9.2f} {r['seconds']:8.2f}")
     verdict = "fits" if plan["fits"] else "does NOT fit"
     out.append(f"  peak {plan['peak_gib']:.1f} GiB/rank: {verdict} in {plan['gpu_gib']} GB GPUs "
                f"(with 10% headroom for allocator and CUDA context)")
@@ -307,7 +340,7 @@ def parse_opts(argv):
     p.add_argument("--mfu", type=float, default=0.35)
     p.add_argument("--gpu-gb", type=float, default=80.0, help="GPU memory in GiB (an \"80 GB\" H100 reports 79.2 GiB)")
     p.add_argument("--usable", type=float, default=0.9, help="fraction of GPU memory the plan may use")
-    p.add_argument("--net-gbps", type=float, default=50.0, help="network GB/s per GPU (400 Gb/s IB = 50)")
+    p.add_argument("--net-gbps", type=float, default=None, help=argparse.SUPPRESS)  # gone: cluster.network
     p.add_argument("--world", type=int, default=None, help="ranks (default: cluster.nodes x procs/GPUs per node)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--trace", action="store_true",
@@ -317,30 +350,48 @@ def parse_opts(argv):
 
 
 def traced_plan(cfg, opts, plan: dict) -> dict:
-    """`--trace`: the traced peak of the plan's largest stage beside the plan's figures (bytes)."""
+    """`--trace`: the traced peak of the plan's largest stage beside the plan's figures (bytes; the
+    plan's without NCCL's buffers, which are outside PyTorch's storages), and the traced step's
+    collectives beside the plan's communication, per (op, group, phase)."""
     from dsa_train.parallel.trace import trace_step
+    from dsa_train.parallel.trace_comm import compare_communication, traced_communication
 
     stage = max(plan["stages"], key=lambda s: s["total_gib"])
     model_cfg, _ = model_config_of(cfg)
     traced = trace_step(cfg, model_cfg, rank=opts.rank, world=plan["layout"]["world"], stage_name=stage["stage"])
-    planned = {k: int(v * GiB) for k, v in stage["gib"].items()}
+    planned = {k: int(v * GiB) for k, v in stage["gib"].items() if k != "nccl_buffers"}
+    nccl = int(stage["gib"]["nccl_buffers"] * GiB)
+    comm = compare_communication(
+        stage["communication"],
+        traced_communication(traced["collectives"], stage["step_detail"]["micro_batches"], cfg.cluster.network))
     return {
         "world_size": traced["world_size"], "rank": traced["rank"], "stage": stage["stage"],
-        "traced_peak_bytes": traced["peak_total"], "planned_peak_bytes": int(stage["total_gib"] * GiB),
-        "gpu_memory_bytes": int(opts.gpu_gb * GiB), "traced": traced["peak"], "planned": planned,
-        "layout": traced["layout"], "trace_seconds": round(traced["seconds"], 1), "peak_at": traced["peak_at"],
-        "fits": traced["peak_total"] <= opts.gpu_gb * GiB * opts.usable,
+        "traced_peak_bytes": traced["peak_total"], "planned_peak_bytes": int(stage["total_gib"] * GiB) - nccl,
+        "planned_nccl_bytes": nccl, "gpu_memory_bytes": int(opts.gpu_gb * GiB), "traced": traced["peak"],
+        "planned": planned, "layout": traced["layout"], "trace_seconds": round(traced["seconds"], 1),
+        "peak_at": traced["peak_at"], "fits": traced["peak_total"] + nccl <= opts.gpu_gb * GiB * opts.usable,
+        "micro_batches": stage["step_detail"]["micro_batches"], "traced_collective_calls": len(traced["collectives"]),
+        "communication": comm,
+        "planned_comm_bytes": sum(r["planned_bytes"] for r in comm), "traced_comm_bytes": sum(r["traced_bytes"] for r in comm),
+        "planned_comm_s": sum(r["planned_s"] for r in comm), "traced_comm_s": sum(r["traced_s"] for r in comm),
     }
 
 
 def format_trace(t: dict) -> str:
     out = [f"trace: rank {t['rank']} of {t['world_size']}, stage {t['stage']}, one step "
            f"({t['trace_seconds']} s): peak {t['traced_peak_bytes'] / GiB:.2f} GiB traced, "
-           f"{t['planned_peak_bytes'] / GiB:.2f} GiB planned"]
+           f"{t['planned_peak_bytes'] / GiB:.2f} GiB planned (+ {t['planned_nccl_bytes'] / GiB:.2f} GiB NCCL buffers)"]
     for k in t["traced"]:
         plan = t["planned"].get(k)
         out.append(f"  {k:13s} traced {t['traced'][k] / GiB:8.3f} GiB   planned "
                    + (f"{plan / GiB:8.3f} GiB" if plan is not None else "       - (in gradients)"))
+    out.append(f"communication per step ({t['traced_collective_calls']} collectives traced in one micro-batch and "
+               f"the update; x {t['micro_batches']} micro-batches): {t['traced_comm_bytes'] / 1e9:.1f} GB traced, "
+               f"{t['planned_comm_bytes'] / 1e9:.1f} GB planned; {t['traced_comm_s']:.1f} s traced, "
+               f"{t['planned_comm_s']:.1f} s planned")
+    for r in t["communication"]:
+        out.append(f"  {r['key']:32s} traced {r['traced_bytes'] / 1e9:9.2f} GB {r['traced_s']:7.2f} s   planned "
+                   f"{r['planned_bytes'] / 1e9:9.2f} GB {r['planned_s']:7.2f} s  {' '.join(r['kinds'])}")
     return "\n".join(out)
 
 
@@ -351,6 +402,11 @@ def main(argv: list[str]) -> int:
     from dsa_train.parallel.launch import split_recipe_args
 
     opts, rest = parse_opts(argv)
+    if opts.net_gbps is not None:
+        print("dsa-train plan: --net-gbps is gone: the plan prices communication with the recipe's effective "
+              "bandwidths, e.g. cluster.network.inter_node_gbps=40 (docs/distributed.md, \"Communication\")",
+              file=sys.stderr)
+        return 2
     recipe, overrides = split_recipe_args(rest)
     try:
         # no validation of data sources / checkpoint paths: a plan needs neither

@@ -48,6 +48,7 @@ import weakref
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsa_train.parallel.buckets import REDUCE_BUCKET
@@ -224,12 +225,18 @@ def _tensors(obj):
 class TracedZeroStep:
     """DeepSpeed ZeRO-1/2's memory layout for one step, with real ops on (fake) tensors."""
 
-    def __init__(self, trainable, sizes, zero_stage: int, trace: MemoryTrace, bucket: int):
+    def __init__(self, trainable, state, zero_stage: int, trace: MemoryTrace, bucket: int, reduce_dtype: torch.dtype,
+                 recorder=None):
+        sizes = state.sizes
         self.trace = trace
         self.zero = zero_stage
         dense = [p for _, p in trainable if not sharding_of(p).expert]
         expert = [p for _, p in trainable if sharding_of(p).expert]
         self.groups = [(dense, sizes.dense_dp), (expert, sizes.expert_dp)]
+        # DeepSpeed's reductions: dense gradients over DP x CP, experts' over expert-DP
+        self.process_groups = [state.dense_dp_group, state.expert_dp_group]
+        self.reduce_dtype, self.recorder = reduce_dtype, recorder
+        self._pending = [0, 0]  # gradient elements in the reduce bucket, per group (ZeRO-2)
         self.bucket = bucket
         trace.phase = "optimizer"
         self.masters, self.grads = [], []
@@ -272,16 +279,53 @@ class TracedZeroStep:
         n = min(p.numel(), self._reduce_buffer.numel())
         self._reduce_buffer[:n].copy_(p.grad.reshape(-1)[:n])
         p.grad = None
+        if self.zero >= 2:  # ZeRO-2 reduces in its backward hooks, a bucket at a time
+            g = 1 if sharding_of(p).expert else 0
+            self._pending[g] += p.numel()
+            while self._pending[g] >= self.bucket:
+                self._reduce_elements(g, self.bucket)
+                self._pending[g] -= self.bucket
+
+    def _reduce_elements(self, g: int, n: int) -> None:
+        """DeepSpeed's reduction of `n` gradient elements of group `g` (a `reduce` of the bucket's
+        slices to their partitions' owners; one call per bucket here) in its communication dtype."""
+        groups = self.groups[g]
+        if groups[1] <= 1 or n <= 0:
+            return
+        if self._reduce_buffer is None or self._reduce_buffer.dtype != self.reduce_dtype:
+            self._reduce_buffer = torch.empty(min(self.bucket, max(n, 1)), dtype=self.reduce_dtype)
+            self.trace.retag(self._reduce_buffer, "comm_buffers")
+        group = self.process_groups[g]
+        dist.reduce(self._reduce_buffer[:n], dst=dist.get_global_rank(group, 0), group=group)
+
+    def end_of_backward(self) -> None:
+        """ZeRO-2's epilogue: the partly filled buckets are reduced."""
+        for g in (0, 1):
+            self._reduce_elements(g, self._pending[g])
+            self._pending[g] = 0
 
     def step(self) -> None:
+        if self.zero < 2:  # ZeRO-0/1: the gradients are reduced at the step, a bucket at a time
+            for g, (params, _) in enumerate(self.groups):
+                total = sum(p.numel() for p in params)
+                for start in range(0, total, self.bucket):
+                    self._reduce_elements(g, min(self.bucket, total - start))
         self.trace.phase = "optimizer"
         self.optimizer.step()  # AdamW moments are created here (fp32, the partition's size)
         self.trace.phase = "activations"
-        # updated partitions back into the (bf16) parameters: cast, then all-gather per bucket
-        for params, shard in self.groups:
-            for p in params:
-                flat = torch.empty(min(p.numel(), self.bucket), dtype=p.dtype)
+        # updated partitions back into the (bf16) parameters: all-gathered over each group,
+        # `bucket` elements of output per call (DeepSpeed's allgather_bucket_size)
+        for (params, shard), group in zip(self.groups, self.process_groups):
+            if not params or shard <= 1 or self.zero < 1:
+                continue
+            dtype = params[0].dtype
+            part = math.ceil(sum(p.numel() for p in params) / shard)
+            chunk = max(self.bucket // shard, 1)
+            for start in range(0, part, chunk):
+                n = min(chunk, part - start)
+                flat = torch.empty(n * shard, dtype=dtype)
                 self.trace.retag(flat, "comm_buffers")
+                dist.all_gather_into_tensor(flat, flat.narrow(0, 0, n), group=group)
                 del flat
 
     def state_bytes(self) -> int:
@@ -339,7 +383,10 @@ def trace_step(cfg, model_cfg, rank: int = 0, world: int | None = None, stage_na
     from dsa_train.checkpoint.skeleton import empty_model
     from dsa_train.engine.step import forward_backward
     from dsa_train.parallel.model import parallelize_model
+    from dsa_train.parallel.plan_comm import gradient_reduce_bytes, ranks_per_node
     from dsa_train.parallel.startup import materialize
+    from dsa_train.parallel.step import parallel_reduction
+    from dsa_train.parallel.trace_comm import CollectiveRecorder
 
     cl = cfg.cluster
     world = world or cl.nodes * (cl.procs_per_node or cl.gpus_per_node)
@@ -355,7 +402,11 @@ def trace_step(cfg, model_cfg, rank: int = 0, world: int | None = None, stage_na
             parallelize_model(model, state, recompute=cfg.parallel.recompute, grouped_experts=cfg.parallel.grouped_experts)
         trace = MemoryTrace()
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        with fake, trace, workspace_listener(trace.chunk_workspace):
+        recorder = CollectiveRecorder(state, ranks_per_node(cfg))
+        pb = torch.finfo(dtype).bits // 8
+        reduce_dtype = torch.float32 if gradient_reduce_bytes(cfg.parallel.zero_stage, pb, cfg.optim.grad_accum_dtype) == 4 \
+            else dtype
+        with fake, trace, workspace_listener(trace.chunk_workspace), recorder:
             materialize(model, torch.device("cpu"), dtype)
             for module in model.modules():  # runtime buffers in the model dtype, as the loader casts them
                 for key, buf in module._buffers.items():
@@ -365,20 +416,27 @@ def trace_step(cfg, model_cfg, rank: int = 0, world: int | None = None, stage_na
                 trace.retag(t, "parameters")
             model.train()
             trainable = stage.select_trainable(model)
-            zero = TracedZeroStep(trainable, sizes, cfg.parallel.zero_stage, trace, REDUCE_BUCKET)
+            zero = TracedZeroStep(trainable, state, cfg.parallel.zero_stage, trace, REDUCE_BUCKET, reduce_dtype)
             T, B = cfg.data.seq_len, cfg.data.micro_batch_size
             ids = torch.zeros(B, T, dtype=torch.long)
             batch = {"input_ids": ids, "labels": ids.clone(),
                      "position_ids": torch.arange(T).expand(B, T).contiguous()}
-            forward_backward(_TraceEngine(model), [batch], stage)
-            zero.step()
+            # the trainer's step: one micro-batch (its collectives count micro_batches times),
+            # metrics reduced over the layout, then the update and the router's bias step
+            forward_backward(_TraceEngine(model), [batch], stage, reduction=parallel_reduction(state))
+            with recorder.phase("backward"):
+                zero.end_of_backward()
+            with recorder.phase("step"):
+                zero.step()
+                if stage.config.router_bias_update_rate and stage.kind.main_backward:
+                    model.update_router_bias(stage.config.router_bias_update_rate)
         peak = {c: int(trace.peak.get(c, 0)) for c in CATEGORIES}
         return {
             "world_size": world, "rank": rank, "stage": stage_name, "layers": model_cfg.num_hidden_layers,
             "peak": peak, "peak_total": int(trace.peak_total), "peak_at": trace.peak_where,
             "layout": {"tp": sizes.tensor, "cp": sizes.context, "ep": sizes.expert, "dp": sizes.data,
                        "zero": cfg.parallel.zero_stage, "recompute": cfg.parallel.recompute},
-            "seconds": time.perf_counter() - start,
+            "seconds": time.perf_counter() - start, "collectives": recorder.calls,
         }
     finally:
         close_fake_world()

@@ -1,0 +1,320 @@
+"""What one training step communicates, by kind, for `dsa-train plan`; and what it costs at the
+cluster's effective bandwidths (`cluster.network`, `NetworkConfig`).
+
+Each kind is a small function of the model, the layout and the stage that returns `Collective`
+rows: the op, its group, when it runs (a micro-batch's forward, its recompute under
+`parallel.recompute`, its backward, or once per step), how many calls per step and the payload of
+one call. They model the code as it is; when the code changes what it sends (e.g. per-node
+de-duplication of MoE tokens, one gradient reduction per step, a reduce-scatter for the CP
+gather's backward), update that kind's function: `dsa-train plan --trace` records every
+collective of a traced step and `tests/test_parallel_trace.py` compares the two per kind.
+
+Payload of one call (what the trace records for the same call):
+  all_to_all      the bytes this rank sends (its input, its own share included)
+  all_gather      the gathered output (group size x the input)
+  all_reduce, reduce, broadcast   the tensor
+  reduce_scatter  the input (group size x the output)
+Bytes on the wire per rank (NCCL's bus-bandwidth convention): all_reduce 2(n-1)/n x payload,
+all_gather / reduce_scatter / all_to_all (n-1)/n x payload, reduce / broadcast 1 x payload.
+Time of a call: latency (intra- or inter-node) + wire bytes / effective bandwidth, where a group
+within one node uses `intra_node_gbps`; a ring collective across nodes `inter_node_gbps`; an
+all-to-all across nodes sends (g-1)/n of its payload over NVLink and (n-g)/n over the network
+(g of its n ranks on this node), concurrently: the slower part counts. Kinds add up without
+overlap (an upper bound: the engine overlaps nothing today, `overlap_comm: false`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GB = 1e9
+MiB = 2**20
+PHASES = ("forward", "recompute", "backward", "step")  # the first three: per micro-batch
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of communication of a step."""
+
+    kind: str  # e.g. "moe_all_to_all_forward"
+    op: str  # all_to_all | all_gather | all_reduce | reduce | reduce_scatter | broadcast
+    group: str  # tp | cp | ep | dp | dense_dp | expert_dp | world (ParallelState's groups)
+    phase: str  # forward | recompute | backward (per micro-batch) | step (once)
+    calls: float  # per step
+    payload_bytes: float  # per call (module doc)
+
+
+@dataclass(frozen=True)
+class GroupSpan:
+    size: int  # ranks in the group
+    on_node: int  # of them on this rank's node (this rank included)
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.size / max(self.on_node, 1))
+
+
+def wire_fraction(op: str, n: int) -> float:
+    """Bytes each rank puts on links per payload byte (module doc)."""
+    if n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("reduce", "broadcast"):
+        return 1.0
+    return (n - 1) / n
+
+
+def collective_seconds(op: str, payload_bytes: float, span: GroupSpan, net) -> float:
+    """Seconds of one call at the effective bandwidths of `net` (a NetworkConfig)."""
+    n = span.size
+    if n <= 1:
+        return 0.0
+    across = span.nodes > 1
+    latency = (net.inter_node_latency_us if across else net.intra_node_latency_us) * 1e-6
+    if op == "all_to_all" and across:
+        intra = payload_bytes * (span.on_node - 1) / n / (net.intra_node_gbps * GB)
+        inter = payload_bytes * (n - span.on_node) / n / (net.all_to_all_inter_node_gbps * GB)
+        return latency + max(intra, inter)
+    bandwidth = net.inter_node_gbps if across else net.intra_node_gbps
+    return latency + payload_bytes * wire_fraction(op, n) / (bandwidth * GB)
+
+
+# ------------------------------------------------------------------ the layout's groups
+def ranks_per_node(cfg) -> int:
+    cl = cfg.cluster
+    return max(cl.procs_per_node or cl.gpus_per_node, 1)
+
+
+def group_spans(sizes, ranks_per_node: int, rank: int = 0) -> dict[str, GroupSpan]:
+    """Size and on-node count of the groups holding `rank`, as megatron-core's rank generator
+    lays them out (`parallel_state.initialize_model_parallel`, order tp-cp-ep-dp-pp; expert
+    groups with the expert tensor-parallel size = TP)."""
+    from megatron.core.parallel_state import RankGenerator
+
+    dense = RankGenerator(tp=sizes.tensor, ep=1, dp=sizes.data, pp=1, cp=sizes.context, order="tp-cp-ep-dp-pp")
+    expert_dp = sizes.world // (sizes.tensor * sizes.expert)
+    experts = RankGenerator(tp=sizes.tensor, ep=sizes.expert, dp=expert_dp, pp=1, cp=1, order="tp-cp-ep-dp-pp")
+    tokens = {"tp": (dense, "tp"), "cp": (dense, "cp"), "dp": (dense, "dp"), "dense_dp": (dense, "dp-cp"),
+              "ep": (experts, "ep"), "expert_dp": (experts, "dp")}
+    spans = {}
+    for name, (generator, token) in tokens.items():
+        ranks = next(g for g in generator.get_ranks(token) if rank in g)
+        spans[name] = span_of(ranks, rank, ranks_per_node)
+    spans["world"] = span_of(range(sizes.world), rank, ranks_per_node)
+    return spans
+
+
+def span_of(ranks, rank: int, ranks_per_node: int) -> GroupSpan:
+    ranks = list(ranks)
+    node = rank // ranks_per_node
+    return GroupSpan(len(ranks), sum(1 for r in ranks if r // ranks_per_node == node))
+
+
+# ------------------------------------------------------------------ the step's shape
+@dataclass(frozen=True)
+class StepShape:
+    """What the kinds' byte formulas read (see `step_shape`)."""
+
+    micro_batches: int  # per rank and step
+    batch: int  # sequences per micro-batch
+    seq_len: int
+    tokens_local: int  # tokens this rank holds per micro-batch (B x T / CP)
+    dtype_bytes: int  # model dtype (activations, gradients of activations, parameters)
+    main_trains: bool  # the main model runs a backward (the sparse stage); else only the indexer
+    uses_mtp: bool  # the MTP layer runs (stages with the LM loss)
+    recompute: str  # parallel.recompute
+    zero_stage: int
+    grad_reduce_bytes: int  # bytes per element of the data-parallel gradient reduction
+    dense_trainable: float  # trainable elements on this rank, replicated over DP x CP
+    expert_trainable: float  # routed-expert elements on this rank, replicated over expert-DP
+    dense_reduced: float  # of dense_trainable: those that get a gradient (the stage runs them)
+    expert_reduced: float
+    router_bias_update: bool
+
+
+def step_shape(cfg, stage, sizes, trainable: tuple[float, float], reduced: tuple[float, float]) -> StepShape:
+    """`trainable`: (dense, expert) trainable elements on this rank; `reduced`: of them, those with
+    a gradient in this stage."""
+    pb = 2 if cfg.model.dtype.value == "bfloat16" else 4
+    B, T = cfg.data.micro_batch_size, cfg.data.seq_len
+    return StepShape(
+        micro_batches=max(stage.config.global_batch_size // (B * sizes.data), 1), batch=B, seq_len=T,
+        tokens_local=B * T // sizes.context, dtype_bytes=pb, main_trains=stage.kind.main_backward,
+        uses_mtp=stage.uses_mtp, recompute=cfg.parallel.recompute, zero_stage=cfg.parallel.zero_stage,
+        grad_reduce_bytes=gradient_reduce_bytes(cfg.parallel.zero_stage, pb, cfg.optim.grad_accum_dtype),
+        dense_trainable=trainable[0], expert_trainable=trainable[1], dense_reduced=reduced[0],
+        expert_reduced=reduced[1],
+        router_bias_update=stage.config.router_bias_update_rate != 0,
+    )
+
+
+def gradient_reduce_bytes(zero_stage: int, dtype_bytes: int, grad_accum_dtype) -> int:
+    """Bytes per element DeepSpeed reduces gradients in (`parallel/deepspeed_engine.py`: bf16
+    models reduce in fp32 only under ZeRO-2 with `optim.grad_accum_dtype: float32`)."""
+    accum = getattr(grad_accum_dtype, "value", grad_accum_dtype)
+    if dtype_bytes == 2 and not (zero_stage == 2 and accum == "float32"):
+        return 2
+    return 4
+
+
+# ------------------------------------------------------------------ the kinds
+def moe_all_to_all(c, sizes, s: StepShape) -> list[Collective]:
+    """`parallel/expert.py` AllToAllDispatcher, per MoE layer and forward: the slot counts
+    (int64 [EP]), the token vectors (one per (token, expert) slot: T_loc x top-k x hidden), the
+    slots' expert ids (int64) and the combine (the token vectors back); backward: the reverse
+    all-to-all of both token exchanges. Recomputed layers run their forward's again."""
+    if sizes.expert <= 1 or not c.n_routed_experts:
+        return []
+    main_moe = sum(1 for i in range(c.num_hidden_layers) if c.is_moe_layer(i))
+    mtp_moe = (c.num_nextn_predict_layers or 0) if s.uses_mtp else 0
+    slots = s.tokens_local * c.num_experts_per_tok
+    tokens = slots * c.hidden_size * s.dtype_bytes
+    fwd_calls, fwd_bytes = 4, (2 * tokens + slots * 8 + sizes.expert * 8) / 4  # mean payload of the 4 calls
+    recomputed = main_moe if (s.main_trains and s.recompute in ("full", "moe")) else 0
+    rows = [
+        Collective("moe_all_to_all_forward", "all_to_all", "ep", "forward", fwd_calls * (main_moe + mtp_moe) * s.micro_batches, fwd_bytes),
+        Collective("moe_all_to_all_recompute", "all_to_all", "ep", "recompute", fwd_calls * recomputed * s.micro_batches, fwd_bytes),
+    ]
+    if s.main_trains:
+        rows.append(Collective("moe_all_to_all_backward", "all_to_all", "ep", "backward",
+                               2 * (main_moe + mtp_moe) * s.micro_batches, tokens))
+    return rows
+
+
+def cp_gather(c, sizes, s: StepShape) -> list[Collective]:
+    """`parallel/comm.py` all_gather_autograd, per attention layer: the indexer key k_I [B, T_loc,
+    d_I] and the MQA latent KV [B, T_loc, 576] all-gathered over CP (again when the layer is
+    recomputed); backward: the gradient of the gathered tensor [B, T, d] all-reduced (kv when the
+    main model trains; k_I where the indexer loss reads it: the main layers)."""
+    if sizes.context <= 1:
+        return []
+    layers = c.num_hidden_layers + ((c.num_nextn_predict_layers or 0) if s.uses_mtp else 0)
+    full = s.batch * s.seq_len
+    kv = full * (c.kv_lora_rank + c.qk_rope_head_dim) * s.dtype_bytes
+    k_idx = full * c.index_head_dim * s.dtype_bytes
+    recomputed = c.num_hidden_layers if s.recompute in ("full", "attention") else 0
+    mb = s.micro_batches
+    rows = [
+        Collective("cp_gather_forward", "all_gather", "cp", "forward", 2 * layers * mb, (kv + k_idx) / 2),
+        Collective("cp_gather_recompute", "all_gather", "cp", "recompute", 2 * recomputed * mb, (kv + k_idx) / 2),
+    ]
+    backward = [(kv, layers)] if s.main_trains else []
+    backward.append((k_idx, c.num_hidden_layers))
+    calls = sum(n for _, n in backward)
+    rows.append(Collective("cp_gather_backward", "all_reduce", "cp", "backward", calls * mb,
+                           sum(b * n for b, n in backward) / calls))
+    return rows
+
+
+def tp_collectives(c, sizes, s: StepShape) -> list[Collective]:
+    """Tensor parallel (`parallel/tensor.py`, megatron-core's linears), per layer: the row-parallel
+    outputs (o_proj, the MLP's down projection) all-reduced in the forward ([T_loc, hidden]) and
+    the column-parallel inputs' gradients in the backward. Not checked by a trace (the 671B
+    recipes run TP 1)."""
+    if sizes.tensor <= 1:
+        return []
+    layers = c.num_hidden_layers + ((c.num_nextn_predict_layers or 0) if s.uses_mtp else 0)
+    act = s.tokens_local * c.hidden_size * s.dtype_bytes
+    recomputed = c.num_hidden_layers if s.recompute != "none" else 0
+    rows = [Collective("tp_forward", "all_reduce", "tp", "forward", 2 * layers * s.micro_batches, act),
+            Collective("tp_recompute", "all_reduce", "tp", "recompute", 2 * recomputed * s.micro_batches, act)]
+    if s.main_trains:
+        rows.append(Collective("tp_backward", "all_reduce", "tp", "backward", 2 * layers * s.micro_batches, act))
+    return rows
+
+
+def gradient_reduction(sizes, s: StepShape, bucket: int) -> list[Collective]:
+    """DeepSpeed's data-parallel gradient reduction (`reduce` of each bucket slice to the rank
+    owning its partition): dense gradients over DP x CP, routed experts' over expert-DP, in
+    `grad_reduce_bytes`. ZeRO-2 reduces in its backward hooks, on every micro-batch; ZeRO-0/1
+    once, at the step (`managed_gradient_accumulation: false`: the step is the boundary). Parameters
+    without a gradient (the MTP layer of a stage that does not run it) are not reduced."""
+    per_micro_batch = s.zero_stage >= 2
+    phase, repeat = ("backward", s.micro_batches) if per_micro_batch else ("step", 1)
+    rows = []
+    for group, n, elems in (("dense_dp", sizes.dense_dp, s.dense_reduced), ("expert_dp", sizes.expert_dp, s.expert_reduced)):
+        if n > 1 and elems > 0:
+            calls = math.ceil(elems / bucket)
+            rows.append(Collective(f"gradient_reduction_{group}", "reduce", group, phase, calls * repeat,
+                                   elems * s.grad_reduce_bytes / calls))
+    return rows
+
+
+def parameter_all_gather(sizes, s: StepShape, bucket: int) -> list[Collective]:
+    """ZeRO-1/2 after the update: each rank's updated partition (model dtype) of every trainable
+    parameter all-gathered back into the parameters, `bucket` elements of output per call, once
+    per step."""
+    if s.zero_stage not in (1, 2):
+        return []
+    rows = []
+    for group, n, elems in (("dense_dp", sizes.dense_dp, s.dense_trainable), ("expert_dp", sizes.expert_dp, s.expert_trainable)):
+        if n > 1 and elems > 0:
+            calls = math.ceil(elems / bucket)
+            rows.append(Collective(f"parameter_all_gather_{group}", "all_gather", group, "step", calls,
+                                   elems * s.dtype_bytes / calls))
+    return rows
+
+
+def step_scalars(c, sizes, s: StepShape) -> list[Collective]:
+    """Small all-reduces of a step: token counts over DP and metric sums over DP x CP
+    (`parallel/step.py`), and with the router's bias update two fp32 [experts] load vectors per
+    MoE layer over DP x CP (`MoE.update_bias`)."""
+    rows = []
+    if sizes.data > 1:
+        rows.append(Collective("step_token_counts", "all_reduce", "dp", "step", 1, 3 * 8))
+    if sizes.dense_dp > 1:
+        rows.append(Collective("step_metrics", "all_reduce", "dense_dp", "step", 1, 16 * 8))
+        if s.router_bias_update and s.main_trains and c.n_routed_experts:
+            moe = sum(1 for i in range(c.num_hidden_layers + (c.num_nextn_predict_layers or 0)) if c.is_moe_layer(i))
+            rows.append(Collective("router_bias_all_reduce", "all_reduce", "dense_dp", "step", 2 * moe, c.n_routed_experts * 4))
+    return rows
+
+
+def step_collectives(c, sizes, s: StepShape, bucket: int) -> list[Collective]:
+    rows = (moe_all_to_all(c, sizes, s) + cp_gather(c, sizes, s) + tp_collectives(c, sizes, s)
+            + gradient_reduction(sizes, s, bucket) + parameter_all_gather(sizes, s, bucket) + step_scalars(c, sizes, s))
+    return [r for r in rows if r.calls > 0]
+
+
+# ------------------------------------------------------------------ cost and memory
+def price(rows: list[Collective], spans: dict[str, GroupSpan], net) -> list[dict]:
+    """Each kind per step: calls, payload and wire bytes per rank, seconds (one dict per row)."""
+    out = []
+    for r in rows:
+        span = spans[r.group]
+        out.append({
+            "kind": r.kind, "op": r.op, "group": r.group, "group_size": span.size, "group_nodes": span.nodes,
+            "phase": r.phase, "calls": r.calls, "payload_bytes": r.calls * r.payload_bytes,
+            "wire_bytes": r.calls * r.payload_bytes * wire_fraction(r.op, span.size),
+            "seconds": r.calls * collective_seconds(r.op, r.payload_bytes, span, net),
+        })
+    return out
+
+
+def nccl_buffer_bytes(rows: list[Collective], spans: dict[str, GroupSpan], net) -> float:
+    """NCCL's GPU memory on this rank: one set of collective buffers per communicator the step
+    uses, plus per-peer point-to-point buffers of each all-to-all group (NVLink peers and
+    network peers), from `cluster.network`'s nccl_* sizes."""
+    groups = {r.group for r in rows if spans[r.group].size > 1}
+    total = len(groups) * net.nccl_communicator_mib * MiB
+    for group in {r.group for r in rows if r.op == "all_to_all" and spans[r.group].size > 1}:
+        span = spans[group]
+        total += (span.on_node - 1) * net.nccl_nvlink_peer_mib * MiB
+        total += (span.size - span.on_node) * net.nccl_net_peer_mib * MiB
+    return total
+
+
+def check_network(net) -> None:
+    """One line per bad value (ConfigError): bandwidths must be positive."""
+    from dsa_train.config import ConfigError
+
+    for name in ("intra_node_gbps", "inter_node_gbps", "all_to_all_inter_node_gbps"):
+        if not getattr(net, name) > 0:
+            raise ConfigError(f"cluster.network.{name}={getattr(net, name)}: an effective bandwidth in GB/s per GPU "
+                              f"must be > 0 (e.g. nccl-tests' busbw; docs/distributed.md, \"Communication\")")
+    for name in ("intra_node_latency_us", "inter_node_latency_us", "nccl_communicator_mib", "nccl_nvlink_peer_mib",
+                 "nccl_net_peer_mib"):
+        if getattr(net, name) < 0:
+            raise ConfigError(f"cluster.network.{name}={getattr(net, name)}: must be >= 0")
