@@ -125,6 +125,8 @@ class StepShape:
     main_trains: bool  # the main model runs a backward (the sparse stage); else only the indexer
     uses_mtp: bool  # the MTP layer runs (stages with the LM loss)
     recompute: str  # parallel.recompute
+    indexer_loss: bool  # the stage's loss has the indexer KL (eq. 3 / eq. 4)
+    mqa_form: bool  # attention in the absorbed form (sparse, or context parallel)
     zero_stage: int
     grad_reduce_bytes: int  # bytes per element of the data-parallel gradient reduction
     dense_trainable: float  # trainable elements on this rank, replicated over DP x CP
@@ -143,6 +145,7 @@ def step_shape(cfg, stage, sizes, trainable: tuple[float, float], reduced: tuple
         micro_batches=max(stage.config.global_batch_size // (B * sizes.data), 1), batch=B, seq_len=T,
         tokens_local=B * T // sizes.context, dtype_bytes=pb, main_trains=stage.kind.main_backward,
         uses_mtp=stage.uses_mtp, recompute=cfg.parallel.recompute, zero_stage=cfg.parallel.zero_stage,
+        indexer_loss=stage.uses_indexer_loss, mqa_form=stage.sparse or sizes.context > 1,
         grad_reduce_bytes=gradient_reduce_bytes(cfg.parallel.zero_stage, pb, cfg.optim.grad_accum_dtype),
         dense_trainable=trainable[0], expert_trainable=trainable[1], dense_reduced=reduced[0],
         expert_reduced=reduced[1],
@@ -209,20 +212,61 @@ def cp_gather(c, sizes, s: StepShape) -> list[Collective]:
 
 
 def tp_collectives(c, sizes, s: StepShape) -> list[Collective]:
-    """Tensor parallel (`parallel/tensor.py`, megatron-core's linears), per layer: the row-parallel
-    outputs (o_proj, the MLP's down projection) all-reduced in the forward ([T_loc, hidden]) and
-    the column-parallel inputs' gradients in the backward. Not checked by a trace (the 671B
-    recipes run TP 1)."""
+    """Tensor parallel (`parallel/tensor.py`, megatron-core's linears), per layer and micro-batch.
+    Forward: the row-parallel outputs all-reduced (o_proj; the down projection of a dense MLP or
+    of the shared experts), [T_loc, hidden]; where the indexer loss needs every head, the
+    attention queries and log-sum-exps gathered (`TensorParallelHeads.gather`). Backward (main
+    model trains): the column-parallel inputs' gradients (q_b_proj, kv_b_proj in the MHA form,
+    gate and up projections) and the shared latent and k_rope (`heads.shared`) all-reduced; the replicated
+    indexer's parameter gradients averaged (five tensors a layer). The 671B recipes run TP 1:
+    checked on a small TP 2 trace only (docs/distributed.md)."""
     if sizes.tensor <= 1:
         return []
-    layers = c.num_hidden_layers + ((c.num_nextn_predict_layers or 0) if s.uses_mtp else 0)
-    act = s.tokens_local * c.hidden_size * s.dtype_bytes
-    recomputed = c.num_hidden_layers if s.recompute != "none" else 0
-    rows = [Collective("tp_forward", "all_reduce", "tp", "forward", 2 * layers * s.micro_batches, act),
-            Collective("tp_recompute", "all_reduce", "tp", "recompute", 2 * recomputed * s.micro_batches, act)]
+    main = c.num_hidden_layers
+    layers = main + ((c.num_nextn_predict_layers or 0) if s.uses_mtp else 0)
+    T, pb, h, H = s.tokens_local, s.dtype_bytes, c.hidden_size, c.num_attention_heads
+    mlp_layers = sum(1 for i in range(layers) if not c.is_moe_layer(i) or c.n_shared_experts)
+    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    if s.mqa_form:  # one call each: queries in the absorbed form [T, H, 576], lse [T, H] fp32
+        heads = [T * H * (c.kv_lora_rank + c.qk_rope_head_dim) * pb, T * H * 4]
+    else:  # MHA: q and k [T, H, 192], lse
+        heads = [T * H * qk * pb, T * H * qk * pb, T * H * 4]
+    gathers = [(b, main) for b in heads] if s.indexer_loss else []
+    outputs = layers + mlp_layers  # o_proj + down projections
+    recomputed = s.recompute in ("full", "attention")
+    # a recomputed layer re-runs its gathers; its all-reduces only when the main model trains
+    # (a frozen model's recompute stops after the indexer's tensors: checkpoint's early stop)
+    main_outputs = main + sum(1 for i in range(main) if not c.is_moe_layer(i) or c.n_shared_experts)
+    rec_reduce = [(T * h * pb, main_outputs)] if (recomputed and s.main_trains and s.recompute == "full") else []
+    if recomputed and s.main_trains and s.recompute == "attention":
+        rec_reduce = [(T * h * pb, main)]
+    bwd = []
     if s.main_trains:
-        rows.append(Collective("tp_backward", "all_reduce", "tp", "backward", 2 * layers * s.micro_batches, act))
-    return rows
+        q_in = c.q_lora_rank or h
+        # the latent's gradient: summed over TP by `heads.shared`, and (MHA form only: the absorbed
+        # form uses kv_b_proj's weight, not the linear) by kv_b_proj's input all-reduce
+        latent_calls = layers if s.mqa_form else 2 * layers
+        bwd += [(T * q_in * pb, layers), (T * c.kv_lora_rank * pb, latent_calls), (T * c.qk_rope_head_dim * pb, layers),
+                (T * h * pb, 2 * mlp_layers)]
+    if s.indexer_loss:
+        # wq_b, wk (model dtype); k_norm weight and bias, weights_proj (fp32, FP32_PARAM_SUFFIXES)
+        idx = [((c.q_lora_rank or h) * c.index_n_heads * c.index_head_dim, pb), (h * c.index_head_dim, pb),
+               (c.index_head_dim, 4), (c.index_head_dim, 4), (h * c.index_n_heads, 4)]
+        bwd += [(n * b, main) for n, b in idx]
+    mb = s.micro_batches
+    return (_rows("tp_forward", "all_reduce", "tp", "forward", [(T * h * pb, outputs)], mb)
+            + _rows("tp_gather_forward", "all_gather", "tp", "forward", gathers, mb)
+            + _rows("tp_recompute", "all_reduce", "tp", "recompute", rec_reduce, mb)
+            + _rows("tp_gather_recompute", "all_gather", "tp", "recompute", gathers if recomputed else [], mb)
+            + _rows("tp_backward", "all_reduce", "tp", "backward", bwd, mb))
+
+
+def _rows(kind, op, group, phase, parts, micro_batches) -> list[Collective]:
+    """One row for (bytes, calls per micro-batch) parts: their calls and mean payload."""
+    calls = sum(n for _, n in parts)
+    if not calls:
+        return []
+    return [Collective(kind, op, group, phase, calls * micro_batches, sum(b * n for b, n in parts) / calls)]
 
 
 def gradient_reduction(sizes, s: StepShape, bucket: int) -> list[Collective]:
