@@ -22,7 +22,8 @@ Per rank and per stage (the largest stage decides whether it fits):
                latent KV (T x 576) and indexer keys (T x 128); plus the chunked kernels' working
                set (query chunks are sized to 2^24 fp32 elements);
   NCCL buffers NCCL's own GPU memory (outside PyTorch's allocator, in both phases): per
-               communicator the step uses and per all-to-all peer (`cluster.network.nccl_*`).
+               communicator the step uses and per all-to-all peer (`cluster.network.nccl_*`);
+               none for a `device: cpu` recipe (gloo).
 `--trace` also builds rank R of the layout at the full world size under a fake process group and
 traces one training step of the largest stage under FakeTensorMode (dsa_train.parallel.trace):
 the per-category peak beside these figures, and every collective of the step beside the plan's
@@ -254,8 +255,9 @@ def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
     rows = step_collectives(c, sizes, shape, REDUCE_BUCKET)
     spans = group_spans(sizes, ranks_per_node(cfg), opts.rank)
     p.communication = price(rows, spans, cfg.cluster.network)
-    # NCCL's buffers (outside PyTorch's allocator) count in every phase
-    g["nccl_buffers"] = nccl_buffer_bytes(rows, spans, cfg.cluster.network) / GiB
+    # NCCL's buffers (outside PyTorch's allocator) count in every phase; a CPU recipe runs gloo
+    on_gpu = getattr(cfg.device, "value", cfg.device) != "cpu"
+    g["nccl_buffers"] = nccl_buffer_bytes(rows, spans, cfg.cluster.network) / GiB if on_gpu else 0.0
     p.total_gib = max(sum(g.values()), step_phase + g["nccl_buffers"])
     comm = sum(r["seconds"] for r in p.communication)
     p.step_s = compute + comm

@@ -171,19 +171,19 @@ def moe_all_to_all(c, sizes, s: StepShape) -> list[Collective]:
     if sizes.expert <= 1 or not c.n_routed_experts:
         return []
     main_moe = sum(1 for i in range(c.num_hidden_layers) if c.is_moe_layer(i))
-    mtp_moe = (c.num_nextn_predict_layers or 0) if s.uses_mtp else 0
+    mtp = range(c.num_hidden_layers, c.num_hidden_layers + (c.num_nextn_predict_layers or 0)) if s.uses_mtp else ()
+    moe = main_moe + sum(1 for i in mtp if c.is_moe_layer(i))
     slots = s.tokens_local * c.num_experts_per_tok
-    tokens = slots * c.hidden_size * s.dtype_bytes
-    fwd_calls, fwd_bytes = 4, (2 * tokens + slots * 8 + sizes.expert * 8) / 4  # mean payload of the 4 calls
+    tokens = slots * c.hidden_size * s.dtype_bytes  # [slots, hidden] in the model dtype
+    # per layer: counts, tokens, expert ids, combine
+    forward = [(sizes.expert * 8, 1), (tokens, 2), (slots * 8, 1)]
     recomputed = main_moe if (s.main_trains and s.recompute in ("full", "moe")) else 0
-    rows = [
-        Collective("moe_all_to_all_forward", "all_to_all", "ep", "forward", fwd_calls * (main_moe + mtp_moe) * s.micro_batches, fwd_bytes),
-        Collective("moe_all_to_all_recompute", "all_to_all", "ep", "recompute", fwd_calls * recomputed * s.micro_batches, fwd_bytes),
-    ]
-    if s.main_trains:
-        rows.append(Collective("moe_all_to_all_backward", "all_to_all", "ep", "backward",
-                               2 * (main_moe + mtp_moe) * s.micro_batches, tokens))
-    return rows
+    mb = s.micro_batches
+    return (_rows("moe_all_to_all_forward", "all_to_all", "ep", "forward", [(b, n * moe) for b, n in forward], mb)
+            + _rows("moe_all_to_all_recompute", "all_to_all", "ep", "recompute",
+                    [(b, n * recomputed) for b, n in forward], mb)
+            + _rows("moe_all_to_all_backward", "all_to_all", "ep", "backward",
+                    [(tokens, 2 * moe)] if s.main_trains else [], mb))
 
 
 def cp_gather(c, sizes, s: StepShape) -> list[Collective]:
@@ -198,17 +198,11 @@ def cp_gather(c, sizes, s: StepShape) -> list[Collective]:
     kv = full * (c.kv_lora_rank + c.qk_rope_head_dim) * s.dtype_bytes
     k_idx = full * c.index_head_dim * s.dtype_bytes
     recomputed = c.num_hidden_layers if s.recompute in ("full", "attention") else 0
+    backward = ([(kv, layers)] if s.main_trains else []) + ([(k_idx, c.num_hidden_layers)] if s.indexer_loss else [])
     mb = s.micro_batches
-    rows = [
-        Collective("cp_gather_forward", "all_gather", "cp", "forward", 2 * layers * mb, (kv + k_idx) / 2),
-        Collective("cp_gather_recompute", "all_gather", "cp", "recompute", 2 * recomputed * mb, (kv + k_idx) / 2),
-    ]
-    backward = [(kv, layers)] if s.main_trains else []
-    backward.append((k_idx, c.num_hidden_layers))
-    calls = sum(n for _, n in backward)
-    rows.append(Collective("cp_gather_backward", "all_reduce", "cp", "backward", calls * mb,
-                           sum(b * n for b, n in backward) / calls))
-    return rows
+    return (_rows("cp_gather_forward", "all_gather", "cp", "forward", [(kv, layers), (k_idx, layers)], mb)
+            + _rows("cp_gather_recompute", "all_gather", "cp", "recompute", [(kv, recomputed), (k_idx, recomputed)], mb)
+            + _rows("cp_gather_backward", "all_reduce", "cp", "backward", backward, mb))
 
 
 def tp_collectives(c, sizes, s: StepShape) -> list[Collective]:
