@@ -324,11 +324,11 @@ def format_plan(plan: dict) -> str:
                    f"{d['communication_s']:.1f} (MoE all-to-all {d['moe_all_to_all_s']:.1f}, gradients "
                    f"{d['grad_reduce_s']:.1f}, CP gather {d['cp_gather_s']:.2f}, TP {d['tp_s']:.1f}; not overlapped); "
                    f"{d['micro_batches']} micro-batches; {d['flops_per_token'] / 1e9:.1f} GFLOP/token")
-        out.append(f"      {'communication per step':33s} {'op':10s} {'group':>18s} {'calls':>7s} {'GB sent':>9s} "
+        out.append(f"      {'communication per step':33s} {'op':14s} {'group':>18s} {'calls':>7s} {'GB sent':>9s} "
                    f"{'seconds':>8s}")
         for r in s["communication"]:
             group = f"{r['group']} {r['group_size']}" + (f"/{r['group_nodes']}n" if r["group_nodes"] > 1 else "")
-            out.append(f"        {r['kind']:31s} {r['op']:10s} {group:>18s} {r['calls']:7.0f} "
+            out.append(f"        {r['kind']:31s} {r['op']:14s} {group:>18s} {r['calls']:7.0f} "
                        f"{r['wire_bytes'] / 1e9:9.2f} {r['seconds']:8.2f}")
     verdict = "fits" if plan["fits"] else "does NOT fit"
     out.append(f"  peak {plan['peak_gib']:.1f} GiB/rank: {verdict} in {plan['gpu_gib']} GB GPUs "

@@ -20,7 +20,8 @@ Time of a call: latency (intra- or inter-node) + wire bytes / effective bandwidt
 within one node uses `intra_node_gbps`; a ring collective across nodes `inter_node_gbps`; an
 all-to-all across nodes sends (g-1)/n of its payload over NVLink and (n-g)/n over the network
 (g of its n ranks on this node), concurrently: the slower part counts. Kinds add up without
-overlap (an upper bound: the engine overlaps nothing today, `overlap_comm: false`).
+overlap (an upper bound: ZeRO-2's `overlap_comm` hides part of the gradient reduction behind the
+backward, not counted here).
 """
 
 from __future__ import annotations
@@ -164,10 +165,13 @@ def gradient_reduce_bytes(zero_stage: int, dtype_bytes: int, grad_accum_dtype) -
 
 # ------------------------------------------------------------------ the kinds
 def moe_all_to_all(c, sizes, s: StepShape) -> list[Collective]:
-    """`parallel/expert.py` AllToAllDispatcher, per MoE layer and forward: the slot counts
-    (int64 [EP]), the token vectors (one per (token, expert) slot: T_loc x top-k x hidden), the
-    slots' expert ids (int64) and the combine (the token vectors back); backward: the reverse
-    all-to-all of both token exchanges. Recomputed layers run their forward's again."""
+    """`parallel/expert.py` AllToAllDispatcher, per MoE layer and forward: one counts exchange
+    (int64 [EP, 1 + L], L = local experts), the token rows (one per (token, destination rank)
+    pair; counted here as one per (token, expert) slot, the traced plan's balanced routing: at the
+    671B layouts a token's 8 experts sit on ~8 ranks, `benchmarks/moe_dispatch_bytes.py`), their
+    routing weights (fp32 [pairs, L]) and the combine (the summed rows back); backward: the reverse
+    all-to-all of the rows, the weights and the combine. Recomputed layers run their forward's
+    again."""
     if sizes.expert <= 1 or not c.n_routed_experts:
         return []
     main_moe = sum(1 for i in range(c.num_hidden_layers) if c.is_moe_layer(i))
@@ -175,22 +179,25 @@ def moe_all_to_all(c, sizes, s: StepShape) -> list[Collective]:
     moe = main_moe + sum(1 for i in mtp if c.is_moe_layer(i))
     slots = s.tokens_local * c.num_experts_per_tok
     tokens = slots * c.hidden_size * s.dtype_bytes  # [slots, hidden] in the model dtype
-    # per layer: counts, tokens, expert ids, combine
-    forward = [(sizes.expert * 8, 1), (tokens, 2), (slots * 8, 1)]
+    local_experts = c.n_routed_experts // sizes.expert
+    weights = slots * local_experts * 4  # [slots, L] fp32 routing weights
+    # per layer: counts, token rows + combine, routing weights
+    forward = [(sizes.expert * (1 + local_experts) * 8, 1), (tokens, 2), (weights, 1)]
     recomputed = main_moe if (s.main_trains and s.recompute in ("full", "moe")) else 0
     mb = s.micro_batches
     return (_rows("moe_all_to_all_forward", "all_to_all", "ep", "forward", [(b, n * moe) for b, n in forward], mb)
             + _rows("moe_all_to_all_recompute", "all_to_all", "ep", "recompute",
                     [(b, n * recomputed) for b, n in forward], mb)
             + _rows("moe_all_to_all_backward", "all_to_all", "ep", "backward",
-                    [(tokens, 2 * moe)] if s.main_trains else [], mb))
+                    [(tokens, 2 * moe), (weights, moe)] if s.main_trains else [], mb))
 
 
 def cp_gather(c, sizes, s: StepShape) -> list[Collective]:
     """`parallel/comm.py` all_gather_autograd, per attention layer: the indexer key k_I [B, T_loc,
     d_I] and the MQA latent KV [B, T_loc, 576] all-gathered over CP (again when the layer is
-    recomputed); backward: the gradient of the gathered tensor [B, T, d] all-reduced (kv when the
-    main model trains; k_I where the indexer loss reads it: the main layers)."""
+    recomputed); backward: the gradient of the gathered tensor [B, T, d] reduce-scattered to each
+    rank's slice (kv when the main model trains; k_I where the indexer loss reads it: the main
+    layers)."""
     if sizes.context <= 1:
         return []
     layers = c.num_hidden_layers + ((c.num_nextn_predict_layers or 0) if s.uses_mtp else 0)
@@ -202,7 +209,7 @@ def cp_gather(c, sizes, s: StepShape) -> list[Collective]:
     mb = s.micro_batches
     return (_rows("cp_gather_forward", "all_gather", "cp", "forward", [(kv, layers), (k_idx, layers)], mb)
             + _rows("cp_gather_recompute", "all_gather", "cp", "recompute", [(kv, recomputed), (k_idx, recomputed)], mb)
-            + _rows("cp_gather_backward", "all_reduce", "cp", "backward", backward, mb))
+            + _rows("cp_gather_backward", "reduce_scatter", "cp", "backward", backward, mb))
 
 
 def tp_collectives(c, sizes, s: StepShape) -> list[Collective]:
