@@ -297,6 +297,30 @@ class ProfileConfig:
     checkpoint_every_n_steps: int | None = None
 
 
+class EvalMode(str, Enum):
+    dense = "dense"    # full causal attention
+    sparse = "sparse"  # the learned indexer's top-k
+    oracle = "oracle"  # the k keys with the most true attention mass (what a perfect indexer reaches)
+
+
+@dataclass
+class EvalConfig:
+    """The recipe's optional evaluation (docs/eval.md, "In a training run"): `dsa_train.eval` on the
+    model in memory, at the end of every stage and every `every_n_steps` steps, on held-out rows of
+    the training data (the last `num_sequences` rows of the packed stream at data.seq_len, which
+    the training loader then never visits). Logged under `eval/`."""
+
+    enabled: bool = False
+    every_n_steps: int = 0  # also evaluate every N optimizer steps within a stage (0: stage ends only)
+    num_sequences: int = 2  # held-out rows of data.seq_len tokens
+    # Top-k of the sparse and oracle modes; None: the last sparse stage's top-k (else the model's
+    # index_topk), the same k at every stage's end so that the numbers compare.
+    topk: int | None = None
+    modes: list[EvalMode] = field(default_factory=lambda: [EvalMode.dense, EvalMode.sparse, EvalMode.oracle])
+    layer_metrics: bool = True  # per layer: recall, overlap with the oracle top-k, KL-captured, FP8 overlap
+    buckets: list[int] | None = None  # position bucket edges; None: [0, k, 2k, 4k, ...]
+
+
 @dataclass
 class TrainConfig:
     run_name: str = "demo"
@@ -320,3 +344,4 @@ class TrainConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)

@@ -12,6 +12,7 @@ from dsa_train.config.schema import (
     CheckpointConfig,
     ClusterConfig,
     DataConfig,
+    EvalConfig,
     LoggingConfig,
     ModelConfig,
     OptimConfig,
@@ -33,6 +34,7 @@ GROUP_SCHEMAS = {
     "logging": LoggingConfig,
     "cluster": ClusterConfig,
     "profile": ProfileConfig,
+    "eval": EvalConfig,
 }
 
 

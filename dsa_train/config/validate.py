@@ -228,6 +228,7 @@ def _validate(cfg: TrainConfig) -> None:
                  f"{value!r} is not an interface list: give names such as ib0 or ^docker,lo (no spaces or quotes)")
     for size_key in ("tensor_parallel", "context_parallel", "expert_parallel"):
         _require(getattr(cfg.parallel, size_key) >= 1, f"parallel.{size_key}", "must be >= 1")
+    _check_eval(cfg)
     for name, stage in cfg.stages.items():
         key = f"stages.{name}"
         _require(stage.steps >= 1, f"{key}.steps", "must be >= 1")
@@ -255,6 +256,26 @@ def _validate(cfg: TrainConfig) -> None:
         if stage.topk is not None:
             _require(stage.topk >= 1, f"{key}.topk", "must be >= 1")
         _require(stage.topk_recall_queries >= 0, f"{key}.topk_recall_queries", "must be >= 0")
+
+
+def _check_eval(cfg: TrainConfig) -> None:
+    """The eval group (dsa_train/eval/in_training.py): checked when it is on."""
+    ev = cfg.eval
+    if not ev.enabled:
+        return
+    _require(ev.every_n_steps >= 0, "eval.every_n_steps", f"{ev.every_n_steps}: must be >= 0 (0: at stage ends only)")
+    _require(ev.num_sequences >= 1, "eval.num_sequences", f"{ev.num_sequences}: must be >= 1 held-out sequence")
+    _require(bool(ev.modes), "eval.modes", "needs at least one of dense, sparse, oracle")
+    _require(not cfg.data.streaming, "eval.enabled",
+             "a streaming loader (data.streaming=true) cannot hold rows out; set data.streaming=false, or "
+             "eval.enabled=false and run `dsa-train eval` on the export")
+    if ev.topk is not None:
+        _require(1 <= ev.topk < cfg.data.seq_len, "eval.topk",
+                 f"{ev.topk}: must be in [1, data.seq_len={cfg.data.seq_len}) (at k >= T sparse selects every key)")
+    if ev.buckets is not None:
+        edges = list(ev.buckets)
+        _require(len(edges) >= 2 and edges[0] == 0 and all(b > a for a, b in zip(edges, edges[1:])), "eval.buckets",
+                 f"{edges}: must be increasing edges starting at 0, e.g. [0, 512, 1024, 2048]")
 
 
 def _check_stage_together(key: str, stage) -> None:

@@ -30,8 +30,9 @@ from dsa_train.data.tokenizer import BUNDLED_TOKENIZER_DIR, Tokenizer, check_voc
 DataLoaderLike = PackedDataLoader | StreamingPackedLoader
 
 
-def build_dataloader(cfg: DataConfig, dp_rank: int = 0, dp_size: int = 1) -> DataLoaderLike:
-    """Build the infinite, resumable batch iterator for one data-parallel rank.
+def build_dataloader(cfg: DataConfig, dp_rank: int = 0, dp_size: int = 1, held_out: int = 0) -> DataLoaderLike:
+    """Build the infinite, resumable batch iterator for one data-parallel rank. `held_out`: the last
+    rows of the packed stream that training never visits (the recipe's evaluation; map-style only).
 
     Returns an object with ``__next__`` -> ``{"input_ids", "labels", "position_ids"}`` each
     ``[micro_batch_size, seq_len]`` int64, ``state_dict()``, ``load_state_dict(sd)`` and
@@ -39,6 +40,9 @@ def build_dataloader(cfg: DataConfig, dp_rank: int = 0, dp_size: int = 1) -> Dat
     """
     tokenizer = load_tokenizer(cfg.tokenizer)
     sources = [cfg.sources] if isinstance(cfg.sources, str) else [str(s) for s in cfg.sources]
+    if cfg.streaming and held_out:
+        raise DataSourceError("eval.enabled=true needs held-out rows, which a streaming loader cannot set aside: "
+                              "set data.streaming=false, or eval.enabled=false and run `dsa-train eval` afterwards")
     if cfg.streaming:
         hf_cache = str(default_cache_dir() / "hf_datasets") if cfg.cache_dir is None else \
             f"{cfg.cache_dir}/hf_datasets"
@@ -52,7 +56,7 @@ def build_dataloader(cfg: DataConfig, dp_rank: int = 0, dp_size: int = 1) -> Dat
         txt_sample_by=cfg.txt_sample_by, add_bos=cfg.add_bos, add_eos=cfg.add_eos,
         split=cfg.split)
     return PackedDataLoader(dataset, cfg.micro_batch_size, cfg.seed, dp_rank, dp_size,
-                            num_workers=cfg.num_workers, tokenizer=tokenizer)
+                            num_workers=cfg.num_workers, tokenizer=tokenizer, held_out=held_out)
 
 
 __all__ = [

@@ -68,13 +68,24 @@ class PackedDataLoader:
     """
 
     def __init__(self, dataset: PackedDataset, batch_size: int, seed: int, dp_rank: int = 0,
-                 dp_size: int = 1, num_workers: int = 0, tokenizer: Tokenizer | None = None):
+                 dp_size: int = 1, num_workers: int = 0, tokenizer: Tokenizer | None = None, held_out: int = 0):
+        if not 0 <= held_out < len(dataset):
+            raise ValueError(f"eval.num_sequences={held_out} held-out sequences leave no training data: the data "
+                             f"holds {len(dataset)} sequences of {dataset.seq_len} tokens. Lower eval.num_sequences "
+                             "or add data.")
         self.dataset = dataset
         self.tokenizer = tokenizer
         self.num_workers = num_workers
-        self.sampler = ShardedEpochSampler(len(dataset), batch_size, seed, dp_rank, dp_size)
+        # the last `held_out` rows of the packed stream are never visited (the recipe's evaluation reads them)
+        self.held_out = held_out
+        self.sampler = ShardedEpochSampler(len(dataset) - held_out, batch_size, seed, dp_rank, dp_size)
         self.state = DataLoaderState()
         self._batch_iter: Iterator[dict[str, torch.Tensor]] | None = None
+
+    @property
+    def held_out_rows(self) -> list[int]:
+        """Row indices of the packed stream that training never visits: its last `held_out` rows."""
+        return list(range(len(self.dataset) - self.held_out, len(self.dataset)))
 
     @property
     def batches_per_epoch(self) -> int:

@@ -1,4 +1,5 @@
-"""The end-of-run summary: probe values at each stage's start and end."""
+"""The end-of-run summary: probe values at each stage's start and end; with the recipe's eval group,
+the last stage end's "sparse vs dense LM loss by position" on the held-out rows."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dsa_train.config import TrainConfig
+from dsa_train.eval.in_training import position_table
 from dsa_train.logging.report import KL_CAPTURED_NOTE, PROBE_NOTE
 from dsa_train.stage import Stage
 
@@ -63,4 +65,13 @@ def format_summary(cfg: TrainConfig, result) -> str:
     console.print(PROBE_NOTE)
     console.print(KL_CAPTURED_NOTE)
     console.print(f"per-stage report and plots (loss, KL-captured, recall, lr, MFU): dsa-train report {result.run_dir}")
+    evaluated = [name for name in cfg.stages if "eval" in result.summary.get(name, {})]
+    if evaluated:  # the last: the run's result
+        values = result.summary[evaluated[-1]]["eval"]
+        console.print(f"sparse vs dense LM loss by position (end of stage {evaluated[-1]}: "
+                      f"{int(values['sequences'])} held-out sequences, k={int(values['topk'])})")
+        console.print(position_table(values))
+        console.print("Held-out rows of the training stream that no step trained on (docs/eval.md). dense: full "
+                      "attention; sparse: the indexer's top-k; oracle: the k keys with the most attention mass. Up "
+                      "to position k every mode sees every key; sparse - dense past it is what sparsity costs.")
     return buffer.getvalue()

@@ -43,6 +43,7 @@ from dsa_train.engine.run_lock import lock_run
 from dsa_train.engine.signals import EXIT_PREEMPTED, PreemptionHandler, Preempted, mark_preempted
 from dsa_train.engine.step import StepHooks, train_step
 from dsa_train.engine.summary import format_summary, summary_metrics
+from dsa_train.eval.in_training import TrainingEval
 from dsa_train.logging.perf import memory_metrics, peak_flops_per_device, throughput_metrics
 from dsa_train.logging.progress import StageProgress, describe_step
 from dsa_train.logging.wandb_run import METRICS_FILE, WandbRun
@@ -126,14 +127,16 @@ class Trainer:
         seed_everything(cfg.seed)
 
         layout = self.layout
-        self.loader = build_dataloader(cfg.data, dp_rank=layout.dp_rank,
-                                       dp_size=layout.dp_size)
+        self.loader = build_dataloader(cfg.data, dp_rank=layout.dp_rank, dp_size=layout.dp_size,
+                                       held_out=cfg.eval.num_sequences if cfg.eval.enabled else 0)
         model = build_model(cfg, self.loader.tokenizer.vocab_size, layout.parallel_state).to(self.device)
         self.model = layout.prepare_model(model, cfg)
         self.model.train()
         check_sequence_fits(cfg, self.model.config.max_position_embeddings)
         warn_if_topk_covers_sequence(cfg.data.seq_len, self.stages, self.model.config)
         self.probes = probe_batches(cfg.data, cfg.probe_batches)
+        # the recipe's eval group (None when off): the loader's held-out rows, at stage ends / every N steps
+        self.evaluation = TrainingEval.of(cfg.eval, self.loader, cfg.data.seq_len, self.stages, self.model.config)
         self.peak_flops = peak_flops_per_device(self.device, cfg.logging.peak_flops)
         self.state = TrainerState()
         self.resume_rng: dict | None = None
@@ -209,8 +212,12 @@ class Trainer:
             metrics = self.record_step(index, stage, step_metrics, start, flops, logged)
             progress.update(self.state.stage_step, stage.config.steps, metrics, logged)
             self.checkpoint_within_stage(stage)
+            if self.evaluation is not None and self.evaluation.due_within(self.state.stage_step, stage.config.steps):
+                self.evaluate(stage, at_end=False)
         within_step_hook.remove()
         self.probe(stage, "end")
+        if self.evaluation is not None:
+            self.evaluate(stage, at_end=True)
         self.close_stage()
 
     def open_stage(self, stage: Stage) -> None:
@@ -342,6 +349,22 @@ class Trainer:
         if self.layout.rank == 0:
             self.wandb.log({f"probe/{name}/{key}": v for key, v in values.items()}, step=self.state.global_step)
             log.info("probe %s %s: %s", name, when, "  ".join(f"{k} {v:.4f}" for k, v in values.items()))
+
+    def evaluate(self, stage: Stage, at_end: bool) -> None:
+        """The recipe's eval group (dsa_train/eval/in_training.py): rank 0 logs it under eval/; a
+        stage end's values go into the run summary (its "sparse vs dense LM loss by position")."""
+        saved_rng = rng_state()  # invisible to training: a resumed run draws what an uninterrupted one does
+        try:
+            values = self.evaluation.run(self.model, self.layout, self.device)
+        finally:
+            load_rng_state(saved_rng)
+        if values is None:  # not rank 0
+            return
+        self.wandb.log({f"eval/{key}": v for key, v in values.items()}, step=self.state.global_step)
+        log.info("eval %s step %d: %s", stage.name, self.state.global_step,
+                 "  ".join(f"{k} {values[k]:.4f}" for k in ("dense/loss", "sparse/loss", "oracle/loss") if k in values))
+        if at_end:
+            self.state.summary.setdefault(stage.name, {})["eval"] = values
 
     # ------------------------------------------------------------------ the run
     def run(self) -> TrainResult:

@@ -8,6 +8,9 @@ takes that order's last rows, those a training run with the same seed and sequen
 last in its first epoch. The bundled corpus has no split that training never reads: a run that
 completes an epoch has seen every row. For text no run trained on, pass `--data` files that are not
 among the recipe's `data.sources`.
+
+The recipe's `eval` group holds its rows out differently: the last rows of the training stream,
+which its training loader never visits (`in_training.py`).
 """
 
 from __future__ import annotations
@@ -34,5 +37,9 @@ def heldout_sequences(sources: list[str], tokenizer: Tokenizer, seq_len: int, nu
     of the training loader's first-epoch order (fewer if the stream holds fewer rows)."""
     dataset = PackedDataset.from_sources(sources, tokenizer, seq_len)
     order = ShardedEpochSampler(len(dataset), 1, seed).epoch_permutation(0)
-    rows = [int(r) for r in order[::-1][:num_sequences]]
-    return HeldOut(rows, [dataset.get_batch([r]) for r in rows], len(dataset))
+    return rows_of(dataset, [int(r) for r in order[::-1][:num_sequences]])
+
+
+def rows_of(dataset: PackedDataset, rows: list[int]) -> HeldOut:
+    """The given rows of a packed stream, one batch [1, T] each."""
+    return HeldOut(list(rows), [dataset.get_batch([r]) for r in rows], len(dataset))

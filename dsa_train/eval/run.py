@@ -165,19 +165,28 @@ class LengthResult:
     layers: dict[int, LayerStats]
 
 
-def evaluate_length(m: LoadedModel, seq_len: int, opts: EvalOptions, progress=None) -> LengthResult:
-    held = heldout_sequences(opts.data, m.tokenizer, seq_len, opts.num_sequences, opts.seed)
-    edges = opts.buckets or default_buckets(m.topk, seq_len)
+def evaluate_batches(model: torch.nn.Module, topk: int, batches: list[dict[str, torch.Tensor]], seq_len: int,
+                     opts: EvalOptions, progress=None) -> tuple[dict[str, ModeResult], dict[int, LayerStats]]:
+    """LM loss by position per mode and the per-layer measurements over held-out `batches` (each
+    {"input_ids", "labels", "position_ids"}: [1, T], on the model's device). The one evaluation loop
+    of `dsa-train eval` and of the recipe's `eval` group (dsa_train/eval/in_training.py)."""
+    edges = opts.buckets or default_buckets(topk, seq_len)
     results = {mode: ModeResult(LossByPosition(list(edges))) for mode in opts.modes}
-    measure = LayerMeasurements(m.topk, fp8=True, ue8m0=opts.fp8_ue8m0) if opts.layer_metrics else None
-    for batch in held.batches:
+    measure = LayerMeasurements(topk, fp8=True, ue8m0=opts.fp8_ue8m0) if opts.layer_metrics else None
+    for batch in batches:
         ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
         for mode in opts.modes:
-            logits = mode_logits(m.model, mode, m.topk, ids, pos, measure)
+            logits = mode_logits(model, mode, topk, ids, pos, measure)
             results[mode].losses.add(token_losses(logits, labels), labels, pos)
             _advance(progress)
         if measure is not None and "dense" not in opts.modes:  # the measurements' dense forward
-            mode_logits(m.model, "dense", m.topk, ids, pos, measure)
+            mode_logits(model, "dense", topk, ids, pos, measure)
+    return results, (measure.layers if measure is not None else {})
+
+
+def evaluate_length(m: LoadedModel, seq_len: int, opts: EvalOptions, progress=None) -> LengthResult:
+    held = heldout_sequences(opts.data, m.tokenizer, seq_len, opts.num_sequences, opts.seed)
+    results, layers = evaluate_batches(m.model, m.topk, held.batches, seq_len, opts, progress)
     if opts.passkey:
         examples = passkey_examples(m.tokenizer, seq_len, opts.passkey_depths, opts.passkey_per_depth, seed=opts.seed)
         for mode in opts.modes:
@@ -186,7 +195,7 @@ def evaluate_length(m: LoadedModel, seq_len: int, opts: EvalOptions, progress=No
                 scored.append(score_example(lambda ids: mode_logits(m.model, mode, m.topk, ids), ex))
                 _advance(progress)
             results[mode].passkey = summarize(scored)
-    return LengthResult(seq_len, held.rows, held.available, results, measure.layers if measure is not None else {})
+    return LengthResult(seq_len, held.rows, held.available, results, layers)
 
 
 def _advance(progress) -> None:
@@ -217,7 +226,7 @@ def evaluate(model_paths: list[str], opts: EvalOptions, show_progress: bool | No
             for seq_len in opts.seq_lens:
                 bar.update(task, description=f"eval {Path(m.name).name} T={seq_len}")
                 result = evaluate_length(m, seq_len, opts, lambda: bar.advance(task))
-                entry["lengths"].append(_length_dict(result))
+                entry["lengths"].append(length_dict(result))
             doc["models"].append(entry)
     return doc
 
@@ -228,7 +237,7 @@ def _options_dict(opts: EvalOptions) -> dict:
             "fp8_ue8m0": opts.fp8_ue8m0, "seed": opts.seed, "dtype": str(opts.dtype).replace("torch.", "")}
 
 
-def _length_dict(r: LengthResult) -> dict:
+def length_dict(r: LengthResult) -> dict:
     return {
         "seq_len": r.seq_len,
         "rows": r.rows,

@@ -11,6 +11,7 @@ writes into `<run_dir>/report/`:
     topk_recall.png  top-k recall of the dense attention mass (sparse stages)
     lr.png           learning rate
     throughput.png   tokens/s and MFU
+    eval.png         the recipe's eval group (eval/*): held-out loss by position, per evaluation, per layer
 
 Each PNG has a row per metric and a column per stage (own y-axis: the sparse stage's small LM
 loss fall is visible beside the pre-training's large one), probe values at the stage's start and
@@ -54,6 +55,7 @@ class RunData:
     stages: dict[str, dict] = field(default_factory=dict)  # name -> stage config (attention, trainable, steps, ...)
     steps: dict[int, dict[str, float]] = field(default_factory=dict)  # global step -> training metrics
     probes: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # stage -> start|end -> values
+    evals: dict[int, dict[str, float]] = field(default_factory=dict)  # global step -> eval/* values
     wandb_run_dir: str | None = None
 
 
@@ -76,7 +78,10 @@ def load_run(run_dir: str | Path) -> RunData:
 
 
 def _add_row(data: RunData, step: int, row: dict, probe_moment: dict[str, str]) -> None:
-    train = {k: v for k, v in row.items() if not k.startswith("probe/") and not k.startswith("_") and v is not None}
+    train = {k: v for k, v in row.items() if not k.startswith(("probe/", "eval/", "_")) and v is not None}
+    evaluated = {k: v for k, v in row.items() if k.startswith("eval/") and v is not None}
+    if evaluated:
+        data.evals.setdefault(step, {}).update(evaluated)
     if "progress/stage" in train:
         data.steps[step] = train  # the last value of a step wins (resumed runs repeat steps)
     for key, value in row.items():
@@ -204,6 +209,11 @@ def format_report(data: RunData, plots: list[Path]) -> str:
         console.print(probe_table)
         console.print(PROBE_NOTE)
     console.print(KL_CAPTURED_NOTE)
+    if data.evals:
+        step = max(data.evals)
+        last = data.evals[step]
+        console.print(f"held-out eval at step {step} (eval/, k={int(last.get('eval/topk', 0))}): " + "  ".join(
+            f"{m} {last[f'eval/{m}/loss']:.4f}" for m in ("dense", "sparse", "oracle") if f"eval/{m}/loss" in last))
     if plots:
         console.print(f"plots: {', '.join(str(p) for p in plots)}")
     return buffer.getvalue()
@@ -312,7 +322,10 @@ def write_plots(data: RunData, out_dir: Path) -> list[Path]:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
-    return written
+    from dsa_train.logging.eval_plot import write_eval_plot
+
+    evaluated = write_eval_plot(data.evals, data.run_dir.name, out_dir)
+    return written + ([evaluated] if evaluated else [])
 
 
 def report(run_dir: str | Path, plots: bool = True) -> tuple[str, list[Path]]:
