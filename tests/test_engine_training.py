@@ -53,7 +53,7 @@ def test_chained_warmup_then_sparse(tmp_path, capsys):
     assert not torch.equal(final["model.embed_tokens.weight"], warmup_model["model.embed_tokens.weight"])
 
     # the data position carries on: the sparse stage starts where the warm-up stopped
-    fresh = build_dataloader(DataConfig(**dataclasses.asdict(cfg.data)))
+    fresh = build_dataloader(DataConfig(**dataclasses.asdict(cfg.data)), held_out=cfg.eval.num_sequences)
     for _ in range(3 * 2):
         next(fresh)
     assert warmup_end.data == fresh.state_dict()
@@ -67,7 +67,8 @@ def test_chained_warmup_then_sparse(tmp_path, capsys):
     assert json.loads((warmup_end.path / "config.json").read_text())["vocab_size"] == trainer.model.config.vocab_size
 
     summary = result.summary
-    assert set(summary) == {"warmup", "sparse"} and set(summary["sparse"]) == {"start", "end"}
+    # start / end probes, and the demo's eval group at the stage end (docs/eval.md)
+    assert set(summary) == {"warmup", "sparse"} and set(summary["sparse"]) == {"start", "end", "eval"}
     assert summary["warmup"]["start"]["lm_loss"] == summary["warmup"]["end"]["lm_loss"]  # frozen
     out = capsys.readouterr().out
     assert "indexer KL captured" in out and "export" in out

@@ -135,7 +135,8 @@ def test_recipe_rehearsal(recipe, tmp_path):
     stages = list(compose_recipe(recipe, ["model.pretrained=null"]).stages)
     assert summary_files, logs
     summary = json.loads(summary_files[-1].read_text())["summary"]
-    for name in stages:  # every stage ran and was probed at its start and end
-        assert set(summary.get(name, {})) == {"start", "end"}, (name, summary, logs)
-        for when in ("start", "end"):
+    evaluated = bool(compose_recipe(recipe, ["model.pretrained=null"]).eval.enabled)
+    for name in stages:  # every stage ran and was probed at its start and end (and evaluated with the eval group)
+        assert set(summary.get(name, {})) == {"start", "end", *(["eval"] if evaluated else [])}, (name, summary, logs)
+        for when in ("start", "end", *(["eval"] if evaluated else [])):
             assert all(v == v for v in summary[name][when].values()), summary  # no NaN
