@@ -128,3 +128,19 @@ def test_eval_group_under_two_ranks_expert_parallel_matches_one_process(tmp_path
     for step in (2, 3, 4):
         for key in ("eval/dense/loss", "eval/sparse/loss", "eval/oracle/loss", "eval/layers/topk_recall"):
             assert two[step][key] == pytest.approx(one[step][key], abs=2e-3), (step, key)
+
+
+def test_repro_small_recipe_composes_validates_and_is_the_documented_setup():
+    """recipes/repro_small.yaml (docs/repro_small.md): dense pre-training at T >= 1024, the warm-up,
+    the sparse stage with T/k >= 8, the eval group on; it passes the start-up checks of this machine."""
+    from dsa_train.config import compose_recipe, to_train_config
+    from dsa_train.stage import Stage
+
+    cfg = to_train_config(compose_recipe("repro_small"), check_environment=True, world_size=1)
+    stages = {name: Stage.of(name, s) for name, s in cfg.stages.items()}
+    assert [(n, s.attention, s.kind.name) for n, s in stages.items()] == [
+        ("pretrain", "dense", "all"), ("warmup", "dense", "indexer"), ("sparse", "sparse", "all")]
+    seq_len, topk = cfg.data.seq_len, cfg.stages["sparse"].topk
+    assert seq_len >= 1024 and seq_len // topk >= 8
+    assert cfg.eval.enabled and cfg.eval.num_sequences >= 2 and cfg.device.value == "cpu"
+    assert cfg.data.sources == ["bundled"]
