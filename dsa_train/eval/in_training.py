@@ -8,7 +8,7 @@ of any epoch reads a held-out row (`PackedDataLoader.held_out_rows`). A document
 held-out row has its beginning in training rows; the held-out tokens themselves are never trained on.
 
 Under N ranks (any layout: TP, CP, EP, ZeRO-3), every rank takes part in gathering the full state
-(`layout.full_state_dict`, the export's gather), rank 0 loads it into a single-process copy of the
+(`layout.full_state_dict`), rank 0 loads it into a single-process copy of the
 model and evaluates it while the other ranks wait at a barrier. The copy is as big as the whole
 model: for models that do not fit one device beside rank 0's shard, leave `eval` off and run
 `dsa-train eval` on the export.

@@ -8,7 +8,8 @@ single-process `Engine`, whole tensors). `DistributedLayout` is N ranks on megat
 (`dsa_train.parallel.groups`): the model parallelized (`parallelize_model`), the DeepSpeed engine,
 the step's numbers combined over ranks (`parallel_reduction`), checkpoint pieces placed in the
 global tensors (`dsa_train.engine.sharded_state`). The export streams from the checkpoint
-(`dsa_train.checkpoint.streamed_export`): the layout never gathers the model.
+(`dsa_train.checkpoint.streamed_export`): the layout gathers the model only for the in-training
+evaluation of small models (`full_state_dict`).
 The trainer asks the layout and never tests which one it has.
 """
 
@@ -31,7 +32,7 @@ from dsa_train.parallel import deepspeed_compat
 from dsa_train.parallel.deepspeed_engine import DeepSpeedEngine
 from dsa_train.parallel.groups import ParallelState, cpu_group, init_parallel
 from dsa_train.parallel.model import parallelize_model
-from dsa_train.parallel.sharding import parallelized_state
+from dsa_train.parallel.sharding import parallelized_state, sharding_of
 from dsa_train.parallel.step import parallel_reduction
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,10 @@ class Layout:
             partitioned = deepspeed_compat.optimizer_kind(engine.optimizer) != "torch"
             writer = dataclasses.replace(self.replicas, zero_stage=max(self.replicas.zero_stage, int(partitioned)))
         return optimizer_pieces(engine, self.tp_size, create=create, writer=writer)
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The single-process state dict of `model`, on every rank."""
+        return dict(model.state_dict())
 
 
 class DistributedLayout(Layout):
@@ -145,6 +150,36 @@ class DistributedLayout(Layout):
 
             return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
         return contextlib.nullcontext()
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Gathered to every rank: TP shards concatenated, EP experts collected. Only for models
+        that fit one device (the recipe's in-training `eval`, `dsa_train.eval.in_training`); the
+        export never gathers (it streams from the checkpoint)."""
+        st = self.parallel_state
+        out: dict[str, torch.Tensor] = {}
+        experts: dict[str, torch.Tensor] = {}  # this rank's routed experts (EP), global names
+        with self.gathered(model):
+            for name, p in model.state_dict(keep_vars=True).items():
+                if p is None:
+                    continue
+                t = p.detach().clone()
+                record = sharding_of(p)
+                if record.expert:
+                    experts[name] = t
+                    continue
+                if record.tensor_parallel:
+                    parts = [torch.empty_like(t) for _ in range(st.sizes.tensor)]
+                    dist.all_gather(parts, t.contiguous(), group=st.tp_group)
+                    t = torch.cat(parts, dim=record.tp_dim)
+                out[name] = t
+        if st.sizes.expert > 1:
+            gathered = [None] * st.sizes.expert
+            dist.all_gather_object(gathered, experts, group=st.ep_group)
+            for part in gathered:
+                out.update(part)
+        else:
+            out.update(experts)
+        return out
 
 
 def replica_coordinates(state: ParallelState, zero_stage: int) -> ReplicaCoordinates:
