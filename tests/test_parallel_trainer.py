@@ -17,7 +17,11 @@ import torch
 
 from tests.helpers import free_port
 
+# eval=none: the demo's in-training eval group (held-out rows) makes the one-process continuation
+# of a ZeRO-3 x TP2 checkpoint differ beyond rel 1e-6 (found 2026-11-26 at 8a6aec8, open: issue 20);
+# these tests check resharding, so they run without it
 TINY = [
+    "eval=none",
     "data.seq_len=64", "data.micro_batch_size=1", "logging.wandb_mode=disabled", "logging.progress_bar=false",
     "stages.pretrain.warmup_steps=1", "stages.sparse.warmup_steps=1", "stages.sparse.topk=16",
     *[f"stages.{s}.{k}={v}" for s in ("pretrain", "warmup") for k, v in (("steps", 2), ("global_batch_size", 2))],
