@@ -42,6 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import analysis
+
 # name -> compute capability; Triton's NVIDIA backend appends "a" for >= 90 (sm_90a, sm_100a)
 ARCHES = {"sm_80": 80, "sm_90a": 90, "sm_100": 100}
 SMEM_LIMIT = {80: 163 * 1024, 90: 227 * 1024, 100: 227 * 1024}  # max dynamic shared memory per block
@@ -64,7 +66,7 @@ TENSOR_CORE_REQUIRED = {80: ("mma_sync",), 90: ("wgmma",), 100: ("tcgen05_mma", 
 
 # The keys of a report row, in the JSON and table order (`gate`: the gate's failures, one string each).
 ROW_KEYS = ("op", "kernel", "config", "triton", "registers", "spill_bytes", "shared_bytes",
-            *TENSOR_CORE_PTX, "dots", "error", "gate")
+            *TENSOR_CORE_PTX, "dots", "error", "gate", "shapes", "occupancy", "analysis")
 
 
 class SideTritonError(RuntimeError):
@@ -220,7 +222,7 @@ def compile_case(case, cap: int) -> dict:
 
     row = dict.fromkeys(ROW_KEYS)
     row.update(op=case.op, kernel=case.kernel_name, config=case.config, triton=triton.__version__,
-               dots=case.dots, gate=[])
+               dots=case.dots, gate=[], analysis=analysis.as_dict(case.work))
     t0 = time.perf_counter()
     try:
         signature, constexprs, attrs = _specialize(case.launch)
@@ -247,6 +249,8 @@ def compile_case(case, cap: int) -> dict:
     row.update(registers=stats["registers"], spill_bytes=stats["spill_bytes"],
                shared_bytes=int(compiled.metadata.shared) + stats["static_smem"],
                **{key: len(pattern.findall(ptx)) for key, pattern in _TENSOR_CORE_RE.items()})
+    row["shapes"] = analysis.instruction_shapes(ptx)
+    row["occupancy"] = analysis.occupancy(row["registers"], case.launch.num_warps, row["shared_bytes"], cap)
     row["seconds"] = round(time.perf_counter() - t0, 1)
     return row
 
@@ -301,12 +305,29 @@ def report(arch: str, ops: list[str] | None = None) -> list[dict]:
     return rows
 
 
+def _cell(key: str, value) -> str:
+    if value is None:
+        return "—"
+    if key == "shapes":  # the tensor-core instruction shapes, most frequent first
+        parts = [f"{kind} {shape} x{n}" for kind, counts in value.items() for shape, n in counts.items()]
+        return ", ".join(parts) or "none"
+    if key == "occupancy":
+        return f"{value['ctas']} CTA/SM ({value['limit']})"
+    return str(value)
+
+
 def _table(rows: list[dict]) -> str:
-    head = [k for k in ROW_KEYS if k not in ("triton", "gate")]
+    """The text report: one row per kernel, then the analysis column (per token, at the 671B
+    shapes) as one line per kernel that has one."""
+    head = [k for k in ROW_KEYS if k not in ("triton", "gate", "analysis")]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [str(r[k]) if r[k] is not None else "—" for k in head]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(_cell(k, r.get(k)) for k in head) + " |")
+    notes = [f"- {r['op']} `{r['kernel']}` ({r['config']}): {analysis.describe_dict(r['analysis'])}"
+             for r in rows if r.get("analysis")]
+    if notes:
+        lines += ["", "analysis per token (formulas over each launch's block sizes; the TFLOPS are a roofline "
+                  f"estimate on {analysis.H100['name']}, not a measurement):", *notes]
     return "\n".join(lines)
 
 

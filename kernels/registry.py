@@ -58,6 +58,7 @@ class KernelCase:
     config: str
     launch: object  # _triton_common.Launch
     op: str = ""
+    work: object = None  # analysis.Work: per-token FLOPs and bytes of this launch (the analysis column)
 
     @property
     def kernel_name(self) -> str:

@@ -1,0 +1,128 @@
+"""The compile report's analysis column: what a launch does per token, argued from its block sizes.
+
+Each op's `specs.py` attaches a `Work` to its `KernelCase`s: per token (a query row of the launch),
+the FLOPs the op needs (`useful_flops`: 2 x the multiply-adds of the op's formula, counted once),
+the FLOPs the kernel issues (`issued_flops`: every `tl.dot` of the launch at its block sizes,
+recomputation and padding counted), the bytes it reads from global memory (`read_bytes`: every
+load the kernel issues, gathers and re-reads counted, whether L2 would serve them or not) and the
+bytes it writes (`write_bytes`: stores plus atomic adds). These are formulas over the launch's own
+arguments, written next to the planning function they describe, not measurements.
+
+From the compiled kernel the report adds the tensor-core instruction shapes in the PTX
+(`wgmma_shapes`: static instruction counts per shape, e.g. `m64n64k16 x 32`) and the occupancy
+(`occupancy`: resident CTAs per SM from registers, shared memory and threads).
+
+`roofline` turns a `Work` into an **estimate** of the time per token on an H100 SXM
+(`H100`: 989 TFLOPS dense bf16, 3.35 TB/s HBM3): max(issued FLOPs / peak, bytes moved / bandwidth),
+and the useful TFLOPS that time implies. It ignores L2 hits (a re-read served by L2 is counted at
+HBM cost), latency, occupancy and the tensor cores' real efficiency: an upper bound on speed
+that ranks designs by what they issue and move; a measurement on a GPU replaces it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+# H100 SXM5 peaks used by the roofline estimate (NVIDIA's datasheet figures, dense bf16, HBM3).
+H100 = dict(name="H100 SXM", flops=989e12, bytes_per_s=3.35e12)
+
+# Per-SM resources of the architectures the report compiles for (compute capability ->).
+SM_RESOURCES = {
+    80: dict(regs=65536, smem=164 * 1024, threads=2048, ctas=32),
+    90: dict(regs=65536, smem=228 * 1024, threads=2048, ctas=32),
+    100: dict(regs=65536, smem=228 * 1024, threads=2048, ctas=32),
+}
+SMEM_RESERVED_PER_CTA = 1024  # the driver reserves 1 KB of shared memory per resident CTA
+
+
+@dataclass(frozen=True)
+class Work:
+    """Per token (one query row of the launch): see the module docstring. `anchor` names the
+    figures of the reference design for the same op (e.g. FlashMLA's bytes per token), when
+    there is one, as a dict of the same keys plus `name`."""
+
+    useful_flops: float
+    issued_flops: float
+    read_bytes: float
+    write_bytes: float
+    anchor: dict = field(default_factory=dict)
+
+    @property
+    def recompute(self) -> float:
+        """issued / useful FLOPs (1.0 = nothing recomputed or padded)."""
+        return self.issued_flops / self.useful_flops if self.useful_flops else float("nan")
+
+
+def roofline(work: Work, peak: dict = H100) -> dict:
+    """The roofline **estimate** for one token: seconds, the bound that sets it, useful TFLOPS."""
+    t_compute = work.issued_flops / peak["flops"]
+    t_memory = (work.read_bytes + work.write_bytes) / peak["bytes_per_s"]
+    seconds = max(t_compute, t_memory)
+    return dict(seconds=seconds, bound="compute" if t_compute >= t_memory else "memory",
+                useful_tflops=work.useful_flops / seconds / 1e12 if seconds else float("nan"))
+
+
+_WGMMA_SHAPE = re.compile(r"\bwgmma\.mma_async\S*?\.(m\d+n\d+k\d+)\b")
+_MMA_SYNC_SHAPE = re.compile(r"\bmma\.sync\S*?\.(m\d+n\d+k\d+)\b")
+
+
+def instruction_shapes(ptx: str) -> dict[str, dict[str, int]]:
+    """Static counts of the tensor-core instructions per shape in the PTX:
+    {"wgmma": {"m64n64k16": 32, ...}, "mma_sync": {"m16n8k16": 36}}."""
+    out = {}
+    for key, pattern in (("wgmma", _WGMMA_SHAPE), ("mma_sync", _MMA_SYNC_SHAPE)):
+        counts: dict[str, int] = {}
+        for shape in pattern.findall(ptx):
+            counts[shape] = counts.get(shape, 0) + 1
+        out[key] = dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+    return out
+
+
+def occupancy(registers: int, num_warps: int, shared_bytes: int, cap: int) -> dict:
+    """Resident CTAs (and warps) per SM and what limits them: registers (allocated per warp in
+    units of 256, i.e. per thread rounded up to a multiple of 8), shared memory (plus the 1 KB the
+    driver reserves per CTA), threads, or the CTA limit."""
+    res = SM_RESOURCES[cap]
+    threads = num_warps * 32
+    regs_per_warp = math.ceil(max(registers, 1) * 32 / 256) * 256
+    limits = {
+        "registers": res["regs"] // (regs_per_warp * num_warps),
+        "shared": res["smem"] // (shared_bytes + SMEM_RESERVED_PER_CTA),
+        "threads": res["threads"] // threads,
+        "ctas": res["ctas"],
+    }
+    ctas = min(limits.values())
+    return dict(ctas=ctas, warps=ctas * num_warps, limit=min(limits, key=limits.get))
+
+
+def mb(x: float) -> str:
+    return f"{x / 1e6:.2f} MB"
+
+
+def describe_dict(d: dict) -> str:
+    """`describe` for the JSON form (`as_dict`), anchor included."""
+    est = d["estimate"]
+    text = (f"useful {d['useful_flops_per_token'] / 1e9:.2f} GF, issued {d['issued_flops_per_token'] / 1e9:.2f} GF "
+            f"(x{d['recompute']:.2f}), read {mb(d['read_bytes_per_token'])}, write {mb(d['write_bytes_per_token'])}; "
+            f"estimate {est['useful_tflops']:.0f} TFLOPS ({est['bound']}-bound)")
+    anchor = d.get("anchor")
+    if anchor:
+        text += f"; {anchor['name']}: " + ", ".join(
+            f"{k.replace('_', ' ')} {mb(v) if 'bytes' in k else f'{v / 1e9:.2f} GF'}"
+            for k, v in anchor.items() if k != "name")
+    return text
+
+
+def as_dict(work: Work | None, peak: dict = H100) -> dict | None:
+    """The JSON form of a `Work` with its roofline estimate (labelled as such)."""
+    if work is None:
+        return None
+    est = roofline(work, peak)
+    return dict(useful_flops_per_token=work.useful_flops, issued_flops_per_token=work.issued_flops,
+                recompute=round(work.recompute, 4), read_bytes_per_token=work.read_bytes,
+                write_bytes_per_token=work.write_bytes, anchor=work.anchor or None,
+                estimate=dict(machine=peak["name"], seconds_per_token=est["seconds"], bound=est["bound"],
+                              useful_tflops=round(est["useful_tflops"], 1),
+                              note="roofline estimate from issued FLOPs and bytes, not a measurement"))
