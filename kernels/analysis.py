@@ -55,9 +55,11 @@ class Work:
         return self.issued_flops / self.useful_flops if self.useful_flops else float("nan")
 
 
-def roofline(work: Work, peak: dict = H100) -> dict:
-    """The roofline **estimate** for one token: seconds, the bound that sets it, useful TFLOPS."""
-    t_compute = work.issued_flops / peak["flops"]
+def roofline(work: Work, peak: dict = H100, replication: float = 1.0) -> dict:
+    """The roofline **estimate** for one token: seconds, the bound that sets it, useful TFLOPS.
+    `replication`: the compiled kernel's warp-group replication of its dots
+    (`warpgroup_replication`), multiplying the FLOPs the tensor cores actually execute."""
+    t_compute = work.issued_flops * replication / peak["flops"]
     t_memory = (work.read_bytes + work.write_bytes) / peak["bytes_per_s"]
     seconds = max(t_compute, t_memory)
     return dict(seconds=seconds, bound="compute" if t_compute >= t_memory else "memory",
@@ -78,6 +80,41 @@ def instruction_shapes(ptx: str) -> dict[str, dict[str, int]]:
             counts[shape] = counts.get(shape, 0) + 1
         out[key] = dict(sorted(counts.items(), key=lambda kv: -kv[1]))
     return out
+
+
+_MMA_V3_LAYOUT = re.compile(r"^#(mma\d*) = #ttg\.nvidia_mma<\{versionMajor = 3,.*?warpsPerCTA = \[(\d+), (\d+)\]"
+                            r".*?instrShape = \[\d+, (\d+), \d+\]", re.M)
+_WG_DOT = re.compile(r"ttng\.warp_group_dot .*?: (?:!ttg\.memdesc|tensor)<(\d+)x(\d+)x[^>]*>.*?"
+                     r"-> tensor<(\d+)x(\d+)xf32, #(mma\d*)>")
+
+
+def warpgroup_replication(ttgir: str) -> dict:
+    """Dots that Triton's layout makes several warp groups compute alike, from the TTGIR.
+
+    A wgmma layout (`#ttg.nvidia_mma`, version 3) with warpsPerCTA [wm, wn] and instruction
+    width n covers a [16 wm, n wn] tile; a smaller [M, N] result is broadcast over the rest, i.e.
+    computed max(1, 16 wm / M) x max(1, n wn / N) times. Triton assigns all warps to M for a dot
+    whose result feeds another dot (the flash-attention layout), so with 8 warps an M = 64 logits
+    tile is computed by both warp groups. -> {"ratio": FLOPs the dots issue over their FLOPs
+    counted once (each dot of the IR once, the loop body's dots dominate), "replicated": ["MxNxK
+    xR", ...]}."""
+    layouts = {m.group(1): tuple(int(g) for g in m.group(2, 3, 4)) for m in _MMA_V3_LAYOUT.finditer(ttgir)}
+    once = issued = 0.0
+    replicated = []
+    for line in ttgir.splitlines():
+        m = _WG_DOT.search(line)
+        if not m or m.group(5) not in layouts:
+            continue
+        k = int(m.group(2))
+        rows, cols = int(m.group(3)), int(m.group(4))
+        wm, wn, inst_n = layouts[m.group(5)]
+        rep = max(1, 16 * wm // rows) * max(1, inst_n * wn // cols)
+        flops = 2.0 * rows * cols * k
+        once += flops
+        issued += flops * rep
+        if rep > 1:
+            replicated.append(f"{rows}x{cols}x{k} x{rep}")
+    return dict(ratio=round(issued / once, 3) if once else 1.0, replicated=replicated)
 
 
 def occupancy(registers: int, num_warps: int, shared_bytes: int, cap: int) -> dict:
@@ -102,11 +139,19 @@ def mb(x: float) -> str:
 
 
 def describe_dict(d: dict) -> str:
-    """`describe` for the JSON form (`as_dict`), anchor included."""
+    """One line of the text report for the JSON form (`as_dict`), anchor included."""
     est = d["estimate"]
-    text = (f"useful {d['useful_flops_per_token'] / 1e9:.2f} GF, issued {d['issued_flops_per_token'] / 1e9:.2f} GF "
-            f"(x{d['recompute']:.2f}), read {mb(d['read_bytes_per_token'])}, write {mb(d['write_bytes_per_token'])}; "
-            f"estimate {est['useful_tflops']:.0f} TFLOPS ({est['bound']}-bound)")
+    rep = d.get("replication", 1.0)
+    if d["recompute"] is None:  # no dot products
+        flops = "no dot products"
+    else:
+        flops = (f"useful {d['useful_flops_per_token'] / 1e9:.2f} GF, tl.dot issues {d['issued_flops_per_token'] / 1e9:.2f} GF "
+                 f"(x{d['recompute']:.2f}" + (f"; x{d['recompute'] * rep:.2f} with the warp-group replication"
+                                               if rep != 1.0 else "") + ")")
+    speed = (f"{est['useful_tflops']:.0f} TFLOPS" if d["recompute"] is not None
+             else f"{est['seconds_per_token'] * 1e6:.3f} us per token")
+    text = (f"{flops}, read {mb(d['read_bytes_per_token'])}, write {mb(d['write_bytes_per_token'])}; "
+            f"estimate {speed} ({est['bound']}-bound)")
     anchor = d.get("anchor")
     if anchor:
         text += f"; {anchor['name']}: " + ", ".join(
@@ -115,14 +160,16 @@ def describe_dict(d: dict) -> str:
     return text
 
 
-def as_dict(work: Work | None, peak: dict = H100) -> dict | None:
-    """The JSON form of a `Work` with its roofline estimate (labelled as such)."""
+def as_dict(work: Work | None, peak: dict = H100, replication: float = 1.0) -> dict | None:
+    """The JSON form of a `Work` with its roofline estimate (labelled as such); `replication` as
+    in `roofline` (the compile report passes the compiled kernel's)."""
     if work is None:
         return None
-    est = roofline(work, peak)
+    est = roofline(work, peak, replication)
     return dict(useful_flops_per_token=work.useful_flops, issued_flops_per_token=work.issued_flops,
-                recompute=round(work.recompute, 4), read_bytes_per_token=work.read_bytes,
+                recompute=round(work.recompute, 4) if work.useful_flops else None, replication=replication, read_bytes_per_token=work.read_bytes,
                 write_bytes_per_token=work.write_bytes, anchor=work.anchor or None,
                 estimate=dict(machine=peak["name"], seconds_per_token=est["seconds"], bound=est["bound"],
                               useful_tflops=round(est["useful_tflops"], 1),
-                              note="roofline estimate from issued FLOPs and bytes, not a measurement"))
+                              note="roofline estimate from issued FLOPs (x warp-group replication) and bytes, "
+                                   "not a measurement"))

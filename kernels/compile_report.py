@@ -66,7 +66,7 @@ TENSOR_CORE_REQUIRED = {80: ("mma_sync",), 90: ("wgmma",), 100: ("tcgen05_mma", 
 
 # The keys of a report row, in the JSON and table order (`gate`: the gate's failures, one string each).
 ROW_KEYS = ("op", "kernel", "config", "triton", "registers", "spill_bytes", "shared_bytes",
-            *TENSOR_CORE_PTX, "dots", "error", "gate", "shapes", "occupancy", "analysis")
+            *TENSOR_CORE_PTX, "dots", "error", "gate", "shapes", "replication", "occupancy", "analysis")
 
 
 class SideTritonError(RuntimeError):
@@ -250,6 +250,8 @@ def compile_case(case, cap: int) -> dict:
                shared_bytes=int(compiled.metadata.shared) + stats["static_smem"],
                **{key: len(pattern.findall(ptx)) for key, pattern in _TENSOR_CORE_RE.items()})
     row["shapes"] = analysis.instruction_shapes(ptx)
+    row["replication"] = analysis.warpgroup_replication(compiled.asm.get("ttgir", ""))
+    row["analysis"] = analysis.as_dict(case.work, replication=row["replication"]["ratio"])
     row["occupancy"] = analysis.occupancy(row["registers"], case.launch.num_warps, row["shared_bytes"], cap)
     row["seconds"] = round(time.perf_counter() - t0, 1)
     return row
@@ -311,6 +313,8 @@ def _cell(key: str, value) -> str:
     if key == "shapes":  # the tensor-core instruction shapes, most frequent first
         parts = [f"{kind} {shape} x{n}" for kind, counts in value.items() for shape, n in counts.items()]
         return ", ".join(parts) or "none"
+    if key == "replication":  # FLOPs the wgmma dots issue / counted once (Triton's warp-group layout)
+        return f"x{value['ratio']}" + (f" ({', '.join(value['replicated'])})" if value["replicated"] else "")
     if key == "occupancy":
         return f"{value['ctas']} CTA/SM ({value['limit']})"
     return str(value)

@@ -224,3 +224,65 @@ def test_report_bad_arguments_one_line(capsys, monkeypatch):
     assert len(err) == 1 and other in err[0] and triton.__version__ in err[0]
     with pytest.raises(SystemExit):
         report_main(["report", "--arch", "sm_75"])
+
+
+# ----------------------------------------------------------------------------- the analysis column
+def _rows_of(gate_reports, op: str, arch: str = "sm_90a"):
+    out = []
+    for (version, a), res in gate_reports.items():
+        if a == arch and res["rows"]:
+            out += [r for r in res["rows"] if r["op"] == op]
+    return out
+
+
+def test_sparse_mla_forward_issues_the_useful_flops_and_reads_like_flashmla(gate_reports):
+    """Issue 18's forward targets, from the report's analysis column at the 671B shapes (both
+    supported Tritons, sm_90a): the tl.dot FLOPs equal the useful ones within 5% (the logits once per
+    head block, not once per value half) and the bytes read per token are at most FlashMLA's (each
+    selected row gathered once per 64-head block)."""
+    rows = _rows_of(gate_reports, "sparse_mla_fwd")
+    assert {r["triton"] for r in rows} == {v for v, a in GATE_TARGETS if a == "sm_90a"}
+    for r in rows:
+        a = r["analysis"]
+        assert abs(a["recompute"] - 1.0) <= 0.05, (r["config"], a)
+        assert a["read_bytes_per_token"] <= a["anchor"]["read_bytes"], (r["config"], a)
+        assert a["estimate"]["note"].startswith("roofline estimate"), a
+
+
+def test_every_row_has_shapes_occupancy_and_replication(gate_reports):
+    for (version, arch), res in gate_reports.items():
+        for r in res["rows"] or []:
+            if r["error"]:
+                continue
+            assert r["occupancy"]["ctas"] >= 1, r
+            assert r["replication"]["ratio"] >= 1.0, r
+            if arch == "sm_90a" and r["wgmma"]:
+                assert sum(r["shapes"]["wgmma"].values()) == r["wgmma"], r
+
+
+def test_warpgroup_replication_reads_the_layout():
+    """A [64, 16] logits tile under warpsPerCTA [8, 1] (the flash-attention layout Triton gives a dot
+    feeding another dot) is computed by both warp groups; a [64, 128] one under [4, 2] with 64-wide
+    instructions is split, not replicated."""
+    from dsa_kernels.analysis import warpgroup_replication
+
+    ir = "\n".join([
+        "#mma = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [8, 1], instrShape = [16, 8, 16]}>",
+        "#mma1 = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [4, 2], instrShape = [16, 64, 16]}>",
+        "  %s = ttng.warp_group_dot %q, %k, %c {isAsync = true} : !ttg.memdesc<64x128xbf16, #shared, #smem> * "
+        "!ttg.memdesc<128x16xbf16, #shared1, #smem, mutable> -> tensor<64x16xf32, #mma> loc(#l)",
+        "  %o = ttng.warp_group_dot %p, %v, %a {isAsync = true} : tensor<64x16xbf16, #ttg.dot_op<{opIdx = 0, "
+        "parent = #mma1, kWidth = 2}>> * !ttg.memdesc<16x128xbf16, #shared, #smem, mutable> -> tensor<64x128xf32, #mma1> loc(#l)",
+    ])
+    rep = warpgroup_replication(ir)
+    assert rep["replicated"] == ["64x16x128 x2"]
+    once = 2 * 64 * 16 * 128 + 2 * 64 * 128 * 16
+    assert rep["ratio"] == round((2 * 2 * 64 * 16 * 128 + 2 * 64 * 128 * 16) / once, 3)
+
+
+def test_occupancy_limits():
+    from dsa_kernels.analysis import occupancy
+
+    assert occupancy(255, 8, 110656, 90) == dict(ctas=1, warps=8, limit="registers")
+    assert occupancy(96, 4, 8192, 90)["ctas"] == 5  # 96 x 128 threads: 5 CTAs in 64K registers
+    assert occupancy(32, 4, 120 * 1024, 90) == dict(ctas=1, warps=4, limit="shared")

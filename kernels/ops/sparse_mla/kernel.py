@@ -4,10 +4,11 @@ Specification: `reference.sparse_mla_ref`. Shapes: q [B, T, H, D] with D = D_V +
 (576 = 512 latent + 64 rope in the 671B model), kv [B, N, D] (N >= T under context parallelism:
 the keys of the whole sequence, the queries this rank's), indices [B, T, K] int32.
 
-Grid: (tokens x head blocks x parts, B); program x = (token * head blocks + head block) * parts
-+ part, so the part and head block are fastest: the programs of one token, which gather the same
-KV rows, run together. Tokens are on x because CUDA's grid y / z stop at 65,535 while x goes to
-2^31 - 1: any token count launches (T = 128K at H = 128: x = 524,288); B (y) stays small.
+Grid: (tokens x head blocks [x parts], B); program x = (token * head blocks + head block) [*
+parts + part], so the head block (and part) is fastest: the programs of one token, which gather
+the same KV rows, run together. Tokens are on x because CUDA's grid y / z stop at 65,535 while x
+goes to 2^31 - 1: any token count launches (T = 128K at H = 128: forward x = 262,144, backward
+524,288); B (y) stays small.
 
 Indices: a slot is valid when 0 <= idx < N (N = kv.shape[1]); -1 marks an empty slot and any
 other out-of-range value is read as empty too (masked before the load and before the atomics,
@@ -15,14 +16,19 @@ never an illegal address). `slot_counts` uses the same rule, so the kernels walk
 up to its last valid slot and a short row's tail costs nothing. The entry point's
 `check_indices` turns out-of-range values into an error under DSA_KERNELS_CHECK=1.
 
-Forward (one program per (head block of 64, value half, token)): q of the head block stays
-resident; the selected slots are walked in 32-key tiles; each tile gathers the selected rows of
-`kv = [latent | k_rope]` once for all heads of the block (the MQA saving), computes the logits
-over all 576 dims and keeps an online softmax (log2 domain). The 512-dim value is split across
-SPLIT_V = 2 programs (each owns 256 output columns and recomputes the logits), so the
-[64, 256] fp32 accumulator fits in registers without spills (FlashMLA splits it across two warp
-groups of one CTA; Triton cannot share the logits between warp groups, so the split is across
-programs). A row with no valid slot returns out = 0 and lse = -inf with no NaN.
+Forward (one program per (token, head block of 64); FlashMLA's schedule as far as Triton goes):
+q of the head block stays resident (shared memory); the selected slots are walked in 16-key tiles;
+each tile gathers the selected rows of `kv = [latent | k_rope]` once for all heads of the block
+(the MQA saving) and uses them twice, for the logits over all 576 dims (computed once) and for
+the value product. The 512 latent columns are four 128-column quarters, each its own tensor,
+dot and [64, 128] fp32 accumulator (Triton cannot slice a tile), so the logits, P and the
+gathered rows are shared by the whole value and nothing is recomputed: the tl.dot FLOPs equal
+the useful ones, and each selected row is read once per head block (FlashMLA's traffic). Online
+softmax in the log2 domain from a finite running max, so a row with no valid slot returns
+out = 0 and lse = -inf with no NaN. Triton's layout for a dot that feeds another dot puts all 8
+warps on M, so the [64, 16] logits tile is computed by both warp groups (the report's
+`replication` column: x1.53 of the useful FLOPs on the tensor cores); FlashMLA avoids that with
+one producer and two consumer warp groups, which Triton proper does not express.
 
 Backward (one program per (head block of 64, column half, token), 16-key tiles): delta =
 rowsum(dO * O) - dlse is computed in PyTorch in bounded token chunks (`bwd_delta`); per key
@@ -61,35 +67,41 @@ def _sparse_mla_fwd_kernel(
     H, N_KV, N_HB, scale_log2,
     D_V: tl.constexpr, D_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
-    SPLIT_V: tl.constexpr,
+    EVEN_H: tl.constexpr,
 ):
-    # program (x, y) -> (token, head block, value part), the part fastest, then the head block; y = b
+    # program (x, y) -> (token, head block), the head block fastest; y = b
     pid = tl.program_id(0)
-    sv = pid % SPLIT_V
-    hb = (pid // SPLIT_V) % N_HB
-    t = (pid // (SPLIT_V * N_HB)).to(tl.int64)
+    hb = pid % N_HB
+    t = (pid // N_HB).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
-    DVS: tl.constexpr = BLOCK_DV // SPLIT_V  # value columns owned by this program
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < H
-    offs_dr = tl.arange(0, BLOCK_DR)
-    mask_dr = offs_dr < D_R
-    # the latent dims in two column sets: `own` (this program's value columns) and `rest`
-    # (the other programs' columns; with SPLIT_V = 1 it is empty and masked off). The logits
-    # need both, the value only `own`, so every gathered KV element is loaded once.
-    offs_o = sv * DVS + tl.arange(0, DVS)
-    offs_x = ((sv + 1) % SPLIT_V) * DVS + tl.arange(0, DVS)
-    mask_o = offs_o < D_V
-    mask_x = (offs_x < D_V) & (SPLIT_V == 2)
+    mask_h = (offs_h < H) | EVEN_H  # EVEN_H (H % BLOCK_H == 0): no head mask, fewer live predicates
+    mh = mask_h[:, None]
+    # the latent dims as four column quarters (c0..c3) and the rope dims (r): separate tensors,
+    # so each dot, accumulator and store is a [., BLOCK_C] piece (Triton cannot slice a tile)
+    BLOCK_C: tl.constexpr = BLOCK_DV // 4
+    offs_c = tl.arange(0, BLOCK_C)
+    m0 = offs_c < D_V
+    m1 = offs_c + BLOCK_C < D_V
+    m2 = offs_c + 2 * BLOCK_C < D_V
+    m3 = offs_c + 3 * BLOCK_C < D_V
+    offs_r = tl.arange(0, BLOCK_DR)
+    mr = offs_r < D_R
 
     q_ptrs = Q + b * stride_qb + t * stride_qt + offs_h[:, None] * stride_qh
-    q_o = tl.load(q_ptrs + offs_o[None, :], mask=mask_h[:, None] & mask_o[None, :], other=0.0)
-    q_x = tl.load(q_ptrs + offs_x[None, :], mask=mask_h[:, None] & mask_x[None, :], other=0.0)
-    qr = tl.load(q_ptrs + D_V + offs_dr[None, :], mask=mask_h[:, None] & mask_dr[None, :], other=0.0)
+    q0 = tl.load(q_ptrs + offs_c[None, :], mask=mh & m0[None, :], other=0.0)
+    q1 = tl.load(q_ptrs + BLOCK_C + offs_c[None, :], mask=mh & m1[None, :], other=0.0)
+    q2 = tl.load(q_ptrs + 2 * BLOCK_C + offs_c[None, :], mask=mh & m2[None, :], other=0.0)
+    q3 = tl.load(q_ptrs + 3 * BLOCK_C + offs_c[None, :], mask=mh & m3[None, :], other=0.0)
+    qr = tl.load(q_ptrs + D_V + offs_r[None, :], mask=mh & mr[None, :], other=0.0)
 
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    # running max starts finite: a row with no valid slot keeps p = 0 and never forms -inf - -inf
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, DVS], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
     kv_base = KV + b * stride_kvb
     idx_base = IDX + b * stride_ib + t * stride_it
     n_slots = tl.load(NSLOT + b * stride_nb + t)  # slots after the last valid one are all empty
@@ -97,27 +109,42 @@ def _sparse_mla_fwd_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(idx_base + offs_k, mask=offs_k < n_slots, other=-1)
         valid = (idx >= 0) & (idx < N_KV)  # out of range = empty slot (never an illegal address)
-        rows = kv_base + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_kvt
-        kv_o = tl.load(rows + offs_o[None, :], mask=valid[:, None] & mask_o[None, :], other=0.0)
-        kv_x = tl.load(rows + offs_x[None, :], mask=valid[:, None] & mask_x[None, :], other=0.0)
-        kvr = tl.load(rows + D_V + offs_dr[None, :], mask=valid[:, None] & mask_dr[None, :], other=0.0)
-        s = tl.dot(q_o, tl.trans(kv_o)) + tl.dot(q_x, tl.trans(kv_x)) + tl.dot(qr, tl.trans(kvr))
+        # row offsets in int32 (the launcher checks N * stride < 2^31): fewer live registers
+        rows = kv_base + (tl.where(valid, idx, 0) * stride_kvt)[:, None]
+        vk = valid[:, None]
+        # the tile's selected rows, gathered once for all heads of the block and used by the
+        # logits and the value product alike
+        kv0 = tl.load(rows + offs_c[None, :], mask=vk & m0[None, :], other=0.0)
+        kv1 = tl.load(rows + BLOCK_C + offs_c[None, :], mask=vk & m1[None, :], other=0.0)
+        kv2 = tl.load(rows + 2 * BLOCK_C + offs_c[None, :], mask=vk & m2[None, :], other=0.0)
+        kv3 = tl.load(rows + 3 * BLOCK_C + offs_c[None, :], mask=vk & m3[None, :], other=0.0)
+        kvr = tl.load(rows + D_V + offs_r[None, :], mask=vk & mr[None, :], other=0.0)
+        s = tl.dot(q0, tl.trans(kv0))  # [BLOCK_H, BLOCK_K] logits over all 576 dims, once
+        s += tl.dot(q1, tl.trans(kv1))
+        s += tl.dot(q2, tl.trans(kv2))
+        s += tl.dot(q3, tl.trans(kv3))
+        s += tl.dot(qr, tl.trans(kvr))
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv_o.dtype), kv_o)
+        p_c = p.to(kv0.dtype)  # one P for the four value quarters
+        acc0 = acc0 * alpha[:, None] + tl.dot(p_c, kv0)
+        acc1 = acc1 * alpha[:, None] + tl.dot(p_c, kv1)
+        acc2 = acc2 * alpha[:, None] + tl.dot(p_c, kv2)
+        acc3 = acc3 * alpha[:, None] + tl.dot(p_c, kv3)
         m_i = m_new
 
     has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    o_ptrs = O + b * stride_ob + t * stride_ot + offs_h[:, None] * stride_oh + offs_o[None, :]
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=mask_h[:, None] & mask_o[None, :])
-    if sv == 0:
-        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-        tl.store(LSE + b * stride_lb + t * stride_lt + offs_h, lse, mask=mask_h)
+    inv_l = 1.0 / tl.where(has, l_i, 1.0)
+    o_ptrs = O + b * stride_ob + t * stride_ot + offs_h[:, None] * stride_oh + offs_c[None, :]
+    tl.store(o_ptrs, (acc0 * inv_l[:, None]).to(O.dtype.element_ty), mask=mh & m0[None, :])
+    tl.store(o_ptrs + BLOCK_C, (acc1 * inv_l[:, None]).to(O.dtype.element_ty), mask=mh & m1[None, :])
+    tl.store(o_ptrs + 2 * BLOCK_C, (acc2 * inv_l[:, None]).to(O.dtype.element_ty), mask=mh & m2[None, :])
+    tl.store(o_ptrs + 3 * BLOCK_C, (acc3 * inv_l[:, None]).to(O.dtype.element_ty), mask=mh & m3[None, :])
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(LSE + b * stride_lb + t * stride_lt + offs_h, lse, mask=mask_h)
 
 
 @triton.jit
@@ -274,11 +301,13 @@ def slot_counts(indices: torch.Tensor, n_keys: int | None = None) -> torch.Tenso
 
 
 def fwd_blocks(H: int, D_V: int, D_R: int) -> dict:
-    # 32-key tiles: with 64 (and the 0 <= idx < N mask) Triton 3.9 needed 255 registers and
-    # spilled 88-104 B for sm_90a; with 32: 208 registers (3.9) / 169 (3.6), no spill
-    block_dv = pow2(D_V)
-    return dict(BLOCK_H=min(pow2(H), 64), BLOCK_K=32, BLOCK_DV=block_dv, BLOCK_DR=pow2(max(D_R, 1)),
-                SPLIT_V=2 if block_dv >= 512 else 1)
+    """One program per (token, head block of up to 64): the logits once, the value in four column
+    quarters (so BLOCK_DV >= 64: quarters of >= 16, tl.dot's minimum). 16-key tiles: at the 671B
+    shapes, sm_90a, Triton 3.9: 248 registers, no spill (32-key tiles: 255 + 216 B spill);
+    Triton 3.6: 198 (226 at 32 keys). `dsa-train kernels report` shows the current figures."""
+    block_h = min(pow2(H), 64)
+    return dict(BLOCK_H=block_h, BLOCK_K=16, BLOCK_DV=pow2(D_V, 64), BLOCK_DR=pow2(max(D_R, 1)),
+                EVEN_H=H % block_h == 0)
 
 
 def bwd_blocks(H: int, D_V: int, D_R: int) -> dict:
@@ -298,14 +327,22 @@ def _grid(x: int, y: int, what: str) -> tuple:
     return (max(x, 1), max(y, 1))
 
 
+def _int32_rows(kv, what: str) -> None:
+    """The kernels form gathered row offsets as idx * stride in int32: the largest must fit."""
+    if kv.shape[1] * kv.stride(1) >= 2**31:
+        raise ValueError(f"sparse_mla {what}: kv has {kv.shape[1]} rows of stride {kv.stride(1)}; row offsets "
+                         f"beyond 2^31 elements are not supported: split the batch or the sequence")
+
+
 def plan_fwd(q, kv, indices, n_slots, out, lse, scale: float, d_v: int) -> Launch:
     """The forward launch for q [B, T, H, D], kv [B, N, D], indices [B, T, K] int32, n_slots
     [B, T] int32 (`slot_counts`), out [B, T, H, d_v], lse [B, T, H] fp32."""
     B, T, H, D = q.shape
     blocks = fwd_blocks(H, d_v, D - d_v)
-    n_parts = triton.cdiv(H, blocks["BLOCK_H"]) * blocks["SPLIT_V"]
+    n_hb = triton.cdiv(H, blocks["BLOCK_H"])
+    _int32_rows(kv, "forward")
     return Launch(
-        _sparse_mla_fwd_kernel, _grid(n_parts * T, B, "forward"),
+        _sparse_mla_fwd_kernel, _grid(n_hb * T, B, "forward"),
         dict(
             Q=q, KV=kv, IDX=indices, NSLOT=n_slots, O=out, LSE=lse,
             stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
@@ -314,10 +351,10 @@ def plan_fwd(q, kv, indices, n_slots, out, lse, scale: float, d_v: int) -> Launc
             stride_nb=n_slots.stride(0),
             stride_ob=out.stride(0), stride_ot=out.stride(1), stride_oh=out.stride(2),
             stride_lb=lse.stride(0), stride_lt=lse.stride(1),
-            H=H, N_KV=kv.shape[1], N_HB=n_parts // blocks['SPLIT_V'], scale_log2=scale * LOG2E,
+            H=H, N_KV=kv.shape[1], N_HB=n_hb, scale_log2=scale * LOG2E,
             D_V=d_v, D_R=D - d_v, **blocks,
         ),
-        # two stages: the 32-key tile of 576 dims (36 KB) double-buffered plus q (72 KB): 147 KB
+        # two stages: the 16-key tile of 576 dims (18 KB) double-buffered beside q (72 KB): 110 KB
         num_warps=8 if blocks["BLOCK_DV"] >= 256 else 4, num_stages=2,
     )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ...analysis import Work
 from ...registry import SHAPES_671B, KernelCase, register
 from .kernel import deterministic_layout, plan_bwd, plan_fwd
 
@@ -28,7 +29,7 @@ def _tensors(T: int | None = None, K: int | None = None):
 
 def _config(launch) -> str:
     a = launch.args
-    keys = [k for k in a if k.startswith("BLOCK_") or k in ("SPLIT_V", "SPLIT", "DETERMINISTIC")]
+    keys = [k for k in a if k.startswith("BLOCK_") or k in ("EVEN_H", "SPLIT", "PART", "DETERMINISTIC")]
     stages = f" stages={launch.num_stages}" if launch.num_stages else ""
     return " ".join(f"{k}={a[k]}" for k in keys) + f" warps={launch.num_warps}{stages} grid={launch.grid}"
 
@@ -44,7 +45,8 @@ def _fwd():
     out = torch.empty(*q.shape[:3], d_v, dtype=q.dtype, device="meta")
     n_slots = torch.empty(idx.shape[:2], dtype=torch.int32, device="meta")
     dense = plan_fwd(q, kv, idx, n_slots, out, lse, scale, d_v)
-    return [KernelCase(_config(launch), launch), KernelCase("CP dense-at-positions " + _config(dense), dense)]
+    return [KernelCase(_config(launch), launch, work=fwd_work(launch)),
+            KernelCase("CP dense-at-positions " + _config(dense), dense, work=fwd_work(dense))]
 
 
 def bwd_launches(T: int | None = None, K: int | None = None) -> list[tuple[str, object]]:
@@ -71,10 +73,94 @@ def bwd_launches(T: int | None = None, K: int | None = None) -> list[tuple[str, 
 
 @register("sparse_mla_bwd")
 def _bwd():
-    cases = [KernelCase(label + _config(launch), launch) for label, launch in bwd_launches()]
+    cases = [KernelCase(label + _config(launch), launch, work=bwd_work(launch)) for label, launch in bwd_launches()]
     # CP dense-at-positions: DENSE_CHUNK_ELEMS // T queries over K = T = 128K slots (a real call;
     # the same compiled kernels at a different grid / window)
     T = SHAPES_671B["T"]
     dense = bwd_launches(T=max(1, DENSE_CHUNK_ELEMS // T), K=T)
-    cases += [KernelCase("CP dense-at-positions " + label + _config(launch), launch) for label, launch in dense]
+    cases += [KernelCase("CP dense-at-positions " + label + _config(launch), launch, work=bwd_work(launch))
+              for label, launch in dense]
     return cases
+
+
+# ---- the analysis column (`dsa_kernels.analysis.Work`): per token, from each launch's block sizes ----
+
+def _slots(launch) -> int:
+    """Slots one row walks in this launch: the index list (the backward's window K_HI - K_LO)."""
+    a = launch.args
+    k = a["IDX"].shape[-1]
+    if "K_HI" in a:
+        k = a["K_HI"] - a["K_LO"]
+    return k
+
+
+def _pad(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def useful_fwd_flops(H: int, K: int, d_qk: int, d_v: int) -> float:
+    """Sparse MLA forward: q.kv over d_qk (576) and p.v over d_v (512) per head and selected key."""
+    return 2.0 * H * K * (d_qk + d_v)
+
+
+def useful_bwd_flops(H: int, K: int, d_qk: int, d_v: int) -> float:
+    """Sparse MLA backward as the anchors count it (TileLang's `per_token_flop`): S = q.kv recomputed
+    (d_qk), dP = dO.v (d_v), dq = dS kv (d_qk), dkv = dS^T q (d_qk) + P^T dO (d_v)."""
+    return 2.0 * H * K * (3 * d_qk + 2 * d_v)
+
+
+def flashmla_fwd_anchor(H: int, K: int, d_qk: int, d_v: int, e: int = 2) -> dict:
+    """FlashMLA's SM90 sparse prefill schedule: one CTA per (token, 64-head block), logits once,
+    the value split across two warp groups sharing P, each selected KV row gathered once per block."""
+    n_hb = -(-H // 64)
+    return dict(name="FlashMLA sparse fwd", issued_flops=useful_fwd_flops(H, K, d_qk, d_v),
+                read_bytes=n_hb * K * (d_qk * e + 4) + H * d_qk * e)
+
+
+def tilelang_bwd_anchor(H: int, K: int, d_qk: int, d_v: int, e: int = 2) -> dict:
+    """TileLang's `examples/deepseek_v32/sparse_mla_bwd.py`: one CTA per (token, 64-head block), q
+    and dO resident in shared memory, each selected row gathered once per block, dkv by fp32 atomics."""
+    n_hb = -(-H // 64)
+    return dict(name="TileLang sparse bwd", issued_flops=useful_bwd_flops(H, K, d_qk, d_v),
+                read_bytes=n_hb * K * (d_qk * e + 4) + H * (d_qk + d_v) * e + H * 8,
+                write_bytes=n_hb * K * d_qk * 4 + H * d_qk * e)
+
+
+def fwd_work(launch) -> Work:
+    a = launch.args
+    H, d_v, d_r = a["H"], a["D_V"], a["D_R"]
+    e = a["Q"].element_size()
+    K = _slots(launch)
+    bh, bk, bdv, bdr = a["BLOCK_H"], a["BLOCK_K"], a["BLOCK_DV"], a["BLOCK_DR"]
+    n_hb = -(-H // bh)
+    # per program (token, head block): the logits over the four latent quarters and the rope
+    # part once, then p.v over the four quarters
+    issued = n_hb * 2.0 * bh * _pad(K, bk) * (2 * bdv + bdr)
+    # per program: every selected row's 512 + 64 columns once, its index; q once
+    reads = n_hb * (K * ((d_v + d_r) * e + 4) + 4) + H * (d_v + d_r) * e
+    writes = H * d_v * e + H * 4
+    return Work(useful_fwd_flops(H, K, d_v + d_r, d_v), issued, reads, writes,
+                flashmla_fwd_anchor(H, K, d_v + d_r, d_v, e))
+
+
+def bwd_work(launch) -> Work:
+    a = launch.args
+    H, d_v, d_r = a["H"], a["D_V"], a["D_R"]
+    e = a["Q"].element_size()
+    K = _slots(launch)
+    bh, bk, bdv, bdr, bd, split = (a["BLOCK_H"], a["BLOCK_K"], a["BLOCK_DV"], a["BLOCK_DR"], a["BLOCK_D"],
+                                   a["SPLIT"])
+    n_hb, dvs = -(-H // bh), bdv // split
+    tiles = _pad(K, bk) // bk
+    # per tile and program: S and dP over all latent dims (+ rope for S), dq and dkv over the own
+    # columns (part 0 also the rope columns)
+    per_tile = bh * bk * (2 * bdv + bdr) + bh * bk * dvs * 3
+    rope_part = bh * bk * bdr * 2  # dq_r and dkv_r, part 0 only
+    issued = n_hb * (split * tiles * per_tile + tiles * rope_part) * 2.0
+    # per tile and program: the 64-channel q and dO pieces again (all latent dims), the gathered
+    # rows for S / dP (all dims) and once more the own columns for dq / dkv; q / dO halves once
+    tile_reads = (2 * bh * bdv + bk * (bdv + bdr) + bk * dvs) * e + bk * 4
+    reads = n_hb * split * (tiles * tile_reads + bh * (2 * dvs + bdr) * e + bh * 8)
+    writes = n_hb * (K * (d_v + d_r) * 4) + H * (d_v + d_r) * e  # fp32 atomics into dkv, dq once
+    return Work(useful_bwd_flops(H, K, d_v + d_r, d_v), issued, reads, writes,
+                tilelang_bwd_anchor(H, K, d_v + d_r, d_v, e))
