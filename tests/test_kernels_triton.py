@@ -30,6 +30,7 @@ from dsa_kernels.ops.indexer_topk import (  # noqa: E402
     topk_from_scores,
 )
 from dsa_kernels.ops.indexer_topk.kernel import (  # noqa: E402
+    CANDIDATE_CAP,
     _select_chunk,
     index_scores_triton,
     indexer_topk_triton,
@@ -275,6 +276,65 @@ def test_radix_select_bf16_scores_two_passes():
     assert not torch.equal(ref.bfloat16().float(), ref)  # the scores need more than bf16's 8 bits
     ridx, rval = topk_from_scores(ref.bfloat16().float(), topk, key_offset=k0)
     assert torch.equal(idx, ridx) and torch.equal(val, rval)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_radix_select_candidate_overflow_falls_back_to_streaming(dtype):
+    # rows whose threshold bin (top digit of the k-th largest key) holds more keys than the
+    # candidate buffer take the streaming path and still select exactly; the other rows refine
+    # from the candidates. cap=32 makes small rows overflow; the last row overflows the default CAP.
+    g = torch.Generator().manual_seed(7)
+    scores = torch.randn(1, 5, 300, generator=g)
+    scores[0, 0] = scores[0, 0] * 0.1
+    scores[0, 0, 40:240] = 0.5  # 200 exact ties above every other key: the k-th largest for k <= 200
+    scores[0, 1] = 1.0 + torch.rand(300, generator=g) * 2.0**-6  # one top bin, no exact ties
+    scores[0, 2, 100:] = float("-inf")  # 100 valid keys, k beyond them
+    scores[0, 3, ::3] = 0.0  # 100 exact zeros
+    scores = scores.to(dtype)
+    for topk, cap in ((16, 32), (64, 32), (120, 32), (16, CANDIDATE_CAP)):
+        counts = []
+        idx, val = _select_chunk(scores.to(DEV), 2, topk, block=128, cap=cap, bin_count_out=counts)
+        ridx, rval = topk_from_scores(scores.float(), topk, key_offset=2)
+        assert torch.equal(idx.cpu(), ridx) and torch.equal(val.cpu(), rval)
+        used = counts[0].cpu()[0]  # candidates refined per row, -1: streamed
+        assert (used <= cap).all()
+        if cap == 32:
+            assert used[0] == -1 and used[1] == -1  # the tie rows streamed
+            assert (used[2:] >= 0).any()  # other rows refined from candidates, in the same launch
+        else:
+            assert (used >= 0).all()
+    # heavy ties beyond the default CAP: 5000 exact zeros under 40 positive keys, k = 64
+    row = torch.zeros(1, 2, 5000)
+    row[0, :, 1000:1040] = torch.rand(40, generator=g) + 1.0
+    row[0, 1, 4000:] = float("-inf")  # 3960 valid keys: the zero bin fits in CAP
+    counts = []
+    idx, val = _select_chunk(row.to(dtype).to(DEV), 0, 64, bin_count_out=counts)
+    ridx, rval = topk_from_scores(row.to(dtype).float(), 64)
+    assert torch.equal(idx.cpu(), ridx) and torch.equal(val.cpu(), rval)
+    assert counts[0][0, 0] == -1 and counts[0][0, 1] == 3960  # 3960 zeros in the bin (<= CAP)
+
+
+def test_topk_work_reads_each_score_row_at_most_twice():
+    # the analysis column of the shipped top-k launches (671B shapes, T = 128K): two reads of the
+    # score row plus the candidate buffer's traffic, against the streaming design's PASSES + 1
+    from dsa_kernels.registry import cases
+
+    topk_cases = {c.launch.args["S"].dtype: c for c in cases(["indexer_topk"])}
+    assert set(topk_cases) == {torch.float32, torch.bfloat16}
+    for dtype, case in topk_cases.items():
+        a, work = case.launch.args, case.work
+        row_bytes = a["W_LEN"] * dtype.itemsize
+        candidate_bytes = a["CAP"] * (torch.int32.itemsize + torch.float32.itemsize)
+        assert a["W_LEN"] == 131072 and a["CAP"] == CANDIDATE_CAP
+        assert work.read_bytes <= 2 * row_bytes + a["PASSES"] * candidate_bytes
+        assert work.read_bytes < (a["PASSES"] + 1) * row_bytes  # fewer bytes than streaming the row
+        assert work.useful_flops == 0 and work.anchor["read_bytes"] == row_bytes
+    for case in cases(["indexer_scores"]):  # scores: 2 H_I D_I per causal key, issued within 1%
+        a, work = case.launch.args, case.work
+        causal_keys = sum(t + 1 for t in range(a["r0"], a["r1"])) / (a["r1"] - a["r0"])
+        assert work.useful_flops == pytest.approx(2 * a["HI"] * a["DI"] * causal_keys)
+        assert work.useful_flops <= work.issued_flops <= 1.01 * work.useful_flops
+        assert work.write_bytes == a["W_LEN"] * a["S"].element_size()
 
 
 def test_indexer_fp8_scores_match_dequantized_reference():

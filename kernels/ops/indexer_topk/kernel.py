@@ -15,13 +15,19 @@ chunk only a [B, C, W] fp32 (or opt-in bf16) score block exists (W = the chunk's
    one fp32 scale per token (per head for q) per 128 channels and multiplies the per-group dot
    products by the two scales.
 2. `_radix_topk_kernel` (one program per query row) selects the k largest scores exactly with
-   an MSB-first radix select over the order-preserving uint32 image of the scores: passes of a
-   histogram (`tl.histogram`, masked to the keys that match the prefix so far; fp32 rows three
-   11-bit digits, bf16 rows two 8-bit digits) find the bit pattern of the k-th largest score
-   and how many of its ties to take; a final pass writes the selected keys in index order (all
-   keys above the threshold, plus the first `take` ties, i.e. ties go to the lower index).
-   There is no candidate buffer that could overflow: every pass streams the whole row. Rows
-   with fewer than k valid keys select all of them; the other slots stay -1 (score -inf);
+   an MSB-first radix select over the order-preserving uint32 image of the scores (fp32 rows:
+   three 11-bit digits; bf16 rows: two 8-bit digits), reading the row twice: pass 1 histograms
+   the top digit (`tl.histogram`) and finds the threshold bin (the one holding the k-th largest
+   finite score); pass 2 writes every key above that bin to the output and appends the bin's
+   keys (index, score; in index order, by prefix sums) to the row's candidate buffer [CAP]
+   (global scratch, CAP = 4096: Triton has no explicit shared memory; the buffer is written and
+   read by the same program, so L2 should serve it, but nothing guarantees it). The remaining
+   digits are refined by histogram passes over the candidates only, then the candidates above
+   the threshold key plus the first `take` keys equal to it (ties go to the lower index) are
+   written. A threshold bin with more than CAP keys (heavy ties, e.g. many exact zeros) takes
+   the old streaming path for that row: one pass over the row per remaining digit and one
+   writing the selection (PASSES + 1 reads), so correctness never depends on CAP. Rows with
+   fewer than k valid keys select all of them; the other slots stay -1 (score -inf);
    non-finite scores are never selected.
 3. The k selected (score, index) pairs are ordered by a stable descending sort in PyTorch, so
    the output equals the reference's (sorted scores, ties to the lower index).
@@ -33,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...analysis import Work
 from ..._triton_common import Launch, compute_dtype, kernel_input, pow2
 from .reference import FP8_GROUP, quantize_fp8_groups
 
@@ -158,68 +165,149 @@ def _finite(x):
 
 
 @triton.jit
+def _digit_histogram(x, prefix, pmask, shift, NBINS: tl.constexpr):
+    """Histogram of the DIGIT at `shift` of the finite scores x [BLOCK] whose key matches the
+    prefix so far (key & pmask == prefix) -> [NBINS] int32."""
+    key = _sortable(x)
+    match = _finite(x) & ((key & pmask) == prefix)
+    digit = ((key >> shift) & (NBINS - 1)).to(tl.int32)
+    return tl.histogram(digit, NBINS, mask=match)
+
+
+@triton.jit
+def _threshold_bin(hist, k_rem, NBINS: tl.constexpr):
+    """The bin holding the k_rem-th largest of the histogrammed keys -> (bin, how many of that
+    bin's keys are still to take = k_rem minus the keys in the bins above it)."""
+    bins = tl.arange(0, NBINS)
+    total = tl.sum(hist, 0)
+    ge = total - tl.cumsum(hist, 0) + hist  # number of keys with digit >= bin
+    bstar = tl.maximum(tl.max(tl.where(ge >= k_rem, bins, -1), 0), 0)
+    return bstar, k_rem - tl.sum(tl.where(bins > bstar, hist, 0), 0)
+
+
+@triton.jit
+def _write_selected(x, key_idx, prefix, pmask, k_rem, count, ties, out_i, out_v):
+    """One block [BLOCK] of the final selection, in index order: keys above the prefix, plus the
+    ties (key & pmask == prefix) whose rank among the ties so far is < k_rem (ties go to the
+    lower index) -> written at out[count + ...]; returns the new (count, ties)."""
+    key = _sortable(x) & pmask
+    valid = _finite(x)
+    gt = valid & (key > prefix)
+    eq = (valid & (key == prefix)).to(tl.int32)
+    eq_rank = ties + tl.cumsum(eq, 0) - eq
+    sel = (gt | ((eq != 0) & (eq_rank < k_rem))).to(tl.int32)
+    pos = count + tl.cumsum(sel, 0) - sel
+    tl.store(out_i + pos, key_idx, mask=sel != 0)
+    tl.store(out_v + pos, x, mask=sel != 0)
+    return count + tl.sum(sel, 0), ties + tl.sum(eq, 0)
+
+
+@triton.jit
+def _refine_digits(src, n_keys, prefix, pmask, k_rem,
+                   BLOCK: tl.constexpr, DIGIT_BITS: tl.constexpr, PASSES: tl.constexpr):
+    """Digits 2..PASSES of the radix select, MSB first, one histogram pass over the n_keys scores
+    at src (the row, or the candidate buffer) per digit -> (prefix, pmask, k_rem) of the k-th
+    largest key. The last digit may overlap the previous one when 32 is not a multiple of
+    DIGIT_BITS: those bits already agree among the matching keys, so re-fixing them changes
+    nothing."""
+    NBINS: tl.constexpr = 1 << DIGIT_BITS
+    for i in tl.static_range(1, PASSES):
+        shift = max(32 - DIGIT_BITS * (i + 1), 0)  # a constexpr of the unrolled index
+        hist = tl.zeros([NBINS], dtype=tl.int32)
+        for j0 in range(0, n_keys, BLOCK):
+            offs = j0 + tl.arange(0, BLOCK)
+            x = tl.load(src + offs, mask=offs < n_keys, other=float("-inf")).to(tl.float32)
+            hist += _digit_histogram(x, prefix, pmask, shift, NBINS)
+        bstar, k_rem = _threshold_bin(hist, k_rem, NBINS)
+        prefix = prefix | (bstar.to(tl.uint32) << shift)
+        pmask = pmask | (tl.full((), NBINS - 1, tl.uint32) << shift)
+    return prefix, pmask, k_rem
+
+
+@triton.jit
 def _radix_topk_kernel(
-    S, OUT_I, OUT_V,
+    S, OUT_I, OUT_V, CAND_I, CAND_V, BIN_N,
     stride_sb, stride_sc,
     stride_ob, stride_oc,
+    stride_cb, stride_cc,
+    stride_nb,
     W_LEN, k0, TOPK,
-    BLOCK: tl.constexpr, DIGIT_BITS: tl.constexpr, PASSES: tl.constexpr,
+    BLOCK: tl.constexpr, DIGIT_BITS: tl.constexpr, PASSES: tl.constexpr, CAP: tl.constexpr,
 ):
     """Exact top-k of one score row over the top DIGIT_BITS * PASSES bits of the order-preserving
-    uint32 image of its scores (fp32 rows: 32 bits; bf16 rows: the 16 bits a bf16 has), one
-    DIGIT_BITS-wide histogram pass per digit, MSB first, then one pass writing the selection."""
+    uint32 image of its scores (fp32 rows: 32 bits; bf16 rows: the 16 bits a bf16 has).
+
+    Pass 1 over the row: histogram of the top digit -> the threshold bin (holding the k-th
+    largest) and its key count n. If n <= CAP, pass 2 over the row writes every key above that
+    bin to the output and appends the bin's keys (value, index; in index order) to this row's
+    candidate buffer CAND_V / CAND_I [CAP]; the other PASSES - 1 digits are refined over the
+    candidates only, which then give the remaining selections: the row is read twice. If n > CAP
+    (heavy ties), the row falls back to streaming: one pass over the row per remaining digit,
+    then one writing the selection (PASSES + 1 reads). BIN_N [rows] gets the number of candidates
+    the row refined from the buffer (n), or -1 where it streamed."""
     c = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     row = S + b * stride_sb + c * stride_sc
-    NBINS: tl.constexpr = 1 << DIGIT_BITS
-    bins = tl.arange(0, NBINS)
-
-    prefix = tl.full((), 0, tl.uint32)
-    pmask = prefix
-    k_rem = TOPK
-    for i in tl.static_range(PASSES):
-        # a constexpr expression of the unrolled index (never reassigned); the last digit may
-        # overlap the previous one when 32 is not a multiple of DIGIT_BITS: those bits already
-        # agree among the matching keys, so re-fixing them changes nothing
-        shift = max(32 - DIGIT_BITS * (i + 1), 0)
-        hist = tl.zeros([NBINS], dtype=tl.int32)
-        for w0 in range(0, W_LEN, BLOCK):
-            offs = w0 + tl.arange(0, BLOCK)
-            x = tl.load(row + offs, mask=offs < W_LEN, other=float("-inf")).to(tl.float32)
-            key = _sortable(x)
-            match = _finite(x) & ((key & pmask) == prefix)
-            digit = ((key >> shift) & (NBINS - 1)).to(tl.int32)
-            hist += tl.histogram(digit, NBINS, mask=match)
-        if i == 0:
-            k_rem = tl.minimum(k_rem, tl.sum(hist, 0))  # fewer valid keys than k: take them all
-        total = tl.sum(hist, 0)
-        ge = total - tl.cumsum(hist, 0) + hist  # number of matching keys with digit >= bin
-        bstar = tl.max(tl.where(ge >= k_rem, bins, -1), 0)
-        bstar = tl.maximum(bstar, 0)
-        k_rem = k_rem - tl.sum(tl.where(bins > bstar, hist, 0), 0)
-        prefix = prefix | (bstar.to(tl.uint32) << shift)
-        pmask = pmask | (tl.full((), NBINS - 1, tl.uint32) << shift)
-
-    # prefix = the top bits of the k-th largest valid score's key; k_rem = how many of its ties
-    # (equal in those bits) to take, in index order
-    count = 0
-    ties = 0
     out_i = OUT_I + b * stride_ob + c * stride_oc
     out_v = OUT_V + b * stride_ob + c * stride_oc
+    cand_i = CAND_I + b * stride_cb + c * stride_cc
+    cand_v = CAND_V + b * stride_cb + c * stride_cc
+    NBINS: tl.constexpr = 1 << DIGIT_BITS
+    TOP_SHIFT: tl.constexpr = 32 - DIGIT_BITS
+    bins = tl.arange(0, NBINS)
+
+    # pass 1: the top digit
+    top = tl.full((), 0, tl.uint32)
+    hist = tl.zeros([NBINS], dtype=tl.int32)
     for w0 in range(0, W_LEN, BLOCK):
         offs = w0 + tl.arange(0, BLOCK)
         x = tl.load(row + offs, mask=offs < W_LEN, other=float("-inf")).to(tl.float32)
-        key = _sortable(x) & pmask
-        valid = _finite(x)
-        gt = valid & (key > prefix)
-        eq = (valid & (key == prefix)).to(tl.int32)
-        eq_rank = ties + tl.cumsum(eq, 0) - eq
-        sel = (gt | ((eq != 0) & (eq_rank < k_rem))).to(tl.int32)
-        pos = count + tl.cumsum(sel, 0) - sel
-        tl.store(out_i + pos, (k0 + offs).to(tl.int32), mask=sel != 0)
-        tl.store(out_v + pos, x, mask=sel != 0)
-        count += tl.sum(sel, 0)
-        ties += tl.sum(eq, 0)
+        hist += _digit_histogram(x, top, top, TOP_SHIFT, NBINS)
+    k_rem = tl.minimum(TOPK, tl.sum(hist, 0))  # fewer valid keys than k: take them all
+    bstar, k_rem = _threshold_bin(hist, k_rem, NBINS)
+    n_cand = tl.sum(tl.where(bins == bstar, hist, 0), 0)
+    prefix = bstar.to(tl.uint32) << TOP_SHIFT
+    pmask = tl.full((), NBINS - 1, tl.uint32) << TOP_SHIFT
+
+    if n_cand <= CAP:
+        # pass 2: keys above the threshold bin -> output; the bin's keys -> candidates
+        count = 0
+        n = 0
+        for w0 in range(0, W_LEN, BLOCK):
+            offs = w0 + tl.arange(0, BLOCK)
+            x = tl.load(row + offs, mask=offs < W_LEN, other=float("-inf")).to(tl.float32)
+            key = _sortable(x) & pmask
+            valid = _finite(x)
+            gt = (valid & (key > prefix)).to(tl.int32)
+            eq = (valid & (key == prefix)).to(tl.int32)
+            pos = count + tl.cumsum(gt, 0) - gt
+            tl.store(out_i + pos, (k0 + offs).to(tl.int32), mask=gt != 0)
+            tl.store(out_v + pos, x, mask=gt != 0)
+            cpos = n + tl.cumsum(eq, 0) - eq
+            tl.store(cand_i + cpos, (k0 + offs).to(tl.int32), mask=eq != 0)
+            tl.store(cand_v + cpos, x, mask=eq != 0)
+            count += tl.sum(gt, 0)
+            n += tl.sum(eq, 0)
+        tl.store(BIN_N + b * stride_nb + c, n)  # = n_cand
+        tl.debug_barrier()  # the candidates written by every thread are visible to all of them
+        prefix, pmask, k_rem = _refine_digits(cand_v, n_cand, prefix, pmask, k_rem, BLOCK, DIGIT_BITS, PASSES)
+        ties = 0
+        for j0 in range(0, n_cand, BLOCK):
+            offs = j0 + tl.arange(0, BLOCK)
+            x = tl.load(cand_v + offs, mask=offs < n_cand, other=float("-inf"))
+            key_idx = tl.load(cand_i + offs, mask=offs < n_cand, other=0)
+            count, ties = _write_selected(x, key_idx, prefix, pmask, k_rem, count, ties, out_i, out_v)
+    else:
+        # overflow (more than CAP keys in the threshold bin): refine by streaming the row
+        tl.store(BIN_N + b * stride_nb + c, -1)
+        prefix, pmask, k_rem = _refine_digits(row, W_LEN, prefix, pmask, k_rem, BLOCK, DIGIT_BITS, PASSES)
+        count = 0
+        ties = 0
+        for w0 in range(0, W_LEN, BLOCK):
+            offs = w0 + tl.arange(0, BLOCK)
+            x = tl.load(row + offs, mask=offs < W_LEN, other=float("-inf")).to(tl.float32)
+            count, ties = _write_selected(x, (k0 + offs).to(tl.int32), prefix, pmask, k_rem, count, ties,
+                                          out_i, out_v)
 
 
 SCORE_ROWS = 256  # (query, head) rows of the resident query operand: 4 queries x 64 indexer heads
@@ -271,8 +359,42 @@ def plan_scores(q, k, w, doc_start, scores, positions, r0: int, r1: int, k0: int
     )
 
 
+def scores_work(launch: Launch) -> Work:
+    """Per query row of a `plan_scores` launch, from its arguments, taking each row's global
+    position to be its local row (positions = arange, as without context parallelism) and one
+    document (doc_start 0). Useful FLOPs: 2 H_I D_I per causal key. Issued: every live key
+    tile's dot, [BLOCK_Q * BLOCK_HI, D] x [D, BLOCK_N] at the padded sizes. Reads: each program
+    (query tile x key span) loads its resident q, w (and q scales), positions and doc starts,
+    and streams the k rows (and k scales) of its live tiles; q is reloaded per key tile when the
+    head dim is wider than one tile. Writes: the whole score row (dead columns too)."""
+    a = launch.args
+    hi, di, bq, bhi, bn, bd = a["HI"], a["DI"], a["BLOCK_Q"], a["BLOCK_HI"], a["BLOCK_N"], a["BLOCK_D"]
+    r0, r1, k0, w_len = a["r0"], a["r1"], a["k0"], a["W_LEN"]
+    spans = launch.grid[1]
+    d_tiles = triton.cdiv(di, bd)
+    q_el, k_el = a["Q"].element_size(), a["KI"].element_size()
+    scale = a["QS"].element_size() if a["FP8"] else 0
+    rows = r1 - r0
+    useful = issued = read = 0.0
+    for t0 in range(r0, r1, bq):  # one query tile (all of its key spans)
+        t1 = min(t0 + bq, r1)
+        n_q = t1 - t0
+        useful += sum(2 * hi * di * (t - k0 + 1) for t in (t0, t1 - 1)) * n_q / 2  # arithmetic series
+        tiles = triton.cdiv(min(t1 - k0, w_len), bn)  # live key tiles (span boundaries are tile-aligned)
+        issued += tiles * 2 * (bq * bhi) * (d_tiles * bd) * bn
+        q_loads = spans if d_tiles == 1 else tiles  # resident once per program, or once per key tile
+        read += n_q * (q_loads * hi * (di * q_el + scale) + spans * (hi * a["W"].element_size()
+                                                                     + a["POS"].element_size() + a["DS"].element_size()))
+        read += tiles * bn * (di * k_el + d_tiles * scale)
+    return Work(useful_flops=useful / rows, issued_flops=issued / rows, read_bytes=read / rows,
+                write_bytes=w_len * a["S"].element_size())
+
+
 def select_block(W_LEN: int) -> int:
     return min(pow2(W_LEN, 128), 1024)
+
+
+CANDIDATE_CAP = 4096  # keys of a row's threshold bin refined from the candidate buffer (more: streaming fallback)
 
 
 def radix_digits(score_dtype: torch.dtype) -> tuple[int, int]:
@@ -281,22 +403,63 @@ def radix_digits(score_dtype: torch.dtype) -> tuple[int, int]:
     return (8, 2) if score_dtype == torch.bfloat16 else (11, 3)
 
 
-def plan_select(scores, idx, val, k0: int, topk: int, block: int | None = None) -> Launch:
+def candidate_buffers(B: int, C: int, cap: int = CANDIDATE_CAP, device=None):
+    """Scratch of the selector: per row `cap` candidate (index int32, score fp32) slots and the
+    number of candidates the row used (-1: its threshold bin overflowed `cap`, the row was
+    streamed) -> (cand_idx [B, C, cap], cand_val [B, C, cap], bin_count [B, C])."""
+    return (torch.empty((B, C, cap), dtype=torch.int32, device=device),
+            torch.empty((B, C, cap), dtype=torch.float32, device=device),
+            torch.empty((B, C), dtype=torch.int32, device=device))
+
+
+def plan_select(scores, idx, val, cand_idx, cand_val, bin_count, k0: int, topk: int,
+                block: int | None = None) -> Launch:
     """Radix-select launch: scores [B, C, W] fp32 or bf16 -> idx [B, C, topk] int32 (prefilled
-    -1) and val [B, C, topk] fp32 (prefilled -inf), selected keys in index order."""
+    -1) and val [B, C, topk] fp32 (prefilled -inf), the selected keys (each run of equal scores
+    in index order); cand_idx / cand_val [B, C, CAP] and bin_count [B, C] from
+    `candidate_buffers` (CAP = their last dim)."""
     B, C, W_LEN = scores.shape
+    if cand_idx.shape[:2] != (B, C) or cand_val.shape != cand_idx.shape or bin_count.shape != (B, C):
+        raise ValueError(f"candidate buffers must be [B, C, CAP] = [{B}, {C}, CAP] twice and bin_count [{B}, {C}]; "
+                         f"got {tuple(cand_idx.shape)}, {tuple(cand_val.shape)}, {tuple(bin_count.shape)} "
+                         "(make them with candidate_buffers(B, C))")
     digit_bits, passes = radix_digits(scores.dtype)
     return Launch(
         _radix_topk_kernel, (C, B),
         dict(
-            S=scores, OUT_I=idx, OUT_V=val,
+            S=scores, OUT_I=idx, OUT_V=val, CAND_I=cand_idx, CAND_V=cand_val, BIN_N=bin_count,
             stride_sb=scores.stride(0), stride_sc=scores.stride(1),
             stride_ob=idx.stride(0), stride_oc=idx.stride(1),
+            stride_cb=cand_idx.stride(0), stride_cc=cand_idx.stride(1),
+            stride_nb=bin_count.stride(0),
             W_LEN=W_LEN, k0=k0, TOPK=topk,
             BLOCK=block or select_block(W_LEN), DIGIT_BITS=digit_bits, PASSES=passes,
+            CAP=cand_idx.shape[2],
         ),
-        num_warps=4,
+        num_warps=8,
     )
+
+
+def select_work(launch: Launch) -> Work:
+    """Per query row of a `plan_select` launch, on its candidate path (threshold bin <= CAP keys):
+    two reads of the row, the candidates written once (index + fp32 score, CAP bound) and read by
+    PASSES - 1 refinement passes plus the final one; writes: k (index, score) pairs, the
+    candidates, the bin count. No FLOPs (histograms and compares). A row that overflows CAP
+    streams the row PASSES + 1 times instead (`streaming_read_bytes`)."""
+    a = launch.args
+    row = a["W_LEN"] * a["S"].element_size()
+    cand = a["CAP"] * (a["CAND_I"].element_size() + a["CAND_V"].element_size())
+    out = a["TOPK"] * (a["OUT_I"].element_size() + a["OUT_V"].element_size())
+    return Work(useful_flops=0.0, issued_flops=0.0, read_bytes=2 * row + a["PASSES"] * cand,
+                write_bytes=out + cand + a["BIN_N"].element_size(),
+                anchor=dict(name="TileLang topk_selector", read_bytes=row))
+
+
+def streaming_read_bytes(launch: Launch) -> int:
+    """Bytes a `plan_select` row reads on the overflow path (and every row read before the
+    candidate buffer): one histogram pass per digit plus the selection pass over the row."""
+    a = launch.args
+    return (a["PASSES"] + 1) * a["W_LEN"] * a["S"].element_size()
 
 
 def _score_chunk(q, k, w, doc_start, positions, r0, r1, k0, k_end, qs=None, ks=None, key_span=None,
@@ -307,12 +470,20 @@ def _score_chunk(q, k, w, doc_start, positions, r0, r1, k0, k_end, qs=None, ks=N
     return scores
 
 
-def _select_chunk(scores: torch.Tensor, k0: int, topk: int, block: int | None = None):
+def _select_chunk(scores: torch.Tensor, k0: int, topk: int, block: int | None = None,
+                  cap: int = CANDIDATE_CAP, bin_count_out: list | None = None):
+    """-> (idx, val) [B, C, topk] sorted as the reference; bin_count_out (a list) receives the
+    kernel's per-row candidate counts [B, C] (-1: the row's threshold bin overflowed `cap` and
+    took the streaming path)."""
     B, C, W_LEN = scores.shape
     idx = torch.full((B, C, topk), -1, dtype=torch.int32, device=scores.device)
     val = torch.full((B, C, topk), float("-inf"), dtype=torch.float32, device=scores.device)
-    plan_select(scores, idx, val, k0, topk, block).run()
-    # selected pairs are in index order: a stable descending sort keeps ties at the lower index
+    cand_idx, cand_val, bin_count = candidate_buffers(B, C, cap, scores.device)
+    plan_select(scores, idx, val, cand_idx, cand_val, bin_count, k0, topk, block).run()
+    if bin_count_out is not None:
+        bin_count_out.append(bin_count)
+    # each run of equal selected scores is in index order (above-bin keys, then the bin's picks; the
+    # two never tie): a stable descending sort keeps ties at the lower index
     val, order = torch.sort(val, dim=-1, descending=True, stable=True)
     return torch.gather(idx, -1, order), val
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...registry import SHAPES_671B, KernelCase, register
-from .kernel import DEFAULT_SCORE_BUDGET, plan_scores, plan_select
+from .kernel import DEFAULT_SCORE_BUDGET, candidate_buffers, plan_scores, plan_select, scores_work, select_work
 
 
 def _chunk():
@@ -18,7 +18,7 @@ def _chunk():
 
 def _config(launch) -> str:
     a = launch.args
-    keys = [k for k in a if k.startswith("BLOCK") or k in ("FP8", "KEY_SPAN", "DIGIT_BITS", "PASSES")]
+    keys = [k for k in a if k.startswith("BLOCK") or k in ("FP8", "KEY_SPAN", "DIGIT_BITS", "PASSES", "CAP")]
     return " ".join(f"{k}={a[k]}" for k in keys) + f" warps={launch.num_warps} grid={launch.grid}"
 
 
@@ -35,16 +35,16 @@ def _scores():
     cases = []
     q = torch.empty(B, T, s["H_I"], s["D_I"], dtype=torch.bfloat16, **meta)
     launch = plan_scores(q, k, w, ds, scores, pos, q0, q1, k0)
-    cases.append(KernelCase("bf16 " + _config(launch), launch))
+    cases.append(KernelCase("bf16 " + _config(launch), launch, work=scores_work(launch)))
     q8 = torch.empty(B, T, s["H_I"], s["D_I"], dtype=torch.float8_e4m3fn, **meta)
     k8 = torch.empty(B, T, s["D_I"], dtype=torch.float8_e4m3fn, **meta)
     qs = torch.empty(B, T, s["H_I"], 1, dtype=torch.float32, **meta)
     ks = torch.empty(B, T, 1, dtype=torch.float32, **meta)
     launch = plan_scores(q8, k8, w, ds, scores, pos, q0, q1, k0, qs, ks)
-    cases.append(KernelCase("fp8 " + _config(launch), launch))
+    cases.append(KernelCase("fp8 " + _config(launch), launch, work=scores_work(launch)))
     scores16 = torch.empty(B, C, q1 - k0, dtype=torch.bfloat16, **meta)  # score_dtype=torch.bfloat16
     launch = plan_scores(q, k, w, ds, scores16, pos, q0, q1, k0)
-    cases.append(KernelCase("bf16 q/k, bf16 score block " + _config(launch), launch))
+    cases.append(KernelCase("bf16 q/k, bf16 score block " + _config(launch), launch, work=scores_work(launch)))
     return cases
 
 
@@ -55,9 +55,10 @@ def _topk():
     meta = dict(device="meta")
     idx = torch.empty(B, C, s["K"], dtype=torch.int32, **meta)
     val = torch.empty(B, C, s["K"], dtype=torch.float32, **meta)
+    cand_idx, cand_val, bin_count = candidate_buffers(B, C, device="meta")
     cases = []
     for dtype, name in ((torch.float32, "fp32 scores "), (torch.bfloat16, "bf16 scores ")):
         scores = torch.empty(B, C, q1 - k0, dtype=dtype, **meta)
-        launch = plan_select(scores, idx, val, k0, s["K"])
-        cases.append(KernelCase(name + _config(launch), launch))
+        launch = plan_select(scores, idx, val, cand_idx, cand_val, bin_count, k0, s["K"])
+        cases.append(KernelCase(name + _config(launch), launch, work=select_work(launch)))
     return cases
