@@ -258,7 +258,7 @@ def _radix_topk_kernel(
 
     # pass 1: the top digit
     top = tl.full((), 0, tl.uint32)
-    hist = tl.zeros([NBINS], dtype=tl.int32)
+    hist = tl.zeros([NBINS], dtype=tl.int32)  # [NBINS] keys per top digit
     for w0 in range(0, W_LEN, BLOCK):
         offs = w0 + tl.arange(0, BLOCK)
         x = tl.load(row + offs, mask=offs < W_LEN, other=float("-inf")).to(tl.float32)
@@ -275,8 +275,8 @@ def _radix_topk_kernel(
         n = 0
         for w0 in range(0, W_LEN, BLOCK):
             offs = w0 + tl.arange(0, BLOCK)
-            x = tl.load(row + offs, mask=offs < W_LEN, other=float("-inf")).to(tl.float32)
-            key = _sortable(x) & pmask
+            x = tl.load(row + offs, mask=offs < W_LEN, other=float("-inf")).to(tl.float32)  # [BLOCK]
+            key = _sortable(x) & pmask  # [BLOCK] top digit in place
             valid = _finite(x)
             gt = (valid & (key > prefix)).to(tl.int32)
             eq = (valid & (key == prefix)).to(tl.int32)
@@ -286,8 +286,8 @@ def _radix_topk_kernel(
             cpos = n + tl.cumsum(eq, 0) - eq
             tl.store(cand_i + cpos, (k0 + offs).to(tl.int32), mask=eq != 0)
             tl.store(cand_v + cpos, x, mask=eq != 0)
-            count += tl.sum(gt, 0)
-            n += tl.sum(eq, 0)
+            count += tl.sum(gt, 0)  # keys written to the output so far
+            n += tl.sum(eq, 0)  # candidates so far
         tl.store(BIN_N + b * stride_nb + c, n)  # = n_cand
         tl.debug_barrier()  # the candidates written by every thread are visible to all of them
         prefix, pmask, k_rem = _refine_digits(cand_v, n_cand, prefix, pmask, k_rem, BLOCK, DIGIT_BITS, PASSES)
@@ -442,15 +442,17 @@ def plan_select(scores, idx, val, cand_idx, cand_val, bin_count, k0: int, topk: 
 
 def select_work(launch: Launch) -> Work:
     """Per query row of a `plan_select` launch, on its candidate path (threshold bin <= CAP keys):
-    two reads of the row, the candidates written once (index + fp32 score, CAP bound) and read by
-    PASSES - 1 refinement passes plus the final one; writes: k (index, score) pairs, the
-    candidates, the bin count. No FLOPs (histograms and compares). A row that overflows CAP
-    streams the row PASSES + 1 times instead (`streaming_read_bytes`)."""
+    two reads of the row; the candidates (index + fp32 score; the bound n = CAP) written once,
+    their scores read by the PASSES - 1 refinement passes and scores + indices by the final one;
+    writes: k (index, score) pairs, the candidates, the row's candidate count. No FLOPs
+    (histograms and compares). A row that overflows CAP streams the row PASSES + 1 times instead
+    (`streaming_read_bytes`)."""
     a = launch.args
     row = a["W_LEN"] * a["S"].element_size()
-    cand = a["CAP"] * (a["CAND_I"].element_size() + a["CAND_V"].element_size())
+    cand_v = a["CAP"] * a["CAND_V"].element_size()  # [CAP] scores
+    cand = cand_v + a["CAP"] * a["CAND_I"].element_size()  # [CAP] scores + indices
     out = a["TOPK"] * (a["OUT_I"].element_size() + a["OUT_V"].element_size())
-    return Work(useful_flops=0.0, issued_flops=0.0, read_bytes=2 * row + a["PASSES"] * cand,
+    return Work(useful_flops=0.0, issued_flops=0.0, read_bytes=2 * row + (a["PASSES"] - 1) * cand_v + cand,
                 write_bytes=out + cand + a["BIN_N"].element_size(),
                 anchor=dict(name="TileLang topk_selector", read_bytes=row))
 
