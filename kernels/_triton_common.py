@@ -11,6 +11,8 @@ The Triton modules are imported lazily, only when a Triton path is taken, so imp
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 
@@ -48,6 +50,31 @@ def use_triton(*tensors: torch.Tensor) -> bool:
             raise RuntimeError("DSA_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1 (set before importing triton)")
         return True
     return all(t.is_cuda for t in tensors) and triton_importable()
+
+
+# The compute capability the launch plans are made for when the tensors are not on a GPU: the
+# compile report sets it per target (`planning_for`); otherwise Hopper (sm_90), the reference GPU.
+_PLAN_CAPABILITY: contextvars.ContextVar[int] = contextvars.ContextVar("dsa_plan_capability", default=90)
+
+
+@contextlib.contextmanager
+def planning_for(capability: int):
+    """Launch plans made inside this block (on meta / CPU tensors) pick the block sizes of GPUs of
+    compute capability `capability` (e.g. 90 for H100 / H200, 100 for B200)."""
+    token = _PLAN_CAPABILITY.set(capability)
+    try:
+        yield
+    finally:
+        _PLAN_CAPABILITY.reset(token)
+
+
+def target_capability(t: torch.Tensor) -> int:
+    """The compute capability a launch on `t` runs on: its GPU's (major * 10 + minor), else the
+    one set by `planning_for` (default 90)."""
+    if t.is_cuda:
+        major, minor = torch.cuda.get_device_capability(t.device)
+        return major * 10 + minor
+    return _PLAN_CAPABILITY.get()
 
 
 def interpreted() -> bool:

@@ -48,6 +48,7 @@ class Work:
     read_bytes: float
     write_bytes: float
     anchor: dict = field(default_factory=dict)
+    gather_bytes: float | None = None  # of read_bytes, the rows gathered by index (sparse kernels)
 
     @property
     def recompute(self) -> float:
@@ -150,7 +151,9 @@ def describe_dict(d: dict) -> str:
                                                if rep != 1.0 else "") + ")")
     speed = (f"{est['useful_tflops']:.0f} TFLOPS" if d["recompute"] is not None
              else f"{est['seconds_per_token'] * 1e6:.3f} us per token")
-    text = (f"{flops}, read {mb(d['read_bytes_per_token'])}, write {mb(d['write_bytes_per_token'])}; "
+    gathered = d.get("gather_bytes_per_token")
+    text = (f"{flops}, read {mb(d['read_bytes_per_token'])}"
+            + (f" (gathered rows {mb(gathered)})" if gathered is not None else "") + f", write {mb(d['write_bytes_per_token'])}; "
             f"estimate {speed} ({est['bound']}-bound)")
     anchor = d.get("anchor")
     if anchor:
@@ -168,7 +171,8 @@ def as_dict(work: Work | None, peak: dict = H100, replication: float = 1.0) -> d
     est = roofline(work, peak, replication)
     return dict(useful_flops_per_token=work.useful_flops, issued_flops_per_token=work.issued_flops,
                 recompute=round(work.recompute, 4) if work.useful_flops else None, replication=replication, read_bytes_per_token=work.read_bytes,
-                write_bytes_per_token=work.write_bytes, anchor=work.anchor or None,
+                write_bytes_per_token=work.write_bytes, gather_bytes_per_token=work.gather_bytes,
+                anchor=work.anchor or None,
                 estimate=dict(machine=peak["name"], seconds_per_token=est["seconds"], bound=est["bound"],
                               useful_tflops=round(est["useful_tflops"], 1),
                               note="roofline estimate from issued FLOPs (x warp-group replication) and bytes, "

@@ -66,7 +66,7 @@ TENSOR_CORE_REQUIRED = {80: ("mma_sync",), 90: ("wgmma",), 100: ("tcgen05_mma", 
 
 # The keys of a report row, in the JSON and table order (`gate`: the gate's failures, one string each).
 ROW_KEYS = ("op", "kernel", "config", "triton", "registers", "spill_bytes", "shared_bytes",
-            *TENSOR_CORE_PTX, "dots", "error", "gate", "shapes", "replication", "occupancy", "analysis")
+            *TENSOR_CORE_PTX, "global_writes", "dots", "error", "gate", "shapes", "replication", "occupancy", "analysis")
 
 
 class SideTritonError(RuntimeError):
@@ -249,12 +249,19 @@ def compile_case(case, cap: int) -> dict:
     row.update(registers=stats["registers"], spill_bytes=stats["spill_bytes"],
                shared_bytes=int(compiled.metadata.shared) + stats["static_smem"],
                **{key: len(pattern.findall(ptx)) for key, pattern in _TENSOR_CORE_RE.items()})
+    row["global_writes"] = len(_GLOBAL_WRITE_RE.findall(ptx))
     row["shapes"] = analysis.instruction_shapes(ptx)
     row["replication"] = analysis.warpgroup_replication(compiled.asm.get("ttgir", ""))
     row["analysis"] = analysis.as_dict(case.work, replication=row["replication"]["ratio"])
     row["occupancy"] = analysis.occupancy(row["registers"], case.launch.num_warps, row["shared_bytes"], cap)
     row["seconds"] = round(time.perf_counter() - t0, 1)
     return row
+
+
+# Instructions that write global memory (stores, atomics / reductions, TMA bulk copies): a kernel
+# without any computes nothing observable (Triton 3.9 compiled a tensor-memory overflow on sm_100
+# to a lone `trap`).
+_GLOBAL_WRITE_RE = re.compile(r"\b(?:st\.global|atom\.global|red\.global|cp\.async\.bulk)\b")
 
 
 def gate_failures(row: dict, cap: int, dots: bool) -> list[str]:
@@ -265,6 +272,8 @@ def gate_failures(row: dict, cap: int, dots: bool) -> list[str]:
         return [f"does not compile: {row['error']}"]
     if row["spill_bytes"]:
         fails.append(f"spills {row['spill_bytes']} bytes")
+    if row.get("global_writes") == 0:
+        fails.append("compiles to a kernel that writes no global memory (a lone trap?)")
     if row["shared_bytes"] > SMEM_LIMIT[cap]:
         fails.append(f"needs {row['shared_bytes']} B shared memory > {SMEM_LIMIT[cap]} B")
     required = TENSOR_CORE_REQUIRED[cap]
@@ -298,9 +307,13 @@ def supported_arches() -> list[str]:
 def report(arch: str, ops: list[str] | None = None) -> list[dict]:
     from .registry import cases
 
+    from ._triton_common import planning_for
+
     cap = ARCHES[arch]
     rows = []
-    for case in cases(ops):
+    with planning_for(cap):  # the launchers pick this architecture's block sizes
+        built = cases(ops)
+    for case in built:
         row = compile_case(case, cap)
         row["gate"] = gate_failures(row, cap, case.dots)
         rows.append(row)

@@ -127,6 +127,9 @@ def test_gate_rejects_bad_rows():
     assert gate_failures(_row(wgmma=0, mma_sync=56), 100, dots=True) == []
     assert gate_failures(_row(wgmma=0), 100, dots=True)
     assert gate_failures(_row(wgmma=4), 100, dots=True)
+    # a kernel that writes no global memory (what a tensor-memory overflow compiled to on sm_100)
+    (fail,) = gate_failures(_row(wgmma=0, tcgen05_mma=0, global_writes=0), 90, dots=False)
+    assert "writes no global memory" in fail
     # sm_80: mma.sync
     assert gate_failures(_row(wgmma=0, mma_sync=8), 80, dots=True) == []
     assert gate_failures(_row(wgmma=0), 80, dots=True)
@@ -237,15 +240,17 @@ def _rows_of(gate_reports, op: str, arch: str = "sm_90a"):
 
 def test_sparse_mla_forward_issues_the_useful_flops_and_reads_like_flashmla(gate_reports):
     """Issue 18's forward targets, from the report's analysis column at the 671B shapes (both
-    supported Tritons, sm_90a): the tl.dot FLOPs equal the useful ones within 5% (the logits once per
-    head block, not once per value half) and the bytes read per token are at most FlashMLA's (each
-    selected row gathered once per 64-head block)."""
-    rows = _rows_of(gate_reports, "sparse_mla_fwd")
+    supported Tritons, sm_90a, the default config): the tl.dot FLOPs equal the useful ones within 5%
+    (the logits once per head block, not once per value half) and the gathered bytes per token are
+    at most FlashMLA's (each selected row gathered once per 64-head block); all reads within 0.1%
+    of FlashMLA's (ours add the per-row slot count)."""
+    rows = [r for r in _rows_of(gate_reports, "sparse_mla_fwd") if "autotune" not in r["config"]]
     assert {r["triton"] for r in rows} == {v for v, a in GATE_TARGETS if a == "sm_90a"}
     for r in rows:
         a = r["analysis"]
         assert abs(a["recompute"] - 1.0) <= 0.05, (r["config"], a)
-        assert a["read_bytes_per_token"] <= a["anchor"]["read_bytes"], (r["config"], a)
+        assert a["gather_bytes_per_token"] <= a["anchor"]["gather_bytes"], (r["config"], a)
+        assert a["read_bytes_per_token"] <= 1.001 * a["anchor"]["read_bytes"], (r["config"], a)
         assert a["estimate"]["note"].startswith("roofline estimate"), a
 
 

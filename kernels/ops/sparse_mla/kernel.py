@@ -49,7 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._triton_common import Launch, pow2, row_dot
+from ... import autotune
+from ..._triton_common import Launch, interpreted, pow2, row_dot, target_capability
 
 LOG2E = 1.4426950408889634
 GRID_X_MAX, GRID_YZ_MAX = 2**31 - 1, 65535  # CUDA's grid limits (x; y and z)
@@ -67,32 +68,42 @@ def _sparse_mla_fwd_kernel(
     H, N_KV, N_HB, scale_log2,
     D_V: tl.constexpr, D_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
-    EVEN_H: tl.constexpr,
+    EVEN_H: tl.constexpr, VALUE_SPLIT: tl.constexpr,
 ):
-    # program (x, y) -> (token, head block), the head block fastest; y = b
+    # program (x, y) -> (token, head block, value part), the part fastest, then the head block; y = b.
+    # VALUE_SPLIT = 1 (sm_90): one program owns the four value quarters. VALUE_SPLIT = 2 (sm_100,
+    # whose tensor memory holds 512 fp32 columns: four [64, 128] accumulators and the logits do
+    # not fit): part v owns quarters 2v, 2v + 1 and both parts compute the logits.
     pid = tl.program_id(0)
-    hb = pid % N_HB
-    t = (pid // N_HB).to(tl.int64)
+    part = pid % VALUE_SPLIT
+    hb = (pid // VALUE_SPLIT) % N_HB
+    t = (pid // (VALUE_SPLIT * N_HB)).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = (offs_h < H) | EVEN_H  # EVEN_H (H % BLOCK_H == 0): no head mask, fewer live predicates
     mh = mask_h[:, None]
     # the latent dims as four column quarters (c0..c3) and the rope dims (r): separate tensors,
     # so each dot, accumulator and store is a [., BLOCK_C] piece (Triton cannot slice a tile)
+    # Quarter j starts at column c_j; with VALUE_SPLIT = 2 the order is rotated so that this part's
+    # own two quarters come first (j = 0, 1): every quarter is still loaded once per tile.
     BLOCK_C: tl.constexpr = BLOCK_DV // 4
     offs_c = tl.arange(0, BLOCK_C)
-    m0 = offs_c < D_V
-    m1 = offs_c + BLOCK_C < D_V
-    m2 = offs_c + 2 * BLOCK_C < D_V
-    m3 = offs_c + 3 * BLOCK_C < D_V
+    c0 = ((part * 2) % 4) * BLOCK_C
+    c1 = ((part * 2 + 1) % 4) * BLOCK_C
+    c2 = ((part * 2 + 2) % 4) * BLOCK_C
+    c3 = ((part * 2 + 3) % 4) * BLOCK_C
+    m0 = c0 + offs_c < D_V
+    m1 = c1 + offs_c < D_V
+    m2 = c2 + offs_c < D_V
+    m3 = c3 + offs_c < D_V
     offs_r = tl.arange(0, BLOCK_DR)
     mr = offs_r < D_R
 
     q_ptrs = Q + b * stride_qb + t * stride_qt + offs_h[:, None] * stride_qh
-    q0 = tl.load(q_ptrs + offs_c[None, :], mask=mh & m0[None, :], other=0.0)
-    q1 = tl.load(q_ptrs + BLOCK_C + offs_c[None, :], mask=mh & m1[None, :], other=0.0)
-    q2 = tl.load(q_ptrs + 2 * BLOCK_C + offs_c[None, :], mask=mh & m2[None, :], other=0.0)
-    q3 = tl.load(q_ptrs + 3 * BLOCK_C + offs_c[None, :], mask=mh & m3[None, :], other=0.0)
+    q0 = tl.load(q_ptrs + c0 + offs_c[None, :], mask=mh & m0[None, :], other=0.0)
+    q1 = tl.load(q_ptrs + c1 + offs_c[None, :], mask=mh & m1[None, :], other=0.0)
+    q2 = tl.load(q_ptrs + c2 + offs_c[None, :], mask=mh & m2[None, :], other=0.0)
+    q3 = tl.load(q_ptrs + c3 + offs_c[None, :], mask=mh & m3[None, :], other=0.0)
     qr = tl.load(q_ptrs + D_V + offs_r[None, :], mask=mh & mr[None, :], other=0.0)
 
     # running max starts finite: a row with no valid slot keeps p = 0 and never forms -inf - -inf
@@ -114,10 +125,10 @@ def _sparse_mla_fwd_kernel(
         vk = valid[:, None]
         # the tile's selected rows, gathered once for all heads of the block and used by the
         # logits and the value product alike
-        kv0 = tl.load(rows + offs_c[None, :], mask=vk & m0[None, :], other=0.0)
-        kv1 = tl.load(rows + BLOCK_C + offs_c[None, :], mask=vk & m1[None, :], other=0.0)
-        kv2 = tl.load(rows + 2 * BLOCK_C + offs_c[None, :], mask=vk & m2[None, :], other=0.0)
-        kv3 = tl.load(rows + 3 * BLOCK_C + offs_c[None, :], mask=vk & m3[None, :], other=0.0)
+        kv0 = tl.load(rows + c0 + offs_c[None, :], mask=vk & m0[None, :], other=0.0)
+        kv1 = tl.load(rows + c1 + offs_c[None, :], mask=vk & m1[None, :], other=0.0)
+        kv2 = tl.load(rows + c2 + offs_c[None, :], mask=vk & m2[None, :], other=0.0)
+        kv3 = tl.load(rows + c3 + offs_c[None, :], mask=vk & m3[None, :], other=0.0)
         kvr = tl.load(rows + D_V + offs_r[None, :], mask=vk & mr[None, :], other=0.0)
         s = tl.dot(q0, tl.trans(kv0))  # [BLOCK_H, BLOCK_K] logits over all 576 dims, once
         s += tl.dot(q1, tl.trans(kv1))
@@ -129,22 +140,25 @@ def _sparse_mla_fwd_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        p_c = p.to(kv0.dtype)  # one P for the four value quarters
+        p_c = p.to(kv0.dtype)  # one P for the value quarters (all four, or this part's two)
         acc0 = acc0 * alpha[:, None] + tl.dot(p_c, kv0)
         acc1 = acc1 * alpha[:, None] + tl.dot(p_c, kv1)
-        acc2 = acc2 * alpha[:, None] + tl.dot(p_c, kv2)
-        acc3 = acc3 * alpha[:, None] + tl.dot(p_c, kv3)
+        if VALUE_SPLIT == 1:
+            acc2 = acc2 * alpha[:, None] + tl.dot(p_c, kv2)
+            acc3 = acc3 * alpha[:, None] + tl.dot(p_c, kv3)
         m_i = m_new
 
     has = l_i > 0
     inv_l = 1.0 / tl.where(has, l_i, 1.0)
     o_ptrs = O + b * stride_ob + t * stride_ot + offs_h[:, None] * stride_oh + offs_c[None, :]
-    tl.store(o_ptrs, (acc0 * inv_l[:, None]).to(O.dtype.element_ty), mask=mh & m0[None, :])
-    tl.store(o_ptrs + BLOCK_C, (acc1 * inv_l[:, None]).to(O.dtype.element_ty), mask=mh & m1[None, :])
-    tl.store(o_ptrs + 2 * BLOCK_C, (acc2 * inv_l[:, None]).to(O.dtype.element_ty), mask=mh & m2[None, :])
-    tl.store(o_ptrs + 3 * BLOCK_C, (acc3 * inv_l[:, None]).to(O.dtype.element_ty), mask=mh & m3[None, :])
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    tl.store(LSE + b * stride_lb + t * stride_lt + offs_h, lse, mask=mask_h)
+    tl.store(o_ptrs + c0, (acc0 * inv_l[:, None]).to(O.dtype.element_ty), mask=mh & m0[None, :])
+    tl.store(o_ptrs + c1, (acc1 * inv_l[:, None]).to(O.dtype.element_ty), mask=mh & m1[None, :])
+    if VALUE_SPLIT == 1:
+        tl.store(o_ptrs + c2, (acc2 * inv_l[:, None]).to(O.dtype.element_ty), mask=mh & m2[None, :])
+        tl.store(o_ptrs + c3, (acc3 * inv_l[:, None]).to(O.dtype.element_ty), mask=mh & m3[None, :])
+    if part == 0:
+        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        tl.store(LSE + b * stride_lb + t * stride_lt + offs_h, lse, mask=mask_h)
 
 
 @triton.jit
@@ -300,14 +314,33 @@ def slot_counts(indices: torch.Tensor, n_keys: int | None = None) -> torch.Tenso
     return counts
 
 
-def fwd_blocks(H: int, D_V: int, D_R: int) -> dict:
-    """One program per (token, head block of up to 64): the logits once, the value in four column
-    quarters (so BLOCK_DV >= 64: quarters of >= 16, tl.dot's minimum). 16-key tiles: at the 671B
-    shapes, sm_90a, Triton 3.9: 248 registers, no spill (32-key tiles: 255 + 216 B spill);
-    Triton 3.6: 198 (226 at 32 keys). `dsa-train kernels report` shows the current figures."""
+def fwd_blocks(H: int, D_V: int, D_R: int, capability: int = 90, block_k: int = 16) -> dict:
+    """One program per (token, head block of up to 64[, value part]): the logits once per program,
+    the value in four column quarters (so BLOCK_DV >= 64: quarters of >= 16, tl.dot's minimum).
+    16-key tiles: at the 671B shapes, sm_90a, Triton 3.9: 248 registers, no spill (32-key tiles:
+    255 + 216 B spill); Triton 3.6: 198 (226 at 32 keys). On sm_100 (capability >= 100) the value
+    is split across two programs (VALUE_SPLIT = 2): Triton keeps tcgen05 accumulators in tensor
+    memory (512 fp32 columns per SM), which four [64, 128] accumulators plus the logits overflow
+    (Triton 3.9 then compiles the kernel to a lone `trap`). `dsa-train kernels report` shows the
+    current figures."""
     block_h = min(pow2(H), 64)
-    return dict(BLOCK_H=block_h, BLOCK_K=16, BLOCK_DV=pow2(D_V, 64), BLOCK_DR=pow2(max(D_R, 1)),
-                EVEN_H=H % block_h == 0)
+    return dict(BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_DV=pow2(D_V, 64), BLOCK_DR=pow2(max(D_R, 1)),
+                EVEN_H=H % block_h == 0, VALUE_SPLIT=2 if capability >= 100 else 1)
+
+
+# The forward's autotuning space (`dsa_kernels.autotune`), per architecture: (name, key tile,
+# pipeline stages), the first the default. Every config passes the compile gate at the 671B shapes
+# (the registry compiles each one): sm_90a under Triton 3.6 and 3.9, sm_100 under 3.9. 32-key
+# tiles spill on sm_90a (255 registers + 216 B under 3.9), so Hopper's space varies the stages.
+FWD_CONFIG_SPACE = {
+    90: (("k16-s2", 16, 2), ("k16-s3", 16, 3)),
+    100: (("k16-s2", 16, 2), ("k32-s2", 32, 2)),
+}
+
+
+def fwd_config_space(capability: int) -> tuple:
+    """The configs `sparse_mla_fwd` times on a GPU of this compute capability (Hopper's below 100)."""
+    return FWD_CONFIG_SPACE[100 if capability >= 100 else 90]
 
 
 def bwd_blocks(H: int, D_V: int, D_R: int) -> dict:
@@ -334,15 +367,18 @@ def _int32_rows(kv, what: str) -> None:
                          f"beyond 2^31 elements are not supported: split the batch or the sequence")
 
 
-def plan_fwd(q, kv, indices, n_slots, out, lse, scale: float, d_v: int) -> Launch:
+def plan_fwd(q, kv, indices, n_slots, out, lse, scale: float, d_v: int, config: tuple | None = None) -> Launch:
     """The forward launch for q [B, T, H, D], kv [B, N, D], indices [B, T, K] int32, n_slots
-    [B, T] int32 (`slot_counts`), out [B, T, H, d_v], lse [B, T, H] fp32."""
+    [B, T] int32 (`slot_counts`), out [B, T, H, d_v], lse [B, T, H] fp32; `config`: one of
+    `fwd_config_space` (default: its first)."""
     B, T, H, D = q.shape
-    blocks = fwd_blocks(H, d_v, D - d_v)
+    cap = target_capability(q)
+    _, block_k, stages = config or fwd_config_space(cap)[0]
+    blocks = fwd_blocks(H, d_v, D - d_v, cap, block_k)
     n_hb = triton.cdiv(H, blocks["BLOCK_H"])
     _int32_rows(kv, "forward")
     return Launch(
-        _sparse_mla_fwd_kernel, _grid(n_hb * T, B, "forward"),
+        _sparse_mla_fwd_kernel, _grid(n_hb * blocks["VALUE_SPLIT"] * T, B, "forward"),
         dict(
             Q=q, KV=kv, IDX=indices, NSLOT=n_slots, O=out, LSE=lse,
             stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
@@ -355,7 +391,7 @@ def plan_fwd(q, kv, indices, n_slots, out, lse, scale: float, d_v: int) -> Launc
             D_V=d_v, D_R=D - d_v, **blocks,
         ),
         # two stages: the 16-key tile of 576 dims (18 KB) double-buffered beside q (72 KB): 110 KB
-        num_warps=8 if blocks["BLOCK_DV"] >= 256 else 4, num_stages=2,
+        num_warps=8 if blocks["BLOCK_DV"] >= 256 else 4, num_stages=stages,
     )
 
 
@@ -414,7 +450,12 @@ def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, n_s
     lse = torch.empty((B, T, H), dtype=torch.float32, device=q.device)
     if B * T == 0 or H == 0:
         return out, lse
-    _launch(plan_fwd(q, kv, indices, n_slots, out, lse, scale, d_v))
+    space = fwd_config_space(target_capability(q))
+    candidates = [(cfg[0], plan_fwd(q, kv, indices, n_slots, out, lse, scale, d_v, cfg)) for cfg in space]
+    on_gpu = q.is_cuda and not interpreted()
+    _, launch = autotune.pick("sparse_mla_fwd", (H, D, d_v, pow2(indices.shape[-1])), candidates, on_gpu,
+                              autotune.device_id(q) if on_gpu else "")
+    _launch(launch)
     return out, lse
 
 

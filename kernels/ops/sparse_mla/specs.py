@@ -7,7 +7,8 @@ import torch
 
 from ...analysis import Work
 from ...registry import SHAPES_671B, KernelCase, register
-from .kernel import deterministic_layout, plan_bwd, plan_fwd
+from ..._triton_common import target_capability
+from .kernel import deterministic_layout, fwd_config_space, plan_bwd, plan_fwd
 
 # CP's dense-at-positions calls (model/mla.py `_dense_at_positions`): a chunk of queries over
 # every key of the 128K sequence, index lists as wide as the sequence
@@ -29,7 +30,7 @@ def _tensors(T: int | None = None, K: int | None = None):
 
 def _config(launch) -> str:
     a = launch.args
-    keys = [k for k in a if k.startswith("BLOCK_") or k in ("EVEN_H", "SPLIT", "PART", "DETERMINISTIC")]
+    keys = [k for k in a if k.startswith("BLOCK_") or k in ("EVEN_H", "VALUE_SPLIT", "SPLIT", "DETERMINISTIC")]
     stages = f" stages={launch.num_stages}" if launch.num_stages else ""
     return " ".join(f"{k}={a[k]}" for k in keys) + f" warps={launch.num_warps}{stages} grid={launch.grid}"
 
@@ -39,13 +40,18 @@ def _fwd():
     q, kv, idx, lse, scale, d_v = _tensors()
     out = torch.empty(*q.shape[:3], d_v, dtype=q.dtype, device="meta")
     n_slots = torch.empty(idx.shape[:2], dtype=torch.int32, device="meta")
-    launch = plan_fwd(q, kv, idx, n_slots, out, lse, scale, d_v)
+    # every config of the autotuning space for the target architecture (the gate checks each)
+    space = fwd_config_space(target_capability(q))
+    tuned = [plan_fwd(q, kv, idx, n_slots, out, lse, scale, d_v, cfg) for cfg in space]
+    launch = tuned[0]
     T = SHAPES_671B["T"]  # CP dense-at-positions: DENSE_CHUNK_ELEMS // T queries over K = T slots
     q, kv, idx, lse, scale, d_v = _tensors(T=max(1, DENSE_CHUNK_ELEMS // T), K=T)
     out = torch.empty(*q.shape[:3], d_v, dtype=q.dtype, device="meta")
     n_slots = torch.empty(idx.shape[:2], dtype=torch.int32, device="meta")
     dense = plan_fwd(q, kv, idx, n_slots, out, lse, scale, d_v)
-    return [KernelCase(_config(launch), launch, work=fwd_work(launch)),
+    extra = [KernelCase(f"autotune config {cfg[0]} " + _config(t), t, work=fwd_work(t))
+             for cfg, t in zip(space[1:], tuned[1:])]
+    return [KernelCase(_config(launch), launch, work=fwd_work(launch)), *extra,
             KernelCase("CP dense-at-positions " + _config(dense), dense, work=fwd_work(dense))]
 
 
@@ -114,7 +120,7 @@ def flashmla_fwd_anchor(H: int, K: int, d_qk: int, d_v: int, e: int = 2) -> dict
     the value split across two warp groups sharing P, each selected KV row gathered once per block."""
     n_hb = -(-H // 64)
     return dict(name="FlashMLA sparse fwd", issued_flops=useful_fwd_flops(H, K, d_qk, d_v),
-                read_bytes=n_hb * K * (d_qk * e + 4) + H * d_qk * e)
+                read_bytes=n_hb * K * (d_qk * e + 4) + H * d_qk * e, gather_bytes=n_hb * K * d_qk * e)
 
 
 def tilelang_bwd_anchor(H: int, K: int, d_qk: int, d_v: int, e: int = 2) -> dict:
@@ -122,7 +128,7 @@ def tilelang_bwd_anchor(H: int, K: int, d_qk: int, d_v: int, e: int = 2) -> dict
     and dO resident in shared memory, each selected row gathered once per block, dkv by fp32 atomics."""
     n_hb = -(-H // 64)
     return dict(name="TileLang sparse bwd", issued_flops=useful_bwd_flops(H, K, d_qk, d_v),
-                read_bytes=n_hb * K * (d_qk * e + 4) + H * (d_qk + d_v) * e + H * 8,
+                read_bytes=n_hb * K * (d_qk * e + 4) + H * (d_qk + d_v) * e + H * 8, gather_bytes=n_hb * K * d_qk * e,
                 write_bytes=n_hb * K * d_qk * 4 + H * d_qk * e)
 
 
@@ -131,16 +137,18 @@ def fwd_work(launch) -> Work:
     H, d_v, d_r = a["H"], a["D_V"], a["D_R"]
     e = a["Q"].element_size()
     K = _slots(launch)
-    bh, bk, bdv, bdr = a["BLOCK_H"], a["BLOCK_K"], a["BLOCK_DV"], a["BLOCK_DR"]
+    bh, bk, bdv, bdr, split = a["BLOCK_H"], a["BLOCK_K"], a["BLOCK_DV"], a["BLOCK_DR"], a["VALUE_SPLIT"]
     n_hb = -(-H // bh)
-    # per program (token, head block): the logits over the four latent quarters and the rope
-    # part once, then p.v over the four quarters
-    issued = n_hb * 2.0 * bh * _pad(K, bk) * (2 * bdv + bdr)
-    # per program: every selected row's 512 + 64 columns once, its index; q once
-    reads = n_hb * (K * ((d_v + d_r) * e + 4) + 4) + H * (d_v + d_r) * e
+    # per program (token, head block[, value part]): the logits over the four latent quarters and
+    # the rope part, then p.v over the program's quarters (all four, or two per part)
+    issued = n_hb * split * 2.0 * bh * _pad(K, bk) * (bdv + bdr + bdv // split)
+    # per program: every selected row's 512 + 64 columns once, its index; q once per program
+    row_bytes = (d_v + d_r) * e + 4
+    reads = n_hb * split * (K * row_bytes + 4) + split * H * (d_v + d_r) * e
     writes = H * d_v * e + H * 4
+    gathered = n_hb * split * K * (d_v + d_r) * e
     return Work(useful_fwd_flops(H, K, d_v + d_r, d_v), issued, reads, writes,
-                flashmla_fwd_anchor(H, K, d_v + d_r, d_v, e))
+                flashmla_fwd_anchor(H, K, d_v + d_r, d_v, e), gathered)
 
 
 def bwd_work(launch) -> Work:
@@ -162,5 +170,6 @@ def bwd_work(launch) -> Work:
     tile_reads = (2 * bh * bdv + bk * (bdv + bdr) + bk * dvs) * e + bk * 4
     reads = n_hb * split * (tiles * tile_reads + bh * (2 * dvs + bdr) * e + bh * 8)
     writes = n_hb * (K * (d_v + d_r) * 4) + H * (d_v + d_r) * e  # fp32 atomics into dkv, dq once
+    gathered = n_hb * split * tiles * bk * (bdv + bdr + dvs) * e
     return Work(useful_bwd_flops(H, K, d_v + d_r, d_v), issued, reads, writes,
-                tilelang_bwd_anchor(H, K, d_v + d_r, d_v, e))
+                tilelang_bwd_anchor(H, K, d_v + d_r, d_v, e), gathered)

@@ -1,0 +1,94 @@
+"""Autotuning over a small, documented config space per kernel, with the choice cached on disk.
+
+An op's launcher lists its candidate launches (one per config of its space for the GPU's compute
+capability: e.g. `sparse_mla.kernel.fwd_config_space`), the first being the default. `pick`
+returns the launch to run:
+
+- the default, without timing anything, when the tensors are not on a GPU (the interpreter, the
+  CPU), when the space has one config, or when `DSA_AUTOTUNE=0`;
+- otherwise the fastest candidate by `triton.testing.do_bench` (CUDA events; the candidates only
+  write the launch's own outputs, so timing them is harmless for kernels that overwrite, which is
+  why only such kernels are tuned), timed once per (kernel, GPU name, capability, Triton
+  version, shape key) and remembered in memory and in a JSON file:
+  `$DSA_AUTOTUNE_CACHE`, by default `~/.cache/dsa_train/autotune.json`.
+
+The compile gate compiles every config of every space (each op's `specs.py` registers one case
+per config for the target architecture), so whatever `pick` chooses has passed the gate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable, Sequence
+
+_MEMORY: dict[str, str] = {}
+
+
+def cache_path() -> Path:
+    return Path(os.environ.get("DSA_AUTOTUNE_CACHE") or Path.home() / ".cache" / "dsa_train" / "autotune.json")
+
+
+def enabled() -> bool:
+    value = os.environ.get("DSA_AUTOTUNE", "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"DSA_AUTOTUNE must be 1 or 0; got {value!r}")
+    return value in ("1", "true", "on")
+
+
+def _load() -> dict:
+    try:
+        return json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _store(entry: str, name: str) -> None:
+    path = cache_path()
+    try:  # a failed write only costs a later process one more timing
+        data = _load()
+        data[entry] = name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_suffix(f".{os.getpid()}.part")
+        part.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(part, path)
+    except OSError:
+        pass
+
+
+def _bench(launch) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(launch.run, warmup=5, rep=20)
+
+
+def pick(kernel: str, key: tuple, candidates: Sequence[tuple[str, object]], on_gpu: bool, device_id: str = "",
+         bench: Callable[[object], float] | None = None):
+    """(config name, launch) among `candidates` [(name, Launch), ...] (the first: the default).
+    `device_id`: the GPU's name and capability; `key`: what else decides the best config (shapes);
+    `bench`: launch -> milliseconds (default: `triton.testing.do_bench`)."""
+    if not candidates:
+        raise ValueError(f"{kernel}: no candidate launch to choose from")
+    if not on_gpu or len(candidates) == 1 or not enabled():
+        return candidates[0]
+    import triton
+
+    entry = "|".join([kernel, device_id, f"triton {triton.__version__}", *map(str, key)])
+    by_name = dict(candidates)
+    name = _MEMORY.get(entry) or _load().get(entry)
+    if name not in by_name:  # not timed yet (or the space changed since): time every candidate
+        bench = bench or _bench
+        times = {n: bench(launch) for n, launch in candidates}
+        name = min(times, key=times.get)
+        _store(entry, name)
+    _MEMORY[entry] = name
+    return name, by_name[name]
+
+
+def device_id(t) -> str:
+    """The GPU a tensor lives on, for the cache key: its name and compute capability."""
+    import torch
+
+    props = torch.cuda.get_device_properties(t.device)
+    return f"{props.name} sm_{props.major}{props.minor}"

@@ -1,0 +1,86 @@
+"""The autotuner (`dsa_kernels.autotune`): the default off the GPU, the fastest config timed once per
+(kernel, GPU, Triton, shapes) and cached on disk, and every config of a space in the compile gate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsa_kernels import autotune
+from dsa_kernels._triton_common import planning_for
+from dsa_kernels.ops.sparse_mla.kernel import FWD_CONFIG_SPACE
+from dsa_kernels.registry import cases
+
+CANDIDATES = [("a", "launch-a"), ("b", "launch-b"), ("c", "launch-c")]
+TIMES = {"launch-a": 3.0, "launch-b": 1.0, "launch-c": 2.0}
+
+
+class Bench:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, launch):
+        self.calls.append(launch)
+        return TIMES[launch]
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSA_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
+    monkeypatch.delenv("DSA_AUTOTUNE", raising=False)
+    monkeypatch.setattr(autotune, "_MEMORY", {})
+    return tmp_path / "autotune.json"
+
+
+def test_off_the_gpu_the_default_without_timing():
+    bench = Bench()
+    assert autotune.pick("k", (1,), CANDIDATES, on_gpu=False, bench=bench) == ("a", "launch-a")
+    assert bench.calls == []
+
+
+def test_fastest_timed_once_then_read_from_the_cache(fresh_cache, monkeypatch):
+    bench = Bench()
+    assert autotune.pick("k", (1, 2), CANDIDATES, on_gpu=True, device_id="H100 sm_90", bench=bench) == ("b", "launch-b")
+    assert sorted(bench.calls) == ["launch-a", "launch-b", "launch-c"]
+    stored = json.loads(fresh_cache.read_text())
+    (entry,) = stored
+    assert stored[entry] == "b" and entry.startswith("k|H100 sm_90|triton ")
+    # a new process (empty memory) reads the file: no timing
+    monkeypatch.setattr(autotune, "_MEMORY", {})
+    again = Bench()
+    assert autotune.pick("k", (1, 2), CANDIDATES, on_gpu=True, device_id="H100 sm_90", bench=again)[0] == "b"
+    assert again.calls == []
+    # another shape or GPU is timed on its own
+    other = Bench()
+    autotune.pick("k", (1, 3), CANDIDATES, on_gpu=True, device_id="H100 sm_90", bench=other)
+    assert len(other.calls) == 3
+
+
+def test_a_cached_name_outside_the_space_is_timed_again(fresh_cache):
+    import triton
+
+    fresh_cache.write_text(json.dumps({f"k|GPU|triton {triton.__version__}|1": "gone"}))
+    bench = Bench()
+    assert autotune.pick("k", (1,), CANDIDATES, on_gpu=True, device_id="GPU", bench=bench)[0] == "b"
+    assert len(bench.calls) == 3
+
+
+def test_switch_off_and_bad_value(monkeypatch):
+    monkeypatch.setenv("DSA_AUTOTUNE", "0")
+    bench = Bench()
+    assert autotune.pick("k", (1,), CANDIDATES, on_gpu=True, device_id="GPU", bench=bench)[0] == "a"
+    assert bench.calls == []
+    monkeypatch.setenv("DSA_AUTOTUNE", "maybe")
+    with pytest.raises(ValueError, match="DSA_AUTOTUNE must be 1 or 0"):
+        autotune.pick("k", (1,), CANDIDATES, on_gpu=True, device_id="GPU", bench=bench)
+
+
+@pytest.mark.parametrize("capability", sorted(FWD_CONFIG_SPACE))
+def test_every_forward_config_is_in_the_compile_gate(capability):
+    """The registry (what `dsa-train kernels report` / the gate compiles) holds one sparse-MLA forward
+    case per config of the architecture's space, with that config's key tile and stages."""
+    with planning_for(capability):
+        built = [c for c in cases(["sparse_mla_fwd"]) if not c.config.startswith("CP ")]
+    got = {(c.launch.args["BLOCK_K"], c.launch.num_stages) for c in built}
+    assert got == {(block_k, stages) for _, block_k, stages in FWD_CONFIG_SPACE[capability]}
