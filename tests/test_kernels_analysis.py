@@ -47,14 +47,16 @@ class Tally:
     """FLOPs of the tl.dots and bytes of the loads / stores a walk issues."""
 
     def __init__(self):
-        self.flops = self.read = self.write = 0
+        self.flops = self.read = self.write = self.gathered = 0
         self.useful = 0.0
 
     def dot(self, m: int, n: int, k: int):
         self.flops += 2 * m * n * k
 
-    def load(self, elems: int, tensor):
+    def load(self, elems: int, tensor, gathered: bool = False):
+        """`gathered`: rows read at indexed positions (part of the reads)."""
         self.read += elems * tensor.element_size()
+        self.gathered += elems * tensor.element_size() if gathered else 0
 
     def store(self, elems: int, tensor):
         self.write += elems * tensor.element_size()
@@ -78,6 +80,11 @@ def assert_work(work, tally: Tally, rows: int):
     got = (work.useful_flops, work.issued_flops, work.read_bytes, work.write_bytes)
     for name, g, want in zip(("useful", "issued", "read", "write"), got, (useful, issued, read, write)):
         assert math.isclose(g, want, rel_tol=1e-9), f"{name}: formula {g} vs walk {want}"
+    if tally.gathered:
+        assert work.gather_bytes is not None and math.isclose(work.gather_bytes, tally.gathered / rows, rel_tol=1e-9), \
+            f"gathered: formula {work.gather_bytes} vs walk {tally.gathered / rows}"
+    else:
+        assert work.gather_bytes is None, "a launch without gathers reports gathered bytes"
 
 
 def with_blocks(launch, **blocks):
@@ -363,10 +370,10 @@ def walk_sparse_target(launch) -> tuple[Tally, int]:
             t.load(heads, a["LSE"])
             for k0 in range(0, n_slots, bk):
                 slots = count(k0, bk, n_slots)
-                t.load(slots, a["IDX"]), t.load(slots * d_a, a["KVM"])
+                t.load(slots, a["IDX"]), t.load(slots * d_a, a["KVM"], gathered=True)
                 t.dot(bh, bk, a["BLOCK_DA"])
                 if a["D_B"] > 0:
-                    t.load(slots * d_b, a["KVM"])
+                    t.load(slots * d_b, a["KVM"], gathered=True)
                     t.dot(bh, bk, a["BLOCK_DB"])
                 t.useful += heads * slots * 2 * (a["D_A"] + a["D_B"])
                 if h0 > 0:
@@ -385,14 +392,14 @@ def walk_sparse_kl(launch) -> tuple[Tally, int]:
         t.load(count(0, bhi, HI) * di, a["QI"]), t.load(count(0, bhi, HI), a["WI"]), t.load(1, a["NSLOT"])
         for k0 in range(0, n_slots, bk):
             slots = count(k0, bk, n_slots)
-            t.load(slots, a["IDX"]), t.load(slots, a["P_SUM"]), t.load(slots * di, a["KI"])
+            t.load(slots, a["IDX"]), t.load(slots, a["P_SUM"]), t.load(slots * di, a["KI"], gathered=True)
             t.dot(bhi, bk, bdi)
             t.useful += slots * HI * a["DI"] * 2 * (3 if a["GRAD"] else 1)
         t.store(1, a["KL"]), t.store(1, a["KLU"])
         if a["GRAD"]:
             for k0 in range(0, n_slots, bk):
                 slots = count(k0, bk, n_slots)
-                t.load(slots, a["IDX"]), t.load(slots, a["P_SUM"]), t.load(slots * di, a["KI"])
+                t.load(slots, a["IDX"]), t.load(slots, a["P_SUM"]), t.load(slots * di, a["KI"], gathered=True)
                 t.dot(bhi, bk, bdi)  # a
                 t.dot(bhi, bdi, bk)  # dq_I += da k_I
                 t.dot(bk, bdi, bhi)  # dk = da^T q_I

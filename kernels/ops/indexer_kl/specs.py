@@ -100,7 +100,7 @@ def sparse_target_work(launch) -> Work:
              + n_hb * K * (e_i + D * e_kv) + (n_hb - 1) * K * e_p)
     writes = n_hb * K * e_p  # Sigma_h P stored after every head block
     useful = 2.0 * H * K * D  # q_h . kv[s] per head and selected slot
-    return Work(useful, issued, reads, writes)
+    return Work(useful, issued, reads, writes, gather_bytes=n_hb * K * D * e_kv)
 
 
 def sparse_kl_work(launch) -> Work:
@@ -120,7 +120,7 @@ def sparse_kl_work(launch) -> Work:
         writes += K * DI * a["DKI"].element_size() + HI * (DI * a["DQI"].element_size() + a["DWI"].element_size())
     # I = sum_j w_j ReLU(q_I,j . k_I[s]) per slot; with the gradient also dq_I and dk_I
     useful = 2.0 * HI * DI * K * (1 + 2 * grad)
-    return Work(useful, issued, reads, writes)
+    return Work(useful, issued, reads, writes, gather_bytes=passes * K * DI * e_ki)
 
 
 def dense_lse_work(launch) -> Work:
