@@ -17,16 +17,25 @@ import torch
 
 from tests.helpers import free_port
 
-# eval=none: the demo's in-training eval group (held-out rows) makes the one-process continuation
-# of a ZeRO-3 x TP2 checkpoint differ beyond rel 1e-6 (found 2026-11-26 at 8a6aec8, open: issue 20);
-# these tests check resharding, so they run without it
+# The demo as it ships, eval group included (its held-out rows change which sequences the steps
+# read). Steps after a resume under another layout are compared at a tolerance, see
+# NEXT_STEP_REL below.
 TINY = [
-    "eval=none",
     "data.seq_len=64", "data.micro_batch_size=1", "logging.wandb_mode=disabled", "logging.progress_bar=false",
     "stages.pretrain.warmup_steps=1", "stages.sparse.warmup_steps=1", "stages.sparse.topk=16",
     *[f"stages.{s}.{k}={v}" for s in ("pretrain", "warmup") for k, v in (("steps", 2), ("global_batch_size", 2))],
     "stages.sparse.steps=3", "stages.sparse.global_batch_size=2",
 ]
+
+
+# The step after the first resumed one: its update used gradients summed in another order (TP's
+# row-parallel partial products, EP's grouped GEMM vs per-rank ones), and in the sparse stage a
+# perturbation of that size can flip a near-tied top-k selection, a discrete change. Measured at
+# a2592ed with the demo's eval group on (its held-out rows make steps 6-7 read other sequences
+# than with eval=none): ZeRO-3 x TP2 -> one process, step 6 loss rel 5.9e-8, grad norm 4.6e-6,
+# train/topk_recall 0.74391 vs 0.74425 (a different key set), step 7 loss rel 1.04e-6. This was
+# first taken for an eval bug (the tests then ran with eval=none); it is the selection flip.
+NEXT_STEP_REL = 1e-5
 
 
 def _run(run_dir, extra, fault=None):
@@ -126,10 +135,11 @@ def test_checkpoint_resumes_under_other_layouts_and_exports_offline(tmp_path, ep
     of the EP2 x ZeRO-2 run, continued under DP2 x ZeRO-1 (2 ranks: experts replicated, their
     state in the dense ZeRO partitions) and in one process, with the same data position.
     Exact: the first step after the resume (its loss is the forward of the restored weights on the
-    same sequences), and the restored model against the offline export. Tolerance (rel 1e-6): the
-    step after that, whose update summed the expert gradients in another order (EP2: one GEMM over
-    both ranks' tokens; without EP: per-rank GEMMs + an all-reduce; one process: micro-batches
-    accumulated) — fp32 rounding, measured 6e-8 relative."""
+    same sequences), and the restored model against the offline export. Tolerance (NEXT_STEP_REL):
+    the step after that, whose update summed the expert gradients in another order (EP2: one GEMM
+    over both ranks' tokens; without EP: per-rank GEMMs + an all-reduce; one process: micro-batches
+    accumulated) — fp32 rounding (measured 6e-8 relative with eval=none), which may flip a
+    near-tied top-k selection."""
     from dsa_train.config import load_recipe
     from dsa_train.engine.trainer import Trainer
 
@@ -145,7 +155,7 @@ def test_checkpoint_resumes_under_other_layouts_and_exports_offline(tmp_path, ep
     got = _metrics(dp2)
     assert set(got) == {6, 7}
     assert got[6]["train/loss"] == want[6]["train/loss"]
-    assert got[7]["train/loss"] == pytest.approx(want[7]["train/loss"], rel=1e-6)
+    assert got[7]["train/loss"] == pytest.approx(want[7]["train/loss"], rel=NEXT_STEP_REL)
 
     one = _copy_checkpoint(step5, tmp_path / "one")
     trainer = Trainer(load_recipe("demo", [*TINY, "probe_batches=0", "checkpoint.every_n_steps=1", f"run_dir={one}"]))
@@ -158,7 +168,7 @@ def test_checkpoint_resumes_under_other_layouts_and_exports_offline(tmp_path, ep
     got = {m["progress/global_step"]: m for m in result.history}
     assert set(got) == {6, 7}
     assert got[6]["train/loss"] == pytest.approx(want[6]["train/loss"], rel=1e-6)
-    assert got[7]["train/loss"] == pytest.approx(want[7]["train/loss"], rel=1e-6)
+    assert got[7]["train/loss"] == pytest.approx(want[7]["train/loss"], rel=NEXT_STEP_REL)
     # the export of the single process's own last checkpoint equals its model's save_pretrained
     ours, saved = _hf_tensors(_export(one, tmp_path / "export7")), _hf_tensors(one / "export")
     assert ours.keys() == saved.keys() and all(torch.equal(ours[n], saved[n]) for n in saved)
@@ -251,7 +261,8 @@ def test_zero3_tensor_parallel_trains_and_exports(tmp_path):
         assert torch.equal(ours[name].float(), gathered[name].float()), name
 
     # its mid-stage checkpoint (ZeRO-3 partitions of TP slices) continues in one process; TP
-    # changes the forward's sums (row-parallel partial products), so rel 1e-6 (measured 2e-10)
+    # changes the forward's sums (row-parallel partial products): step 6 rel 1e-6 (measured 5.9e-8),
+    # step 7 NEXT_STEP_REL
     from dsa_train.config import load_recipe
     from dsa_train.engine.trainer import Trainer
     from dsa_train.engine.checkpoint import read_tensors
@@ -264,4 +275,5 @@ def test_zero3_tensor_parallel_trains_and_exports(tmp_path):
     result = Trainer(load_recipe("demo", [*TINY, "probe_batches=1", "checkpoint.export=false", f"run_dir={one}"])).run()
     want, got = _metrics(tmp_path / "run"), {m["progress/global_step"]: m for m in result.history}
     assert set(got) == {6, 7}
-    assert all(got[s]["train/loss"] == pytest.approx(want[s]["train/loss"], rel=1e-6) for s in got)
+    assert got[6]["train/loss"] == pytest.approx(want[6]["train/loss"], rel=1e-6)  # the restored weights' forward
+    assert got[7]["train/loss"] == pytest.approx(want[7]["train/loss"], rel=NEXT_STEP_REL)
