@@ -5,7 +5,9 @@ capability: e.g. `sparse_mla.kernel.fwd_config_space`), the first being the defa
 returns the launch to run:
 
 - the default, without timing anything, when the tensors are not on a GPU (the interpreter, the
-  CPU), when the space has one config, or when `DSA_AUTOTUNE=0`;
+  CPU), when the space has one config, when `DSA_AUTOTUNE=0`, or under
+  `torch.use_deterministic_algorithms(True)` (a timed choice can differ between runs and ranks,
+  and another key tile sums the online softmax in another order);
 - otherwise the fastest candidate by `triton.testing.do_bench` (CUDA events; the candidates only
   write the launch's own outputs, so timing them is harmless for kernels that overwrite, which is
   why only such kernels are tuned), timed once per (kernel, GPU name, capability, Triton
@@ -70,7 +72,9 @@ def pick(kernel: str, key: tuple, candidates: Sequence[tuple[str, object]], on_g
     `bench`: launch -> milliseconds (default: `triton.testing.do_bench`)."""
     if not candidates:
         raise ValueError(f"{kernel}: no candidate launch to choose from")
-    if not on_gpu or len(candidates) == 1 or not enabled():
+    import torch
+
+    if not on_gpu or len(candidates) == 1 or not enabled() or torch.are_deterministic_algorithms_enabled():
         return candidates[0]
     import triton
 

@@ -66,6 +66,18 @@ def test_a_cached_name_outside_the_space_is_timed_again(fresh_cache):
     assert len(bench.calls) == 3
 
 
+def test_deterministic_mode_runs_the_default():
+    import torch
+
+    bench = Bench()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert autotune.pick("k", (1,), CANDIDATES, on_gpu=True, device_id="GPU", bench=bench)[0] == "a"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert bench.calls == []
+
+
 def test_switch_off_and_bad_value(monkeypatch):
     monkeypatch.setenv("DSA_AUTOTUNE", "0")
     bench = Bench()
