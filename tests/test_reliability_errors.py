@@ -130,6 +130,7 @@ def test_ctrl_c_checkpoints_at_the_step_boundary_and_resumes(tmp_path, capsys, m
     checkpoint of it is written, exit 130 with one line; the same command resumes from it."""
     run_dir = tmp_path / "run"
     monkeypatch.setenv("DSA_FAULT", "step=3,kind=sigint")
+    before = signal.getsignal(signal.SIGINT)  # default_int_handler; SIG_IGN under nohup / `cmd &`
     proc = dsa_train(capsys, f"run_dir={run_dir}", *TINY, "checkpoint.every_n_steps=0")
     both = proc.stdout + proc.stderr
     assert proc.returncode == 130, both[-3000:]
@@ -137,7 +138,7 @@ def test_ctrl_c_checkpoints_at_the_step_boundary_and_resumes(tmp_path, capsys, m
     assert "interrupted by Ctrl-C (SIGINT) at global step 3: checkpoint written" in both
     assert read_latest(run_dir / "checkpoints") == "step_00000003"
     verify_checkpoint(run_dir / "checkpoints" / "step_00000003")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+    assert signal.getsignal(signal.SIGINT) is before  # the caller's handler restored
     monkeypatch.delenv("DSA_FAULT")
     proc = dsa_train(capsys, f"run_dir={run_dir}", *TINY, "checkpoint.every_n_steps=0")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
@@ -148,12 +149,13 @@ def test_ctrl_c_checkpoints_at_the_step_boundary_and_resumes(tmp_path, capsys, m
 def test_second_ctrl_c_stops_at_once(tmp_path, capsys, monkeypatch):
     run_dir = tmp_path / "run"
     monkeypatch.setenv("DSA_FAULT", "step=3,kind=sigint;step=3,kind=sigint,at=mid_step")
+    before = signal.getsignal(signal.SIGINT)
     proc = dsa_train(capsys, f"run_dir={run_dir}", *TINY)
     assert proc.returncode == 130, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "stopped by a second Ctrl-C before the checkpoint" in proc.stderr
     assert read_latest(run_dir / "checkpoints") == "step_00000002"  # step 3 was not finished
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 # ------------------------------------------------------------------ 6. one run per run_dir
