@@ -1,8 +1,8 @@
 """Autotuning over a small, documented config space per kernel, with the choice cached on disk.
 
-An op's launcher lists its candidate launches (one per config of its space for the GPU's compute
-capability: e.g. `sparse_mla.kernel.fwd_config_space`), the first being the default. `pick`
-returns the launch to run:
+An op's launcher names the configs of its space for the GPU's compute capability (e.g.
+`sparse_mla.kernel.fwd_config_space`; the first is the default) and a function planning one
+config's launch. `pick` returns the launch to run, planning only that one (all of them while timing):
 
 - the default, without timing anything, when the tensors are not on a GPU (the interpreter, the
   CPU), when the space has one config, when `DSA_AUTOTUNE=0`, or under
@@ -20,6 +20,7 @@ per config for the target architecture), so whatever `pick` chooses has passed t
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -65,34 +66,40 @@ def _bench(launch) -> float:
     return triton.testing.do_bench(launch.run, warmup=5, rep=20)
 
 
-def pick(kernel: str, key: tuple, candidates: Sequence[tuple[str, object]], on_gpu: bool, device_id: str = "",
-         bench: Callable[[object], float] | None = None):
-    """(config name, launch) among `candidates` [(name, Launch), ...] (the first: the default).
-    `device_id`: the GPU's name and capability; `key`: what else decides the best config (shapes);
-    `bench`: launch -> milliseconds (default: `triton.testing.do_bench`)."""
-    if not candidates:
-        raise ValueError(f"{kernel}: no candidate launch to choose from")
+def pick(kernel: str, key: tuple, names: Sequence[str], build: Callable[[str], object], on_gpu: bool,
+         device_id: str = "", bench: Callable[[object], float] | None = None):
+    """(config name, launch): `names` are the configs of the space (the first: the default),
+    `build(name)` plans that config's launch; only the launch that runs is planned, unless the
+    configs are being timed. `device_id`: the GPU's name and capability; `key`: what else decides
+    the best config (shapes); `bench`: launch -> milliseconds (default: `triton.testing.do_bench`)."""
+    if not names:
+        raise ValueError(f"{kernel}: no config to choose from")
     import torch
 
-    if not on_gpu or len(candidates) == 1 or not enabled() or torch.are_deterministic_algorithms_enabled():
-        return candidates[0]
+    if not on_gpu or len(names) == 1 or not enabled() or torch.are_deterministic_algorithms_enabled():
+        return names[0], build(names[0])
     import triton
 
     entry = "|".join([kernel, device_id, f"triton {triton.__version__}", *map(str, key)])
-    by_name = dict(candidates)
     name = _MEMORY.get(entry) or _load().get(entry)
-    if name not in by_name:  # not timed yet (or the space changed since): time every candidate
+    if name not in names:  # not timed yet (or the space changed since): time every config
         bench = bench or _bench
-        times = {n: bench(launch) for n, launch in candidates}
+        times = {n: bench(build(n)) for n in names}
         name = min(times, key=times.get)
         _store(entry, name)
     _MEMORY[entry] = name
-    return name, by_name[name]
+    return name, build(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    import torch
+
+    props = torch.cuda.get_device_properties(index)
+    return f"{props.name} sm_{props.major}{props.minor}"
 
 
 def device_id(t) -> str:
-    """The GPU a tensor lives on, for the cache key: its name and compute capability."""
-    import torch
-
-    props = torch.cuda.get_device_properties(t.device)
-    return f"{props.name} sm_{props.major}{props.minor}"
+    """The GPU a tensor lives on, for the cache key: its name and compute capability (looked up
+    once per device)."""
+    return _device_name(t.device.index if t.device.index is not None else 0)

@@ -25,6 +25,11 @@ class Bench:
         return TIMES[launch]
 
 
+def _pick(kernel, key, candidates, **kw):
+    """autotune.pick over (name, launch) pairs: the launch of a name is looked up (planned)."""
+    return autotune.pick(kernel, key, [n for n, _ in candidates], dict(candidates).__getitem__, **kw)
+
+
 @pytest.fixture(autouse=True)
 def fresh_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DSA_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
@@ -35,13 +40,13 @@ def fresh_cache(tmp_path, monkeypatch):
 
 def test_off_the_gpu_the_default_without_timing():
     bench = Bench()
-    assert autotune.pick("k", (1,), CANDIDATES, on_gpu=False, bench=bench) == ("a", "launch-a")
+    assert _pick("k", (1,), CANDIDATES, on_gpu=False, bench=bench) == ("a", "launch-a")
     assert bench.calls == []
 
 
 def test_fastest_timed_once_then_read_from_the_cache(fresh_cache, monkeypatch):
     bench = Bench()
-    assert autotune.pick("k", (1, 2), CANDIDATES, on_gpu=True, device_id="H100 sm_90", bench=bench) == ("b", "launch-b")
+    assert _pick("k", (1, 2), CANDIDATES, on_gpu=True, device_id="H100 sm_90", bench=bench) == ("b", "launch-b")
     assert sorted(bench.calls) == ["launch-a", "launch-b", "launch-c"]
     stored = json.loads(fresh_cache.read_text())
     (entry,) = stored
@@ -49,11 +54,11 @@ def test_fastest_timed_once_then_read_from_the_cache(fresh_cache, monkeypatch):
     # a new process (empty memory) reads the file: no timing
     monkeypatch.setattr(autotune, "_MEMORY", {})
     again = Bench()
-    assert autotune.pick("k", (1, 2), CANDIDATES, on_gpu=True, device_id="H100 sm_90", bench=again)[0] == "b"
+    assert _pick("k", (1, 2), CANDIDATES, on_gpu=True, device_id="H100 sm_90", bench=again)[0] == "b"
     assert again.calls == []
     # another shape or GPU is timed on its own
     other = Bench()
-    autotune.pick("k", (1, 3), CANDIDATES, on_gpu=True, device_id="H100 sm_90", bench=other)
+    _pick("k", (1, 3), CANDIDATES, on_gpu=True, device_id="H100 sm_90", bench=other)
     assert len(other.calls) == 3
 
 
@@ -62,7 +67,7 @@ def test_a_cached_name_outside_the_space_is_timed_again(fresh_cache):
 
     fresh_cache.write_text(json.dumps({f"k|GPU|triton {triton.__version__}|1": "gone"}))
     bench = Bench()
-    assert autotune.pick("k", (1,), CANDIDATES, on_gpu=True, device_id="GPU", bench=bench)[0] == "b"
+    assert _pick("k", (1,), CANDIDATES, on_gpu=True, device_id="GPU", bench=bench)[0] == "b"
     assert len(bench.calls) == 3
 
 
@@ -72,7 +77,7 @@ def test_deterministic_mode_runs_the_default():
     bench = Bench()
     torch.use_deterministic_algorithms(True)
     try:
-        assert autotune.pick("k", (1,), CANDIDATES, on_gpu=True, device_id="GPU", bench=bench)[0] == "a"
+        assert _pick("k", (1,), CANDIDATES, on_gpu=True, device_id="GPU", bench=bench)[0] == "a"
     finally:
         torch.use_deterministic_algorithms(False)
     assert bench.calls == []
@@ -81,11 +86,11 @@ def test_deterministic_mode_runs_the_default():
 def test_switch_off_and_bad_value(monkeypatch):
     monkeypatch.setenv("DSA_AUTOTUNE", "0")
     bench = Bench()
-    assert autotune.pick("k", (1,), CANDIDATES, on_gpu=True, device_id="GPU", bench=bench)[0] == "a"
+    assert _pick("k", (1,), CANDIDATES, on_gpu=True, device_id="GPU", bench=bench)[0] == "a"
     assert bench.calls == []
     monkeypatch.setenv("DSA_AUTOTUNE", "maybe")
     with pytest.raises(ValueError, match="DSA_AUTOTUNE must be 1 or 0"):
-        autotune.pick("k", (1,), CANDIDATES, on_gpu=True, device_id="GPU", bench=bench)
+        _pick("k", (1,), CANDIDATES, on_gpu=True, device_id="GPU", bench=bench)
 
 
 @pytest.mark.parametrize("capability", sorted(FWD_CONFIG_SPACE))

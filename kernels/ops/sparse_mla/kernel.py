@@ -450,11 +450,11 @@ def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, n_s
     lse = torch.empty((B, T, H), dtype=torch.float32, device=q.device)
     if B * T == 0 or H == 0:
         return out, lse
-    space = fwd_config_space(target_capability(q))
-    candidates = [(cfg[0], plan_fwd(q, kv, indices, n_slots, out, lse, scale, d_v, cfg)) for cfg in space]
+    space = {cfg[0]: cfg for cfg in fwd_config_space(target_capability(q))}
     on_gpu = q.is_cuda and not interpreted()
-    _, launch = autotune.pick("sparse_mla_fwd", (H, D, d_v, pow2(indices.shape[-1])), candidates, on_gpu,
-                              autotune.device_id(q) if on_gpu else "")
+    _, launch = autotune.pick("sparse_mla_fwd", (H, D, d_v, pow2(indices.shape[-1])), list(space),
+                              lambda name: plan_fwd(q, kv, indices, n_slots, out, lse, scale, d_v, space[name]),
+                              on_gpu, autotune.device_id(q) if on_gpu else "")
     _launch(launch)
     return out, lse
 
