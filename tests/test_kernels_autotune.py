@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import triton
 
 from dsa_kernels import autotune
 from dsa_kernels._triton_common import planning_for
-from dsa_kernels.ops.sparse_mla.kernel import FWD_CONFIG_SPACE
+from dsa_kernels.ops.sparse_mla.kernel import FWD_CONFIG_SPACE, fwd_config_space
 from dsa_kernels.registry import cases
 
 CANDIDATES = [("a", "launch-a"), ("b", "launch-b"), ("c", "launch-c")]
@@ -100,4 +101,14 @@ def test_every_forward_config_is_in_the_compile_gate(capability):
     with planning_for(capability):
         built = [c for c in cases(["sparse_mla_fwd"]) if not c.config.startswith("CP ")]
     got = {(c.launch.args["BLOCK_K"], c.launch.num_stages) for c in built}
-    assert got == {(block_k, stages) for _, block_k, stages in FWD_CONFIG_SPACE[capability]}
+    assert got == {(block_k, stages) for _, block_k, stages in fwd_config_space(capability)}
+
+
+def test_forward_space_follows_the_triton_version():
+    """Hopper's space depends on the Triton that compiles it: 3.6 (torch 2.11's) holds 32-key tiles
+    without spill and ran them 1.55x faster on an H200 than 16-key ones (docs/kernels.md); 3.9
+    spills at 32 keys and keeps 16. Blackwell's space is the same for both."""
+    assert {bk for _, bk, _ in fwd_config_space(90, "3.6.0")} == {32}
+    assert {bk for _, bk, _ in fwd_config_space(90, "3.9.0")} == {16}
+    assert fwd_config_space(100, "3.6.0") == fwd_config_space(100, "3.9.0") == FWD_CONFIG_SPACE[100]
+    assert fwd_config_space(90) == fwd_config_space(90, triton.__version__)

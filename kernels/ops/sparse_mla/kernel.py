@@ -317,8 +317,9 @@ def slot_counts(indices: torch.Tensor, n_keys: int | None = None) -> torch.Tenso
 def fwd_blocks(H: int, D_V: int, D_R: int, capability: int = 90, block_k: int = 16) -> dict:
     """One program per (token, head block of up to 64[, value part]): the logits once per program,
     the value in four column quarters (so BLOCK_DV >= 64: quarters of >= 16, tl.dot's minimum).
-    16-key tiles: at the 671B shapes, sm_90a, Triton 3.9: 248 registers, no spill (32-key tiles:
-    255 + 216 B spill); Triton 3.6: 198 (226 at 32 keys). On sm_100 (capability >= 100) the value
+    Key tiles (`block_k`, from the autotuning space): at the 671B shapes, sm_90a, Triton 3.9: 16 keys
+    248 registers, no spill (32 keys: 255 + 216 B spill); Triton 3.6: 198 at 16 keys, 226 at 32
+    (its default there: 1.55x faster on an H200). On sm_100 (capability >= 100) the value
     is split across two programs (VALUE_SPLIT = 2): Triton keeps tcgen05 accumulators in tensor
     memory (512 fp32 columns per SM), which four [64, 128] accumulators plus the logits overflow
     (Triton 3.9 then compiles the kernel to a lone `trap`). `dsa-train kernels report` shows the
@@ -330,17 +331,26 @@ def fwd_blocks(H: int, D_V: int, D_R: int, capability: int = 90, block_k: int = 
 
 # The forward's autotuning space (`dsa_kernels.autotune`), per architecture: (name, key tile,
 # pipeline stages), the first the default. Every config passes the compile gate at the 671B shapes
-# (the registry compiles each one): sm_90a under Triton 3.6 and 3.9, sm_100 under 3.9. 32-key
-# tiles spill on sm_90a (255 registers + 216 B under 3.9), so Hopper's space varies the stages.
+# (the registry compiles each one): sm_90a under Triton 3.6 and 3.9, sm_100 under 3.9. Under Triton
+# 3.6 (torch 2.11's) Hopper takes 32-key tiles: 226 / 232 registers (2 / 3 stages), no spill, and
+# measured on an H200 (T = 32K, k = 2048; docs/kernels.md "Measured on a GPU") 99 / 97 ms against
+# 154 ms for 16-key tiles. Triton 3.9 spills at 32 keys (255 registers + 216 B), so its Hopper
+# space keeps 16-key tiles.
 FWD_CONFIG_SPACE = {
     90: (("k16-s2", 16, 2), ("k16-s3", 16, 3)),
     100: (("k16-s2", 16, 2), ("k32-s2", 32, 2)),
 }
+FWD_CONFIG_SPACE_TRITON_36 = {90: (("k32-s2", 32, 2), ("k32-s3", 32, 3))}
 
 
-def fwd_config_space(capability: int) -> tuple:
-    """The configs `sparse_mla_fwd` times on a GPU of this compute capability (Hopper's below 100)."""
-    return FWD_CONFIG_SPACE[100 if capability >= 100 else 90]
+def fwd_config_space(capability: int, triton_version: str | None = None) -> tuple:
+    """The configs `sparse_mla_fwd` times on a GPU of this compute capability (Hopper's below 100)
+    with this Triton (default: the installed one)."""
+    arch = 100 if capability >= 100 else 90
+    version = triton.__version__ if triton_version is None else triton_version
+    if version.startswith("3.6.") and arch in FWD_CONFIG_SPACE_TRITON_36:
+        return FWD_CONFIG_SPACE_TRITON_36[arch]
+    return FWD_CONFIG_SPACE[arch]
 
 
 def bwd_blocks(H: int, D_V: int, D_R: int) -> dict:
@@ -391,6 +401,7 @@ def plan_fwd(q, kv, indices, n_slots, out, lse, scale: float, d_v: int, config: 
             D_V=d_v, D_R=D - d_v, **blocks,
         ),
         # two stages: the 16-key tile of 576 dims (18 KB) double-buffered beside q (72 KB): 110 KB
+        # (32 keys: 147 KB; three stages of 32: 184 KB, within Hopper's 227 KB)
         num_warps=8 if blocks["BLOCK_DV"] >= 256 else 4, num_stages=stages,
     )
 
