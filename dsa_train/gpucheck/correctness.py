@@ -411,7 +411,7 @@ def dense_kl_check(T: int):
                                           chunk_size=_ref_chunk(opts, 64))
             for g, gd in zip(rgrads, torch.autograd.grad(k_, doc_ins)):
                 g[:, sl] = gd
-            rkl, rklu = rkl + float(k_), rklu + float(st["kl_uniform"])
+            rkl, rklu = rkl + float(k_.detach()), rklu + float(st["kl_uniform"])
         res = _kl_results(kl, stats, grads, rkl, {"kl_uniform": rklu}, rgrads)
         return _outcome(res, {"documents": lengths})
 
