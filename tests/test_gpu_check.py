@@ -206,6 +206,23 @@ def test_kernel_checks_leave_time_for_the_later_sections():
     assert skip_reason(Options(device="cpu", small=True, deadline=time.monotonic() + 1), "speed", 300) is None
 
 
+def test_no_time_is_kept_for_training_runs_that_cannot_start(monkeypatch):
+    """Without the trainer's packages (an image checked with the core wheelhouse) the end-to-end
+    and NCCL checks fail in one line at once: the kernel checks keep no time for them."""
+    import time
+
+    from dsa_train.gpucheck import e2e
+    from dsa_train.gpucheck.budget import SECTION_NEEDS_S, reserve_after
+
+    opts = Options(device="cuda", deadline=time.monotonic() + 600)
+    opts.selected_sections = {"correctness", "speed", "end-to-end"}
+    monkeypatch.setattr(e2e, "missing_packages", lambda: [])
+    assert reserve_after(opts, "correctness") == SECTION_NEEDS_S["speed"] + SECTION_NEEDS_S["end-to-end"]
+    monkeypatch.setattr(e2e, "missing_packages", lambda: ["deepspeed"])
+    assert reserve_after(opts, "correctness") == SECTION_NEEDS_S["speed"]
+    assert reserve_after(opts, "speed") == 0.0
+
+
 def test_sparse_mla_at_128k_runs_at_the_largest_t_the_gpu_holds(monkeypatch):
     from dsa_train.gpucheck.correctness import largest_fitting_T
     from dsa_train.gpucheck.inputs import DIMS_671B

@@ -423,7 +423,8 @@ def _fresh_work_dir(opts: Options, name: str) -> Path:
     return work
 
 
-def require_packages() -> None:
+def missing_packages() -> list[str]:
+    """The distributions of REQUIRED that are not installed (nothing is imported)."""
     missing = []
     for module, dist in REQUIRED.items():
         try:
@@ -432,6 +433,11 @@ def require_packages() -> None:
             found = False
         if not found:
             missing.append(dist)
+    return missing
+
+
+def require_packages() -> None:
+    missing = missing_packages()
     if missing:
         raise StepFailed(f"missing Python package(s) {', '.join(missing)}, which the training runs import: install "
                          "dsa-train with its `train` extra from a wheelhouse, python -m pip install --no-index "
