@@ -123,6 +123,31 @@ def test_compare_catches_errors_and_nonfinite_mismatches():
     assert not compare(got, ref, 1e-6)["ok"]
 
 
+def test_compare_in_chunks_equals_compare_whole():
+    """`compare` streams in chunks (no full-size copies at T = 128K): any chunk size gives the
+    whole-tensor figures, and an error or a non-finite mismatch in a late chunk is still caught."""
+    ref = torch.randn(37, 11)
+    ref[2] = float("-inf")
+    got = (ref + 0.01 * torch.randn_like(ref)).bfloat16()
+    got[2] = float("-inf")
+    whole = compare(got, ref, 2.0**-5, chunk=ref.numel())
+    finite = torch.isfinite(ref)
+    g, r = got.float()[finite], ref[finite]
+    assert whole["err"] == pytest.approx(float((g - r).abs().max() / r.abs().max()), rel=1e-6)
+    assert whole["rel_l2"] == pytest.approx(float((g.double() - r.double()).norm() / r.double().norm()), rel=1e-9)
+    for chunk in (1, 7, 100):
+        part = compare(got, ref, 2.0**-5, chunk=chunk)
+        assert part["ok"] == whole["ok"]
+        for key in ("err", "rel_l2", "scale"):
+            assert part[key] == pytest.approx(whole[key], rel=1e-9), (chunk, key)
+    late = got.clone()
+    late[-1, -1] = 5.0  # past the first chunks
+    assert not compare(late, ref, 2.0**-5, chunk=16)["ok"]
+    late = got.clone()
+    late[2, 10] = 0.0  # a non-finite reference entry not matched, in the third chunk
+    assert compare(late, ref, 2.0**-5, chunk=16).get("note") == "non-finite entries differ"
+
+
 def test_topk_lists_are_what_the_indexer_returns():
     T, K = 96, DIMS_SMALL.K
     ds = doc_start_of(doc_lengths(T), "cpu")
