@@ -76,7 +76,7 @@ def compare(got: torch.Tensor, ref: torch.Tensor, tol: float, chunk: int = COMPA
     """Relative-to-scale error of `got` against `ref` (same shape). Non-finite reference entries
     (-inf lse of an empty row, masked scores) must be matched exactly; NaN anywhere fails.
     One pass over `chunk`-element pieces: no full-size copy of either tensor (at T = 128K a dense
-    gradient has 3.2e9 elements; whole-tensor fp32 / fp64 copies took about 7x its fp32 size)."""
+    gradient has 3.2e9 elements; whole-tensor fp32 / fp64 copies took up to 10x its fp32 size)."""
     if got.shape != ref.shape:
         return {"err": math.inf, "tol": tol, "ok": False, "note": f"shape {tuple(got.shape)} != {tuple(ref.shape)}"}
     g_all, r_all = got.detach().reshape(-1), ref.detach().reshape(-1)
