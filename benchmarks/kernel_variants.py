@@ -2,7 +2,10 @@
 
 The sweep behind the tuned defaults (docs/kernels.md, "Measured on a GPU"; results of the first run:
 docs/gpu-check/NVIDIA-H200/variants.json). The kernels' own launch plans (`plan_fwd`, `plan_bwd`,
-`plan_select`) with their block sizes, stages, warps or value split changed. 671B dims, T = 32K (one
+`plan_select`) with their block sizes, stages, warps or value split changed, and candidate backward
+kernels that are not shipped (`BWD_CANDIDATES`, benchmarks/candidates/: the transposed backward of
+docs/kernels.md "Backward v2", which fails the compile gate by its spill, so only a GPU can say
+whether it is faster). 671B dims, T = 32K (one
 document), k = 2048; top-k on the last 4096 rows' fp32 scores.
 
 Each variant is compiled once (the registers and spill its compile reports are recorded), its
@@ -15,6 +18,7 @@ list in OUT_JSON, rewritten after each variant (a crash keeps what ran).
         [--old-kernel FILE]      # also time a forward from another commit: FILE = that commit's
                                  # kernels/ops/sparse_mla/kernel.py with its relative imports made
                                  # absolute (`from dsa_kernels._triton_common import ...`)
+        [--no-candidates]        # skip the candidate backwards (BWD_CANDIDATES, benchmarks/candidates/)
     TRITON_INTERPRET=1 python benchmarks/kernel_variants.py OUT_JSON --small --only fwd   # CPU smoke run
 """
 
@@ -27,6 +31,7 @@ import math
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -54,6 +59,13 @@ BWD_VARIANTS = [
     ("k32 s3 (Triton default)", 32, None, 8),
     ("k32 s2", 32, 2, 8),
     ("k32 s1", 32, 1, 8),
+]
+# candidate backward kernels (not shipped), timed after the variants above and compared with the
+# first of them: (name, file under benchmarks/, its plan_bwd's keyword arguments)
+BWD_CANDIDATES = [
+    ("transposed h32 k64 s1", "candidates/sparse_mla_bwd_transposed.py", dict(block_h=32, num_stages=1)),
+    ("transposed h16 k64 s2", "candidates/sparse_mla_bwd_transposed.py", dict(block_h=16, num_stages=2)),
+    ("transposed h16 k64 s1", "candidates/sparse_mla_bwd_transposed.py", dict(block_h=16, num_stages=1)),
 ]
 # warps, score block (None: the plan's own)
 TOPK_VARIANTS = [(8, None), (8, 1024), (8, 2048), (8, 4096), (4, 512), (4, 1024), (4, 2048), (16, 1024)]
@@ -108,6 +120,14 @@ def resources(compiled) -> dict:
     return {"registers": getattr(compiled, "n_regs", None), "spill_bytes": getattr(compiled, "n_spills", None)}
 
 
+def _load(path):
+    """A kernel module from a file (another commit's kernel.py, or a candidate under benchmarks/)."""
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out_json")
@@ -116,6 +136,7 @@ def main(argv=None) -> int:
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU interpreter smoke run)")
     p.add_argument("--variants", type=int, default=None, help="only the first N variants of each kind")
     p.add_argument("--old-kernel", default=None, help="a sparse_mla kernel.py from another commit (forward)")
+    p.add_argument("--no-candidates", action="store_true", help="skip the candidate backward kernels (BWD_CANDIDATES)")
     args = p.parse_args(argv)
 
     import triton
@@ -144,8 +165,11 @@ def main(argv=None) -> int:
     pos = torch.arange(T, device=dev)
     idx = topk_lists(ds, pos, d.K, seed=1, empty_rows=()).to(torch.int32).contiguous()
     pairs = valid_pairs(ds, pos, d.K)
-    q = randn((1, T, d.H, d.D), dev, seed=2)
-    kv = randn((1, T, d.D), dev, seed=3)
+    # bf16 on the GPU; fp32 under the interpreter, whose tl.dot is wrong on 16-bit operands
+    # (dsa_kernels._triton_common.interp_upcast), so the smoke run's comparisons mean something
+    dt = torch.bfloat16 if cuda else torch.float32
+    q = randn((1, T, d.H, d.D), dev, seed=2, dtype=dt)
+    kv = randn((1, T, d.D), dev, seed=3, dtype=dt)
     scale = d.D**-0.5
     n_slots = SM.slot_counts(idx, T)
     flops = {"fwd": 2 * pairs * d.H * (d.D + d.D_V), "bwd": 2 * pairs * d.H * (3 * d.D + 2 * d.D_V)}
@@ -165,9 +189,7 @@ def main(argv=None) -> int:
                 out = torch.empty((1, T, d.H, d.D_V), dtype=q.dtype, device=dev)
                 lse = torch.empty((1, T, d.H), dtype=torch.float32, device=dev)
                 if old:
-                    spec = importlib.util.spec_from_file_location("old_sparse_mla", old)
-                    module = importlib.util.module_from_spec(spec)
-                    spec.loader.exec_module(module)
+                    module = _load(old)
                     launch = module.plan_fwd(q, kv, idx, n_slots, out, lse, scale, d.D_V)
                 else:
                     launch = SM.plan_fwd(q, kv, idx, n_slots, out, lse, scale, d.D_V,
@@ -193,17 +215,23 @@ def main(argv=None) -> int:
     if "bwd" in args.only:
         with torch.no_grad():
             out0, lse0 = SM.sparse_mla_fwd(q, kv, idx, n_slots, scale, d.D_V)
-        dout = randn((1, T, d.H, d.D_V), dev, seed=4)
+        dout = randn((1, T, d.H, d.D_V), dev, seed=4, dtype=dt)
         delta = SM.bwd_delta(out0, dout, lse0, None)
         first = None
-        for name, bk, stages, warps in BWD_VARIANTS[cut]:
+        variants = [(n, bk, st, w, None, None) for n, bk, st, w in BWD_VARIANTS[cut]]
+        variants += [(n, None, None, None, f, kw) for n, f, kw in BWD_CANDIDATES if not args.no_candidates]
+        for name, bk, stages, warps, candidate, kwargs in variants:
             if sweep.over_budget("bwd", name):
                 continue
             try:
                 dq = torch.empty_like(q)
                 dkv = torch.zeros(kv.shape, dtype=torch.float32, device=dev)
-                launch = SM.plan_bwd(q, kv, idx, n_slots, dout, lse0, delta, dq, dkv, scale, d.D_V)
-                if stages != "plan":
+                if candidate:
+                    module = _load(Path(__file__).resolve().parent / candidate)
+                    launch = module.plan_bwd(q, kv, idx, n_slots, dout, lse0, delta, dq, dkv, scale, d.D_V, **kwargs)
+                else:
+                    launch = SM.plan_bwd(q, kv, idx, n_slots, dout, lse0, delta, dq, dkv, scale, d.D_V)
+                if stages != "plan" and not candidate:
                     launch.num_stages = stages
                 if warps is not None:
                     launch.num_warps = warps
