@@ -1,9 +1,10 @@
-"""The candidate sparse MLA backward (benchmarks/candidates/sparse_mla_bwd_transposed.py, keys on
-the rows, 32-head blocks, 64-key tiles), measured by benchmarks/kernel_variants.py beside the
-shipped one: the gradients it would be timed on equal the reference's, under the interpreter on
-the CPU (compiled on a GPU), at odd shapes: head counts that do not fill a block, more than one
-key tile, no rope dims, empty rows, out-of-range slots, bf16 against an fp32 oracle. And at the
-671B shapes for sm_90a it compiles to wgmma only (no mma.sync), what it is a candidate for."""
+"""The candidate sparse MLA backward (benchmarks/candidates/sparse_mla_bwd_transposed.py: keys on
+the rows, q / dO rows interleaved, 32- or 16-head blocks, 64-key tiles), measured by
+benchmarks/kernel_variants.py beside the shipped one. The gradients it would be timed on equal
+the reference's, under the interpreter on the CPU (compiled on a GPU), at odd shapes: head counts
+that do not fill a block, more than one key tile, no rope dims, empty rows, out-of-range slots,
+bf16 output against an fp32 oracle. At the 671B shapes for sm_90a it compiles to wgmma only (no
+mma.sync), what it is a candidate for."""
 
 from __future__ import annotations
 
@@ -100,25 +101,33 @@ cand = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(cand)
 q, kv, idx, lse, scale, d_v = _tensors()
 meta = dict(device="meta")
-launch = cand.plan_bwd(q, kv, idx, torch.empty(idx.shape[:2], dtype=torch.int32, **meta),
-                       torch.empty(*q.shape[:3], d_v, dtype=q.dtype, **meta), lse, torch.empty_like(lse),
-                       torch.empty_like(q), torch.empty(kv.shape, dtype=torch.float32, **meta), scale, d_v)
-row = compile_report.compile_case(KernelCase("candidate", launch, op="sparse_mla_bwd"), 90)
-print(json.dumps({k: row[k] for k in ("error", "wgmma", "mma_sync", "registers", "spill_bytes")}))
+for config in sys.argv[2:]:
+    block_h, stages = map(int, config.split(","))
+    launch = cand.plan_bwd(q, kv, idx, torch.empty(idx.shape[:2], dtype=torch.int32, **meta),
+                           torch.empty(*q.shape[:3], d_v, dtype=q.dtype, **meta), lse, torch.empty_like(lse),
+                           torch.empty_like(q), torch.empty(kv.shape, dtype=torch.float32, **meta), scale, d_v,
+                           block_h=block_h, num_stages=stages)
+    row = compile_report.compile_case(KernelCase("candidate", launch, op="sparse_mla_bwd"), 90)
+    row["gate"] = compile_report.gate_failures(row, 90, True)
+    print(json.dumps({k: row[k] for k in ("error", "wgmma", "mma_sync", "registers", "spill_bytes", "gate")}))
 """
 
 
 def test_candidate_compiles_for_hopper_to_wgmma_only():
     """Compiled (not interpreted: a subprocess without TRITON_INTERPRET) for sm_90a at the 671B
-    shapes: every product a wgmma, none on mma.sync. (It spills: that is why it is a candidate.)"""
+    shapes: every product a wgmma, none on mma.sync, at 32 heads (1 stage) and 16 heads (2 stages);
+    the 16-head config passes the compile gate's rules (no spill, fits in shared memory). (The
+    32-head one spills: docs/kernels.md "Backward v2".)"""
     import json
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", COMPILE, str(PATH)], capture_output=True, text=True, env=env,
-                         timeout=600)
+    run = subprocess.run([sys.executable, "-c", COMPILE, str(PATH), "32,1", "16,2"], capture_output=True,
+                         text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    row = json.loads(run.stdout.strip().splitlines()[-1])
-    assert row["error"] is None, row["error"]
-    assert row["wgmma"] > 0 and row["mma_sync"] == 0, row
+    h32, h16 = (json.loads(line) for line in run.stdout.strip().splitlines()[-2:])
+    for row in (h32, h16):
+        assert row["error"] is None, row["error"]
+        assert row["wgmma"] > 0 and row["mma_sync"] == 0, row
+    assert h16["gate"] == [], h16
