@@ -9,8 +9,9 @@ config's launch. `pick` returns the launch to run, planning only that one (all o
   `torch.use_deterministic_algorithms(True)` (a timed choice can differ between runs and ranks,
   and another key tile sums the online softmax in another order);
 - otherwise the fastest candidate by `triton.testing.do_bench` (CUDA events; the candidates only
-  write the launch's own outputs, so timing them is harmless for kernels that overwrite, which is
-  why only such kernels are tuned), timed once per (kernel, GPU name, capability, Triton
+  write the launch's own outputs, so timing them is harmless for kernels that overwrite them; a
+  kernel that accumulates, like the sparse MLA backward's dkv atomics, zeroes its accumulator
+  before the run that counts), timed once per (kernel, GPU name, capability, Triton
   version, shape key) and remembered in memory and in a JSON file:
   `$DSA_AUTOTUNE_CACHE`, by default `~/.cache/dsa_train/autotune.json`.
 
@@ -67,11 +68,14 @@ def _bench(launch) -> float:
 
 
 def pick(kernel: str, key: tuple, names: Sequence[str], build: Callable[[str], object], on_gpu: bool,
-         device_id: str = "", bench: Callable[[object], float] | None = None):
+         device_id: str = "", bench: Callable[[object], float] | None = None,
+         verify: Callable[[str], bool] | None = None):
     """(config name, launch): `names` are the configs of the space (the first: the default),
     `build(name)` plans that config's launch; only the launch that runs is planned, unless the
     configs are being timed. `device_id`: the GPU's name and capability; `key`: what else decides
-    the best config (shapes); `bench`: launch -> milliseconds (default: `triton.testing.do_bench`)."""
+    the best config (shapes); `bench`: launch -> milliseconds (default: `triton.testing.do_bench`);
+    `verify(name)`: whether a config's output agrees with the default's, asked once per timing
+    for every other config: one that does not is left out (with a warning) and never chosen."""
     if not names:
         raise ValueError(f"{kernel}: no config to choose from")
     import torch
@@ -84,11 +88,22 @@ def pick(kernel: str, key: tuple, names: Sequence[str], build: Callable[[str], o
     name = _MEMORY.get(entry) or _load().get(entry)
     if name not in names:  # not timed yet (or the space changed since): time every config
         bench = bench or _bench
-        times = {n: bench(build(n)) for n in names}
+        agree = [n for n in names[1:] if verify is None or _verified(kernel, n, verify)]
+        times = {n: bench(build(n)) for n in [names[0], *agree]}
         name = min(times, key=times.get)
         _store(entry, name)
     _MEMORY[entry] = name
     return name, build(name)
+
+
+def _verified(kernel: str, name: str, verify: Callable[[str], bool]) -> bool:
+    if verify(name):
+        return True
+    import warnings
+
+    warnings.warn(f"{kernel}: config {name} disagrees with the default on this GPU; it is left out of the "
+                  "autotuning (please report it with `dsa-train gpu-check`)", RuntimeWarning, stacklevel=3)
+    return False
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,7 +10,7 @@ import triton
 
 from dsa_kernels import autotune
 from dsa_kernels._triton_common import planning_for
-from dsa_kernels.ops.sparse_mla.kernel import FWD_CONFIG_SPACE, fwd_config_space
+from dsa_kernels.ops.sparse_mla.kernel import BWD_CONFIG_SPACE, FWD_CONFIG_SPACE, bwd_config_space, fwd_config_space
 from dsa_kernels.registry import cases
 
 CANDIDATES = [("a", "launch-a"), ("b", "launch-b"), ("c", "launch-c")]
@@ -72,6 +72,24 @@ def test_a_cached_name_outside_the_space_is_timed_again(fresh_cache):
     assert len(bench.calls) == 3
 
 
+def test_a_config_that_disagrees_is_never_timed_nor_chosen():
+    """verify(name) is asked once per timing for every config but the default; one that disagrees
+    with the default is left out with a warning, the rest are timed as usual."""
+    bench, asked = Bench(), []
+
+    def verify(name):
+        asked.append(name)
+        return name != "b"  # the fastest one computes something else
+
+    with pytest.warns(RuntimeWarning, match="config b disagrees with the default"):
+        name, _ = _pick("k", (1,), CANDIDATES, on_gpu=True, device_id="GPU", bench=bench, verify=verify)
+    assert name == "c" and asked == ["b", "c"]
+    assert sorted(bench.calls) == ["launch-a", "launch-c"]
+    again = Bench()  # remembered: neither verified nor timed again
+    assert _pick("k", (1,), CANDIDATES, on_gpu=True, device_id="GPU", bench=again, verify=verify)[0] == "c"
+    assert again.calls == [] and asked == ["b", "c"]
+
+
 def test_deterministic_mode_runs_the_default():
     import torch
 
@@ -112,3 +130,18 @@ def test_forward_space_follows_the_triton_version():
     assert {bk for _, bk, _ in fwd_config_space(90, "3.9.0")} == {16}
     assert fwd_config_space(100, "3.6.0") == fwd_config_space(100, "3.9.0") == FWD_CONFIG_SPACE[100]
     assert fwd_config_space(90) == fwd_config_space(90, triton.__version__)
+
+
+@pytest.mark.parametrize("capability", sorted(BWD_CONFIG_SPACE))
+def test_every_backward_config_is_in_the_compile_gate(capability):
+    """One atomic sparse-MLA backward case per config of the architecture's space: the split kernel
+    (the default) and, on Hopper, the transposed one at its heads per block and stages."""
+    with planning_for(capability):
+        built = [c for c in cases(["sparse_mla_bwd"])
+                 if not c.config.startswith("CP ") and "DETERMINISTIC=True" not in c.config]
+    got = {(c.kernel_name, c.launch.args["BLOCK_H"] if "EVEN_H" in c.launch.args and "SPLIT" not in c.launch.args
+            else None, c.launch.num_stages if "SPLIT" not in c.launch.args else None) for c in built}
+    want = {("_sparse_mla_bwd_kernel" if schedule == "split" else "_sparse_mla_bwd_transposed_kernel", bh, st)
+            for _, schedule, bh, st in bwd_config_space(capability)}
+    assert got == want
+    assert bwd_config_space(capability)[0][1] == "split"  # the measured kernel stays the default

@@ -16,6 +16,7 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import dsa_kernels._triton_common as common  # noqa: E402
+from dsa_kernels._triton_common import planning_for  # noqa: E402
 import dsa_kernels.ops.sparse_mla.kernel as smk  # noqa: E402
 from dsa_kernels import sparse_mla_ref  # noqa: E402
 from dsa_kernels.ops.sparse_mla import specs  # noqa: E402
@@ -35,14 +36,17 @@ def test_T131072_plans_within_cuda_grid_limits():
     """Forward, backward and the deterministic backward at T = 131072 (the 671B shapes, meta
     tensors): tokens are on grid x, so nothing reaches y / z's 65,535."""
     fwd = specs._fwd()[0].launch
-    (_, bwd), (_, det) = specs.bwd_launches()
+    with planning_for(90):  # Hopper: the backward's space holds the transposed kernel too
+        (_, bwd), (_, transposed), (_, det) = specs.bwd_launches()
     assert fwd.args["Q"].shape[1] == 131072 and bwd.args["Q"].shape[1] == 131072
-    for launch in (fwd, bwd, det):
+    for launch in (fwd, bwd, transposed, det):
         assert within_cuda_grid(launch.grid), launch.grid
     assert fwd.grid == (2 * 131072, 1)  # forward: 2 head blocks per token (the logits once per block)
     assert bwd.grid == (4 * 131072, 1)  # backward: 2 head blocks x 2 column parts per token
+    assert transposed.grid == (8 * 131072, 1)  # transposed backward: 8 head blocks of 16 per token
     # the deterministic variant at the CP dense-at-positions shape: 128 queries over K = T = 131072
-    (_, dense), (_, dense_det) = specs.bwd_launches(T=128, K=131072)
+    with planning_for(90):
+        (_, dense), _, (_, dense_det) = specs.bwd_launches(T=128, K=131072)
     assert within_cuda_grid(dense.grid) and within_cuda_grid(dense_det.grid)
     assert dense_det.args["K_HI"] - dense_det.args["K_LO"] < 131072  # a slot window, not all of K
     assert dense_det.grid[0] == 4 * 128  # ... with all 128 queries in one chunk (not 1 token per chunk)

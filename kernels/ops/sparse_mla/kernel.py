@@ -41,6 +41,13 @@ because a key row is selected by many queries. The summation order of those atom
 deterministic; under `torch.use_deterministic_algorithms(True)` the backward instead runs in
 (token chunk, slot window) blocks (`sparse_mla_bwd_deterministic`). Duplicated indices in a row
 add twice (as in the reference).
+
+Transposed backward (`_sparse_mla_bwd_transposed_kernel`, the second config of the atomic
+backward's autotuning space on Hopper, `bwd_config_space`): keys on the rows so that every product
+is a wgmma (M = 64-key tiles), one program per (token, head block of 16 or 32), q and dO resident
+with their rows interleaved, nothing recomputed; see its own comment and docs/kernels.md
+"Backward v2". On a GPU `sparse_mla_bwd` verifies it against the split kernel and times both once
+per shape (`dsa_kernels.autotune`); elsewhere the split kernel runs.
 """
 
 from __future__ import annotations
@@ -273,6 +280,195 @@ def _sparse_mla_bwd_kernel(
 
 
 @triton.jit
+def _sparse_mla_bwd_transposed_kernel(
+    Q, KV, IDX, NSLOT, DO, LSE, DELTA, DQ, DKV,
+    stride_qb, stride_qt, stride_qh,
+    stride_kvb, stride_kvt,
+    stride_ib, stride_it,
+    stride_nb,
+    stride_dob, stride_dot, stride_doh,
+    stride_lb, stride_lt,
+    stride_dqb, stride_dqt, stride_dqh,
+    stride_dkb, stride_dkt,
+    H, N_HB, N_KV, scale, scale_log2,
+    D_V: tl.constexpr, D_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    EVEN_H: tl.constexpr,
+):
+    # The atomic backward with keys on the rows (DETERMINISTIC=False's contract: dq [B, T, H, D]
+    # written once, dkv [B, N, D] fp32 zeroed, receiving relaxed atomic adds). TileLang's schedule
+    # as far as Triton's registers and shared memory allow, transposed so every product has
+    # wgmma's M >= 64:
+    # - one program per (token, head block of BLOCK_H); q and dO read once and resident, their
+    #   rows interleaved (row 2h = q of head h, row 2h + 1 = dO of head h);
+    # - 64-key tiles, the selected rows gathered once per tile, as eight latent pieces + rope;
+    # - per piece one product gives S^T and dP^T together ([BLOCK_K, 2 BLOCK_H], interleaved
+    #   columns); P^T and dS^T from the saved lse and delta (eq. of the forward's softmax);
+    # - per piece one product gives dkv = dS^T q + P^T dO ([BLOCK_K, 64], from the interleaved
+    #   [dS^T | P^T]), added at the selected rows (vectorized fp32 atomics);
+    # - dq^T += kv^T dS^T ([576, BLOCK_H] fp32 accumulators: 36 registers a thread at 16 heads).
+    # Nothing is recomputed; 16 heads x 2 stages passes the compile gate (Triton 3.6 and 3.9).
+    # program (x, y) -> (token, head block), the head block fastest; y = b
+    pid = tl.program_id(0)
+    hb = pid % N_HB
+    t = (pid // N_HB).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = (offs_h < H) | EVEN_H
+    # the latent dims as eight 64-column pieces (c0..c7) and the rope dims (r): separate tensors
+    # (Triton cannot slice a tile). 64 columns: the dq^T products' M (wgmma), and the atomics'
+    # layout conversion stays at 16 KB of shared memory
+    BLOCK_C: tl.constexpr = BLOCK_DV // 8
+    offs_c = tl.arange(0, BLOCK_C)
+    m0 = offs_c < D_V
+    m1 = BLOCK_C + offs_c < D_V
+    m2 = 2 * BLOCK_C + offs_c < D_V
+    m3 = 3 * BLOCK_C + offs_c < D_V
+    m4 = 4 * BLOCK_C + offs_c < D_V
+    m5 = 5 * BLOCK_C + offs_c < D_V
+    m6 = 6 * BLOCK_C + offs_c < D_V
+    m7 = 7 * BLOCK_C + offs_c < D_V
+    offs_r = tl.arange(0, BLOCK_DR)
+    mr = offs_r < D_R
+
+    # q and dO of the head block, interleaved by rows: row 2h = q[head h], row 2h + 1 = dO[head h]
+    # ([2 BLOCK_H, columns]; dO has no rope columns: zeros there). Read once, resident. With them
+    # one product gives S^T and dP^T together, and one gives dS^T q + P^T dO.
+    offs_j = tl.arange(0, 2 * BLOCK_H)
+    head_j = hb * BLOCK_H + offs_j // 2
+    is_q = (offs_j % 2) == 0
+    mask_j = ((head_j < H) | EVEN_H)[:, None]
+    q_j = Q + b * stride_qb + t * stride_qt + head_j[:, None] * stride_qh
+    do_j = DO + b * stride_dob + t * stride_dot + head_j[:, None] * stride_doh
+    qd_j = tl.where(is_q[:, None], q_j, do_j)
+    x0 = tl.load(qd_j + offs_c[None, :], mask=mask_j & m0[None, :], other=0.0)  # [2 BLOCK_H, BLOCK_C]
+    x1 = tl.load(qd_j + BLOCK_C + offs_c[None, :], mask=mask_j & m1[None, :], other=0.0)
+    x2 = tl.load(qd_j + 2 * BLOCK_C + offs_c[None, :], mask=mask_j & m2[None, :], other=0.0)
+    x3 = tl.load(qd_j + 3 * BLOCK_C + offs_c[None, :], mask=mask_j & m3[None, :], other=0.0)
+    x4 = tl.load(qd_j + 4 * BLOCK_C + offs_c[None, :], mask=mask_j & m4[None, :], other=0.0)
+    x5 = tl.load(qd_j + 5 * BLOCK_C + offs_c[None, :], mask=mask_j & m5[None, :], other=0.0)
+    x6 = tl.load(qd_j + 6 * BLOCK_C + offs_c[None, :], mask=mask_j & m6[None, :], other=0.0)
+    x7 = tl.load(qd_j + 7 * BLOCK_C + offs_c[None, :], mask=mask_j & m7[None, :], other=0.0)
+    xr = tl.load(q_j + D_V + offs_r[None, :], mask=mask_j & is_q[:, None] & mr[None, :], other=0.0)
+    stat = b * stride_lb + t * stride_lt + offs_h
+    lse = tl.load(LSE + stat, mask=mask_h, other=float("-inf"))
+    delta = tl.load(DELTA + stat, mask=mask_h, other=0.0)
+    # p = exp2(s*log2e - lse*log2e); an empty (or padded) row has lse = -inf -> p = 0
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+    dq0 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)  # dq^T by piece
+    dq1 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
+    dq2 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
+    dq3 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
+    dq4 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
+    dq5 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
+    dq6 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
+    dq7 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
+    dqr = tl.zeros([BLOCK_DR, BLOCK_H], dtype=tl.float32)
+    kv_base = KV + b * stride_kvb
+    idx_base = IDX + b * stride_ib + t * stride_it
+    k_end = tl.load(NSLOT + b * stride_nb + t)
+    for k0 in range(0, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        idx = tl.load(idx_base + offs_k, mask=offs_k < k_end, other=-1)
+        valid = (idx >= 0) & (idx < N_KV)  # out of range = empty slot
+        vk = valid[:, None]
+        rows = kv_base + (tl.where(valid, idx, 0) * stride_kvt)[:, None]  # int32 offsets (checked)
+        kv0 = tl.load(rows + offs_c[None, :], mask=vk & m0[None, :], other=0.0)  # [BLOCK_K, BLOCK_C]
+        kv1 = tl.load(rows + BLOCK_C + offs_c[None, :], mask=vk & m1[None, :], other=0.0)
+        kv2 = tl.load(rows + 2 * BLOCK_C + offs_c[None, :], mask=vk & m2[None, :], other=0.0)
+        kv3 = tl.load(rows + 3 * BLOCK_C + offs_c[None, :], mask=vk & m3[None, :], other=0.0)
+        kv4 = tl.load(rows + 4 * BLOCK_C + offs_c[None, :], mask=vk & m4[None, :], other=0.0)
+        kv5 = tl.load(rows + 5 * BLOCK_C + offs_c[None, :], mask=vk & m5[None, :], other=0.0)
+        kv6 = tl.load(rows + 6 * BLOCK_C + offs_c[None, :], mask=vk & m6[None, :], other=0.0)
+        kv7 = tl.load(rows + 7 * BLOCK_C + offs_c[None, :], mask=vk & m7[None, :], other=0.0)
+        kvr = tl.load(rows + D_V + offs_r[None, :], mask=vk & mr[None, :], other=0.0)
+        # [S^T | dP^T] interleaved: column 2h = kv . q_h (all dims), 2h + 1 = v . dO_h (latent)
+        sdp = tl.dot(kv0, tl.trans(x0))
+        sdp += tl.dot(kv1, tl.trans(x1))
+        sdp += tl.dot(kv2, tl.trans(x2))
+        sdp += tl.dot(kv3, tl.trans(x3))
+        sdp += tl.dot(kv4, tl.trans(x4))
+        sdp += tl.dot(kv5, tl.trans(x5))
+        sdp += tl.dot(kv6, tl.trans(x6))
+        sdp += tl.dot(kv7, tl.trans(x7))
+        sdp += tl.dot(kvr, tl.trans(xr))
+        s, dp = tl.split(tl.reshape(sdp, [BLOCK_K, BLOCK_H, 2]))
+        p = tl.where(vk, tl.exp2(s * scale_log2 - lse2[None, :]), 0.0)
+        ds = p * (dp - delta[None, :]) * scale  # d loss / d (q . kv), transposed
+        ds_c = ds.to(x0.dtype)
+        # [dS^T | P^T] interleaved the same way: one product per piece gives dS^T q + P^T dO
+        dsp = tl.reshape(tl.join(ds, p), [BLOCK_K, 2 * BLOCK_H]).to(x0.dtype)
+        # per piece: dkv[idx] += dS^T q + P^T dO (one product), dq^T += kv^T dS^T
+        drows = DKV + b * stride_dkb + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_dkt
+        tl.atomic_add(drows + offs_c[None, :], tl.dot(dsp, x0), mask=vk & m0[None, :], sem="relaxed")
+        dq0 += tl.dot(tl.trans(kv0), ds_c)
+        tl.atomic_add(drows + BLOCK_C + offs_c[None, :], tl.dot(dsp, x1), mask=vk & m1[None, :], sem="relaxed")
+        dq1 += tl.dot(tl.trans(kv1), ds_c)
+        tl.atomic_add(drows + 2 * BLOCK_C + offs_c[None, :], tl.dot(dsp, x2), mask=vk & m2[None, :], sem="relaxed")
+        dq2 += tl.dot(tl.trans(kv2), ds_c)
+        tl.atomic_add(drows + 3 * BLOCK_C + offs_c[None, :], tl.dot(dsp, x3), mask=vk & m3[None, :], sem="relaxed")
+        dq3 += tl.dot(tl.trans(kv3), ds_c)
+        tl.atomic_add(drows + 4 * BLOCK_C + offs_c[None, :], tl.dot(dsp, x4), mask=vk & m4[None, :], sem="relaxed")
+        dq4 += tl.dot(tl.trans(kv4), ds_c)
+        tl.atomic_add(drows + 5 * BLOCK_C + offs_c[None, :], tl.dot(dsp, x5), mask=vk & m5[None, :], sem="relaxed")
+        dq5 += tl.dot(tl.trans(kv5), ds_c)
+        tl.atomic_add(drows + 6 * BLOCK_C + offs_c[None, :], tl.dot(dsp, x6), mask=vk & m6[None, :], sem="relaxed")
+        dq6 += tl.dot(tl.trans(kv6), ds_c)
+        tl.atomic_add(drows + 7 * BLOCK_C + offs_c[None, :], tl.dot(dsp, x7), mask=vk & m7[None, :], sem="relaxed")
+        dq7 += tl.dot(tl.trans(kv7), ds_c)
+        tl.atomic_add(drows + D_V + offs_r[None, :], tl.dot(dsp, xr), mask=vk & mr[None, :], sem="relaxed")
+        dqr += tl.dot(tl.trans(kvr), ds_c)
+
+    # dq^T [columns, heads] -> dq[b, t, head, column]
+    dq_rows = DQ + b * stride_dqb + t * stride_dqt + offs_h[None, :] * stride_dqh
+    hm = mask_h[None, :]
+    out_ty = DQ.dtype.element_ty
+    tl.store(dq_rows + offs_c[:, None], dq0.to(out_ty), mask=m0[:, None] & hm)
+    tl.store(dq_rows + BLOCK_C + offs_c[:, None], dq1.to(out_ty), mask=m1[:, None] & hm)
+    tl.store(dq_rows + 2 * BLOCK_C + offs_c[:, None], dq2.to(out_ty), mask=m2[:, None] & hm)
+    tl.store(dq_rows + 3 * BLOCK_C + offs_c[:, None], dq3.to(out_ty), mask=m3[:, None] & hm)
+    tl.store(dq_rows + 4 * BLOCK_C + offs_c[:, None], dq4.to(out_ty), mask=m4[:, None] & hm)
+    tl.store(dq_rows + 5 * BLOCK_C + offs_c[:, None], dq5.to(out_ty), mask=m5[:, None] & hm)
+    tl.store(dq_rows + 6 * BLOCK_C + offs_c[:, None], dq6.to(out_ty), mask=m6[:, None] & hm)
+    tl.store(dq_rows + 7 * BLOCK_C + offs_c[:, None], dq7.to(out_ty), mask=m7[:, None] & hm)
+    tl.store(dq_rows + D_V + offs_r[:, None], dqr.to(out_ty), mask=mr[:, None] & hm)
+
+
+def plan_bwd_transposed(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float, d_v: int,
+                        block_h: int = 16, block_k: int = 64, num_stages: int = 2,
+                        num_warps: int | None = None) -> Launch:
+    """The transposed backward's launch (`plan_bwd`'s atomic arguments). Its gate-clean config is
+    the default: 16 heads, 2 stages (203 KB of shared memory). 32 heads spill at 1 stage and need
+    236 KB at 2 (Hopper has 227): `benchmarks/kernel_variants.py` times them anyway."""
+    B, T, H, D = q.shape
+    bh = min(pow2(H), block_h)
+    blocks = dict(BLOCK_H=bh, BLOCK_K=block_k, BLOCK_DV=pow2(d_v, 128), BLOCK_DR=pow2(max(D - d_v, 1)),
+                  EVEN_H=H % bh == 0)
+    n_hb = triton.cdiv(H, bh)
+    _int32_rows(kv, "backward (transposed)")
+    if lse.stride() != delta.stride():
+        raise ValueError(f"sparse_mla backward: lse {lse.stride()} and delta {delta.stride()} must share strides")
+    return Launch(
+        _sparse_mla_bwd_transposed_kernel, _grid(n_hb * T, B, "backward (transposed)"),
+        dict(
+            Q=q, KV=kv, IDX=indices, NSLOT=n_slots, DO=dout, LSE=lse, DELTA=delta, DQ=dq, DKV=dkv,
+            stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
+            stride_kvb=kv.stride(0), stride_kvt=kv.stride(1),
+            stride_ib=indices.stride(0), stride_it=indices.stride(1),
+            stride_nb=n_slots.stride(0),
+            stride_dob=dout.stride(0), stride_dot=dout.stride(1), stride_doh=dout.stride(2),
+            stride_lb=lse.stride(0), stride_lt=lse.stride(1),
+            stride_dqb=dq.stride(0), stride_dqt=dq.stride(1), stride_dqh=dq.stride(2),
+            stride_dkb=dkv.stride(0), stride_dkt=dkv.stride(1),
+            H=H, N_HB=n_hb, N_KV=kv.shape[1], scale=scale, scale_log2=scale * LOG2E,
+            D_V=d_v, D_R=D - d_v, **blocks,
+        ),
+        num_warps=num_warps or (8 if blocks["BLOCK_DV"] >= 256 else 4), num_stages=num_stages,
+    )
+
+
+@triton.jit
 def _scatter(ptrs, val, mask, DETERMINISTIC: tl.constexpr):
     """dkv contributions: deterministic -> plain stores into the stage (one writer per address);
     else relaxed fp32 atomic adds into dkv (a key row is selected by many queries)."""
@@ -360,6 +556,40 @@ def bwd_blocks(H: int, D_V: int, D_R: int) -> dict:
     # If a change makes it spill, num_stages=1 gave 226 / 220 (loses the d-loop's prefetch).
     return dict(BLOCK_H=min(pow2(H), 64), BLOCK_K=16, BLOCK_DV=block_dv,
                 BLOCK_DR=pow2(max(D_R, 1)), BLOCK_D=min(block_dv, 64), SPLIT=2 if block_dv >= 512 else 1)
+
+
+# The atomic backward's autotuning space (`dsa_kernels.autotune`), per architecture: (name, schedule,
+# heads per block, stages), the first the default. "split": `_sparse_mla_bwd_kernel` (measured on an
+# H200: 712 ms at T = 32K, k = 2048). "transposed": `_sparse_mla_bwd_transposed_kernel` at 16 heads
+# and 2 stages, the one config of it that passes the compile gate (no spill under Triton 3.6 or
+# 3.9, 203 KB of shared memory), not yet timed on a GPU: it issues only wgmma and recomputes
+# nothing, but doubles the shipped kernel's gathered bytes and quadruples its atomics, so a GPU
+# decides (docs/kernels.md "Backward v2"). On sm_100 it compiles to a lone trap (tensor memory):
+# the split kernel only.
+BWD_CONFIG_SPACE = {
+    90: (("split-k16", "split", None, None), ("transposed-h16-s2", "transposed", 16, 2)),
+    100: (("split-k16", "split", None, None),),
+}
+
+
+def bwd_config_space(capability: int) -> tuple:
+    """The atomic backward's configs `sparse_mla_bwd` times on a GPU of this compute capability."""
+    return BWD_CONFIG_SPACE[100 if capability >= 100 else 90]
+
+
+def plan_bwd_config(config: tuple, q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float,
+                    d_v: int) -> Launch:
+    """The atomic backward's launch for one config of `bwd_config_space`."""
+    _, schedule, block_h, stages = config
+    if schedule == "split":
+        return plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale, d_v)
+    return plan_bwd_transposed(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale, d_v,
+                               block_h=block_h, num_stages=stages)
+
+
+# A config whose dkv differs from the default's by more than this (max |a - b| / max |b|, both fp32
+# sums of the same products in another order) on the first call is left out of the timing.
+BWD_VERIFY_TOL = 1e-3
 
 
 def _grid(x: int, y: int, what: str) -> tuple:
@@ -496,9 +726,29 @@ def sparse_mla_bwd(q, kv, indices, n_slots, out, lse, dout, dlse, scale: float, 
     delta = bwd_delta(out, dout, lse, dlse)
     if torch.are_deterministic_algorithms_enabled():
         return dq, sparse_mla_bwd_deterministic(q, kv, indices, n_slots, dout, lse, delta, dq, scale, d_v)
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    _launch(plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale, d_v))
+    dkv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
+    space = {cfg[0]: cfg for cfg in bwd_config_space(target_capability(q))}
+    on_gpu = q.is_cuda and not interpreted()
+
+    def build(name):  # timing runs into dq / dkv themselves: dq is overwritten, dkv zeroed below
+        return plan_bwd_config(space[name], q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale, d_v)
+
+    def verify(name):  # the config's dkv against the default's, before it may be timed
+        ref = _run_zeroed(build(next(iter(space))), dkv).clone()
+        got = _run_zeroed(build(name), dkv)
+        return bool((got - ref).abs().max() <= BWD_VERIFY_TOL * ref.abs().max().clamp_min(1e-30))
+
+    _, launch = autotune.pick("sparse_mla_bwd", (H, D, d_v, pow2(indices.shape[-1])), list(space), build,
+                              on_gpu, autotune.device_id(q) if on_gpu else "", verify=verify)
+    _run_zeroed(launch, dkv)
     return dq, dkv.to(kv.dtype)
+
+
+def _run_zeroed(launch: Launch, dkv: torch.Tensor) -> torch.Tensor:
+    """Zeroes the fp32 dkv accumulator, then runs an atomic backward launch into it."""
+    dkv.zero_()
+    _launch(launch)
+    return dkv
 
 
 # The deterministic backward's stage: at most this many fp32 elements (256 MB), with slot windows

@@ -8,7 +8,7 @@ import torch
 from ...analysis import Work
 from ...registry import SHAPES_671B, KernelCase, register
 from ..._triton_common import target_capability
-from .kernel import deterministic_layout, fwd_config_space, plan_bwd, plan_fwd
+from .kernel import bwd_config_space, deterministic_layout, fwd_config_space, plan_bwd, plan_bwd_config, plan_fwd
 
 # CP's dense-at-positions calls (model/mla.py `_dense_at_positions`): a chunk of queries over
 # every key of the 128K sequence, index lists as wide as the sequence
@@ -67,6 +67,10 @@ def bwd_launches(T: int | None = None, K: int | None = None) -> list[tuple[str, 
     dkv = torch.empty(kv.shape, dtype=torch.float32, device="meta")
     n_slots = torch.empty(idx.shape[:2], dtype=torch.int32, device="meta")
     atomic = plan_bwd(q, kv, idx, n_slots, dout, lse, delta, dq, dkv, scale, d_v)
+    # the other configs of the autotuning space for the target architecture (the gate checks each)
+    tuned = [(f"autotune config {cfg[0]} ", plan_bwd_config(cfg, q, kv, idx, n_slots, dout, lse, delta, dq, dkv,
+                                                            scale, d_v))
+             for cfg in bwd_config_space(target_capability(q))[1:]]
     # the deterministic option (under torch.use_deterministic_algorithms): (token chunk, slot
     # window) launches storing into the stage, dq accumulated in fp32 (sparse_mla_bwd_deterministic)
     n_hb, chunk, window = deterministic_layout(B, T, K, H, D, d_v)
@@ -74,16 +78,17 @@ def bwd_launches(T: int | None = None, K: int | None = None) -> list[tuple[str, 
     stage = torch.empty(n_hb, B, c, w, D, dtype=torch.float32, device="meta")
     dq_acc = torch.empty(B, c, H, D, dtype=torch.float32, device="meta")
     det = plan_bwd(q, kv, idx, n_slots, dout, lse, delta, dq_acc, None, scale, d_v, 0, c, 0, w, stage)
-    return [("", atomic), (f"deterministic (chunk {c} tokens, window {w} of {K} slots) ", det)]
+    return [("", atomic), *tuned, (f"deterministic (chunk {c} tokens, window {w} of {K} slots) ", det)]
 
 
 @register("sparse_mla_bwd")
 def _bwd():
     cases = [KernelCase(label + _config(launch), launch, work=bwd_work(launch)) for label, launch in bwd_launches()]
     # CP dense-at-positions: DENSE_CHUNK_ELEMS // T queries over K = T = 128K slots (a real call;
-    # the same compiled kernels at a different grid / window)
+    # the same compiled kernels at a different grid / window), the default and deterministic ones
     T = SHAPES_671B["T"]
-    dense = bwd_launches(T=max(1, DENSE_CHUNK_ELEMS // T), K=T)
+    dense = [(label, launch) for label, launch in bwd_launches(T=max(1, DENSE_CHUNK_ELEMS // T), K=T)
+             if not label.startswith("autotune")]
     cases += [KernelCase("CP dense-at-positions " + label + _config(launch), launch, work=bwd_work(launch))
               for label, launch in dense]
     return cases
@@ -152,6 +157,8 @@ def fwd_work(launch) -> Work:
 
 
 def bwd_work(launch) -> Work:
+    if "SPLIT" not in launch.args:
+        return bwd_transposed_work(launch)
     a = launch.args
     H, d_v, d_r = a["H"], a["D_V"], a["D_R"]
     e = a["Q"].element_size()
@@ -171,5 +178,26 @@ def bwd_work(launch) -> Work:
     reads = n_hb * split * (tiles * tile_reads + bh * (2 * dvs + bdr) * e + bh * 8)
     writes = n_hb * (K * (d_v + d_r) * 4) + H * (d_v + d_r) * e  # fp32 atomics into dkv, dq once
     gathered = n_hb * split * tiles * bk * (bdv + bdr + dvs) * e
+    return Work(useful_bwd_flops(H, K, d_v + d_r, d_v), issued, reads, writes,
+                tilelang_bwd_anchor(H, K, d_v + d_r, d_v, e), gathered)
+
+
+def bwd_transposed_work(launch) -> Work:
+    """The transposed backward (`_sparse_mla_bwd_transposed_kernel`), per token."""
+    a = launch.args
+    H, d_v, d_r = a["H"], a["D_V"], a["D_R"]
+    e = a["Q"].element_size()
+    K = _slots(launch)
+    bh, bk, bdv, bdr = a["BLOCK_H"], a["BLOCK_K"], a["BLOCK_DV"], a["BLOCK_DR"]
+    n_hb, tiles = -(-H // bh), _pad(K, bk) // bk
+    # per tile and program (token, head block), q / dO rows interleaved (2 bh rows): [S^T | dP^T]
+    # over every column piece (the dO rows' rope columns are zeros, multiplied all the same),
+    # dkv from [dS^T | P^T] (2 bh deep) over every piece, dq^T = kv^T dS^T over every piece
+    issued = n_hb * tiles * 2.0 * bk * (2 * bh * (bdv + bdr) * 2 + bh * (bdv + bdr))
+    # per program: q and dO once (resident; the rope of q), lse / delta; per tile: the gathered rows
+    # once and their indices
+    reads = n_hb * (bh * (2 * bdv + bdr) * e + bh * 8 + tiles * (bk * (bdv + bdr) * e + bk * 4))
+    writes = n_hb * (K * (d_v + d_r) * 4) + H * (d_v + d_r) * e  # fp32 atomics into dkv, dq once
+    gathered = n_hb * tiles * bk * (bdv + bdr) * e
     return Work(useful_bwd_flops(H, K, d_v + d_r, d_v), issued, reads, writes,
                 tilelang_bwd_anchor(H, K, d_v + d_r, d_v, e), gathered)
