@@ -435,39 +435,6 @@ def _sparse_mla_bwd_transposed_kernel(
     tl.store(dq_rows + D_V + offs_r[:, None], dqr.to(out_ty), mask=mr[:, None] & hm)
 
 
-def plan_bwd_transposed(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float, d_v: int,
-                        block_h: int = 16, block_k: int = 64, num_stages: int = 2,
-                        num_warps: int | None = None) -> Launch:
-    """The transposed backward's launch (`plan_bwd`'s atomic arguments). Its gate-clean config is
-    the default: 16 heads, 2 stages (203 KB of shared memory). 32 heads spill at 1 stage and need
-    236 KB at 2 (Hopper has 227): `benchmarks/kernel_variants.py` times them anyway."""
-    B, T, H, D = q.shape
-    bh = min(pow2(H), block_h)
-    blocks = dict(BLOCK_H=bh, BLOCK_K=block_k, BLOCK_DV=pow2(d_v, 128), BLOCK_DR=pow2(max(D - d_v, 1)),
-                  EVEN_H=H % bh == 0)
-    n_hb = triton.cdiv(H, bh)
-    _int32_rows(kv, "backward (transposed)")
-    if lse.stride() != delta.stride():
-        raise ValueError(f"sparse_mla backward: lse {lse.stride()} and delta {delta.stride()} must share strides")
-    return Launch(
-        _sparse_mla_bwd_transposed_kernel, _grid(n_hb * T, B, "backward (transposed)"),
-        dict(
-            Q=q, KV=kv, IDX=indices, NSLOT=n_slots, DO=dout, LSE=lse, DELTA=delta, DQ=dq, DKV=dkv,
-            stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
-            stride_kvb=kv.stride(0), stride_kvt=kv.stride(1),
-            stride_ib=indices.stride(0), stride_it=indices.stride(1),
-            stride_nb=n_slots.stride(0),
-            stride_dob=dout.stride(0), stride_dot=dout.stride(1), stride_doh=dout.stride(2),
-            stride_lb=lse.stride(0), stride_lt=lse.stride(1),
-            stride_dqb=dq.stride(0), stride_dqt=dq.stride(1), stride_dqh=dq.stride(2),
-            stride_dkb=dkv.stride(0), stride_dkt=dkv.stride(1),
-            H=H, N_HB=n_hb, N_KV=kv.shape[1], scale=scale, scale_log2=scale * LOG2E,
-            D_V=d_v, D_R=D - d_v, **blocks,
-        ),
-        num_warps=num_warps or (8 if blocks["BLOCK_DV"] >= 256 else 4), num_stages=num_stages,
-    )
-
-
 @triton.jit
 def _scatter(ptrs, val, mask, DETERMINISTIC: tl.constexpr):
     """dkv contributions: deterministic -> plain stores into the stage (one writer per address);
@@ -636,6 +603,22 @@ def plan_fwd(q, kv, indices, n_slots, out, lse, scale: float, d_v: int, config: 
     )
 
 
+def _bwd_args(q, kv, indices, n_slots, dout, lse, delta, dq) -> dict:
+    """The kernel arguments both backward kernels take alike: inputs, dq and their strides."""
+    if lse.stride() != delta.stride():
+        raise ValueError(f"sparse_mla backward: lse {lse.stride()} and delta {delta.stride()} must share strides")
+    return dict(
+        Q=q, KV=kv, IDX=indices, NSLOT=n_slots, DO=dout, LSE=lse, DELTA=delta, DQ=dq,
+        stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
+        stride_kvb=kv.stride(0), stride_kvt=kv.stride(1),
+        stride_ib=indices.stride(0), stride_it=indices.stride(1),
+        stride_nb=n_slots.stride(0),
+        stride_dob=dout.stride(0), stride_dot=dout.stride(1), stride_doh=dout.stride(2),
+        stride_lb=lse.stride(0), stride_lt=lse.stride(1),
+        stride_dqb=dq.stride(0), stride_dqt=dq.stride(1), stride_dqh=dq.stride(2),
+    )
+
+
 def plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float, d_v: int,
              t0: int = 0, n_tokens: int | None = None, k_lo: int = 0, k_hi: int | None = None,
              stage=None) -> Launch:
@@ -650,8 +633,6 @@ def plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float, d
     k_hi = indices.shape[-1] if k_hi is None else k_hi
     blocks = bwd_blocks(H, d_v, D - d_v)
     n_parts = triton.cdiv(H, blocks["BLOCK_H"]) * blocks["SPLIT"]
-    if lse.stride() != delta.stride():
-        raise ValueError(f"sparse_mla backward: lse {lse.stride()} and delta {delta.stride()} must share strides")
     if det:
         dk = dict(DKV=stage, stride_dkb=stage.stride(1), stride_dkt=stage.stride(2),
                   stride_sh=stage.stride(0), stride_sk=stage.stride(3))
@@ -660,15 +641,7 @@ def plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float, d
     return Launch(
         _sparse_mla_bwd_kernel, _grid(n_parts * n_tok, B, "backward"),
         dict(
-            Q=q, KV=kv, IDX=indices, NSLOT=n_slots, DO=dout, LSE=lse, DELTA=delta, DQ=dq,
-            stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
-            stride_kvb=kv.stride(0), stride_kvt=kv.stride(1),
-            stride_ib=indices.stride(0), stride_it=indices.stride(1),
-            stride_nb=n_slots.stride(0),
-            stride_dob=dout.stride(0), stride_dot=dout.stride(1), stride_doh=dout.stride(2),
-            stride_lb=lse.stride(0), stride_lt=lse.stride(1),
-            stride_dqb=dq.stride(0), stride_dqt=dq.stride(1), stride_dqh=dq.stride(2),
-            **dk,
+            **_bwd_args(q, kv, indices, n_slots, dout, lse, delta, dq), **dk,
             H=H, N_HB=n_parts // blocks["SPLIT"], N_KV=kv.shape[1], T0=t0, K_LO=k_lo, K_HI=k_hi,
             scale=scale, scale_log2=scale * LOG2E,
             D_V=d_v, D_R=D - d_v, **blocks, DETERMINISTIC=det,
@@ -676,6 +649,30 @@ def plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float, d
         num_warps=8 if blocks["BLOCK_DV"] >= 256 else 4,
         # deterministic: no software pipelining (with Triton's default 3 stages it spilled 32-72 B)
         num_stages=1 if det else None,
+    )
+
+
+def plan_bwd_transposed(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float, d_v: int,
+                        block_h: int = 16, block_k: int = 64, num_stages: int = 2,
+                        num_warps: int | None = None) -> Launch:
+    """The transposed backward's launch (`plan_bwd`'s atomic arguments). Its gate-clean config is
+    the default: 16 heads, 2 stages (203 KB of shared memory). 32 heads spill at 1 stage and need
+    236 KB at 2 (Hopper has 227): `benchmarks/kernel_variants.py` times them anyway."""
+    B, T, H, D = q.shape
+    bh = min(pow2(H), block_h)
+    blocks = dict(BLOCK_H=bh, BLOCK_K=block_k, BLOCK_DV=pow2(d_v, 128), BLOCK_DR=pow2(max(D - d_v, 1)),
+                  EVEN_H=H % bh == 0)
+    n_hb = triton.cdiv(H, bh)
+    _int32_rows(kv, "backward (transposed)")
+    return Launch(
+        _sparse_mla_bwd_transposed_kernel, _grid(n_hb * T, B, "backward (transposed)"),
+        dict(
+            **_bwd_args(q, kv, indices, n_slots, dout, lse, delta, dq),
+            DKV=dkv, stride_dkb=dkv.stride(0), stride_dkt=dkv.stride(1),
+            H=H, N_HB=n_hb, N_KV=kv.shape[1], scale=scale, scale_log2=scale * LOG2E,
+            D_V=d_v, D_R=D - d_v, **blocks,
+        ),
+        num_warps=num_warps or (8 if blocks["BLOCK_DV"] >= 256 else 4), num_stages=num_stages,
     )
 
 
