@@ -96,6 +96,12 @@ def pick(kernel: str, key: tuple, names: Sequence[str], build: Callable[[str], o
     return name, build(name)
 
 
+def choices(kernel: str | None = None) -> dict[str, str]:
+    """{cache entry: config name} chosen by timing in this process (only `kernel`'s when given):
+    what `dsa-train gpu-check` reports beside its timings."""
+    return {e: n for e, n in _MEMORY.items() if kernel is None or e.split("|", 1)[0] == kernel}
+
+
 def _verified(kernel: str, name: str, verify: Callable[[str], bool]) -> bool:
     if verify(name):
         return True

@@ -52,6 +52,7 @@ def test_fastest_timed_once_then_read_from_the_cache(fresh_cache, monkeypatch):
     stored = json.loads(fresh_cache.read_text())
     (entry,) = stored
     assert stored[entry] == "b" and entry.startswith("k|H100 sm_90|triton ")
+    assert autotune.choices("k") == {entry: "b"} and autotune.choices("other") == {}
     # a new process (empty memory) reads the file: no timing
     monkeypatch.setattr(autotune, "_MEMORY", {})
     again = Bench()

@@ -206,7 +206,15 @@ def sparse_mla_speed(opts: Options) -> Outcome:
     chunk = BASELINE_CHUNK if opts.device == "cuda" else None
     table.baseline("chunked PyTorch", lambda: _passes(lambda: sparse_mla_chunked(q, kv, idx, scale, d.D_V, chunk),
                                                       (q, kv), torch.randn_like, opts, BASELINE_REPS), flops)
-    return table.outcome("sparse_mla")
+    outcome = table.outcome("sparse_mla")
+    # which config of each autotuning space ran (timed on the first call; empty off the GPU)
+    from dsa_kernels import autotune
+
+    chosen = {k: n for kernel in ("sparse_mla_fwd", "sparse_mla_bwd") for k, n in autotune.choices(kernel).items()}
+    if chosen:
+        outcome.metrics["autotune"] = chosen
+        outcome.summary += "; autotuned: " + ", ".join(f"{e.split('|', 1)[0]}={n}" for e, n in chosen.items())
+    return outcome
 
 
 def indexer_topk_speed(opts: Options) -> Outcome:
