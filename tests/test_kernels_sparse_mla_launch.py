@@ -201,10 +201,26 @@ def assert_matches(tri, ref):
         torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.fixture(params=[cfg[0] for cfg in smk.bwd_config_space(90)])
+def bwd_config(request, monkeypatch):
+    """Every config of Hopper's backward space in turn (the split kernel, the transposed one): the
+    autotuner's choice forced, as a GPU's timing could make it."""
+    real_pick = smk.autotune.pick
+
+    def pick(kernel, key, names, build, *args, **kw):
+        if kernel == "sparse_mla_bwd":
+            return request.param, build(request.param)
+        return real_pick(kernel, key, names, build, *args, **kw)
+
+    monkeypatch.setattr(smk.autotune, "pick", pick)
+    return request.param
+
+
 @pytest.mark.parametrize("where", ["last", "middle"])
-def test_fewer_queries_than_keys_cp_layout(where):
+def test_fewer_queries_than_keys_cp_layout(where, bwd_config):
     """Context parallelism: 8 queries at the last / middle positions of a 40-key sequence,
-    indices into the whole kv (rows with fewer valid slots than K = 12 included)."""
+    indices into the whole kv (rows with fewer valid slots than K = 12 included); each backward
+    config."""
     torch.manual_seed(0)
     N, T_q, H, d_v, d_r, K = 40, 8, 4, 32, 16, 12
     positions = list(range(N - T_q, N)) if where == "last" else list(range(16, 16 + T_q))
@@ -217,9 +233,10 @@ def test_fewer_queries_than_keys_cp_layout(where):
     assert (tri[3][0, positions[-1] + 1:] == 0).all()  # keys after the last query: never selected, no gradient
 
 
-def test_out_of_range_indices_are_empty_slots():
+def test_out_of_range_indices_are_empty_slots(bwd_config):
     """Indices >= the kv rows or < -1 read as empty slots (forward and backward): the same as
-    the reference with those slots set to -1, including a row whose tail is all out of range."""
+    the reference with those slots set to -1, including a row whose tail is all out of range;
+    each backward config."""
     torch.manual_seed(1)
     N, T, H, d_v, d_r, K = 24, 10, 4, 32, 16, 8
     q = torch.randn(1, T, H, d_v + d_r, device=DEV)
@@ -298,3 +315,16 @@ def test_deterministic_backward_in_slot_windows_and_token_chunks(monkeypatch):
     for a, b in zip(first, second):
         assert torch.equal(a, b)
     assert_matches(first, ref)
+
+
+def test_dense_at_positions_width_each_backward_config(bwd_config):
+    """CP's dense-at-positions call: a chunk of queries whose index lists are as wide as the
+    sequence (K = N = 40, several key tiles of either kernel), each backward config."""
+    torch.manual_seed(3)
+    N, T_q, H, d_v, d_r = 40, 6, 4, 32, 16
+    positions = list(range(N - T_q, N))
+    q = torch.randn(1, T_q, H, d_v + d_r, device=DEV)
+    kv = torch.randn(1, N, d_v + d_r, device=DEV)
+    idx = cp_indices(T_q, positions, N, N, drop=0.2)
+    tri, ref = run_both(q, kv, idx, d_v)
+    assert_matches(tri, ref)
