@@ -8,7 +8,8 @@ import torch
 from ...analysis import Work
 from ...registry import SHAPES_671B, KernelCase, register
 from ..._triton_common import target_capability
-from .kernel import bwd_config_space, deterministic_layout, fwd_config_space, plan_bwd, plan_bwd_config, plan_fwd
+from .kernel import (_sparse_mla_bwd_kernel, _sparse_mla_bwd_transposed_kernel, bwd_config_space,
+                     deterministic_layout, fwd_config_space, plan_bwd, plan_bwd_config, plan_fwd)
 
 # CP's dense-at-positions calls (model/mla.py `_dense_at_positions`): a chunk of queries over
 # every key of the 128K sequence, index lists as wide as the sequence
@@ -83,13 +84,13 @@ def bwd_launches(T: int | None = None, K: int | None = None) -> list[tuple[str, 
 
 @register("sparse_mla_bwd")
 def _bwd():
-    cases = [KernelCase(label + _config(launch), launch, work=bwd_work(launch)) for label, launch in bwd_launches()]
+    cases = [KernelCase(label + _config(launch), launch, work=_bwd_work_of(launch)) for label, launch in bwd_launches()]
     # CP dense-at-positions: DENSE_CHUNK_ELEMS // T queries over K = T = 128K slots (a real call;
     # the same compiled kernels at a different grid / window), the default and deterministic ones
     T = SHAPES_671B["T"]
     dense = [(label, launch) for label, launch in bwd_launches(T=max(1, DENSE_CHUNK_ELEMS // T), K=T)
              if not label.startswith("autotune")]
-    cases += [KernelCase("CP dense-at-positions " + label + _config(launch), launch, work=bwd_work(launch))
+    cases += [KernelCase("CP dense-at-positions " + label + _config(launch), launch, work=_bwd_work_of(launch))
               for label, launch in dense]
     return cases
 
@@ -156,9 +157,14 @@ def fwd_work(launch) -> Work:
                 flashmla_fwd_anchor(H, K, d_v + d_r, d_v, e), gathered)
 
 
+def _bwd_work_of(launch) -> Work:
+    """The analysis of a backward launch, by its kernel."""
+    works = {_sparse_mla_bwd_kernel: bwd_work, _sparse_mla_bwd_transposed_kernel: bwd_transposed_work}
+    return works[launch.kernel](launch)
+
+
 def bwd_work(launch) -> Work:
-    if "SPLIT" not in launch.args:
-        return bwd_transposed_work(launch)
+    """The split backward (`_sparse_mla_bwd_kernel`), per token."""
     a = launch.args
     H, d_v, d_r = a["H"], a["D_V"], a["D_R"]
     e = a["Q"].element_size()
