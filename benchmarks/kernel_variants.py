@@ -2,8 +2,8 @@
 
 The sweep behind the tuned defaults (docs/kernels.md, "Measured on a GPU"; results of the first run:
 docs/gpu-check/NVIDIA-H200/variants.json). The kernels' own launch plans (`plan_fwd`, `plan_bwd`,
-`plan_select`) with their block sizes, stages, warps or value split changed, and the transposed
-backward (`plan_bwd_transposed`, docs/kernels.md "Backward v2") at 16 and 32 heads. 671B dims, T = 32K (one
+`plan_select`) with their block sizes, stages, warps or value split changed, and the interleaved
+backward (`plan_bwd_interleaved`, docs/kernels.md "Backward v2") at 16- and 32-key tiles. 671B dims, T = 32K (one
 document), k = 2048; top-k on the last 4096 rows' fp32 scores.
 
 Each variant is compiled once (the registers and spill its compile reports are recorded), its
@@ -16,7 +16,7 @@ list in OUT_JSON, rewritten after each variant (a crash keeps what ran).
         [--old-kernel FILE]      # also time a forward from another commit: FILE = that commit's
                                  # kernels/ops/sparse_mla/kernel.py with its relative imports made
                                  # absolute (`from dsa_kernels._triton_common import ...`)
-        [--no-transposed]        # skip the transposed backward's configs (BWD_TRANSPOSED)
+        [--no-interleaved]       # skip the interleaved backward's configs (BWD_INTERLEAVED)
     TRITON_INTERPRET=1 python benchmarks/kernel_variants.py OUT_JSON --small --only fwd   # CPU smoke run
 """
 
@@ -58,14 +58,16 @@ BWD_VARIANTS = [
     ("k32 s2", 32, 2, 8),
     ("k32 s1", 32, 1, 8),
 ]
-# the transposed backward (`plan_bwd_transposed`; its 16-head, 2-stage config is in the autotuning
-# space), timed after the variants above and compared with the first of them: (name, its keyword
-# arguments). The 32-head configs spill (1 stage) or overflow shared memory (2 stages) at the 671B
-# shapes: only this sweep times them.
-BWD_TRANSPOSED = [
-    ("transposed h16 k64 s2 (autotune space)", dict(block_h=16, num_stages=2)),
-    ("transposed h32 k64 s1", dict(block_h=32, num_stages=1)),
-    ("transposed h16 k64 s1", dict(block_h=16, num_stages=1)),
+# the interleaved backward (`plan_bwd_interleaved`, 32 heads a program; its 16-key, 2-stage config
+# is in the autotuning space), timed after the variants above and compared with the first of them:
+# (name, its keyword arguments). At the 671B shapes 32-key tiles spill 36 B under Triton 3.9 (none
+# under 3.6); 4 warps (one warp group: no replicated logits, products twice as wide) spill 76 / 480 B
+# at 16 keys and 384 / 392 B at 32 (Triton 3.9 / 3.6): only this sweep times them.
+BWD_INTERLEAVED = [
+    ("interleaved h32 k16 s2 (autotune space)", dict(block_k=16, num_stages=2)),
+    ("interleaved h32 k32 s2", dict(block_k=32, num_stages=2)),
+    ("interleaved h32 k16 s2 w4", dict(block_k=16, num_stages=2, num_warps=4)),
+    ("interleaved h32 k32 s2 w4", dict(block_k=32, num_stages=2, num_warps=4)),
 ]
 # warps, score block (None: the plan's own)
 TOPK_VARIANTS = [(8, None), (8, 1024), (8, 2048), (8, 4096), (4, 512), (4, 1024), (4, 2048), (16, 1024)]
@@ -136,7 +138,7 @@ def main(argv=None) -> int:
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU interpreter smoke run)")
     p.add_argument("--variants", type=int, default=None, help="only the first N variants of each kind")
     p.add_argument("--old-kernel", default=None, help="a sparse_mla kernel.py from another commit (forward)")
-    p.add_argument("--no-transposed", action="store_true", help="skip the transposed backward's configs (BWD_TRANSPOSED)")
+    p.add_argument("--no-interleaved", action="store_true", help="skip the interleaved backward's configs (BWD_INTERLEAVED)")
     args = p.parse_args(argv)
 
     import triton
@@ -219,19 +221,19 @@ def main(argv=None) -> int:
         delta = SM.bwd_delta(out0, dout, lse0, None)
         first = None
         variants = [(n, bk, st, w, None, None) for n, bk, st, w in BWD_VARIANTS[cut]]
-        variants += [(n, None, None, None, True, kw) for n, kw in BWD_TRANSPOSED if not args.no_transposed]
-        for name, bk, stages, warps, transposed, kwargs in variants:
+        variants += [(n, None, None, None, True, kw) for n, kw in BWD_INTERLEAVED if not args.no_interleaved]
+        for name, bk, stages, warps, interleaved, kwargs in variants:
             if sweep.over_budget("bwd", name):
                 continue
             try:
                 dq = torch.empty_like(q)
                 dkv = torch.zeros(kv.shape, dtype=torch.float32, device=dev)
-                if transposed:
-                    launch = SM.plan_bwd_transposed(q, kv, idx, n_slots, dout, lse0, delta, dq, dkv, scale, d.D_V,
-                                                    **kwargs)
+                if interleaved:
+                    launch = SM.plan_bwd_interleaved(q, kv, idx, n_slots, dout, lse0, delta, dq, dkv, scale, d.D_V,
+                                                     **kwargs)
                 else:
                     launch = SM.plan_bwd(q, kv, idx, n_slots, dout, lse0, delta, dq, dkv, scale, d.D_V)
-                if stages != "plan" and not transposed:
+                if stages != "plan" and not interleaved:
                     launch.num_stages = stages
                 if warps is not None:
                     launch.num_warps = warps

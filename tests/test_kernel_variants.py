@@ -27,13 +27,13 @@ def test_small_sweep_runs_every_kind_and_agrees(tmp_path, monkeypatch):
     module = _module()
     assert module.main([str(out), "--small", "--variants", "2"]) == 0
     rows = json.loads(out.read_text())
-    candidates = [name for name, _ in module.BWD_TRANSPOSED]
+    candidates = [name for name, _ in module.BWD_INTERLEAVED]
     assert [r["kind"] for r in rows] == ["fwd", "fwd"] + ["bwd"] * (2 + len(candidates)) + ["topk", "topk"]
     assert not [r for r in rows if "status" in r], rows  # no variant raised
     fwd, bwd, topk = rows[1], rows[3], rows[-1]
     assert fwd["warps"] == 8 and fwd["err_vs_first"] < 1e-5
     assert bwd["stages"] == 2 and bwd["err_vs_first"] < 1e-5
-    # the transposed backward's configs run and agree with the default
+    # the interleaved backward's configs run and agree with the default
     cand = {r["name"]: r for r in rows if r["kind"] == "bwd" and r["name"] in candidates}
     assert sorted(cand) == sorted(candidates) and all(r["err_vs_first"] < 1e-5 for r in cand.values()), cand
     assert topk["block"] == 1024 and topk["same_sets_as_first"] is True

@@ -136,13 +136,13 @@ def test_forward_space_follows_the_triton_version():
 @pytest.mark.parametrize("capability", sorted(BWD_CONFIG_SPACE))
 def test_every_backward_config_is_in_the_compile_gate(capability):
     """One atomic sparse-MLA backward case per config of the architecture's space: the split kernel
-    (the default) and, on Hopper, the transposed one at its heads per block and stages."""
+    (the default) and, on Hopper, the interleaved one at its keys per tile and stages."""
     with planning_for(capability):
         built = [c for c in cases(["sparse_mla_bwd"])
                  if not c.config.startswith("CP ") and "DETERMINISTIC=True" not in c.config]
-    got = {(c.kernel_name, c.launch.args["BLOCK_H"] if "EVEN_H" in c.launch.args and "SPLIT" not in c.launch.args
-            else None, c.launch.num_stages if "SPLIT" not in c.launch.args else None) for c in built}
-    want = {("_sparse_mla_bwd_kernel" if schedule == "split" else "_sparse_mla_bwd_transposed_kernel", bh, st)
-            for _, schedule, bh, st in bwd_config_space(capability)}
+    got = {(c.kernel_name, None, None) if "SPLIT" in c.launch.args
+           else (c.kernel_name, c.launch.args["BLOCK_K"], c.launch.num_stages) for c in built}
+    want = {("_sparse_mla_bwd_kernel" if schedule == "split" else "_sparse_mla_bwd_interleaved_kernel", bk, st)
+            for _, schedule, bk, st in bwd_config_space(capability)}
     assert got == want
     assert bwd_config_space(capability)[0][1] == "split"  # the measured kernel stays the default

@@ -36,14 +36,14 @@ def test_T131072_plans_within_cuda_grid_limits():
     """Forward, backward and the deterministic backward at T = 131072 (the 671B shapes, meta
     tensors): tokens are on grid x, so nothing reaches y / z's 65,535."""
     fwd = specs._fwd()[0].launch
-    with planning_for(90):  # Hopper: the backward's space holds the transposed kernel too
-        (_, bwd), (_, transposed), (_, det) = specs.bwd_launches()
+    with planning_for(90):  # Hopper: the backward's space holds the interleaved kernel too
+        (_, bwd), (_, interleaved), (_, det) = specs.bwd_launches()
     assert fwd.args["Q"].shape[1] == 131072 and bwd.args["Q"].shape[1] == 131072
-    for launch in (fwd, bwd, transposed, det):
+    for launch in (fwd, bwd, interleaved, det):
         assert within_cuda_grid(launch.grid), launch.grid
     assert fwd.grid == (2 * 131072, 1)  # forward: 2 head blocks per token (the logits once per block)
     assert bwd.grid == (4 * 131072, 1)  # backward: 2 head blocks x 2 column parts per token
-    assert transposed.grid == (8 * 131072, 1)  # transposed backward: 8 head blocks of 16 per token
+    assert interleaved.grid == (4 * 131072, 1)  # interleaved backward: 4 head blocks of 32 per token
     # the deterministic variant at the CP dense-at-positions shape: 128 queries over K = T = 131072
     with planning_for(90):
         (_, dense), _, (_, dense_det) = specs.bwd_launches(T=128, K=131072)
@@ -203,7 +203,7 @@ def assert_matches(tri, ref):
 
 @pytest.fixture(params=[cfg[0] for cfg in smk.bwd_config_space(90)])
 def bwd_config(request, monkeypatch):
-    """Every config of Hopper's backward space in turn (the split kernel, the transposed one): the
+    """Every config of Hopper's backward space in turn (the split kernel, the interleaved one): the
     autotuner's choice forced, as a GPU's timing could make it."""
     real_pick = smk.autotune.pick
 

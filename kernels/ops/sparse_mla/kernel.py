@@ -42,12 +42,13 @@ deterministic; under `torch.use_deterministic_algorithms(True)` the backward ins
 (token chunk, slot window) blocks (`sparse_mla_bwd_deterministic`). Duplicated indices in a row
 add twice (as in the reference).
 
-Transposed backward (`_sparse_mla_bwd_transposed_kernel`, the second config of the atomic
-backward's autotuning space on Hopper, `bwd_config_space`): keys on the rows so that every product
-is a wgmma (M = 64-key tiles), one program per (token, head block of 16 or 32), q and dO resident
-with their rows interleaved, nothing recomputed; see its own comment and docs/kernels.md
-"Backward v2". On a GPU `sparse_mla_bwd` verifies it against the split kernel and times both once
-per shape (`dsa_kernels.autotune`); elsewhere the split kernel runs.
+Interleaved backward (`_sparse_mla_bwd_interleaved_kernel`, the second config of the atomic
+backward's autotuning space on Hopper, `bwd_config_space`): one program per (token, 32 heads), q
+and dO resident as one operand of 64 interleaved rows (every product's M, so every product is a
+wgmma while the key tiles stay at 16), each selected row gathered once per 32 heads, nothing
+recomputed; see its own comment and docs/kernels.md "Backward v2". On a GPU `sparse_mla_bwd`
+verifies it against the split kernel and times both once per shape (`dsa_kernels.autotune`);
+elsewhere the split kernel runs.
 """
 
 from __future__ import annotations
@@ -272,6 +273,7 @@ def _sparse_mla_bwd_kernel(
             _scatter(drows + D_V + offs_dr[None, :], dkv_r, valid[:, None] & mask_dr[None, :], DETERMINISTIC)
 
     dq_tok = tc if DETERMINISTIC else t
+    # dq^T [columns, heads] -> dq[b, t, head, column]
     dq_rows = DQ + b * stride_dqb + dq_tok * stride_dqt + offs_h[:, None] * stride_dqh
     _store_dq(dq_rows + offs_a[None, :], dq_a, mask_h[:, None] & mask_a[None, :], DETERMINISTIC)
     _store_dq(dq_rows + offs_b[None, :], dq_b, mask_h[:, None] & mask_b[None, :], DETERMINISTIC)
@@ -280,7 +282,7 @@ def _sparse_mla_bwd_kernel(
 
 
 @triton.jit
-def _sparse_mla_bwd_transposed_kernel(
+def _sparse_mla_bwd_interleaved_kernel(
     Q, KV, IDX, NSLOT, DO, LSE, DELTA, DQ, DKV,
     stride_qb, stride_qt, stride_qh,
     stride_kvb, stride_kvt,
@@ -295,29 +297,30 @@ def _sparse_mla_bwd_transposed_kernel(
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     EVEN_H: tl.constexpr,
 ):
-    # The atomic backward with keys on the rows (DETERMINISTIC=False's contract: dq [B, T, H, D]
-    # written once, dkv [B, N, D] fp32 zeroed, receiving relaxed atomic adds). TileLang's schedule
-    # as far as Triton's registers and shared memory allow, transposed so every product has
-    # wgmma's M >= 64:
-    # - one program per (token, head block of BLOCK_H); q and dO read once and resident, their
-    #   rows interleaved (row 2h = q of head h, row 2h + 1 = dO of head h);
-    # - 64-key tiles, the selected rows gathered once per tile, as eight latent pieces + rope;
-    # - per piece one product gives S^T and dP^T together ([BLOCK_K, 2 BLOCK_H], interleaved
-    #   columns); P^T and dS^T from the saved lse and delta (eq. of the forward's softmax);
-    # - per piece one product gives dkv = dS^T q + P^T dO ([BLOCK_K, 64], from the interleaved
-    #   [dS^T | P^T]), added at the selected rows (vectorized fp32 atomics);
-    # - dq^T += kv^T dS^T ([576, BLOCK_H] fp32 accumulators: 36 registers a thread at 16 heads).
-    # Nothing is recomputed; 16 heads x 2 stages passes the compile gate (Triton 3.6 and 3.9).
-    # program (x, y) -> (token, head block), the head block fastest; y = b
+    # The atomic backward on TileLang's schedule, in Triton's terms (DETERMINISTIC=False's contract:
+    # dq [B, T, H, D] written once, dkv [B, N, D] fp32 zeroed, receiving relaxed atomic adds):
+    # - one program per (token, head block of BLOCK_H = 32); q and dO read once and resident in one
+    #   operand X [2 BLOCK_H, D] whose rows interleave them in groups of 16: rows 16g .. 16g + 7
+    #   are q of heads 8g .. 8g + 7, rows 16g + 8 .. 16g + 15 dO of the same heads (zeros in the
+    #   rope columns). 64 rows: every product's M is 64 (wgmma) with the keys on N, so the key
+    #   tiles can be small (16 keys: 18 KB a stage) and nothing spills;
+    # - per key tile the selected rows are gathered once (eight 64-column latent pieces + rope);
+    #   [S | dP] = X kv^T is one product per piece ([2 BLOCK_H, BLOCK_K]); in wgmma's accumulator
+    #   layout a thread holds rows r and r + 8, so S and dP of a head are in the same thread and
+    #   the split (and the join back) moves no data;
+    # - P from the saved lse, dS = P (dP - delta) scale (eq. of the forward's softmax);
+    # - per piece dkv^T = X^T [dS | P] (= q^T dS + dO^T P, one product, M = 64 columns), added at
+    #   the selected rows by vectorized fp32 atomics; dq^T += kv^T dS^T ([576, BLOCK_H] fp32
+    #   accumulators: 72 registers a thread at 8 warps).
+    # Nothing is recomputed; the gathered rows are read once per 32 heads (9.4 MB per token at
+    # the 671B shapes, TileLang's 64-head blocks read 4.7 MB). 16-key tiles x 2 stages pass the
+    # compile gate under Triton 3.6 and 3.9 (docs/kernels.md "Backward v2").
     pid = tl.program_id(0)
     hb = pid % N_HB
     t = (pid // N_HB).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = (offs_h < H) | EVEN_H
-    # the latent dims as eight 64-column pieces (c0..c7) and the rope dims (r): separate tensors
-    # (Triton cannot slice a tile). 64 columns: the dq^T products' M (wgmma), and the atomics'
-    # layout conversion stays at 16 KB of shared memory
     BLOCK_C: tl.constexpr = BLOCK_DV // 8
     offs_c = tl.arange(0, BLOCK_C)
     m0 = offs_c < D_V
@@ -330,18 +333,15 @@ def _sparse_mla_bwd_transposed_kernel(
     m7 = 7 * BLOCK_C + offs_c < D_V
     offs_r = tl.arange(0, BLOCK_DR)
     mr = offs_r < D_R
-
-    # q and dO of the head block, interleaved by rows: row 2h = q[head h], row 2h + 1 = dO[head h]
-    # ([2 BLOCK_H, columns]; dO has no rope columns: zeros there). Read once, resident. With them
-    # one product gives S^T and dP^T together, and one gives dS^T q + P^T dO.
+    # X's rows (see above): row j holds head 8 (j // 16) + j % 8, q if j % 16 < 8 else dO
     offs_j = tl.arange(0, 2 * BLOCK_H)
-    head_j = hb * BLOCK_H + offs_j // 2
-    is_q = (offs_j % 2) == 0
+    head_j = hb * BLOCK_H + (offs_j // 16) * 8 + offs_j % 8
+    is_q = (offs_j % 16) < 8
     mask_j = ((head_j < H) | EVEN_H)[:, None]
     q_j = Q + b * stride_qb + t * stride_qt + head_j[:, None] * stride_qh
     do_j = DO + b * stride_dob + t * stride_dot + head_j[:, None] * stride_doh
     qd_j = tl.where(is_q[:, None], q_j, do_j)
-    x0 = tl.load(qd_j + offs_c[None, :], mask=mask_j & m0[None, :], other=0.0)  # [2 BLOCK_H, BLOCK_C]
+    x0 = tl.load(qd_j + offs_c[None, :], mask=mask_j & m0[None, :], other=0.0)
     x1 = tl.load(qd_j + BLOCK_C + offs_c[None, :], mask=mask_j & m1[None, :], other=0.0)
     x2 = tl.load(qd_j + 2 * BLOCK_C + offs_c[None, :], mask=mask_j & m2[None, :], other=0.0)
     x3 = tl.load(qd_j + 3 * BLOCK_C + offs_c[None, :], mask=mask_j & m3[None, :], other=0.0)
@@ -356,7 +356,7 @@ def _sparse_mla_bwd_transposed_kernel(
     # p = exp2(s*log2e - lse*log2e); an empty (or padded) row has lse = -inf -> p = 0
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
 
-    dq0 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)  # dq^T by piece
+    dq0 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)  # dq^T by piece [64 columns, heads]
     dq1 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
     dq2 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
     dq3 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
@@ -383,42 +383,46 @@ def _sparse_mla_bwd_transposed_kernel(
         kv6 = tl.load(rows + 6 * BLOCK_C + offs_c[None, :], mask=vk & m6[None, :], other=0.0)
         kv7 = tl.load(rows + 7 * BLOCK_C + offs_c[None, :], mask=vk & m7[None, :], other=0.0)
         kvr = tl.load(rows + D_V + offs_r[None, :], mask=vk & mr[None, :], other=0.0)
-        # [S^T | dP^T] interleaved: column 2h = kv . q_h (all dims), 2h + 1 = v . dO_h (latent)
-        sdp = tl.dot(kv0, tl.trans(x0))
-        sdp += tl.dot(kv1, tl.trans(x1))
-        sdp += tl.dot(kv2, tl.trans(x2))
-        sdp += tl.dot(kv3, tl.trans(x3))
-        sdp += tl.dot(kv4, tl.trans(x4))
-        sdp += tl.dot(kv5, tl.trans(x5))
-        sdp += tl.dot(kv6, tl.trans(x6))
-        sdp += tl.dot(kv7, tl.trans(x7))
-        sdp += tl.dot(kvr, tl.trans(xr))
-        s, dp = tl.split(tl.reshape(sdp, [BLOCK_K, BLOCK_H, 2]))
-        p = tl.where(vk, tl.exp2(s * scale_log2 - lse2[None, :]), 0.0)
-        ds = p * (dp - delta[None, :]) * scale  # d loss / d (q . kv), transposed
-        ds_c = ds.to(x0.dtype)
-        # [dS^T | P^T] interleaved the same way: one product per piece gives dS^T q + P^T dO
-        dsp = tl.reshape(tl.join(ds, p), [BLOCK_K, 2 * BLOCK_H]).to(x0.dtype)
-        # per piece: dkv[idx] += dS^T q + P^T dO (one product), dq^T += kv^T dS^T
-        drows = DKV + b * stride_dkb + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_dkt
-        tl.atomic_add(drows + offs_c[None, :], tl.dot(dsp, x0), mask=vk & m0[None, :], sem="relaxed")
-        dq0 += tl.dot(tl.trans(kv0), ds_c)
-        tl.atomic_add(drows + BLOCK_C + offs_c[None, :], tl.dot(dsp, x1), mask=vk & m1[None, :], sem="relaxed")
-        dq1 += tl.dot(tl.trans(kv1), ds_c)
-        tl.atomic_add(drows + 2 * BLOCK_C + offs_c[None, :], tl.dot(dsp, x2), mask=vk & m2[None, :], sem="relaxed")
-        dq2 += tl.dot(tl.trans(kv2), ds_c)
-        tl.atomic_add(drows + 3 * BLOCK_C + offs_c[None, :], tl.dot(dsp, x3), mask=vk & m3[None, :], sem="relaxed")
-        dq3 += tl.dot(tl.trans(kv3), ds_c)
-        tl.atomic_add(drows + 4 * BLOCK_C + offs_c[None, :], tl.dot(dsp, x4), mask=vk & m4[None, :], sem="relaxed")
-        dq4 += tl.dot(tl.trans(kv4), ds_c)
-        tl.atomic_add(drows + 5 * BLOCK_C + offs_c[None, :], tl.dot(dsp, x5), mask=vk & m5[None, :], sem="relaxed")
-        dq5 += tl.dot(tl.trans(kv5), ds_c)
-        tl.atomic_add(drows + 6 * BLOCK_C + offs_c[None, :], tl.dot(dsp, x6), mask=vk & m6[None, :], sem="relaxed")
-        dq6 += tl.dot(tl.trans(kv6), ds_c)
-        tl.atomic_add(drows + 7 * BLOCK_C + offs_c[None, :], tl.dot(dsp, x7), mask=vk & m7[None, :], sem="relaxed")
-        dq7 += tl.dot(tl.trans(kv7), ds_c)
-        tl.atomic_add(drows + D_V + offs_r[None, :], tl.dot(dsp, xr), mask=vk & mr[None, :], sem="relaxed")
-        dqr += tl.dot(tl.trans(kvr), ds_c)
+        sdp = tl.dot(x0, tl.trans(kv0))  # [2 BLOCK_H, BLOCK_K]: S rows and dP rows as X's
+        sdp += tl.dot(x1, tl.trans(kv1))
+        sdp += tl.dot(x2, tl.trans(kv2))
+        sdp += tl.dot(x3, tl.trans(kv3))
+        sdp += tl.dot(x4, tl.trans(kv4))
+        sdp += tl.dot(x5, tl.trans(kv5))
+        sdp += tl.dot(x6, tl.trans(kv6))
+        sdp += tl.dot(x7, tl.trans(kv7))
+        sdp += tl.dot(xr, tl.trans(kvr))
+        # rows (g, q / dO, i) -> S and dP of head 8g + i, each [BLOCK_H, BLOCK_K]
+        s, dp = tl.split(tl.permute(tl.reshape(sdp, [BLOCK_H // 8, 2, 8, BLOCK_K]), (0, 2, 3, 1)))
+        s = tl.reshape(s, [BLOCK_H, BLOCK_K])
+        dp = tl.reshape(dp, [BLOCK_H, BLOCK_K])
+        p = tl.where(valid[None, :], tl.exp2(s * scale_log2 - lse2[:, None]), 0.0)
+        ds = p * (dp - delta[:, None]) * scale  # d loss / d (q . kv)
+        ds_t = tl.trans(ds.to(x0.dtype))  # [BLOCK_K, BLOCK_H]
+        # [dS | P] with X's row order: row (g, 0, i) = dS of head 8g + i, (g, 1, i) = its P
+        dsp = tl.join(tl.reshape(ds, [BLOCK_H // 8, 8, BLOCK_K]), tl.reshape(p, [BLOCK_H // 8, 8, BLOCK_K]))
+        dsp = tl.reshape(tl.permute(dsp, (0, 3, 1, 2)), [2 * BLOCK_H, BLOCK_K]).to(x0.dtype)
+        drows = (DKV + b * stride_dkb + tl.where(valid, idx, 0).to(tl.int64) * stride_dkt)[None, :]
+        vkt = valid[None, :]
+        # per piece: dkv[idx]^T += q^T dS + dO^T P (one product), dq^T += kv^T dS^T
+        tl.atomic_add(drows + offs_c[:, None], tl.dot(tl.trans(x0), dsp), mask=vkt & m0[:, None], sem="relaxed")
+        dq0 += tl.dot(tl.trans(kv0), ds_t)
+        tl.atomic_add(drows + BLOCK_C + offs_c[:, None], tl.dot(tl.trans(x1), dsp), mask=vkt & m1[:, None], sem="relaxed")
+        dq1 += tl.dot(tl.trans(kv1), ds_t)
+        tl.atomic_add(drows + 2 * BLOCK_C + offs_c[:, None], tl.dot(tl.trans(x2), dsp), mask=vkt & m2[:, None], sem="relaxed")
+        dq2 += tl.dot(tl.trans(kv2), ds_t)
+        tl.atomic_add(drows + 3 * BLOCK_C + offs_c[:, None], tl.dot(tl.trans(x3), dsp), mask=vkt & m3[:, None], sem="relaxed")
+        dq3 += tl.dot(tl.trans(kv3), ds_t)
+        tl.atomic_add(drows + 4 * BLOCK_C + offs_c[:, None], tl.dot(tl.trans(x4), dsp), mask=vkt & m4[:, None], sem="relaxed")
+        dq4 += tl.dot(tl.trans(kv4), ds_t)
+        tl.atomic_add(drows + 5 * BLOCK_C + offs_c[:, None], tl.dot(tl.trans(x5), dsp), mask=vkt & m5[:, None], sem="relaxed")
+        dq5 += tl.dot(tl.trans(kv5), ds_t)
+        tl.atomic_add(drows + 6 * BLOCK_C + offs_c[:, None], tl.dot(tl.trans(x6), dsp), mask=vkt & m6[:, None], sem="relaxed")
+        dq6 += tl.dot(tl.trans(kv6), ds_t)
+        tl.atomic_add(drows + 7 * BLOCK_C + offs_c[:, None], tl.dot(tl.trans(x7), dsp), mask=vkt & m7[:, None], sem="relaxed")
+        dq7 += tl.dot(tl.trans(kv7), ds_t)
+        tl.atomic_add(drows + D_V + offs_r[:, None], tl.dot(tl.trans(xr), dsp), mask=vkt & mr[:, None], sem="relaxed")
+        dqr += tl.dot(tl.trans(kvr), ds_t)
 
     # dq^T [columns, heads] -> dq[b, t, head, column]
     dq_rows = DQ + b * stride_dqb + t * stride_dqt + offs_h[None, :] * stride_dqh
@@ -526,16 +530,14 @@ def bwd_blocks(H: int, D_V: int, D_R: int) -> dict:
 
 
 # The atomic backward's autotuning space (`dsa_kernels.autotune`), per architecture: (name, schedule,
-# heads per block, stages), the first the default. "split": `_sparse_mla_bwd_kernel` (measured on an
-# H200: 712 ms at T = 32K, k = 2048). "transposed": `_sparse_mla_bwd_transposed_kernel` at 16 heads
-# and 2 stages, the one config of it that passes the compile gate (no spill under Triton 3.6 or
-# 3.9, 203 KB of shared memory), not yet timed on a GPU: it issues only wgmma and recomputes
-# nothing, but doubles the shipped kernel's gathered bytes and quadruples its atomics, so a GPU
-# decides (docs/kernels.md "Backward v2"). On sm_100 it compiles to a lone trap (tensor memory):
-# the split kernel only.
+# keys per tile, stages), the first the default. "split": `_sparse_mla_bwd_kernel` (measured on an
+# H200: 712 ms at T = 32K, k = 2048). "interleaved": `_sparse_mla_bwd_interleaved_kernel` at 16-key
+# tiles and 2 stages (32 heads a program): only wgmma, nothing recomputed, 9.75 MB read per token
+# (the split kernel: 81 MB), no spill under Triton 3.6 or 3.9 (sm_100: 162 tcgen05.mma, no spill);
+# not yet timed on a GPU, so a GPU decides (docs/kernels.md "Backward v2").
 BWD_CONFIG_SPACE = {
-    90: (("split-k16", "split", None, None), ("transposed-h16-s2", "transposed", 16, 2)),
-    100: (("split-k16", "split", None, None),),
+    90: (("split-k16", "split", None, None), ("interleaved-h32-k16-s2", "interleaved", 16, 2)),
+    100: (("split-k16", "split", None, None), ("interleaved-h32-k16-s2", "interleaved", 16, 2)),
 }
 
 
@@ -547,11 +549,11 @@ def bwd_config_space(capability: int) -> tuple:
 def plan_bwd_config(config: tuple, q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float,
                     d_v: int) -> Launch:
     """The atomic backward's launch for one config of `bwd_config_space`."""
-    _, schedule, block_h, stages = config
+    _, schedule, block_k, stages = config
     if schedule == "split":
         return plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale, d_v)
-    return plan_bwd_transposed(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale, d_v,
-                               block_h=block_h, num_stages=stages)
+    return plan_bwd_interleaved(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale, d_v,
+                                block_k=block_k, num_stages=stages)
 
 
 # A config whose dkv differs from the default's by more than this (max |a - b| / max |b|, both fp32
@@ -652,27 +654,28 @@ def plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float, d
     )
 
 
-def plan_bwd_transposed(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float, d_v: int,
-                        block_h: int = 16, block_k: int = 64, num_stages: int = 2,
-                        num_warps: int | None = None) -> Launch:
-    """The transposed backward's launch (`plan_bwd`'s atomic arguments). Its gate-clean config is
-    the default: 16 heads, 2 stages (203 KB of shared memory). 32 heads spill at 1 stage and need
-    236 KB at 2 (Hopper has 227): `benchmarks/kernel_variants.py` times them anyway."""
+def plan_bwd_interleaved(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float, d_v: int,
+                         block_k: int = 16, num_stages: int = 2, num_warps: int = 8) -> Launch:
+    """The interleaved backward's launch (`plan_bwd`'s atomic arguments): 32 heads a program
+    whatever H is (2 x 32 interleaved q / dO rows are its products' M; a smaller H leaves rows
+    masked), `block_k` keys a tile. Its gate-clean config is the default: 16 keys, 2 stages, 8 warps
+    (118 KB of shared memory). 32 keys spill 36 B under Triton 3.9 (none under 3.6):
+    `benchmarks/kernel_variants.py` times it anyway."""
     B, T, H, D = q.shape
-    bh = min(pow2(H), block_h)
+    bh = 32
     blocks = dict(BLOCK_H=bh, BLOCK_K=block_k, BLOCK_DV=pow2(d_v, 128), BLOCK_DR=pow2(max(D - d_v, 1)),
                   EVEN_H=H % bh == 0)
     n_hb = triton.cdiv(H, bh)
-    _int32_rows(kv, "backward (transposed)")
+    _int32_rows(kv, "backward (interleaved)")
     return Launch(
-        _sparse_mla_bwd_transposed_kernel, _grid(n_hb * T, B, "backward (transposed)"),
+        _sparse_mla_bwd_interleaved_kernel, _grid(n_hb * T, B, "backward (interleaved)"),
         dict(
             **_bwd_args(q, kv, indices, n_slots, dout, lse, delta, dq),
             DKV=dkv, stride_dkb=dkv.stride(0), stride_dkt=dkv.stride(1),
             H=H, N_HB=n_hb, N_KV=kv.shape[1], scale=scale, scale_log2=scale * LOG2E,
             D_V=d_v, D_R=D - d_v, **blocks,
         ),
-        num_warps=num_warps or (8 if blocks["BLOCK_DV"] >= 256 else 4), num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )
 
 

@@ -8,7 +8,7 @@ import torch
 from ...analysis import Work
 from ...registry import SHAPES_671B, KernelCase, register
 from ..._triton_common import target_capability
-from .kernel import (_sparse_mla_bwd_kernel, _sparse_mla_bwd_transposed_kernel, bwd_config_space,
+from .kernel import (_sparse_mla_bwd_interleaved_kernel, _sparse_mla_bwd_kernel, bwd_config_space,
                      deterministic_layout, fwd_config_space, plan_bwd, plan_bwd_config, plan_fwd)
 
 # CP's dense-at-positions calls (model/mla.py `_dense_at_positions`): a chunk of queries over
@@ -159,7 +159,7 @@ def fwd_work(launch) -> Work:
 
 def _bwd_work_of(launch) -> Work:
     """The analysis of a backward launch, by its kernel."""
-    works = {_sparse_mla_bwd_kernel: bwd_work, _sparse_mla_bwd_transposed_kernel: bwd_transposed_work}
+    works = {_sparse_mla_bwd_kernel: bwd_work, _sparse_mla_bwd_interleaved_kernel: bwd_interleaved_work}
     return works[launch.kernel](launch)
 
 
@@ -188,17 +188,17 @@ def bwd_work(launch) -> Work:
                 tilelang_bwd_anchor(H, K, d_v + d_r, d_v, e), gathered)
 
 
-def bwd_transposed_work(launch) -> Work:
-    """The transposed backward (`_sparse_mla_bwd_transposed_kernel`), per token."""
+def bwd_interleaved_work(launch) -> Work:
+    """The interleaved backward (`_sparse_mla_bwd_interleaved_kernel`), per token."""
     a = launch.args
     H, d_v, d_r = a["H"], a["D_V"], a["D_R"]
     e = a["Q"].element_size()
     K = _slots(launch)
     bh, bk, bdv, bdr = a["BLOCK_H"], a["BLOCK_K"], a["BLOCK_DV"], a["BLOCK_DR"]
     n_hb, tiles = -(-H // bh), _pad(K, bk) // bk
-    # per tile and program (token, head block), q / dO rows interleaved (2 bh rows): [S^T | dP^T]
-    # over every column piece (the dO rows' rope columns are zeros, multiplied all the same),
-    # dkv from [dS^T | P^T] (2 bh deep) over every piece, dq^T = kv^T dS^T over every piece
+    # per tile and program (token, head block), q / dO rows interleaved (2 bh rows): [S | dP] over
+    # every column piece (the dO rows' rope columns are zeros, multiplied all the same), dkv^T
+    # from [dS | P] (2 bh deep) over every piece, dq^T = kv^T dS^T over every piece
     issued = n_hb * tiles * 2.0 * bk * (2 * bh * (bdv + bdr) * 2 + bh * (bdv + bdr))
     # per program: q and dO once (resident; the rope of q), lse / delta; per tile: the gathered rows
     # once and their indices

@@ -1,10 +1,10 @@
-"""The transposed sparse MLA backward (`_sparse_mla_bwd_transposed_kernel`: keys on the rows, q / dO
-rows interleaved, 16- or 32-head blocks, 64-key tiles), the second config of the backward's
+"""The interleaved sparse MLA backward (`_sparse_mla_bwd_interleaved_kernel`: 32 heads a program, q /
+dO resident as 64 interleaved rows, keys on the products' N), the second config of the backward's
 autotuning space on Hopper: its gradients equal the reference's, under the interpreter on the CPU
-(compiled on a GPU), at odd shapes: head counts that do not fill a block, more than one key tile,
-no rope dims, empty rows, out-of-range slots, bf16 output against an fp32 oracle; at both head
-blocks (the 32-head one is timed by benchmarks/kernel_variants.py). Its compile for sm_90a at the
-671B shapes is in the gate (tests/test_kernels_compile.py: every config of the space)."""
+(compiled on a GPU), at odd shapes: head counts below one block, between blocks and above, more
+than one key tile, no rope dims, empty rows, out-of-range slots, bf16 output against an fp32 oracle;
+at 16- and 32-key tiles (the 32-key one is timed by benchmarks/kernel_variants.py). Its compile for
+sm_90a at the 671B shapes is in the gate (tests/test_kernels_compile.py: every config of the space)."""
 
 from __future__ import annotations
 
@@ -40,10 +40,10 @@ def _case(B, T, H, d_v, d_r, K, dtype, seed=0):
     return q, kv, idx.to(DEV), dout
 
 
-def _grads(q, kv, idx, dout, d_v, scale, block_h=None):
-    """(dq, dkv) from the transposed kernel at `block_h` heads (after the forward kernel) or, with
-    block_h None, from the reference."""
-    if block_h is None:
+def _grads(q, kv, idx, dout, d_v, scale, block_k=None):
+    """(dq, dkv) from the interleaved kernel at `block_k` keys a tile (after the forward kernel) or,
+    with block_k None, from the reference."""
+    if block_k is None:
         q, kv = q.detach().requires_grad_(), kv.detach().requires_grad_()
         idx = torch.where(idx < kv.shape[1], idx, -1)  # out of range = empty, the kernels' rule
         out, _ = sparse_mla_ref(q, kv, idx, scale, d_v)
@@ -55,23 +55,23 @@ def _grads(q, kv, idx, dout, d_v, scale, block_h=None):
     out, lse = SM.sparse_mla_fwd(q, kv, idx, n_slots, scale, d_v)
     delta = SM.bwd_delta(out, dout, lse, None)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    SM.plan_bwd_transposed(q, kv, idx, n_slots, dout, lse, delta, dq, dkv, scale, d_v, block_h=block_h).run()
+    SM.plan_bwd_interleaved(q, kv, idx, n_slots, dout, lse, delta, dq, dkv, scale, d_v, block_k=block_k).run()
     return dq, dkv
 
 
-@pytest.mark.parametrize("B,T,H,d_v,d_r,K,block_h", [(2, 21, 3, 32, 16, 70, 16), (1, 9, 40, 64, 0, 9, 32),
-                                                     (1, 9, 40, 64, 0, 9, 16)])
-def test_transposed_equals_the_reference(B, T, H, d_v, d_r, K, block_h):
+@pytest.mark.parametrize("B,T,H,d_v,d_r,K,block_k", [(2, 21, 3, 32, 16, 70, 16), (1, 9, 40, 64, 0, 9, 32),
+                                                     (1, 40, 33, 64, 32, 37, 16), (1, 12, 64, 32, 16, 12, 32)])
+def test_interleaved_equals_the_reference(B, T, H, d_v, d_r, K, block_k):
     q, kv, idx, dout = _case(B, T, H, d_v, d_r, K, torch.float32)
     scale = (d_v + d_r) ** -0.5
-    dq, dkv = _grads(q, kv, idx, dout, d_v, scale, block_h)
+    dq, dkv = _grads(q, kv, idx, dout, d_v, scale, block_k)
     rdq, rdkv = _grads(q, kv, idx, dout, d_v, scale)
     assert (dq[0, 3] == 0).all()  # the empty row gets no gradient
     torch.testing.assert_close(dq, rdq, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(dkv, rdkv, rtol=1e-4, atol=1e-5)
 
 
-def test_transposed_bf16_against_an_fp32_oracle():
+def test_interleaved_bf16_against_an_fp32_oracle():
     B, T, H, d_v, d_r, K = 1, 17, 5, 32, 16, 12
     q, kv, idx, dout = _case(B, T, H, d_v, d_r, K, torch.bfloat16, seed=1)
     scale = (d_v + d_r) ** -0.5
@@ -85,8 +85,8 @@ def test_transposed_bf16_against_an_fp32_oracle():
 
 def test_backward_autotuning_times_into_dkv_then_runs_zeroed(monkeypatch, tmp_path):
     """sparse_mla_bwd's autotuning, driven as on a GPU (timing forced; the interpreter runs the
-    launches): the transposed config is verified against the default, both are timed into the
-    real dq / dkv (whose atomics then hold several runs' sums), the faster (here: the transposed,
+    launches): the interleaved config is verified against the default, both are timed into the
+    real dq / dkv (whose atomics then hold several runs' sums), the faster (here: the interleaved,
     by a fake clock) is chosen, and the gradients returned are still exactly one run's."""
     from dsa_kernels import autotune
 
@@ -99,10 +99,10 @@ def test_backward_autotuning_times_into_dkv_then_runs_zeroed(monkeypatch, tmp_pa
         if kernel != "sparse_mla_bwd":  # the forward as usual (the default, off the GPU)
             return real_pick(kernel, key, names, build, on_gpu, device_id, bench, verify)
 
-        def fake_bench(launch):  # runs the launch (into dq / dkv), reports the transposed one faster
+        def fake_bench(launch):  # runs the launch (into dq / dkv), reports the interleaved one faster
             launch.run()
             timed.append(launch.kernel.__name__)
-            return 1.0 if "transposed" in launch.kernel.__name__ else 2.0
+            return 1.0 if "interleaved" in launch.kernel.__name__ else 2.0
 
         def verify_logged(name):
             verified.append(name)
@@ -118,8 +118,8 @@ def test_backward_autotuning_times_into_dkv_then_runs_zeroed(monkeypatch, tmp_pa
 
     out, _ = sparse_mla_triton(q, kv, idx, scale, 32)
     dq, dkv = torch.autograd.grad((out * dout).sum(), (q, kv))
-    assert verified == ["transposed-h16-s2"]
-    assert sorted(timed) == ["_sparse_mla_bwd_kernel", "_sparse_mla_bwd_transposed_kernel"]
+    assert verified == ["interleaved-h32-k16-s2"]
+    assert sorted(timed) == ["_sparse_mla_bwd_interleaved_kernel", "_sparse_mla_bwd_kernel"]
     rdq, rdkv = _grads(q.detach(), kv.detach(), idx, dout, 32, scale)
     torch.testing.assert_close(dq, rdq, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(dkv, rdkv, rtol=1e-4, atol=1e-5)
