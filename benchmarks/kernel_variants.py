@@ -3,8 +3,8 @@
 The sweep behind the tuned defaults (docs/kernels.md, "Measured on a GPU"; results of the first run:
 docs/gpu-check/NVIDIA-H200/variants.json). The kernels' own launch plans (`plan_fwd`, `plan_bwd`,
 `plan_select`) with their block sizes, stages, warps or value split changed, and the interleaved
-backward (`plan_bwd_interleaved`, docs/kernels.md "Backward v2") at 16- and 32-key tiles. 671B dims, T = 32K (one
-document), k = 2048; top-k on the last 4096 rows' fp32 scores.
+backward (`plan_bwd_interleaved`, docs/kernels.md "Backward v2") at 16- and 32-key tiles, 4 and 8
+warps. 671B dims, T = 32K (one document), k = 2048; top-k on the last 4096 rows' fp32 scores.
 
 Each variant is compiled once (the registers and spill its compile reports are recorded), its
 output compared with the first variant of its kind (forward: max |out - out_0| / max |out_0|;
@@ -58,16 +58,16 @@ BWD_VARIANTS = [
     ("k32 s2", 32, 2, 8),
     ("k32 s1", 32, 1, 8),
 ]
-# the interleaved backward (`plan_bwd_interleaved`, 32 heads a program; its 16-key, 2-stage config
+# the interleaved backward (`plan_bwd_interleaved`, 32 heads a program; its 32-key, 2-stage config
 # is in the autotuning space), timed after the variants above and compared with the first of them:
-# (name, its keyword arguments). At the 671B shapes 32-key tiles spill 36 B under Triton 3.9 (none
-# under 3.6); 4 warps (one warp group: no replicated logits, products twice as wide) spill 76 / 480 B
-# at 16 keys and 384 / 392 B at 32 (Triton 3.9 / 3.6): only this sweep times them.
+# (name, its keyword arguments). All compile without spill at the 671B shapes except 4 warps (one
+# warp group: no replicated logits, products twice as wide; 316 / 84 B of spill under Triton 3.9 /
+# 3.6), which only this sweep times.
 BWD_INTERLEAVED = [
-    ("interleaved h32 k16 s2 (autotune space)", dict(block_k=16, num_stages=2)),
-    ("interleaved h32 k32 s2", dict(block_k=32, num_stages=2)),
+    ("interleaved h32 k32 s2 (autotune space)", dict(block_k=32, num_stages=2)),
+    ("interleaved h32 k16 s2", dict(block_k=16, num_stages=2)),
+    ("interleaved h32 k32 s3", dict(block_k=32, num_stages=3)),
     ("interleaved h32 k16 s2 w4", dict(block_k=16, num_stages=2, num_warps=4)),
-    ("interleaved h32 k32 s2 w4", dict(block_k=32, num_stages=2, num_warps=4)),
 ]
 # warps, score block (None: the plan's own)
 TOPK_VARIANTS = [(8, None), (8, 1024), (8, 2048), (8, 4096), (4, 512), (4, 1024), (4, 2048), (16, 1024)]

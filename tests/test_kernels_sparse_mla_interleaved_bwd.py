@@ -118,7 +118,7 @@ def test_backward_autotuning_times_into_dkv_then_runs_zeroed(monkeypatch, tmp_pa
 
     out, _ = sparse_mla_triton(q, kv, idx, scale, 32)
     dq, dkv = torch.autograd.grad((out * dout).sum(), (q, kv))
-    assert verified == ["interleaved-h32-k16-s2"]
+    assert verified == ["interleaved-h32-k32-s2"]
     assert sorted(timed) == ["_sparse_mla_bwd_interleaved_kernel", "_sparse_mla_bwd_kernel"]
     rdq, rdkv = _grads(q.detach(), kv.detach(), idx, dout, 32, scale)
     torch.testing.assert_close(dq, rdq, rtol=1e-4, atol=1e-5)

@@ -44,8 +44,8 @@ add twice (as in the reference).
 
 Interleaved backward (`_sparse_mla_bwd_interleaved_kernel`, the second config of the atomic
 backward's autotuning space on Hopper, `bwd_config_space`): one program per (token, 32 heads), q
-and dO resident as one operand of 64 interleaved rows (every product's M, so every product is a
-wgmma while the key tiles stay at 16), each selected row gathered once per 32 heads, nothing
+and dO resident as one operand of 64 interleaved rows (the logits' M, so every product is a wgmma
+while the key tiles stay at 32), each selected row gathered once per 32 heads, nothing
 recomputed; see its own comment and docs/kernels.md "Backward v2". On a GPU `sparse_mla_bwd`
 verifies it against the split kernel and times both once per shape (`dsa_kernels.autotune`);
 elsewhere the split kernel runs.
@@ -302,18 +302,18 @@ def _sparse_mla_bwd_interleaved_kernel(
     # - one program per (token, head block of BLOCK_H = 32); q and dO read once and resident in one
     #   operand X [2 BLOCK_H, D] whose rows interleave them in groups of 16: rows 16g .. 16g + 7
     #   are q of heads 8g .. 8g + 7, rows 16g + 8 .. 16g + 15 dO of the same heads (zeros in the
-    #   rope columns). 64 rows: every product's M is 64 (wgmma) with the keys on N, so the key
-    #   tiles can be small (16 keys: 18 KB a stage) and nothing spills;
-    # - per key tile the selected rows are gathered once (eight 64-column latent pieces + rope);
-    #   [S | dP] = X kv^T is one product per piece ([2 BLOCK_H, BLOCK_K]); in wgmma's accumulator
-    #   layout a thread holds rows r and r + 8, so S and dP of a head are in the same thread and
-    #   the split (and the join back) moves no data;
+    #   rope columns). 64 rows: the logits' M is 64 (wgmma) with the keys on N, so the key tiles
+    #   stay small (32 keys: 36 KB a stage) and nothing spills;
+    # - per key tile the selected rows are gathered once (four 128-column latent quarters + rope);
+    #   [S | dP] = X kv^T sums one product per quarter ([2 BLOCK_H, BLOCK_K]); in wgmma's
+    #   accumulator layout a thread holds rows r and r + 8, so S and dP of a head are in the same
+    #   thread and the split (and the join back) moves no data;
     # - P from the saved lse, dS = P (dP - delta) scale (eq. of the forward's softmax);
-    # - per piece dkv^T = X^T [dS | P] (= q^T dS + dO^T P, one product, M = 64 columns), added at
-    #   the selected rows by vectorized fp32 atomics; dq^T += kv^T dS^T ([576, BLOCK_H] fp32
-    #   accumulators: 72 registers a thread at 8 warps).
+    # - per quarter dkv^T = X^T [dS | P] (= q^T dS + dO^T P, one product, M = 128 columns: the two
+    #   warp groups take 64 each), added at the selected rows by vectorized fp32 atomics;
+    #   dq^T += kv^T dS^T ([576, BLOCK_H] fp32 accumulators: 72 registers a thread at 8 warps).
     # Nothing is recomputed; the gathered rows are read once per 32 heads (9.4 MB per token at
-    # the 671B shapes, TileLang's 64-head blocks read 4.7 MB). 16-key tiles x 2 stages pass the
+    # the 671B shapes, TileLang's 64-head blocks read 4.7 MB). 32-key tiles x 2 stages pass the
     # compile gate under Triton 3.6 and 3.9 (docs/kernels.md "Backward v2").
     pid = tl.program_id(0)
     hb = pid % N_HB
@@ -321,16 +321,12 @@ def _sparse_mla_bwd_interleaved_kernel(
     b = tl.program_id(1).to(tl.int64)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = (offs_h < H) | EVEN_H
-    BLOCK_C: tl.constexpr = BLOCK_DV // 8
+    BLOCK_C: tl.constexpr = BLOCK_DV // 4
     offs_c = tl.arange(0, BLOCK_C)
     m0 = offs_c < D_V
     m1 = BLOCK_C + offs_c < D_V
     m2 = 2 * BLOCK_C + offs_c < D_V
     m3 = 3 * BLOCK_C + offs_c < D_V
-    m4 = 4 * BLOCK_C + offs_c < D_V
-    m5 = 5 * BLOCK_C + offs_c < D_V
-    m6 = 6 * BLOCK_C + offs_c < D_V
-    m7 = 7 * BLOCK_C + offs_c < D_V
     offs_r = tl.arange(0, BLOCK_DR)
     mr = offs_r < D_R
     # X's rows (see above): row j holds head 8 (j // 16) + j % 8, q if j % 16 < 8 else dO
@@ -345,10 +341,6 @@ def _sparse_mla_bwd_interleaved_kernel(
     x1 = tl.load(qd_j + BLOCK_C + offs_c[None, :], mask=mask_j & m1[None, :], other=0.0)
     x2 = tl.load(qd_j + 2 * BLOCK_C + offs_c[None, :], mask=mask_j & m2[None, :], other=0.0)
     x3 = tl.load(qd_j + 3 * BLOCK_C + offs_c[None, :], mask=mask_j & m3[None, :], other=0.0)
-    x4 = tl.load(qd_j + 4 * BLOCK_C + offs_c[None, :], mask=mask_j & m4[None, :], other=0.0)
-    x5 = tl.load(qd_j + 5 * BLOCK_C + offs_c[None, :], mask=mask_j & m5[None, :], other=0.0)
-    x6 = tl.load(qd_j + 6 * BLOCK_C + offs_c[None, :], mask=mask_j & m6[None, :], other=0.0)
-    x7 = tl.load(qd_j + 7 * BLOCK_C + offs_c[None, :], mask=mask_j & m7[None, :], other=0.0)
     xr = tl.load(q_j + D_V + offs_r[None, :], mask=mask_j & is_q[:, None] & mr[None, :], other=0.0)
     stat = b * stride_lb + t * stride_lt + offs_h
     lse = tl.load(LSE + stat, mask=mask_h, other=float("-inf"))
@@ -356,14 +348,10 @@ def _sparse_mla_bwd_interleaved_kernel(
     # p = exp2(s*log2e - lse*log2e); an empty (or padded) row has lse = -inf -> p = 0
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
 
-    dq0 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)  # dq^T by piece [64 columns, heads]
+    dq0 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)  # dq^T by quarter [128 columns, heads]
     dq1 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
     dq2 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
     dq3 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
-    dq4 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
-    dq5 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
-    dq6 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
-    dq7 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
     dqr = tl.zeros([BLOCK_DR, BLOCK_H], dtype=tl.float32)
     kv_base = KV + b * stride_kvb
     idx_base = IDX + b * stride_ib + t * stride_it
@@ -378,19 +366,11 @@ def _sparse_mla_bwd_interleaved_kernel(
         kv1 = tl.load(rows + BLOCK_C + offs_c[None, :], mask=vk & m1[None, :], other=0.0)
         kv2 = tl.load(rows + 2 * BLOCK_C + offs_c[None, :], mask=vk & m2[None, :], other=0.0)
         kv3 = tl.load(rows + 3 * BLOCK_C + offs_c[None, :], mask=vk & m3[None, :], other=0.0)
-        kv4 = tl.load(rows + 4 * BLOCK_C + offs_c[None, :], mask=vk & m4[None, :], other=0.0)
-        kv5 = tl.load(rows + 5 * BLOCK_C + offs_c[None, :], mask=vk & m5[None, :], other=0.0)
-        kv6 = tl.load(rows + 6 * BLOCK_C + offs_c[None, :], mask=vk & m6[None, :], other=0.0)
-        kv7 = tl.load(rows + 7 * BLOCK_C + offs_c[None, :], mask=vk & m7[None, :], other=0.0)
         kvr = tl.load(rows + D_V + offs_r[None, :], mask=vk & mr[None, :], other=0.0)
         sdp = tl.dot(x0, tl.trans(kv0))  # [2 BLOCK_H, BLOCK_K]: S rows and dP rows as X's
         sdp += tl.dot(x1, tl.trans(kv1))
         sdp += tl.dot(x2, tl.trans(kv2))
         sdp += tl.dot(x3, tl.trans(kv3))
-        sdp += tl.dot(x4, tl.trans(kv4))
-        sdp += tl.dot(x5, tl.trans(kv5))
-        sdp += tl.dot(x6, tl.trans(kv6))
-        sdp += tl.dot(x7, tl.trans(kv7))
         sdp += tl.dot(xr, tl.trans(kvr))
         # rows (g, q / dO, i) -> S and dP of head 8g + i, each [BLOCK_H, BLOCK_K]
         s, dp = tl.split(tl.permute(tl.reshape(sdp, [BLOCK_H // 8, 2, 8, BLOCK_K]), (0, 2, 3, 1)))
@@ -404,7 +384,7 @@ def _sparse_mla_bwd_interleaved_kernel(
         dsp = tl.reshape(tl.permute(dsp, (0, 3, 1, 2)), [2 * BLOCK_H, BLOCK_K]).to(x0.dtype)
         drows = (DKV + b * stride_dkb + tl.where(valid, idx, 0).to(tl.int64) * stride_dkt)[None, :]
         vkt = valid[None, :]
-        # per piece: dkv[idx]^T += q^T dS + dO^T P (one product), dq^T += kv^T dS^T
+        # per quarter: dkv[idx]^T += q^T dS + dO^T P (one product), dq^T += kv^T dS^T
         tl.atomic_add(drows + offs_c[:, None], tl.dot(tl.trans(x0), dsp), mask=vkt & m0[:, None], sem="relaxed")
         dq0 += tl.dot(tl.trans(kv0), ds_t)
         tl.atomic_add(drows + BLOCK_C + offs_c[:, None], tl.dot(tl.trans(x1), dsp), mask=vkt & m1[:, None], sem="relaxed")
@@ -413,14 +393,6 @@ def _sparse_mla_bwd_interleaved_kernel(
         dq2 += tl.dot(tl.trans(kv2), ds_t)
         tl.atomic_add(drows + 3 * BLOCK_C + offs_c[:, None], tl.dot(tl.trans(x3), dsp), mask=vkt & m3[:, None], sem="relaxed")
         dq3 += tl.dot(tl.trans(kv3), ds_t)
-        tl.atomic_add(drows + 4 * BLOCK_C + offs_c[:, None], tl.dot(tl.trans(x4), dsp), mask=vkt & m4[:, None], sem="relaxed")
-        dq4 += tl.dot(tl.trans(kv4), ds_t)
-        tl.atomic_add(drows + 5 * BLOCK_C + offs_c[:, None], tl.dot(tl.trans(x5), dsp), mask=vkt & m5[:, None], sem="relaxed")
-        dq5 += tl.dot(tl.trans(kv5), ds_t)
-        tl.atomic_add(drows + 6 * BLOCK_C + offs_c[:, None], tl.dot(tl.trans(x6), dsp), mask=vkt & m6[:, None], sem="relaxed")
-        dq6 += tl.dot(tl.trans(kv6), ds_t)
-        tl.atomic_add(drows + 7 * BLOCK_C + offs_c[:, None], tl.dot(tl.trans(x7), dsp), mask=vkt & m7[:, None], sem="relaxed")
-        dq7 += tl.dot(tl.trans(kv7), ds_t)
         tl.atomic_add(drows + D_V + offs_r[:, None], tl.dot(tl.trans(xr), dsp), mask=vkt & mr[:, None], sem="relaxed")
         dqr += tl.dot(tl.trans(kvr), ds_t)
 
@@ -432,11 +404,9 @@ def _sparse_mla_bwd_interleaved_kernel(
     tl.store(dq_rows + BLOCK_C + offs_c[:, None], dq1.to(out_ty), mask=m1[:, None] & hm)
     tl.store(dq_rows + 2 * BLOCK_C + offs_c[:, None], dq2.to(out_ty), mask=m2[:, None] & hm)
     tl.store(dq_rows + 3 * BLOCK_C + offs_c[:, None], dq3.to(out_ty), mask=m3[:, None] & hm)
-    tl.store(dq_rows + 4 * BLOCK_C + offs_c[:, None], dq4.to(out_ty), mask=m4[:, None] & hm)
-    tl.store(dq_rows + 5 * BLOCK_C + offs_c[:, None], dq5.to(out_ty), mask=m5[:, None] & hm)
-    tl.store(dq_rows + 6 * BLOCK_C + offs_c[:, None], dq6.to(out_ty), mask=m6[:, None] & hm)
-    tl.store(dq_rows + 7 * BLOCK_C + offs_c[:, None], dq7.to(out_ty), mask=m7[:, None] & hm)
     tl.store(dq_rows + D_V + offs_r[:, None], dqr.to(out_ty), mask=mr[:, None] & hm)
+
+
 
 
 @triton.jit
@@ -531,13 +501,13 @@ def bwd_blocks(H: int, D_V: int, D_R: int) -> dict:
 
 # The atomic backward's autotuning space (`dsa_kernels.autotune`), per architecture: (name, schedule,
 # keys per tile, stages), the first the default. "split": `_sparse_mla_bwd_kernel` (measured on an
-# H200: 712 ms at T = 32K, k = 2048). "interleaved": `_sparse_mla_bwd_interleaved_kernel` at 16-key
+# H200: 712 ms at T = 32K, k = 2048). "interleaved": `_sparse_mla_bwd_interleaved_kernel` at 32-key
 # tiles and 2 stages (32 heads a program): only wgmma, nothing recomputed, 9.75 MB read per token
-# (the split kernel: 81 MB), no spill under Triton 3.6 or 3.9 (sm_100: 162 tcgen05.mma, no spill);
+# (the split kernel: 81 MB), no spill under Triton 3.6 or 3.9 (sm_100: tcgen05.mma, no spill);
 # not yet timed on a GPU, so a GPU decides (docs/kernels.md "Backward v2").
 BWD_CONFIG_SPACE = {
-    90: (("split-k16", "split", None, None), ("interleaved-h32-k16-s2", "interleaved", 16, 2)),
-    100: (("split-k16", "split", None, None), ("interleaved-h32-k16-s2", "interleaved", 16, 2)),
+    90: (("split-k16", "split", None, None), ("interleaved-h32-k32-s2", "interleaved", 32, 2)),
+    100: (("split-k16", "split", None, None), ("interleaved-h32-k32-s2", "interleaved", 32, 2)),
 }
 
 
@@ -655,12 +625,12 @@ def plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float, d
 
 
 def plan_bwd_interleaved(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float, d_v: int,
-                         block_k: int = 16, num_stages: int = 2, num_warps: int = 8) -> Launch:
+                         block_k: int = 32, num_stages: int = 2, num_warps: int = 8) -> Launch:
     """The interleaved backward's launch (`plan_bwd`'s atomic arguments): 32 heads a program
     whatever H is (2 x 32 interleaved q / dO rows are its products' M; a smaller H leaves rows
-    masked), `block_k` keys a tile. Its gate-clean config is the default: 16 keys, 2 stages, 8 warps
-    (118 KB of shared memory). 32 keys spill 36 B under Triton 3.9 (none under 3.6):
-    `benchmarks/kernel_variants.py` times it anyway."""
+    masked), `block_k` keys a tile. The default is the autotuning config: 32 keys, 2 stages, 8 warps
+    (170 KB of shared memory, no spill under Triton 3.6 / 3.9); `benchmarks/kernel_variants.py`
+    times others."""
     B, T, H, D = q.shape
     bh = 32
     blocks = dict(BLOCK_H=bh, BLOCK_K=block_k, BLOCK_DV=pow2(d_v, 128), BLOCK_DR=pow2(max(D - d_v, 1)),
