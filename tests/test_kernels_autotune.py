@@ -1,15 +1,18 @@
 """The autotuner (`dsa_kernels.autotune`): the default off the GPU, the fastest config timed once per
-(kernel, GPU, Triton, shapes) and cached on disk, and every config of a space in the compile gate."""
+(kernel, GPU, Triton, shapes) and cached on disk, and every config of a space in the compile gate
+(sparse MLA forward / backward, the top-k select)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 import triton
 
 from dsa_kernels import autotune
 from dsa_kernels._triton_common import planning_for
+from dsa_kernels.ops.indexer_topk.kernel import select_config_space
 from dsa_kernels.ops.sparse_mla.kernel import BWD_CONFIG_SPACE, FWD_CONFIG_SPACE, bwd_config_space, fwd_config_space
 from dsa_kernels.registry import cases
 
@@ -146,3 +149,17 @@ def test_every_backward_config_is_in_the_compile_gate(capability):
             for _, schedule, bk, st in bwd_config_space(capability)}
     assert got == want
     assert bwd_config_space(capability)[0][1] == "split"  # the measured kernel stays the default
+
+
+@pytest.mark.parametrize("capability", [90, 100])
+def test_every_select_config_is_in_the_compile_gate(capability):
+    """The top-k select: one case per config of its space and score dtype (fp32, bf16), each at
+    the config's score block and warps."""
+    with planning_for(capability):
+        built = cases(["indexer_topk"])
+    got = sorted((c.launch.args["BLOCK"], c.launch.num_warps, str(c.launch.args["S"].dtype)) for c in built)
+    want = sorted((block, warps, str(dtype)) for _, block, warps in select_config_space(capability)
+                  for dtype in (torch.float32, torch.bfloat16))
+    assert got == want
+    assert select_config_space(capability)[0] == ("b4096-w8", 4096, 8)  # the measured default
+

@@ -247,6 +247,44 @@ def test_radix_select_low_bit_differences_and_multiple_tiles():
         assert torch.equal(idx.cpu(), ridx) and torch.equal(val.cpu(), rval)
 
 
+def test_select_autotuning_as_on_a_gpu(monkeypatch, tmp_path):
+    """`_select_chunk` driven as on a GPU (timing forced, the interpreter runs the launches): the
+    other config is verified against the default (same index sets), both are timed into the real
+    outputs, the faster (here: b2048-w4, by a fake clock) is chosen and remembered, and the
+    selection equals the reference's."""
+    from dsa_kernels import autotune
+    from dsa_kernels.ops.indexer_topk import kernel as TK
+
+    monkeypatch.setenv("DSA_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
+    monkeypatch.setattr(autotune, "_MEMORY", {})
+    timed, verified = [], []
+    real_pick = autotune.pick
+
+    def pick_as_on_a_gpu(kernel, key, names, build, on_gpu, device_id="", bench=None, verify=None):
+        def fake_bench(launch):
+            launch.run()
+            timed.append((launch.args["BLOCK"], launch.num_warps))
+            return 1.0 if launch.num_warps == 4 else 2.0
+
+        def verify_logged(name):
+            verified.append(name)
+            return verify(name)
+
+        return real_pick(kernel, key, names, build, True, "test GPU", fake_bench, verify_logged)
+
+    monkeypatch.setattr(TK.autotune, "pick", pick_as_on_a_gpu)
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randn(1, 6, 300, generator=g)
+    scores[0, 1, ::4] = float("-inf")
+    scores[0, 2, 20:] = float("-inf")  # fewer valid keys than k
+    idx, val = TK._select_chunk(scores.to(DEV), 3, 32)
+    ridx, rval = topk_from_scores(scores, 32, key_offset=3)
+    assert torch.equal(idx.cpu(), ridx) and torch.equal(val.cpu(), rval)
+    assert verified == ["b2048-w4"]
+    assert sorted(timed) == [(512, 4), (512, 8)]  # a 300-score row: one block of pow2(300) at each warps
+    assert list(autotune.choices("indexer_topk_select").values()) == ["b2048-w4"]
+
+
 def test_radix_select_never_selects_non_finite_scores():
     # +inf and NaN scores (from non-finite indexer inputs) are dropped as the reference drops them:
     # never selected, the k best finite keys are, and the -1 slots stay at the row's tail

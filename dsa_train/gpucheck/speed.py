@@ -206,11 +206,15 @@ def sparse_mla_speed(opts: Options) -> Outcome:
     chunk = BASELINE_CHUNK if opts.device == "cuda" else None
     table.baseline("chunked PyTorch", lambda: _passes(lambda: sparse_mla_chunked(q, kv, idx, scale, d.D_V, chunk),
                                                       (q, kv), torch.randn_like, opts, BASELINE_REPS), flops)
-    outcome = table.outcome("sparse_mla")
-    # which config of each autotuning space ran (timed on the first call; empty off the GPU)
+    return _with_autotuned(table.outcome("sparse_mla"), ("sparse_mla_fwd", "sparse_mla_bwd"))
+
+
+def _with_autotuned(outcome: Outcome, kernels: tuple[str, ...]) -> Outcome:
+    """The outcome, with which config of each kernel's autotuning space ran (timed on the first
+    call; nothing off the GPU) in its metrics and summary line."""
     from dsa_kernels import autotune
 
-    chosen = {k: n for kernel in ("sparse_mla_fwd", "sparse_mla_bwd") for k, n in autotune.choices(kernel).items()}
+    chosen = {k: n for kernel in kernels for k, n in autotune.choices(kernel).items()}
     if chosen:
         outcome.metrics["autotune"] = chosen
         outcome.summary += "; autotuned: " + ", ".join(f"{e.split('|', 1)[0]}={n}" for e, n in chosen.items())
@@ -240,7 +244,7 @@ def indexer_topk_speed(opts: Options) -> Outcome:
     table.add("select (last rows)", "ours", _time_ms(lambda: _select_chunk(scores, k0, d.K), opts))
     table.baseline("torch.topk", lambda: {"select (last rows)": _time_ms(lambda: torch.topk(scores, d.K, dim=-1),
                                                                           opts)}, {})
-    return table.outcome("indexer_topk")
+    return _with_autotuned(table.outcome("indexer_topk"), ("indexer_topk_select",))
 
 
 def sparse_kl_speed(opts: Options) -> Outcome:

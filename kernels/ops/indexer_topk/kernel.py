@@ -39,8 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import autotune
 from ...analysis import Work
-from ..._triton_common import Launch, compute_dtype, kernel_input, pow2
+from ..._triton_common import Launch, compute_dtype, interpreted, kernel_input, pow2, target_capability
 from .reference import FP8_GROUP, quantize_fp8_groups
 
 DEFAULT_SCORE_BUDGET = 1 << 26  # fp32 elements of one query chunk's [B, C, W] score block
@@ -390,11 +391,25 @@ def scores_work(launch: Launch) -> Work:
                 write_bytes=w_len * a["S"].element_size())
 
 
-def select_block(W_LEN: int) -> int:
-    # 4096-score blocks: measured on an H200 (Triton 3.6; 4096 rows x 32768 fp32 scores, k = 2048,
-    # 8 warps) 7.8 ms against 11.8 ms with 1024 (docs/kernels.md "Measured on a GPU"); no spill on
-    # sm_90a under Triton 3.6 or 3.9 for fp32 or bf16 scores (4 warps x 1024 spilled 24 B under 3.6)
-    return min(pow2(W_LEN, 128), 4096)
+def select_block(W_LEN: int, block: int = 4096) -> int:
+    """Scores a select program reads per step: `block` (a config's), or the row's length rounded
+    up to a power of two (at least 128) when that is shorter."""
+    return min(pow2(W_LEN, 128), block)
+
+
+# The select's autotuning space (`dsa_kernels.autotune`): (name, score block, warps), the first the
+# default. Measured on an H200 (Triton 3.6; 4096 rows x 32768 fp32 scores, k = 2048;
+# docs/gpu-check/NVIDIA-H200/variants.json, sweep 2): 4096 x 8 warps 7.87 ms, 2048 x 4 warps
+# 6.91 ms, 2048 x 8 warps 9.52 ms, 1024 x 8 warps 11.8 ms. Both configs compile without spill for
+# fp32 and bf16 scores under Triton 3.6 / 3.9 on sm_90a and under 3.9 on sm_100 (2048 x 8 warps
+# spills 64 B for bf16 under 3.6, 4096 x 4 warps 100-592 B, 4096 x 16 warps 120 B for fp32 under
+# 3.6: not in the space). The same space for Hopper and Blackwell (sm_100 is unmeasured).
+SELECT_CONFIG_SPACE = (("b4096-w8", 4096, 8), ("b2048-w4", 2048, 4))
+
+
+def select_config_space(capability: int) -> tuple:
+    """The select's configs `_select_chunk` times on a GPU of this compute capability."""
+    return SELECT_CONFIG_SPACE
 
 
 CANDIDATE_CAP = 4096  # keys of a row's threshold bin refined from the candidate buffer (more: streaming fallback)
@@ -416,17 +431,19 @@ def candidate_buffers(B: int, C: int, cap: int = CANDIDATE_CAP, device=None):
 
 
 def plan_select(scores, idx, val, cand_idx, cand_val, bin_count, k0: int, topk: int,
-                block: int | None = None) -> Launch:
+                block: int | None = None, config: tuple | None = None) -> Launch:
     """Radix-select launch: scores [B, C, W] fp32 or bf16 -> idx [B, C, topk] int32 (prefilled
     -1) and val [B, C, topk] fp32 (prefilled -inf), the selected keys (each run of equal scores
     in index order); cand_idx / cand_val [B, C, CAP] and bin_count [B, C] from
-    `candidate_buffers` (CAP = their last dim)."""
+    `candidate_buffers` (CAP = their last dim). `config`: one of `select_config_space` (default:
+    its first); `block` (tests): that score block at the default's warps."""
     B, C, W_LEN = scores.shape
     if cand_idx.shape[:2] != (B, C) or cand_val.shape != cand_idx.shape or bin_count.shape != (B, C):
         raise ValueError(f"candidate buffers must be [B, C, CAP] = [{B}, {C}, CAP] twice and bin_count [{B}, {C}]; "
                          f"got {tuple(cand_idx.shape)}, {tuple(cand_val.shape)}, {tuple(bin_count.shape)} "
                          "(make them with candidate_buffers(B, C))")
     digit_bits, passes = radix_digits(scores.dtype)
+    _, config_block, warps = config or select_config_space(target_capability(scores))[0]
     return Launch(
         _radix_topk_kernel, (C, B),
         dict(
@@ -436,10 +453,10 @@ def plan_select(scores, idx, val, cand_idx, cand_val, bin_count, k0: int, topk: 
             stride_cb=cand_idx.stride(0), stride_cc=cand_idx.stride(1),
             stride_nb=bin_count.stride(0),
             W_LEN=W_LEN, k0=k0, TOPK=topk,
-            BLOCK=block or select_block(W_LEN), DIGIT_BITS=digit_bits, PASSES=passes,
+            BLOCK=block or select_block(W_LEN, config_block), DIGIT_BITS=digit_bits, PASSES=passes,
             CAP=cand_idx.shape[2],
         ),
-        num_warps=8,
+        num_warps=warps,
     )
 
 
@@ -481,10 +498,34 @@ def _select_chunk(scores: torch.Tensor, k0: int, topk: int, block: int | None = 
     kernel's per-row candidate counts [B, C] (-1: the row's threshold bin overflowed `cap` and
     took the streaming path)."""
     B, C, W_LEN = scores.shape
-    idx = torch.full((B, C, topk), -1, dtype=torch.int32, device=scores.device)
-    val = torch.full((B, C, topk), float("-inf"), dtype=torch.float32, device=scores.device)
+
+    def outputs():
+        return (torch.full((B, C, topk), -1, dtype=torch.int32, device=scores.device),
+                torch.full((B, C, topk), float("-inf"), dtype=torch.float32, device=scores.device))
+
+    idx, val = outputs()
     cand_idx, cand_val, bin_count = candidate_buffers(B, C, cap, scores.device)
-    plan_select(scores, idx, val, cand_idx, cand_val, bin_count, k0, topk, block).run()
+    space = {cfg[0]: cfg for cfg in select_config_space(target_capability(scores))}
+
+    def build(name, idx=idx, val=val):  # timing runs write the same selection into idx / val again
+        return plan_select(scores, idx, val, cand_idx, cand_val, bin_count, k0, topk, config=space[name])
+
+    def verify(name):  # the config's selection against the default's, before it may be timed
+        picks = []
+        for n in (next(iter(space)), name):
+            i, v = outputs()
+            build(n, i, v).run()
+            picks.append(torch.sort(i, dim=-1).values)
+        return bool(torch.equal(*picks))
+
+    if block is not None:  # tests: this score block at the default's warps, no timing
+        launch = plan_select(scores, idx, val, cand_idx, cand_val, bin_count, k0, topk, block)
+    else:
+        on_gpu = scores.is_cuda and not interpreted()
+        _, launch = autotune.pick("indexer_topk_select", (pow2(C), pow2(W_LEN), topk, str(scores.dtype)),
+                                  list(space), build, on_gpu, autotune.device_id(scores) if on_gpu else "",
+                                  verify=verify)
+    launch.run()
     if bin_count_out is not None:
         bin_count_out.append(bin_count)
     # each run of equal selected scores is in index order (above-bin keys, then the bin's picks; the

@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 
 from ...registry import SHAPES_671B, KernelCase, register
-from .kernel import DEFAULT_SCORE_BUDGET, candidate_buffers, plan_scores, plan_select, scores_work, select_work
+from ..._triton_common import target_capability
+from .kernel import (DEFAULT_SCORE_BUDGET, candidate_buffers, plan_scores, plan_select, scores_work, select_config_space,
+                     select_work)
 
 
 def _chunk():
@@ -59,6 +61,9 @@ def _topk():
     cases = []
     for dtype, name in ((torch.float32, "fp32 scores "), (torch.bfloat16, "bf16 scores ")):
         scores = torch.empty(B, C, q1 - k0, dtype=dtype, **meta)
-        launch = plan_select(scores, idx, val, cand_idx, cand_val, bin_count, k0, s["K"])
-        cases.append(KernelCase(name + _config(launch), launch, work=select_work(launch)))
+        # every config of the autotuning space for the target architecture (the gate checks each)
+        for i, cfg in enumerate(select_config_space(target_capability(scores))):
+            launch = plan_select(scores, idx, val, cand_idx, cand_val, bin_count, k0, s["K"], config=cfg)
+            label = name + ("" if i == 0 else f"autotune config {cfg[0]} ")
+            cases.append(KernelCase(label + _config(launch), launch, work=select_work(launch)))
     return cases
