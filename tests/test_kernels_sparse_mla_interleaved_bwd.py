@@ -123,3 +123,49 @@ def test_backward_autotuning_times_into_dkv_then_runs_zeroed(monkeypatch, tmp_pa
     rdq, rdkv = _grads(q.detach(), kv.detach(), idx, dout, 32, scale)
     torch.testing.assert_close(dq, rdq, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(dkv, rdkv, rtol=1e-4, atol=1e-5)
+
+
+def test_backward_autotuning_leaves_out_a_config_whose_dq_disagrees(monkeypatch, tmp_path):
+    """The verify step compares dq (on probed tokens) as well as dkv: a config whose dkv is right
+    but whose dq is not (here: the interleaved launch followed by a corruption of dq) is left out
+    with a warning, never timed, and the gradients are the default's."""
+    from dsa_kernels import autotune
+    from dsa_kernels.ops.sparse_mla.function import sparse_mla_triton
+
+    monkeypatch.setenv("DSA_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
+    monkeypatch.setattr(autotune, "_MEMORY", {})
+    real_plan, real_pick, timed = SM.plan_bwd_config, autotune.pick, []
+
+    class WrongDq:
+        def __init__(self, launch):
+            self.launch, self.kernel = launch, launch.kernel
+
+        def run(self):
+            self.launch.run()
+            self.launch.args["DQ"].add_(1.0)
+
+    def plan(config, *args, **kw):
+        launch = real_plan(config, *args, **kw)
+        return WrongDq(launch) if config[1] == "interleaved" else launch
+
+    def pick_as_on_a_gpu(kernel, key, names, build, on_gpu, device_id="", bench=None, verify=None):
+        def fake_bench(launch):
+            launch.run()
+            timed.append(launch.kernel.__name__)
+            return 1.0
+        if kernel != "sparse_mla_bwd":
+            return real_pick(kernel, key, names, build, on_gpu, device_id, bench, verify)
+        return real_pick(kernel, key, names, build, True, "test GPU", fake_bench, verify)
+
+    monkeypatch.setattr(SM, "plan_bwd_config", plan)
+    monkeypatch.setattr(SM.autotune, "pick", pick_as_on_a_gpu)
+    q, kv, idx, dout = _case(1, 11, 4, 32, 16, 8, torch.float32, seed=3)
+    scale = 48**-0.5
+    q, kv = q.requires_grad_(), kv.requires_grad_()
+    out, _ = sparse_mla_triton(q, kv, idx, scale, 32)
+    with pytest.warns(RuntimeWarning, match="interleaved-h32-k32-s2 disagrees with the default"):
+        dq, dkv = torch.autograd.grad((out * dout).sum(), (q, kv))
+    assert timed == ["_sparse_mla_bwd_kernel"]  # only the default was timed
+    rdq, rdkv = _grads(q.detach(), kv.detach(), idx, dout, 32, scale)
+    torch.testing.assert_close(dq, rdq, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dkv, rdkv, rtol=1e-4, atol=1e-5)
