@@ -162,4 +162,3 @@ def test_every_select_config_is_in_the_compile_gate(capability):
                   for dtype in (torch.float32, torch.bfloat16))
     assert got == want
     assert select_config_space(capability)[0] == ("b4096-w8", 4096, 8)  # the measured default
-

@@ -273,7 +273,6 @@ def _sparse_mla_bwd_kernel(
             _scatter(drows + D_V + offs_dr[None, :], dkv_r, valid[:, None] & mask_dr[None, :], DETERMINISTIC)
 
     dq_tok = tc if DETERMINISTIC else t
-    # dq^T [columns, heads] -> dq[b, t, head, column]
     dq_rows = DQ + b * stride_dqb + dq_tok * stride_dqt + offs_h[:, None] * stride_dqh
     _store_dq(dq_rows + offs_a[None, :], dq_a, mask_h[:, None] & mask_a[None, :], DETERMINISTIC)
     _store_dq(dq_rows + offs_b[None, :], dq_b, mask_h[:, None] & mask_b[None, :], DETERMINISTIC)
@@ -337,7 +336,7 @@ def _sparse_mla_bwd_interleaved_kernel(
     q_j = Q + b * stride_qb + t * stride_qt + head_j[:, None] * stride_qh
     do_j = DO + b * stride_dob + t * stride_dot + head_j[:, None] * stride_doh
     qd_j = tl.where(is_q[:, None], q_j, do_j)
-    x0 = tl.load(qd_j + offs_c[None, :], mask=mask_j & m0[None, :], other=0.0)
+    x0 = tl.load(qd_j + offs_c[None, :], mask=mask_j & m0[None, :], other=0.0)  # [2 BLOCK_H, BLOCK_C]
     x1 = tl.load(qd_j + BLOCK_C + offs_c[None, :], mask=mask_j & m1[None, :], other=0.0)
     x2 = tl.load(qd_j + 2 * BLOCK_C + offs_c[None, :], mask=mask_j & m2[None, :], other=0.0)
     x3 = tl.load(qd_j + 3 * BLOCK_C + offs_c[None, :], mask=mask_j & m3[None, :], other=0.0)
@@ -405,8 +404,6 @@ def _sparse_mla_bwd_interleaved_kernel(
     tl.store(dq_rows + 2 * BLOCK_C + offs_c[:, None], dq2.to(out_ty), mask=m2[:, None] & hm)
     tl.store(dq_rows + 3 * BLOCK_C + offs_c[:, None], dq3.to(out_ty), mask=m3[:, None] & hm)
     tl.store(dq_rows + D_V + offs_r[:, None], dqr.to(out_ty), mask=mr[:, None] & hm)
-
-
 
 
 @triton.jit
