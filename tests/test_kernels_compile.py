@@ -254,6 +254,22 @@ def test_sparse_mla_forward_issues_the_useful_flops_and_reads_like_flashmla(gate
         assert a["estimate"]["note"].startswith("roofline estimate"), a
 
 
+def test_on_hopper_only_the_split_backward_uses_mma_sync(gate_reports):
+    """Issue 18's "wgmma everywhere" on sm_90a, both supported Tritons: the gate lets a kernel mix
+    mma.sync with wgmma, so this pins which may. Only the split sparse MLA backward (its dKV
+    products, 36) does; the sparse KL's dk_I ran 32 mma.sync until it was formed transposed."""
+    mixed = {"_sparse_mla_bwd_kernel"}
+    for (version, arch), res in gate_reports.items():
+        if arch != "sm_90a":
+            continue
+        rows = res["rows"] or []
+        assert rows, (version, arch)
+        for r in rows:
+            if r["kernel"] not in mixed:
+                assert r["mma_sync"] == 0, (version, r["op"], r["kernel"], r["config"], r["shapes"])
+        assert any(r["kernel"] in mixed and r["mma_sync"] > 0 for r in rows), "the pinned set is stale"
+
+
 def test_every_row_has_shapes_occupancy_and_replication(gate_reports):
     for (version, arch), res in gate_reports.items():
         for r in res["rows"] or []:

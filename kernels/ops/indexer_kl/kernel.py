@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._triton_common import Launch, pow2
+from ..._triton_common import Launch, pow2, target_capability
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -195,10 +195,13 @@ def _sparse_kl_kernel(
             # accumulation; fp32 inputs -> IEEE fp32, never TF32)
             da = tl.where(a > 0, wi[:, None] * g[None, :], 0.0).to(ki.dtype)  # [BLOCK_HI, BLOCK_K]
             dqi += tl.dot(da, ki, input_precision="ieee")
-            dk = tl.dot(tl.trans(da), qi, input_precision="ieee")  # [BLOCK_K, BLOCK_DI]
-            # dk_I rows are global key positions: DKI has k_I's N_KEYS rows, not the T query rows
-            tl.atomic_add(DKI + b * stride_dkb + safe[:, None] * stride_dkt + offs_di[None, :], dk,
-                          mask=valid[:, None] & mask_di[None, :])
+            # dk_I^T = q_I^T da, D_I (128) on M: a wgmma. da^T q_I would put the 32 slots on M,
+            # below wgmma's 64 (it ran as 32 mma.sync).
+            dk_t = tl.dot(tl.trans(qi), da, input_precision="ieee")  # [BLOCK_DI, BLOCK_K]
+            # dk_I rows are global key positions: DKI has k_I's N_KEYS rows, not the T query rows;
+            # relaxed: nothing reads them before the launch ends (vector `red` adds)
+            tl.atomic_add(DKI + b * stride_dkb + safe[None, :] * stride_dkt + offs_di[:, None], dk_t,
+                          mask=valid[None, :] & mask_di[:, None], sem="relaxed")
         tl.store(DQI + ((b * T + t) * HI + offs_j[:, None]) * DI + offs_di[None, :], dqi,
                  mask=mask_j[:, None] & mask_di[None, :])
         tl.store(DWI + (b * T + t) * HI + offs_j, dwi, mask=mask_j)
@@ -383,7 +386,7 @@ def _dense_kl_kernel(
                 # would have M = BLOCK_N = 32 (mma.sync)
                 dk_t += tl.dot(tl.trans(qi), da, input_precision="ieee")
             tl.atomic_add(DKI + (b * T + offs_n[None, :].to(tl.int64)) * DI + offs_di[:, None], dk_t,
-                          mask=(offs_n < T)[None, :] & mask_di[:, None])
+                          mask=(offs_n < T)[None, :] & mask_di[:, None], sem="relaxed")
 
 
 # ----------------------------------------------------------------------------- launch plans
@@ -457,7 +460,10 @@ def plan_sparse_kl(qi, ki, wi, idx, n_slots, p_sum, t0: int, H: int, kl, klu, dq
             DI=DI, GRAD=grad,
             **sparse_blocks(K, HI, DI),
         ),
-        num_warps=4,
+        # sm_90a: 4 warps, 214 / 221 registers (Triton 3.9 / 3.6), 2 CTAs an SM, every dot a
+        # wgmma with no replicated tile (8 warps: 150 registers, 1 CTA, narrower m64n16 tiles
+        # replicated x1.25). sm_100 (3.9): 8 warps, 107 registers; 4 warps spilled 16 B.
+        num_warps=8 if target_capability(qi) >= 100 else 4,
     )
 
 
