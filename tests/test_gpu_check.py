@@ -218,17 +218,46 @@ def test_command_imports_nothing_heavy():
     assert "HEAVY []" in proc.stdout and "correctness.sparse_mla.T4096" in proc.stdout
 
 
-def test_kernel_checks_leave_time_for_the_later_sections():
+def _select_needs(opts, only):
+    """What the runner records for `--only ONLY`: each selected check's section and seconds."""
+    from dsa_train.gpucheck.budget import check_need_s
+    from dsa_train.gpucheck.runner import collect, select
+
+    checks = select(collect(opts), only)
+    opts.selected_sections = tuple(sorted({c.section for c in checks}))
+    opts.selected_needs = {c.name: (c.section, check_need_s(c)) for c in checks}
+    return checks
+
+
+def test_kernel_checks_leave_time_for_the_later_checks():
     import time
 
     from dsa_train.gpucheck.budget import skip_reason
 
     opts = Options(device="cuda", deadline=time.monotonic() + 200)
-    assert "kept for the later sections" in skip_reason(opts, "correctness", 10)  # speed + e2e + nccl > 190 s
-    opts.selected_sections = {"correctness"}  # --only correctness: nothing to keep time for
+    _select_needs(opts, ["correctness", "speed", "end-to-end"])
+    assert "kept for the later sections" in skip_reason(opts, "correctness", 10)  # speed + e2e > 190 s
+    _select_needs(opts, ["correctness"])  # --only correctness: nothing to keep time for
     assert skip_reason(opts, "correctness", 10) is None
     assert "needs ~300 s" in skip_reason(opts, "correctness", 300)
     assert skip_reason(Options(device="cpu", small=True, deadline=time.monotonic() + 1), "speed", 300) is None
+
+
+def test_time_is_kept_per_selected_check_not_per_section(monkeypatch):
+    """`--only correctness.X speed.Y` keeps back speed.Y's estimate, not the whole speed section's
+    (which once made a small budget skip the correctness check that was asked for)."""
+    import time
+
+    from dsa_train.gpucheck.budget import check_need_s, reserve_after, skip_reason
+
+    opts = Options(device="cuda", deadline=time.monotonic() + 120)
+    checks = _select_needs(opts, ["correctness.sparse_mla.T4096", "speed.indexer_topk"])
+    (topk,) = [c for c in checks if c.name == "speed.indexer_topk"]
+    assert reserve_after(opts, "correctness") == check_need_s(topk) > 0
+    assert skip_reason(opts, "correctness", 30) is None
+    _select_needs(opts, ["correctness.sparse_mla.T4096", "speed"])
+    everything = sum(need for sec, need in opts.selected_needs.values() if sec == "speed")
+    assert reserve_after(opts, "correctness") == everything > check_need_s(topk)
 
 
 def test_no_time_is_kept_for_training_runs_that_cannot_start(monkeypatch):
@@ -240,11 +269,12 @@ def test_no_time_is_kept_for_training_runs_that_cannot_start(monkeypatch):
     from dsa_train.gpucheck.budget import SECTION_NEEDS_S, reserve_after
 
     opts = Options(device="cuda", deadline=time.monotonic() + 600)
-    opts.selected_sections = {"correctness", "speed", "end-to-end"}
+    _select_needs(opts, ["correctness", "speed", "end-to-end"])
+    speed = sum(need for sec, need in opts.selected_needs.values() if sec == "speed")
     monkeypatch.setattr(e2e, "missing_packages", lambda: [])
-    assert reserve_after(opts, "correctness") == SECTION_NEEDS_S["speed"] + SECTION_NEEDS_S["end-to-end"]
+    assert reserve_after(opts, "correctness") == speed + SECTION_NEEDS_S["end-to-end"]
     monkeypatch.setattr(e2e, "missing_packages", lambda: ["deepspeed"])
-    assert reserve_after(opts, "correctness") == SECTION_NEEDS_S["speed"]
+    assert reserve_after(opts, "correctness") == speed
     assert reserve_after(opts, "speed") == 0.0
 
 

@@ -26,6 +26,8 @@ class Options:
     out: Path = Path("gpu-check")  # report directory; checks may write files under it
     deadline: float = float("inf")  # time.monotonic() by which the whole command should end
     selected_sections: tuple = SECTIONS  # the sections this run executes (the runner sets it from --only)
+    # check name -> (section, estimated seconds on a GPU) for the checks this run executes (budget.py)
+    selected_needs: dict = field(default_factory=dict)
 
     def time_left(self) -> float:
         return self.deadline - time.monotonic()

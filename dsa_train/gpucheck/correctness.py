@@ -137,6 +137,7 @@ def _budget(T: int, base_s: float, per_4k_s: float):
                                + ("; this GPU does not hold this T" if big else ""))
 
         run.__name__ = getattr(fn, "__name__", "run")
+        run.need_s = need_s  # budget.check_need_s
         return run
 
     return deco

@@ -24,6 +24,7 @@ import time
 import traceback
 from pathlib import Path
 
+from .budget import check_need_s
 from .core import SECTIONS, Check, Options, Outcome
 
 E2E_MODULE = "dsa_train.gpucheck.e2e"
@@ -287,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
               f"pass a writable --out DIR", file=sys.stderr)
         return 2
     checks = select(collect(opts), args.only)
-    opts.selected_sections = tuple(sorted({c.section for c in checks}))  # budget.py reserves time only for these
+    opts.selected_sections = tuple(sorted({c.section for c in checks}))
+    opts.selected_needs = {c.name: (c.section, check_need_s(c)) for c in checks}  # budget.py reserves for these
     started, t0 = time.time(), time.monotonic()
     opts.deadline = t0 + args.budget_s
     print(f"dsa-train gpu-check: {len(checks)} checks on {args.device}{' (--small)' if args.small else ''}, "

@@ -178,6 +178,7 @@ def _budgeted(need_s: float, fn):
             return Outcome("skip", reason)
         return fn(opts)
 
+    run.need_s = need_s  # budget.check_need_s: what a run that selects this check keeps back for it
     return run
 
 
