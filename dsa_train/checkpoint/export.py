@@ -26,12 +26,13 @@ from pathlib import Path
 import torch
 
 from ..model.config import DSAConfig
+from ..model.dtypes import FP32_CHECKPOINT_TENSORS
 from .errors import CheckpointError
 from .fp8 import SCALE_SUFFIX, is_quantized_in_reference, quantize_fp8_blocks, scale_shape
 from .hf_layout import CONFIG_FILE, INDEX_FILE
 from .shard_writer import ShardWriter, Spec
 
-KEEP_FP32 = ("indexer.k_norm.weight", "indexer.k_norm.bias", "mlp.gate.e_score_correction_bias")
+KEEP_FP32 = FP32_CHECKPOINT_TENSORS  # the dtype policy (dsa_train/model/dtypes.py); weights_proj is fp32 there too
 # the demo tokenizer (dsa_train.data.tokenizer uses the same files; importing it would pull `datasets`)
 BUNDLED_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
 TOKENIZER_FILES = (

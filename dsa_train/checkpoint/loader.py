@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from ..model.config import DSAConfig
+from ..model.dtypes import apply as apply_dtype_policy
 from ..model.transformer import DSAForCausalLM
 from .errors import CheckpointError
 from .hf_layout import HFDir, open_hf_dir
@@ -147,10 +148,7 @@ def from_pretrained(
         _init_indexers(model, plan.match.missing_indexer, dtype, param_filter, shard_fn)
     if plan.match.tied_lm_head or plan.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    for module in model.modules():  # runtime buffers (RoPE, Hadamard) follow the dtype as in .cast()
-        for key, buf in module._buffers.items():
-            if buf is not None and buf.is_floating_point() and key in module._non_persistent_buffers_set:
-                module._buffers[key] = buf.to(dtype)
+    apply_dtype_policy(model, dtype)  # runtime buffers (RoPE, Hadamard) fp32: model/dtypes.py
     if param_filter is None and shard_fn is None:
         left = meta_tensor_names(model)
         if left:

@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from ..model.config import DSAConfig
-from ..model.transformer import FP32_PARAM_SUFFIXES, DSAForCausalLM
+from ..model.dtypes import FP32_CHECKPOINT_TENSORS
+from ..model.transformer import DSAForCausalLM
 
-FP32_SUFFIXES = FP32_PARAM_SUFFIXES + ("mlp.gate.e_score_correction_bias",)
+FP32_SUFFIXES = FP32_CHECKPOINT_TENSORS  # the dtype policy: dsa_train/model/dtypes.py
 
 
 @contextmanager

@@ -88,7 +88,7 @@ def build_model(cfg: TrainConfig, vocab_size: int, parallel_state=None) -> torch
         model = from_pretrained(cfg.model.pretrained, dtype=dtype)
     else:
         arch = {"vocab_size": vocab_size, **cfg.model.arch}
-        model = DSAForCausalLM(tiny_config(**arch)).to(dtype)
+        model = DSAForCausalLM(tiny_config(**arch)).cast(dtype)  # the dtype policy: model/dtypes.py
     check_vocab(vocab_size, model.config.vocab_size)
     return model
 

@@ -19,11 +19,13 @@ from .config import DSAConfig
 from .mla import MLA, AttentionAux, AttentionRequest
 from .moe import MLP, MoE
 from .norm import RMSNorm
+from .dtypes import FP32_PARAMETERS
+from .dtypes import apply as apply_dtype_policy
 from .rope import RotaryEmbedding
 from ..loss import cross_entropy_sum, metric_values, mtp_targets
 
-# Keep these in fp32 whatever the model dtype (as in the V3.2 checkpoints and inference code).
-FP32_PARAM_SUFFIXES = ("indexer.weights_proj.weight", "indexer.k_norm.weight", "indexer.k_norm.bias")
+# Kept in fp32 whatever the model dtype: the policy is dsa_train/model/dtypes.py.
+FP32_PARAM_SUFFIXES = FP32_PARAMETERS
 
 
 @dataclass
@@ -185,13 +187,10 @@ class DSAForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def cast(self, dtype: torch.dtype) -> "DSAForCausalLM":
-        """Cast parameters to dtype, keeping the indexer's weights_proj / k_norm in fp32. Buffers
-        (RoPE frequencies, router biases, the Hadamard matrix) stay fp32 and are never rounded."""
-        for name, p in self.named_parameters():
-            target = torch.float32 if name.endswith(FP32_PARAM_SUFFIXES) else dtype
-            if p.dtype != target and p.is_floating_point():
-                p.data = p.data.to(target)
-        return self
+        """Cast to dtype under the dtype policy (dsa_train/model/dtypes.py): the indexer's
+        weights_proj / k_norm and every buffer (router biases, token loads, RoPE frequencies, the
+        Hadamard matrix) stay fp32."""
+        return apply_dtype_policy(self, dtype)
 
     # ------------------------------------------------------------------ params
     def main_layers(self) -> list[DecoderLayer]:

@@ -30,6 +30,7 @@ import torch
 from dsa_train.checkpoint.errors import CheckpointError
 from dsa_train.checkpoint.loader import fresh_indexer_tensor, open_checkpoint
 from dsa_train.checkpoint.skeleton import empty_model, target_dtype
+from dsa_train.model.dtypes import apply as apply_dtype_policy
 from dsa_train.parallel.groups import ParallelState
 from dsa_train.parallel.model import full_tensor_slice, parallelize_model
 
@@ -150,10 +151,7 @@ def load_parallel_pretrained(
     missing = [n for n in held if n not in loaded and not _runtime_buffer(model, n)]
     if missing:
         raise CheckpointError(f"{plan.path}: {missing[:4]} were not loaded on this rank (internal error: please report)")
-    for module in model.modules():  # runtime buffers (RoPE, Hadamard) follow the dtype, as in from_pretrained
-        for key, buf in module._buffers.items():
-            if buf is not None and buf.is_floating_point() and key in module._non_persistent_buffers_set:
-                module._buffers[key] = buf.to(dtype)
+    apply_dtype_policy(model, dtype)  # runtime buffers (RoPE, Hadamard) fp32: model/dtypes.py
     model.to(device)
     log.info("rank %d loaded %d tensors (%.1f MB) of %s", state.rank, len(loaded),
              sum(t.numel() * t.element_size() for t in held.values()) / 1e6, plan.path)

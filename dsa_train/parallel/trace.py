@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dsa_train.model.dtypes import apply as apply_dtype_policy
 from dsa_train.parallel.buckets import REDUCE_BUCKET
 from dsa_train.parallel.sharding import sharding_of
 from dsa_train.stage import Stage
@@ -408,10 +409,7 @@ def trace_step(cfg, model_cfg, rank: int = 0, world: int | None = None, stage_na
             else dtype
         with fake, trace, workspace_listener(trace.chunk_workspace), recorder:
             materialize(model, torch.device("cpu"), dtype)
-            for module in model.modules():  # runtime buffers in the model dtype, as the loader casts them
-                for key, buf in module._buffers.items():
-                    if buf is not None and buf.is_floating_point() and key in module._non_persistent_buffers_set:
-                        module._buffers[key] = buf.to(dtype)
+            apply_dtype_policy(model, dtype)  # as the loader: model/dtypes.py
             for t in list(model.parameters()) + list(model.buffers()):
                 trace.retag(t, "parameters")
             model.train()
