@@ -99,7 +99,8 @@ def stub_wheel(name: str, version: str, out_dir: Path) -> Path:
     import base64
     import hashlib
 
-    dist_info = f"{name}-{version}.dist-info"
+    file_name = re.sub(r"[-_.]+", "_", name)  # a wheel's file name spells the project with underscores
+    dist_info = f"{file_name}-{version}.dist-info"
     files = {
         f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
         f"{dist_info}/WHEEL": "Wheel-Version: 1.0\nGenerator: make_wheelhouse\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
@@ -109,7 +110,7 @@ def stub_wheel(name: str, version: str, out_dir: Path) -> Path:
         digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
         record.append(f"{path},sha256={digest},{len(text.encode())}")
     files[f"{dist_info}/RECORD"] = "\n".join(record + [f"{dist_info}/RECORD,,"]) + "\n"
-    path = out_dir / f"{name}-{version}-py3-none-any.whl"
+    path = out_dir / f"{file_name}-{version}-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as wheel:
         for member, text in files.items():
             wheel.writestr(member, text)
@@ -197,8 +198,29 @@ def remove_unneeded(out: Path, wanted: set[str]) -> None:
             path.unlink()
 
 
+def read_image_list(path: Path) -> dict[str, str | None]:
+    """An image's package list: `pip list --format=freeze` lines (`name==version`), or bare names
+    where only the name is known; `#` comments and blank lines ignored. -> canonical name -> version."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as err:
+        raise WheelhouseError(f"--image-packages {path}: cannot be read ({err.strerror or err})")
+    found: dict[str, str | None] = {}
+    for number, line in enumerate(lines, 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, sep, version = line.partition("==")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name.strip()) or (sep and not version.strip()):
+            raise WheelhouseError(f"--image-packages {path}:{number}: {line!r} is not `name==version` or a name; "
+                                  "write it as `pip list --format=freeze` prints it")
+        found[canonical(name.strip())] = version.strip() or None
+    return found
+
+
 def build_wheelhouse(out: Path, torch_version: str, triton_version: str, python_version: str,
-                     platforms: list[str], extras: str, source: Path) -> dict:
+                     platforms: list[str], extras: str, source: Path,
+                     image_packages: dict[str, str | None] | None = None) -> dict:
     check_pip()
     if not re.fullmatch(r"3\.\d+", python_version):
         raise WheelhouseError(f"--python-version {python_version!r}: give major.minor of the image's Python, e.g. 3.12")
@@ -215,7 +237,8 @@ def build_wheelhouse(out: Path, torch_version: str, triton_version: str, python_
         raise WheelhouseError(f"--out {out} is not empty ({len(stale)} entries, e.g. {stale[0]}); give a new "
                               "directory so that no stale wheel reaches the image")
     try:
-        return fill_wheelhouse(out, torch_version, triton_version, python_version, platforms, extras_list, source)
+        return fill_wheelhouse(out, torch_version, triton_version, python_version, platforms, extras_list, source,
+                               image_packages or {})
     except BaseException:
         for path in out.iterdir():  # it was empty: leave it so for the next try, not half filled
             shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -223,19 +246,26 @@ def build_wheelhouse(out: Path, torch_version: str, triton_version: str, python_
 
 
 def fill_wheelhouse(out: Path, torch_version: str, triton_version: str, python_version: str,
-                    platforms: list[str], extras_list: list[str], source: Path) -> dict:
+                    platforms: list[str], extras_list: list[str], source: Path,
+                    image_packages: dict[str, str | None]) -> dict:
     # DeepSpeed: build no ops ahead of time (it JIT-compiles them on the image, against its own torch)
     env = dict(os.environ, DS_BUILD_OPS="0")
+    # what the image has: torch and Triton always; with --image-packages every package it lists.
+    # A listed version becomes a stand-in wheel (resolved against exactly, pinned on the image); a bare
+    # name is only left out of the wheelhouse (its version on the image must then satisfy dsa-train).
+    pinned = {name: version for name, version in image_packages.items()
+              if version and name not in IMAGE_PACKAGES + ("dsa-train", "pip")}
+    pinned.update(zip(IMAGE_PACKAGES, (torch_version, triton_version)))
+    on_image = set(IMAGE_PACKAGES) | (set(image_packages) - {"dsa-train"})
 
     with tempfile.TemporaryDirectory(prefix="dsa-wheelhouse-") as tmp_name:
         tmp = Path(tmp_name)
         stubs = tmp / "stubs"
         stubs.mkdir()
-        stub_reqs = [f"{name} @ {stub_wheel(name, version, stubs).as_uri()}"
-                     for name, version in zip(IMAGE_PACKAGES, (torch_version, triton_version))]
+        stub_reqs = [f"{name} @ {stub_wheel(name, version, stubs).as_uri()}" for name, version in sorted(pinned.items())]
         constraints = out / CONSTRAINTS_NAME
-        constraints.write_text("# the image's own torch and Triton: pip keeps them (make_wheelhouse.py)\n"
-                               f"torch=={torch_version}\ntriton=={triton_version}\n")
+        constraints.write_text("# the image's own packages: pip keeps them (make_wheelhouse.py)\n"
+                               + "".join(f"{name}=={version}\n" for name, version in sorted(pinned.items())))
 
         # 1. dsa-train itself, built from a copy of the source tree (the clone stays clean)
         src = tmp / "src"
@@ -257,7 +287,7 @@ def fill_wheelhouse(out: Path, torch_version: str, triton_version: str, python_v
                         "resolving on this machine (to find source-only packages)")
         for item in local:
             name, version = item["metadata"]["name"], item["metadata"]["version"]
-            if canonical(name) in IMAGE_PACKAGES + ("dsa-train",) or is_wheel_url(item):
+            if canonical(name) in on_image | {"dsa-train"} or is_wheel_url(item):
                 continue
             run_pip(["wheel", "--quiet", "--no-deps", "--wheel-dir", str(out), f"{name}=={version}"],
                     f"building a wheel of {name} {version} (published as source only)", env)
@@ -273,7 +303,7 @@ def fill_wheelhouse(out: Path, torch_version: str, triton_version: str, python_v
         install = resolve(stub_reqs + [own_req], [out], constraints, tmp / "target.json",
                           target + ["--target", str(tmp / "target")],
                           f"resolving for Python {python_version} on {', '.join(platforms)}")
-        needed = [item for item in install if canonical(item["metadata"]["name"]) not in IMAGE_PACKAGES]
+        needed = [item for item in install if canonical(item["metadata"]["name"]) not in on_image]
         pins = tmp / "pins.txt"
         pins.write_text("".join(f"{item['metadata']['name']}=={item['metadata']['version']}\n" for item in needed
                                 if canonical(item["metadata"]["name"]) != "dsa-train"))
@@ -283,14 +313,18 @@ def fill_wheelhouse(out: Path, torch_version: str, triton_version: str, python_v
                  "-r", str(pins)], f"downloading {len(needed) - 1} wheels")
         remove_unneeded(out, {canonical(item["metadata"]["name"]) for item in needed})
 
-        # 5. the check: the image's install, resolved from the wheelhouse alone (and the stand-ins)
+        # 5. the check: the image's install, resolved from the wheelhouse alone (and the stand-ins; an image
+        # package listed without a version stands in at the version resolved here, assumed to satisfy)
+        assumed = {canonical(item["metadata"]["name"]): item["metadata"]["version"] for item in install
+                   if canonical(item["metadata"]["name"]) in on_image - set(pinned)}
+        stub_reqs += [f"{name} @ {stub_wheel(name, version, stubs).as_uri()}" for name, version in sorted(assumed.items())]
         resolve(stub_reqs + [own_req.replace(str(own_wheel), "dsa-train")], [out], constraints,
                 tmp / "offline.json", target + ["--no-index", "--target", str(tmp / "offline")],
                 "checking that the wheelhouse alone satisfies the install (--no-index)", isolated_env())
 
     files = sorted(out.glob("*.whl"))
     size = sum(p.stat().st_size for p in files)
-    return {"wheels": len(files), "bytes": size,
+    return {"wheels": len(files), "bytes": size, "image_packages": len(on_image), "assumed_on_image": assumed,
             "install_target": f"dsa-train[{','.join(extras_list)}]" if extras_list else "dsa-train"}
 
 
@@ -312,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="dsa-train extras to include: 'train' (default: W&B, datasets, matplotlib, for "
                              "training runs) or '' (only what `dsa-train gpu-check` and the engine need)")
     parser.add_argument("--source", type=Path, default=REPO, help="the dsa_train source tree (default: this clone)")
+    parser.add_argument("--image-packages", type=Path, default=None,
+                        help="the image's `pip list --format=freeze` (or bare names): what it has is left out of "
+                             "the wheelhouse and pinned on the image (a GPU session's small kit)")
     args = parser.parse_args(argv)
     try:
         if args.probe:
@@ -323,8 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             raise WheelhouseError(f"missing {' '.join(missing)}: run `python make_wheelhouse.py --probe` on the "
                                   "image and pass the flags it prints")
+        image = read_image_list(args.image_packages) if args.image_packages else None
         summary = build_wheelhouse(args.out.resolve(), args.torch, args.triton, args.python_version, args.platforms,
-                                   args.extras, args.source.resolve())
+                                   args.extras, args.source.resolve(), image)
     except WheelhouseError as err:
         print(f"{ME}: {err}", file=sys.stderr)
         return 2
