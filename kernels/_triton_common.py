@@ -123,7 +123,42 @@ class Launch:
         return opts
 
     def run(self) -> None:
+        if interpreted():
+            interpreter_compat()
         self.kernel[self.grid](**self.args, **self.options())
+
+
+@functools.lru_cache(maxsize=None)
+def interpreter_compat() -> bool:
+    """Make Triton 3.6's interpreter run under numpy >= 2.4 (True when it patched something).
+
+    Its `tensor.__index__` is `int(handle.data)` on a one-element 1-D array, which numpy 2.4 refuses
+    ("only 0-dimensional arrays can be converted to Python scalars"): every `range(..., runtime
+    value)` loop of a kernel then fails under TRITON_INTERPRET=1. Triton 3.9 takes the scalar with
+    `.squeeze()`; this gives 3.6 the same, through the interpreter's own patch scope (restored after
+    each launch like its other patches). Nothing changes for compiled kernels or other versions."""
+    import inspect
+
+    try:
+        from triton.runtime import interpreter
+    except Exception:  # pragma: no cover - depends on the install
+        return False
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None:
+        return False
+    try:
+        source = inspect.getsource(original)
+    except (OSError, TypeError):
+        return False
+    if "int(self.handle.data))" not in source:  # not the 3.6 form (3.9 squeezes)
+        return False
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    return True
 
 
 def row_dot(a: torch.Tensor, b: torch.Tensor, chunk_elems: int) -> torch.Tensor:
