@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 import dsa_train
-from dsa_train.model.dtypes import FP32_CHECKPOINT_TENSORS, tensor_dtype, violations
+from dsa_train.model.dtypes import STORED_FP32, tensor_dtype, violations
 
 BF16 = torch.bfloat16
 
@@ -57,7 +57,7 @@ def test_pretrained_load_and_export_keep_the_policy(tmp_path):
     biases = [n for n in stored if n.endswith("mlp.gate.e_score_correction_bias")]
     assert biases, "no router bias exported"
     for name, dtype in stored.items():
-        if name.endswith(FP32_CHECKPOINT_TENSORS):
+        if name.endswith(STORED_FP32):
             assert dtype == "F32", (name, dtype)
     assert stored["model.layers.0.self_attn.q_a_proj.weight"] == "BF16"
 

@@ -26,13 +26,13 @@ from pathlib import Path
 import torch
 
 from ..model.config import DSAConfig
-from ..model.dtypes import FP32_CHECKPOINT_TENSORS
+from ..model.dtypes import STORED_FP32
 from .errors import CheckpointError
 from .fp8 import SCALE_SUFFIX, is_quantized_in_reference, quantize_fp8_blocks, scale_shape
 from .hf_layout import CONFIG_FILE, INDEX_FILE
 from .shard_writer import ShardWriter, Spec
 
-KEEP_FP32 = FP32_CHECKPOINT_TENSORS  # the dtype policy (dsa_train/model/dtypes.py); weights_proj is fp32 there too
+KEEP_FP32 = STORED_FP32  # the dtype policy (dsa_train/model/dtypes.py): as V3.2-Exp stores them
 # the demo tokenizer (dsa_train.data.tokenizer uses the same files; importing it would pull `datasets`)
 BUNDLED_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
 TOKENIZER_FILES = (

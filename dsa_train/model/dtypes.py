@@ -7,9 +7,9 @@ export: `stored_fp32`). tests/test_dtype_policy.py builds the model on each path
 every parameter and buffer.
 
 fp32, as DeepSeek's V3.2 checkpoints and inference code keep them:
-- parameters: the indexer's `weights_proj` (computed in fp32, never quantized) and `k_norm`'s weight
-  and bias;
-- the router's `e_score_correction_bias` (a buffer stored fp32 in the checkpoints: in bf16,
+- parameters: the indexer's `weights_proj` (computed in fp32, never quantized; V3.2-Exp stores it
+  bf16, and so does the export) and `k_norm`'s weight and bias;
+- the router's `e_score_correction_bias` (a buffer stored fp32 in the checkpoints, `STORED_FP32`: in bf16,
   0.5 + 1e-3 rounds back to 0.5 and the load-balancing update stalls);
 - every other floating buffer: the MoE token-load accumulators (counts above 256 are not integers
   in bf16), RoPE's `inv_freq` (bf16 frequencies put the angle of position 32K off by radians) and
@@ -24,8 +24,10 @@ from torch import nn
 
 # parameters kept in fp32
 FP32_PARAMETERS = ("indexer.weights_proj.weight", "indexer.k_norm.weight", "indexer.k_norm.bias")
-# checkpoint tensors stored in fp32 (parameters and persistent buffers), in checkpoints we read and write
+# checkpoint tensors held in fp32 in the model (parameters and persistent buffers), whatever a checkpoint stores
 FP32_CHECKPOINT_TENSORS = FP32_PARAMETERS + ("mlp.gate.e_score_correction_bias",)
+# what the V3.2-Exp layout stores in fp32 (the export writes these so): weights_proj is stored bf16 there
+STORED_FP32 = ("indexer.k_norm.weight", "indexer.k_norm.bias", "mlp.gate.e_score_correction_bias")
 
 
 def tensor_dtype(name: str, dtype: torch.dtype, buffer: bool = False) -> torch.dtype:
