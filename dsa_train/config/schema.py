@@ -191,6 +191,9 @@ class LoggingConfig:
     # Peak FLOP/s of one device for MFU. None: a table lookup for known GPUs (dense bf16),
     # on the CPU 96 GFLOP/s per core (fp32 FMA, 2x AVX2 units, 3 GHz).
     peak_flops: float | None = None
+    # global steps to run under torch.profiler: <run_dir>/profile/step_<N>.txt (dsa_train/logging/profile.py)
+    profile_steps: list[int] = field(default_factory=list)
+    profile_trace: bool = False  # also a Chrome trace per profiled step (tens of MB at 32K)
 
 
 class NonFinitePolicy(str, Enum):

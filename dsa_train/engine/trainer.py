@@ -46,6 +46,7 @@ from dsa_train.engine.summary import format_summary, summary_metrics
 from dsa_train.eval.in_training import TrainingEval
 from dsa_train.logging.perf import memory_metrics, peak_flops_per_device, throughput_metrics
 from dsa_train.logging.progress import StageProgress, describe_step
+from dsa_train.logging.profile import profiled
 from dsa_train.logging.wandb_run import METRICS_FILE, WandbRun
 from dsa_train.model import DSAForCausalLM, tiny_config
 from dsa_train.parallel.layout import init_layout
@@ -208,7 +209,9 @@ class Trainer:
             logged = (self.state.stage_step + 1) % self.cfg.logging.log_every == 0
             start = time.perf_counter()
             self.step_start = (self.loader.state_dict(), rng_state())  # the non-finite policy's checkpoint
-            step_metrics = self.train_step(self.next_micro_batches(stage), measure_recall=logged)
+            with profiled(self.state.global_step + 1, self.cfg.logging.profile_steps, self.run_dir, self.device,
+                          self.layout.rank, self.cfg.logging.profile_trace):
+                step_metrics = self.train_step(self.next_micro_batches(stage), measure_recall=logged)
             metrics = self.record_step(index, stage, step_metrics, start, flops, logged)
             progress.update(self.state.stage_step, stage.config.steps, metrics, logged)
             self.checkpoint_within_stage(stage)
