@@ -22,11 +22,40 @@ def test_checks_are_named_in_their_sections_with_their_shapes(tmp_path):
     for device, small, seq in (("cpu", True, "T=64"), ("cuda", False, "T=32768")):
         checks = e2e.checks(Options(device=device, small=small, out=tmp_path))
         assert [(c.name, c.section) for c in checks] == [("end-to-end.train_kill_resume", "end-to-end"),
+                                                        ("end-to-end.throughput", "end-to-end"),
                                                         ("nccl.ep2", "nccl")]
         assert all(c.section in SECTIONS for c in checks)
         assert seq in checks[0].shapes and "SIGKILL at step 7" in checks[0].shapes
+        assert seq in checks[1].shapes and "deterministic=false" in checks[1].shapes
     assert "Triton kernels" in checks[0].shapes and "small_32k cut to 2 layers" in checks[0].shapes
-    assert "T=8192" in checks[1].shapes and "NCCL" in checks[1].shapes
+    assert "sparse 8 steps" in checks[1].shapes and "torch.profiler on steps (3, 11)" in checks[1].shapes
+    assert "T=8192" in checks[2].shapes and "NCCL" in checks[2].shapes
+
+
+def test_throughput_profile_rows_and_report_table():
+    table = """# global step 3: 0.2 s wall
+
+## by self device time
+-------------  ------------
+Name           Self CUDA %
+-------------  ------------
+sparse_mla_fwd  40.1%  4.0ms
+aten::mm        20.0%  2.0ms
+-------------  ------------
+Self CPU time total: 1ms
+
+## by self CPU time
+Name  Self CPU %
+other  1%
+"""
+    assert e2e.top_rows(table, 5) == ["sparse_mla_fwd 40.1% 4.0ms", "aten::mm 20.0% 2.0ms"]
+    stage = {"tokens_per_s": 10.0, "plan_tokens_per_s": 20.0, "mfu": 0.1, "plan_mfu": 0.35, "step_time_s": 1.0,
+             "plan_step_s": 0.5, "peak_memory_gib": 1.0, "peak_memory_kind": "allocated", "plan_gib": 2.0}
+    md = "\n".join(e2e.markdown_lines({"name": "end-to-end.throughput", "metrics": {
+        "layout": "L", "deterministic": False, "stages": {"sparse": stage},
+        "profiles": {"11": ["sparse_mla_fwd 40.1% 4.0ms"]}, "profiled_by": "self device time"}}))
+    assert "steady state" in md and "deterministic=false" in md and "| sparse | 10 | 20 | 10.0% | 35.0% |" in md
+    assert "global step 11" in md and "sparse_mla_fwd 40.1% 4.0ms" in md
 
 
 def test_the_gpu_runs_are_valid_recipes_that_fit_the_gpu(tmp_path):

@@ -78,6 +78,19 @@ WARMUP_STEPS, SPARSE_STEPS = 3, 4
 CHECKPOINT_EVERY = 2  # checkpoints at global steps 2, 3 (warm-up end), 5, 7 (sparse end)
 RESUME_STEP = WARMUP_STEPS + 2  # the newest checkpoint when the kill comes (global step 5)
 KILL_STEP = RESUME_STEP + 2  # SIGKILL as global step 7 starts: step 6 is done, not checkpointed
+# end-to-end.throughput: the steady state the kill/resume runs are too short (and deterministic) to show.
+# Each stage's first THROUGHPUT_SKIPPED steps compile and autotune the kernels; the profiled steps are
+# the warm-up's last and the sparse stage's last (global numbering)
+THROUGHPUT_SPARSE_STEPS = 8
+THROUGHPUT_SKIPPED = 2
+THROUGHPUT_PROFILED = (WARMUP_STEPS, WARMUP_STEPS + THROUGHPUT_SPARSE_STEPS)
+SMALL_THROUGHPUT = (2, 1)  # --small (the CPU form: the code path, not a figure): sparse steps, skipped
+
+
+def throughput_steps(small: bool) -> tuple[int, int, tuple[int, int]]:
+    """(sparse steps, steps skipped per stage, profiled global steps) of end-to-end.throughput."""
+    sparse, skipped = SMALL_THROUGHPUT if small else (THROUGHPUT_SPARSE_STEPS, THROUGHPUT_SKIPPED)
+    return sparse, skipped, (WARMUP_STEPS, WARMUP_STEPS + sparse)
 COMPARED = ("train/loss", "train/lm_loss", "train/indexer_loss", "optim/grad_norm", "optim/lr")
 REPLAYED = ("train/loss", "train/lm_loss", "train/indexer_loss", "optim/lr")  # forward values and the schedule
 
@@ -116,12 +129,13 @@ class Layout:
                     "stages.sparse.topk=16", "stages.sparse.topk_recall_queries=8"]
         return [f"model.arch.num_hidden_layers={GPU_LAYERS}"]
 
-    def overrides(self, run_dir: Path, warmup_steps: int, sparse_steps: int, checkpoint_every: int) -> list[str]:
+    def overrides(self, run_dir: Path, warmup_steps: int, sparse_steps: int, checkpoint_every: int,
+                  deterministic: bool = True) -> list[str]:
         batch = self.world  # one sequence per data-parallel rank per step
         return [
             f"run_dir={run_dir}", f"device={self.device}", "~stages.pretrain", *self.model_overrides,
             f"data.seq_len={self.seq_len}", "data.micro_batch_size=1", "probe_batches=0",
-            "logging.wandb_mode=disabled", "logging.progress_bar=false", "deterministic=true",
+            "logging.wandb_mode=disabled", "logging.progress_bar=false", f"deterministic={str(deterministic).lower()}",
             f"stages.warmup.steps={warmup_steps}", f"stages.warmup.global_batch_size={batch}",
             f"stages.sparse.steps={sparse_steps}", f"stages.sparse.global_batch_size={batch}",
             "stages.sparse.warmup_steps=1", f"checkpoint.every_n_steps={checkpoint_every}", "checkpoint.keep_last=2",
@@ -151,14 +165,26 @@ def nccl_layout(opts: Options) -> Layout:
 # ---------------------------------------------------------------------------------------- checks
 def checks(opts: Options) -> list[Check]:
     one, two = single_layout(opts), nccl_layout(opts)
+    sparse, skipped, profiled = throughput_steps(opts.small)
     steps = (f"warm-up {WARMUP_STEPS} + sparse {SPARSE_STEPS} steps, checkpoint every {CHECKPOINT_EVERY}, "
              f"SIGKILL at step {KILL_STEP}, resume; vs dsa-train plan")
     nccl = ("2-rank EP2 launch on gloo (the CPU stand-in for NCCL)" if opts.device == "cpu"
             else "2-rank EP2 launch on NCCL (>= 2 GPUs; else skipped)")
     return [
         Check("end-to-end.train_kill_resume", "end-to-end", f"{one.describe()}; {steps}", run_train_kill_resume),
+        Check("end-to-end.throughput", "end-to-end",
+              f"{one.describe()}; warm-up {WARMUP_STEPS} + sparse {sparse} steps, deterministic=false, "
+              f"torch.profiler on steps {profiled}; median of each stage's steps after its first "
+              f"{skipped} vs dsa-train plan", run_throughput),
         Check("nccl.ep2", "nccl", f"{two.describe()}; warm-up 1 + sparse 2 steps; {nccl}", run_nccl_ep2),
     ]
+
+
+def run_throughput(opts: Options) -> Outcome:
+    try:
+        return _throughput(opts)
+    except StepFailed as err:
+        return Outcome("fail", str(err))
 
 
 def run_train_kill_resume(opts: Options) -> Outcome:
@@ -166,6 +192,12 @@ def run_train_kill_resume(opts: Options) -> Outcome:
         return _train_kill_resume(opts)
     except StepFailed as err:
         return Outcome("fail", str(err))
+
+
+# seconds on one GPU for budget.check_need_s: the kill/resume check measured 154 s on an H200 (the first
+# GPU session, docs/gpu-check/NVIDIA-H200/session-1); the throughput run and NCCL are estimates
+run_train_kill_resume.need_s = 180.0
+run_throughput.need_s = 150.0
 
 
 def run_nccl_ep2(opts: Options) -> Outcome:
@@ -242,6 +274,64 @@ def _train_kill_resume(opts: Options) -> Outcome:
     return Outcome(status, f"SIGKILL at step {KILL_STEP}, resumed from {resumed_from}: {verdict}; {figures}", metrics)
 
 
+def _throughput(opts: Options) -> Outcome:
+    """One uninterrupted run, not deterministic (the kernels' fast paths), long enough that each
+    stage's median is over steps after compilation and autotuning; two steps under torch.profiler
+    (their tables are kept beside the logs and their top kernels go into the report)."""
+    started = time.monotonic()
+    work = _fresh_work_dir(opts, "throughput")
+    layout = single_layout(opts)
+    plan = plan_estimate(layout, work / "plan-run")
+    run_dir = work / "run"
+    sparse, skipped, profiled = throughput_steps(opts.small)
+    cmd = [sys.executable, "-m", "dsa_train.parallel.train", "--config-name", RECIPE,
+           *layout.overrides(run_dir, WARMUP_STEPS, sparse, 0, deterministic=False),
+           f"logging.profile_steps=[{','.join(map(str, profiled))}]", *peak_flops_overrides(layout)]
+    log = work / "run.log"
+    code = run_logged(opts, cmd, log)
+    if code != 0:
+        raise StepFailed(f"the throughput run exited {code}: {last_error(log)} (log: {log})")
+    runs = attempts(run_dir)
+    rows = by_step(runs[-1]) if runs else {}
+    if sorted(rows) != list(range(1, WARMUP_STEPS + sparse + 1)):
+        raise StepFailed(f"the throughput run logged global steps {sorted(rows)} (log: {log})")
+    stages = stage_figures(runs[-1]["stages"], rows, layout.device, plan, skip=skipped)
+    from dsa_train.logging.profile import profile_path
+
+    profiles = {}
+    for step in profiled:
+        path = profile_path(run_dir, step, 0, ".txt")
+        if not path.is_file():
+            raise StepFailed(f"logging.profile_steps wrote no {path}")
+        shutil.copy2(path, work / path.name)
+        profiles[str(step)] = top_rows(path.read_text(), 12)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    metrics = {"layout": layout.describe(), "recipe": RECIPE, "seq_len": layout.seq_len, "stages": stages,
+               "deterministic": False, "plan": plan, "profiles": profiles, "skipped_steps": skipped,
+               "profiled_by": "self device time" if layout.device == "cuda" else "self CPU time", "seconds": round(time.monotonic() - started, 1),
+               "per_step": {str(s): {"stage": r["progress/stage"], "step_time_s": r["perf/step_time_s"],
+                                     "tokens_per_s": r["perf/tokens_per_s"]} for s, r in rows.items()},
+               "logs": str(work)}
+    figures = "; ".join(f"{name} {s['tokens_per_s']:.0f} tok/s (plan {s['plan_tokens_per_s']:.0f}), MFU "
+                        f"{fmt_pct(s['mfu'])} (plan {fmt_pct(s['plan_mfu'])}), step {s['step_time_s']:.3g} s "
+                        f"(plan {s['plan_step_s']:.3g}), peak {s['peak_memory_gib']:.2f} GiB" for name, s in stages.items())
+    return Outcome("pass", f"steady state over steps after each stage's first {skipped}: {figures}", metrics)
+
+
+def top_rows(table: str, n: int) -> list[str]:
+    """The first `n` operator rows of a profile table's first section (the header and rules left out)."""
+    rows, seen_header = [], False
+    for line in table.splitlines():
+        if line.startswith("## ") and seen_header and rows:
+            break
+        if line.strip().startswith("Name"):
+            seen_header = True
+            continue
+        if seen_header and line.strip() and not line.startswith(("-", "#", "Self ")) and len(rows) < n:
+            rows.append(" ".join(line.split()))
+    return rows
+
+
 def compare(reference: dict[int, dict], got: dict[int, dict], keys=COMPARED) -> list[dict]:
     """Every value of `keys` in `got` that is not exactly the reference's (a missing or non-finite
     value -- None in metrics.jsonl -- is a difference too)."""
@@ -307,7 +397,7 @@ def _max_rel(reference: dict[int, dict], got: dict[int, dict]) -> float:
     return worst
 
 
-def stage_figures(stage_names, rows: dict[int, dict], device: str, plan: dict) -> dict[str, dict]:
+def stage_figures(stage_names, rows: dict[int, dict], device: str, plan: dict, skip: int = 1) -> dict[str, dict]:
     """Per stage: median tokens/s, MFU, step time over the stage's steps after its first (which
     includes Triton compilation and engine start), the peak memory over all its steps, beside the
     plan's figures for the stage. `rows`: the run that had the device to itself (the killed one,
@@ -318,7 +408,7 @@ def stage_figures(stage_names, rows: dict[int, dict], device: str, plan: dict) -
         stage_rows = [rows[s] for s in sorted(rows) if rows[s]["progress/stage"] == index]
         if not stage_rows:
             raise StepFailed(f"the reference run logged no step of stage {name}")
-        timed = stage_rows[1:] or stage_rows
+        timed = stage_rows[skip:] or stage_rows
         memory_key = "perf/cuda_max_allocated_gib" if device == "cuda" else "perf/memory_rss_gib"
         p = planned[name]
         tokens_per_step = p["step_detail"]["tokens_per_step"]
@@ -346,7 +436,9 @@ def markdown_lines(result: dict) -> list[str]:
     m = result.get("metrics") or {}
     if "stages" not in m:
         return []
-    out = ["### End to end: measured beside `dsa-train plan`", "", f"{m['layout']}.", "",
+    title = "steady state (end-to-end.throughput)" if result.get("name") == "end-to-end.throughput" else "kill and resume"
+    out = [f"### End to end, {title}: measured beside `dsa-train plan`", "",
+           f"{m['layout']}{'' if m.get('deterministic', True) else ', deterministic=false'}.", "",
            "| stage | tokens/s | plan tokens/s | MFU | plan MFU | step s | plan step s | peak GiB | plan GiB |",
            "|---|---|---|---|---|---|---|---|---|"]
     for name, s in m["stages"].items():
@@ -364,6 +456,9 @@ def markdown_lines(result: dict) -> list[str]:
         for step, v in r["losses"].items():
             killed = "—" if v["killed"] is None else repr(v["killed"])
             out.append(f"| {step} | {v['reference']!r} | {killed} | {v['resumed']!r} |")
+    for step, rows in (m.get("profiles") or {}).items():
+        out += ["", f"torch.profiler, global step {step}, top operators by {m.get('profiled_by', 'self device time')} "
+                    "(name, self %, self time, total %, total time, time per call, calls):", "", "```", *rows, "```"]
     return out + [""]
 
 
