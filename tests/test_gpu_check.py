@@ -266,13 +266,15 @@ def test_no_time_is_kept_for_training_runs_that_cannot_start(monkeypatch):
     import time
 
     from dsa_train.gpucheck import e2e
-    from dsa_train.gpucheck.budget import SECTION_NEEDS_S, reserve_after
+    from dsa_train.gpucheck.budget import reserve_after
 
     opts = Options(device="cuda", deadline=time.monotonic() + 600)
     _select_needs(opts, ["correctness", "speed", "end-to-end"])
     speed = sum(need for sec, need in opts.selected_needs.values() if sec == "speed")
+    training = sum(need for sec, need in opts.selected_needs.values() if sec == "end-to-end")
+    assert training == e2e.run_train_kill_resume.need_s + e2e.run_throughput.need_s
     monkeypatch.setattr(e2e, "missing_packages", lambda: [])
-    assert reserve_after(opts, "correctness") == speed + SECTION_NEEDS_S["end-to-end"]
+    assert reserve_after(opts, "correctness") == speed + training
     monkeypatch.setattr(e2e, "missing_packages", lambda: ["deepspeed"])
     assert reserve_after(opts, "correctness") == speed
     assert reserve_after(opts, "speed") == 0.0
