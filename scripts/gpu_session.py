@@ -119,6 +119,28 @@ def prepare(kit: Path, image_file: Path, extras: str, limit_mib: float, probe_fl
     return summary
 
 
+def record_image(session_image: Path, image_file: Path) -> int:
+    """Rewrite the image list from a session's image.txt (its probe flags and pip freeze)."""
+    sections, current = {}, None
+    for line in session_image.read_text().splitlines():
+        if line.startswith("# "):
+            current = line[2:].strip()
+            sections[current] = []
+        elif current is not None and line.strip():
+            sections[current].append(line.strip())
+    probe, freeze = sections.get("probe"), sections.get("pip list --format=freeze")
+    if not probe or not probe[0].startswith("--python-version") or not freeze:
+        raise SessionError(f"{session_image} has no probe flags or pip freeze (is it a session's image.txt?)")
+    gpu = " ".join(sections.get("nvidia-smi", [])[1:2])
+    head = ["# The lent GPU machines' image: what it has, read by `scripts/gpu_session.py prepare` (left out of",
+            "# the session's kit, pinned there). Recorded by `gpu_session.py record-image` from a session's",
+            f"# image.txt ({time.strftime('%Y-%m-%d')}; {gpu or 'GPU not recorded'}).",
+            f"# probe: {probe[0]}"]
+    freeze = [ln for ln in freeze if "==" in ln and not ln.lower().startswith(("dsa-train==", "dsa_train=="))]
+    image_file.write_text("\n".join(head + freeze) + "\n")
+    return len(freeze)
+
+
 # ------------------------------------------------------------------------------------------- run
 class Session:
     def __init__(self, out: Path, budget_s: float, python: str, small: bool, device: str):
@@ -315,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--limit-mib", type=float, default=KIT_LIMIT_MIB)
     pp.add_argument("--probe-flags", default=None,
                     help="the image's make_wheelhouse.py --probe output (default: the image file's '# probe:' line)")
+    ri = sub.add_parser("record-image", help="rewrite the image list from a session's image.txt")
+    ri.add_argument("session_image", type=Path)
+    ri.add_argument("--image", type=Path, default=DEFAULT_IMAGE)
     pr = sub.add_parser("run", help="on the GPU machine: install the kit offline, then run the steps")
     pr.add_argument("--kit", type=Path, default=REPO / ".gpu-kit")
     pr.add_argument("--out", type=Path, required=True)
@@ -325,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = p.parse_args(argv)
     try:
+        if args.command == "record-image":
+            n = record_image(args.session_image, args.image)
+            print(f"{ME}: {args.image}: {n} packages of the image")
+            return 0
         if args.command == "prepare":
             s = prepare(args.kit.resolve(), args.image, args.extras, args.limit_mib,
                         shlex.split(args.probe_flags) if args.probe_flags else None)
