@@ -8,7 +8,7 @@ the device tool carries the working tree and at most 64 MiB):
     python scripts/gpu_session.py prepare [--kit .gpu-kit] [--image scripts/gpu-image/cuda.txt]
 
 The kit is a wheelhouse of dsa-train and only what the image lacks (DeepSpeed, megatron-core, Hydra,
-datasets, ...): `scripts/gpu-image/cuda.txt` lists what the image has (its `pip list --format=freeze`,
+...): `scripts/gpu-image/cuda.txt` lists what the image has (its `pip list --format=freeze`,
 written by the last session's `run` as image.txt), and `make_wheelhouse.py --image-packages` leaves
 those out and pins them.
 
@@ -17,7 +17,7 @@ On the GPU machine (offline; the image's python3, which is itself a venv):
     python3 scripts/gpu_session.py run --kit .gpu-kit --out "$OUT" [--budget-s 540] [--step NAME ...]
 
   1. image       the image's probe flags, `pip list --format=freeze`, nvidia-smi     -> image.txt
-  2. install     `pip install --no-index --find-links KIT -c KIT/image-constraints.txt dsa-train[data]`
+  2. install     `pip install --no-index --find-links KIT -c KIT/image-constraints.txt dsa-train`
                  into the image's own environment; if pip cannot (an old image package in the way),
                  `--target` + PYTHONPATH with the kit's wheels as they are (said in the log)
   3. the steps, in the order given (default: DEFAULT_STEPS), each with its own time box, skipped once
@@ -59,7 +59,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_IMAGE = REPO / "scripts" / "gpu-image" / "cuda.txt"
 KIT_LIMIT_MIB = 40.0  # the kit and the working tree together (the device tool carries 64 MiB)
 MAX_FILES = 8  # the device tool returns at most 8 files
-INSTALL_TARGET = "dsa-train[data]"
+INSTALL_TARGET = "dsa-train"  # the core: gpu-check's training runs read the bundled corpus (no `datasets`)
 # name -> seconds on an H200 (estimates until a session measures them; session.md records each)
 STEP_SECONDS = {"e2e": 300, "variants": 150, "speed": 200, "correctness": 150}
 DEFAULT_STEPS = ("e2e", "variants", "speed", "correctness")
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     pp = sub.add_parser("prepare", help="on a connected machine: build the kit (a wheelhouse of what the image lacks)")
     pp.add_argument("--kit", type=Path, default=REPO / ".gpu-kit")
     pp.add_argument("--image", type=Path, default=DEFAULT_IMAGE, help="the image's pip list --format=freeze")
-    pp.add_argument("--extras", default="data")
+    pp.add_argument("--extras", default="", help="dsa-train extras in the kit (default: none, the core)")
     pp.add_argument("--limit-mib", type=float, default=KIT_LIMIT_MIB)
     pp.add_argument("--probe-flags", default=None,
                     help="the image's make_wheelhouse.py --probe output (default: the image file's '# probe:' line)")

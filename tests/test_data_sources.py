@@ -113,3 +113,64 @@ def test_hub_dataset_without_network_gives_clear_error(tmp_path):
                             timeout=120)
     assert result.returncode != 0
     assert "DataSourceError" in result.stderr and "not a local file" in result.stderr
+
+
+def _via_datasets(specs, **kwargs):
+    """The same sources read by Hugging Face `datasets` (the reader the local one replaces)."""
+    import datasets
+
+    from dsa_train.data.sources import resolve_source
+
+    out = []
+    for spec in specs:
+        for src in resolve_source(spec):
+            kw = {"sample_by": kwargs.get("txt_sample_by", "document")} if src.builder == "text" else {}
+            ds = datasets.load_dataset(src.builder, data_files=list(src.files), split="train",
+                                       cache_dir=kwargs.get("cache_dir"), **kw)
+            field = "text" if src.builder == "text" else kwargs.get("text_field", "text")
+            out += list(ds[field])
+    return out
+
+
+def test_local_reader_gives_the_documents_datasets_gives(tmp_path):
+    """Every local format, compressed or not, split into documents exactly as `datasets` splits
+    them (same order, same text, None where a record lacks the field)."""
+    import bz2
+    import gzip
+
+    from dsa_train.data.sources import LocalDocuments
+
+    records = [{"text": "a\r\nb"}, {"text": "", "x": 1}, {"other": "no text"}, {"text": "ünï ☃"}, {"text": None}]
+    write_jsonl(tmp_path / "a.jsonl", records)
+    (tmp_path / "b.json").write_text(json.dumps(records))
+    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in records).encode()))
+    (tmp_path / "d.txt").write_text("p1 line\r\np1 more\n\n\n\np2\n\nlast")
+    (tmp_path / "e.txt.bz2").write_bytes(bz2.compress("solo\n".encode()))
+    pq.write_table(pa.table({"text": ["x", None, "z"], "n": [1, 2, 3]}), tmp_path / "f.parquet")
+    hf = str(tmp_path / "hf")
+    for sample_by in ("document", "paragraph"):
+        specs = [str(tmp_path / n) for n in ("a.jsonl", "b.json", "c.jsonl.gz", "d.txt", "e.txt.bz2", "f.parquet")]
+        ours = load_documents(specs, txt_sample_by=sample_by, cache_dir=hf)
+        assert all(isinstance(p, LocalDocuments) for p in ours.parts)
+        got = [t for batch in ours.iter(batch_size=2) for t in batch["text"]]
+        assert got == _via_datasets(specs, txt_sample_by=sample_by, cache_dir=hf)
+        assert len(ours) == len(got)
+
+
+def test_local_files_and_the_bundled_corpus_load_without_datasets(tmp_path):
+    """`datasets` is the `data` extra: local sources never import it; a hub source says how to get it."""
+    path = write_jsonl(tmp_path / "a.jsonl", [{"text": "one"}, {"text": "two"}])
+    code = (
+        "import sys; sys.modules['datasets'] = None\n"  # any `import datasets` now raises ImportError
+        "from dsa_train.data.sources import load_documents, iter_texts, DataSourceError\n"
+        f"docs = load_documents(['bundled', {str(path)!r}])\n"
+        "n = sum(len(b) for b in iter_texts(docs))\n"
+        "assert n > 400, n\n"
+        "try:\n"
+        "    load_documents(['some-owner/some-dataset'])\n"
+        "except DataSourceError as err:\n"
+        "    print('HUB:', err)\n"
+        "print('OK', n)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "OK" in result.stdout and "dsa-train[data]" in result.stdout and "datasets" in result.stdout

@@ -258,3 +258,111 @@ def test_offline_install_on_an_image_keeps_its_torch_and_triton(tmp_path):
     assert shown[-1] == "[]", shown
     dry_run = _run([image / "bin" / "dsa-train", "gpu-check", "--dry-run"], env=offline, cwd=tmp_path)
     assert "correctness" in dry_run and "end-to-end" in dry_run, dry_run[-2000:]
+
+
+# --- the GPU session's kit and run, rehearsed on the CPU -----------------------------------------
+
+SESSION = REPO / "scripts" / "gpu_session.py"
+
+
+def test_image_list_reads_freeze_lines_and_bare_names(tmp_path):
+    listed = tmp_path / "image.txt"
+    listed.write_text("# a comment\nNumPy==2.5.2\npyarrow\n\ntyping_extensions==4.15.0  # trailing\n")
+    assert make_wheelhouse.read_image_list(listed) == {"numpy": "2.5.2", "pyarrow": None,
+                                                       "typing-extensions": "4.15.0"}
+    listed.write_text("numpy==\n")
+    with pytest.raises(make_wheelhouse.WheelhouseError, match=r"image.txt:1: 'numpy==' is not"):
+        make_wheelhouse.read_image_list(listed)
+
+
+def test_session_record_image_keeps_the_probe_and_the_freeze(tmp_path):
+    session_image = tmp_path / "image.txt"
+    session_image.write_text("# probe\n--python-version 3.12 --platform manylinux_2_39_x86_64 --torch 2.11.0 "
+                             "--triton 3.6.0\n\n# pip list --format=freeze\nnumpy==2.5.2\ndsa-train==0.1.0\n\n"
+                             "# python\n3.12.3 (main)\n\n# nvidia-smi\nname, memory\nNVIDIA H200, 143771 MiB\n")
+    image = tmp_path / "cuda.txt"
+    _run([sys.executable, SESSION, "record-image", session_image, "--image", image])
+    text = image.read_text()
+    assert "# probe: --python-version 3.12 --platform manylinux_2_39_x86_64" in text and "NVIDIA H200" in text
+    assert make_wheelhouse.read_image_list(image) == {"numpy": "2.5.2"}  # dsa-train itself is never the image's
+
+
+def test_session_run_refuses_a_missing_kit_or_a_used_out_in_one_line(tmp_path):
+    for args, needle in ((["--kit", tmp_path / "nokit", "--out", tmp_path / "o"], "prepare"),):
+        proc = subprocess.run([sys.executable, SESSION, "run", *args], capture_output=True, text=True)
+        assert proc.returncode == 2 and needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_the_committed_image_list_has_probe_flags_and_versions():
+    image = REPO / "scripts" / "gpu-image" / "cuda.txt"
+    packages = make_wheelhouse.read_image_list(image)
+    assert packages["torch"] and packages["triton"] and len(packages) > 100
+    probe = [line for line in image.read_text().splitlines() if line.startswith("# probe:")]
+    assert len(probe) == 1 and "--python-version 3.12" in probe[0]
+
+
+@pytest.mark.slow  # resolution for the GPU image's Python 3.12 (pip's cache): ~30 s
+def test_gpu_kit_for_the_committed_image_fits_in_40_mib(tmp_path):
+    """`prepare` for the lent GPU image as recorded (scripts/gpu-image/cuda.txt): only what it lacks,
+    under 40 MiB with the working tree."""
+    import json
+
+    kit = tmp_path / "kit"
+    _run([sys.executable, SESSION, "prepare", "--kit", kit])
+    summary = json.loads((kit / "kit.json").read_text())
+    assert summary["total_mib"] < 40, summary
+    names = {_canonical(w.split("-")[0]) for w in summary["wheels"]}
+    assert {"dsa-train", "deepspeed", "megatron-core", "hydra-core", "omegaconf"} <= names
+    image = make_wheelhouse.read_image_list(REPO / "scripts" / "gpu-image" / "cuda.txt")
+    assert not names & set(image), names & set(image)  # nothing the image has travels
+
+
+@pytest.mark.slow  # the wheel kit, an offline install and three trainer runs + the NCCL stand-in: ~5 min on 2 busy cores
+def test_gpu_session_rehearsal_installs_the_wheel_offline_and_trains(tmp_path):
+    """`scripts/gpu_session.py` as a GPU session runs it, on an image-like venv here: `prepare` builds
+    the kit for this image (what its pip freeze lacks), `run` installs the built dsa-train wheel
+    offline into the image's own environment (not editable, outside the source tree) and runs
+    gpu-check's end-to-end checks from it: both stages, kill -9 and resume, the throughput run with
+    its profiler, and the 2-rank EP2 launch (gloo)."""
+    import json
+    import tarfile
+
+    image = tmp_path / "image"
+    _make_image(image)
+    image_python = image / "bin" / "python"
+    freeze = tmp_path / "image-freeze.txt"
+    freeze.write_text(_run([image_python, "-m", "pip", "list", "--format=freeze"]))
+    flags = _run([image_python, SCRIPT, "--probe"]).strip()
+    kit = tmp_path / "kit"
+    # this image has only torch, Triton and their needs (no numpy, ...): its kit is larger than the GPU
+    # image's (test_gpu_kit_fits below), within the device tool's 64 MiB
+    out = _run([sys.executable, SESSION, "prepare", "--kit", kit, "--image", freeze, "--probe-flags", flags,
+                "--limit-mib", "64"])
+    assert "with the working tree" in out
+    names = {_canonical(p.name.split("-")[0]) for p in kit.glob("*.whl")}
+    assert {"dsa-train", "deepspeed", "megatron-core", "hydra-core"} <= names
+    assert not names & {"torch", "triton", "wandb", "matplotlib", "datasets", "pyarrow"}, names
+
+    offline = _offline_env(tmp_path / "home")
+    session_out = tmp_path / "out"
+    proc = subprocess.run([str(image_python), str(SESSION), "run", "--kit", str(kit), "--out", str(session_out),
+                           "--small", "--device", "cpu", "--python", str(image_python), "--step", "e2e"],
+                          env=offline, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1500)
+    files = sorted(p.name for p in session_out.iterdir())
+    summary = (session_out / "session.md").read_text() if (session_out / "session.md").exists() else proc.stdout[-3000:]
+    assert proc.returncode == 0, summary + (session_out / "session.log").read_text()[-4000:]
+    assert len(files) <= 8 and {"session.md", "session.log", "image.txt", "reports.tar.gz", "e2e.json"} <= set(files)
+    assert "| install | ok |" in summary and "| e2e | ok |" in summary
+    # installed from the wheel into the image's own site-packages, torch and Triton untouched
+    site = _site_packages(image)
+    assert (site / "dsa_train" / "eval" / "in_training.py").is_file()
+    assert not list(site.glob("__editable__*dsa_train*"))
+    report = json.loads((session_out / "e2e.json").read_text())
+    status = {c["name"]: (c["status"], c["summary"]) for c in report["checks"]}
+    for name in ("end-to-end.train_kill_resume", "end-to-end.throughput", "nccl.ep2"):
+        assert status[name][0] == "pass", (name, status[name])
+    assert f"{site}/dsa_train/__init__.py" in (session_out / "session.log").read_text()  # the import step's print
+    with tarfile.open(session_out / "reports.tar.gz") as tar:
+        members = tar.getnames()
+    assert any(m.endswith("throughput/step_00000003.txt") for m in members), members[:20]
+    assert any(m.endswith("end-to-end/killed.log") for m in members)

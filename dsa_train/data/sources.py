@@ -14,8 +14,12 @@ A *source* is one string in ``DataConfig.sources``:
 * a Hugging Face hub dataset: ``"owner/name"`` or ``"owner/name:config"`` (split from
   ``split``). Needs network access (or a populated HF cache); otherwise a clear error.
 
-All loading goes through Hugging Face ``datasets``; with ``streaming=True`` the result is a
-``datasets.IterableDataset`` that reads lazily (for corpora that do not fit on disk/in RAM).
+Local files (the bundled corpus included) load without Hugging Face ``datasets``: the standard
+library reads JSON lines, JSON arrays and text (plain, .gz, .bz2, .xz), pyarrow reads parquet
+(`LocalDocuments`), in the same order and with the same documents as ``datasets`` would. Hub
+datasets, ``.zst``/``.lz4`` files and ``streaming=True`` (a ``datasets.IterableDataset`` that reads
+lazily and shuffles in a buffer, for corpora that do not fit on disk/in RAM) go through
+``datasets``, imported only then: it is the ``data`` extra (``pip install 'dsa-train[data]'``).
 
 Documents whose text is empty or whitespace are skipped and counted (``DocumentStats``), not
 fatal. A missing file, an empty file and a missing text field are errors that name the path
@@ -30,11 +34,12 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Union
-
-import datasets
+from typing import TYPE_CHECKING, Any, Iterator, Union
 
 from dsa_train.errors import DSATrainError
+
+if TYPE_CHECKING:
+    import datasets
 
 BUNDLED_SOURCE = "bundled"
 BUNDLED_CORPUS = Path(__file__).resolve().parents[1] / "assets" / "corpus" / "demo_corpus.jsonl"
@@ -45,7 +50,9 @@ _BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json",
 _COMPRESSION_SUFFIXES = {".gz", ".bz2", ".xz", ".zst", ".lz4"}
 _GLOB_CHARS = set("*?[")
 
-TextDataset = Union[datasets.Dataset, datasets.IterableDataset]
+TextDataset = Union["datasets.Dataset", "datasets.IterableDataset", "LocalDocuments", "ChainedDocuments"]
+# compressions the standard library reads (the local reader); .zst / .lz4 need `datasets` (fsspec)
+_STDLIB_COMPRESSION = {"", ".gz", ".bz2", ".xz"}
 
 
 class DataSourceError(DSATrainError, ValueError):
@@ -177,10 +184,180 @@ def _select_text_column(dataset: TextDataset, source: ResolvedSource, text_field
     return dataset
 
 
+def hf_datasets(why: str):
+    """The `datasets` module, or one line saying how to get it (it is the `data` extra)."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataSourceError(f"{why} needs the Hugging Face `datasets` package, which is not installed",
+                              fix="pip install 'dsa-train[data]' (or 'dsa-train[train]')") from None
+    return datasets
+
+
+def _compression(path: str) -> str:
+    suffix = Path(path).suffix.lower()
+    return suffix if suffix in _COMPRESSION_SUFFIXES else ""
+
+
+def reads_locally(source: ResolvedSource, streaming: bool) -> bool:
+    """Whether `LocalDocuments` reads this source (else `datasets` does)."""
+    return (not streaming and source.builder in ("json", "text", "parquet")
+            and all(_compression(f) in _STDLIB_COMPRESSION for f in source.files))
+
+
+class LocalDocuments:
+    """The documents of one local source, read without `datasets`: one ``text`` value per record, in
+    file order (files sorted by path, records in file order), None where a record lacks the field.
+    Implements what the readers use of a `datasets.Dataset`: ``iter(batch_size)``, iteration,
+    ``len``, ``column_names``."""
+
+    column_names = ["text"]
+
+    def __init__(self, source: ResolvedSource, text_field: str, txt_sample_by: str):
+        self.source, self.text_field, self.txt_sample_by = source, text_field, txt_sample_by
+        self._len: int | None = None
+
+    # -- records of one file
+    def _json_records(self, path: str) -> Iterator[Any]:
+        with _open_text(path) as f:
+            head = b""
+            while not head.strip():  # the first non-blank bytes tell a JSON array from JSON lines
+                chunk = f.read(4096)
+                if not chunk:
+                    return
+                head += chunk
+            rest = f.read() if head.lstrip()[:1] == b"[" else None
+            if rest is not None:
+                yield from json.loads((head + rest).decode("utf-8"))
+                return
+            pending = head
+            while True:
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        yield json.loads(line.decode("utf-8"))
+                chunk = f.read(1 << 20)
+                if not chunk:
+                    break
+                pending += chunk
+            if pending.strip():
+                yield json.loads(pending.decode("utf-8"))
+
+    def _text_records(self, path: str) -> Iterator[str]:
+        with _open_text(path) as f:
+            # universal newlines, as `datasets`' text builder reads in text mode
+            text = f.read().decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+        if self.txt_sample_by == "document":
+            yield text
+        else:  # paragraphs: split on blank lines, empty pieces dropped
+            yield from (part for part in text.split("\n\n") if part)
+
+    def _texts(self) -> Iterator[Any]:
+        field = self.text_field
+        for path in self.source.files:
+            if self.source.builder == "text":
+                yield from self._text_records(path)
+            elif self.source.builder == "parquet":
+                import pyarrow.parquet as pq
+
+                for batch in pq.ParquetFile(path).iter_batches(columns=[field], batch_size=4096):
+                    yield from batch.column(0).to_pylist()
+            else:
+                for record in self._json_records(path):
+                    if not isinstance(record, dict):
+                        raise ValueError(f"a JSON record must be an object, got {type(record).__name__}")
+                    yield record.get(field)
+
+    # -- the dataset interface
+    def check_field(self) -> None:
+        """A source whose records never hold the text field is an error that names its fields."""
+        if self.source.builder == "text":
+            return
+        seen: list[str] = []
+        if self.source.builder == "parquet":
+            import pyarrow.parquet as pq
+
+            for path in self.source.files:
+                names = pq.ParquetFile(path).schema_arrow.names
+                if self.text_field in names:
+                    return
+                seen += [n for n in names if n not in seen]
+        else:
+            try:
+                for path in self.source.files:
+                    for record in self._json_records(path):
+                        if isinstance(record, dict):
+                            if self.text_field in record:
+                                return
+                            seen += [k for k in record if k not in seen]
+            except (ValueError, UnicodeDecodeError, OSError) as err:
+                raise unreadable_source_error([self.source], err) from err
+        where = self.source.files[0] if len(self.source.files) == 1 else f"{self.source.spec} ({len(self.source.files)} files)"
+        raise DataSourceError(
+            f"Data source {where} has no field {self.text_field!r}; its fields are {sorted(seen)}. "
+            f"Fix: set data.text_field to the field holding the document text.")
+
+    def __iter__(self) -> Iterator[dict]:
+        for text in self._texts():
+            yield {"text": text}
+
+    def iter(self, batch_size: int) -> Iterator[dict]:
+        batch: list = []
+        for text in self._texts():
+            batch.append(text)
+            if len(batch) == batch_size:
+                yield {"text": batch}
+                batch = []
+        if batch:
+            yield {"text": batch}
+
+    def __len__(self) -> int:
+        if self._len is None:
+            self._len = sum(1 for _ in self._texts())
+        return self._len
+
+
+class ChainedDocuments:
+    """Several sources' documents one after the other (what `datasets.concatenate_datasets` gives)."""
+
+    column_names = ["text"]
+
+    def __init__(self, parts: list):
+        self.parts = parts
+
+    def __iter__(self) -> Iterator[dict]:
+        for part in self.parts:
+            yield from part
+
+    def iter(self, batch_size: int) -> Iterator[dict]:
+        for part in self.parts:
+            yield from part.iter(batch_size=batch_size)
+
+    def __len__(self) -> int:
+        return sum(len(part) for part in self.parts)
+
+
 def load_resolved_source(source: ResolvedSource, text_field: str = "text", *,
                          streaming: bool = False, txt_sample_by: str = "document",
                          split: str = "train", cache_dir: str | None = None) -> TextDataset:
     """Load one resolved source as a dataset with exactly one column, ``text``."""
+    if source.builder == "text" and txt_sample_by not in ("document", "paragraph"):
+        raise DataSourceError(f"txt_sample_by must be 'document' (one document per .txt file) or "
+                              f"'paragraph' (split on blank lines), got {txt_sample_by!r}")
+    if reads_locally(source, streaming):
+        for path in source.files:
+            _check_file_not_empty(path)
+        # every line read once up front, as `datasets` parses a whole source at load: a line that is not
+        # UTF-8 or not JSON is refused now, naming its file and line, not minutes into a run
+        where = first_bad_line(source)
+        if where is not None:
+            raise DataSourceError(f"data source {where}",
+                                  fix="fix or delete that line (or remove the file from data.sources), then run again")
+        documents = LocalDocuments(source, text_field, txt_sample_by)
+        documents.check_field()
+        return documents
+    datasets = hf_datasets(f"data source {source.spec!r}"
+                           + (" with data.streaming=true" if streaming else ""))
     if source.builder == "hub":
         name, _, config_name = source.spec.partition(":")
         try:
@@ -278,7 +455,11 @@ def load_documents(sources: list[str] | str, text_field: str = "text", *, stream
     parts = [load_resolved_source(resolved, text_field, streaming=streaming,
                                   txt_sample_by=txt_sample_by, split=split, cache_dir=cache_dir)
              for spec in sources for resolved in resolve_source(spec)]
-    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    if len(parts) == 1:
+        return parts[0]
+    if streaming:
+        return hf_datasets("data.streaming=true").concatenate_datasets(parts)
+    return ChainedDocuments(parts)
 
 
 def is_empty_text(text: object) -> bool:

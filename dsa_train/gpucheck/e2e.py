@@ -47,7 +47,7 @@ model takes ~9 s instead of ~0.2 s), and `nccl.ep2` runs the same 2-rank EP2 lau
 labelled as such: the code path, not NCCL.
 
 Needs what the trainer imports: hydra-core, omegaconf, DeepSpeed, megatron-core, tokenizers and
-`datasets` (the `train` extra: the data loader imports it); each is looked up before anything runs
+the core install (no `datasets`: the bundled corpus is read without it); each is looked up before anything runs
 and a missing one is one failing line. W&B is never imported (`logging.wandb_mode=disabled`).
 Logs and each run's `metrics.jsonl` are kept under `<out>/end-to-end/` and `<out>/nccl/`; the
 checkpoints are deleted once a check passed.
@@ -94,12 +94,11 @@ def throughput_steps(small: bool) -> tuple[int, int, tuple[int, int]]:
 COMPARED = ("train/loss", "train/lm_loss", "train/indexer_loss", "optim/grad_norm", "optim/lr")
 REPLAYED = ("train/loss", "train/lm_loss", "train/indexer_loss", "optim/lr")  # forward values and the schedule
 
-# module the trainer imports -> the pip distribution that provides it. `datasets` is in the
-# `train` extra, not the core: the data loader (dsa_train/data/sources.py) imports it, so a run
-# of the trainer needs it even on the bundled corpus.
+# module the trainer imports -> the pip distribution that provides it. `datasets` is not needed: the
+# runs read the bundled corpus, which the data loader reads without it (dsa_train/data/sources.py).
 REQUIRED = {
     "hydra": "hydra-core", "omegaconf": "omegaconf", "deepspeed": "deepspeed", "megatron.core": "megatron-core",
-    "tokenizers": "tokenizers", "safetensors": "safetensors", "rich": "rich", "datasets": "datasets",
+    "tokenizers": "tokenizers", "safetensors": "safetensors", "rich": "rich",
 }
 # inherited variables that would change what the runs do (fault switch, a torchrun/Slurm rank's
 # identity and restart count, a shared W&B service, a forced backend)
