@@ -150,10 +150,13 @@ def run_hydra(argv: list[str], train) -> int:
             from dsa_train.logging.wandb_run import resolve_mode
             from dsa_train.runtime import require_train_extra
 
-            # the data sources read through `datasets`; W&B unless the run's mode (auto: WANDB_MODE
-            # included) resolves to disabled
+            from dsa_train.data.sources import needs_hf_datasets
+
+            # `datasets` where a source is read through it (hub, streaming, .zst); W&B unless the run's
+            # mode (auto: WANDB_MODE included) resolves to disabled
             wandb = () if resolve_mode(train_cfg.logging.wandb_mode) == "disabled" else ("wandb",)
-            require_train_extra("datasets", *wandb)
+            data = train_cfg.data
+            require_train_extra(*(("datasets",) if needs_hf_datasets(data.sources, data.streaming) else ()), *wandb)
             train(train_cfg)
 
         code = run_reporting(run_training)

@@ -50,6 +50,7 @@ def require_train_extra(*packages: str, purpose: str = "training") -> None:
     if missing:
         from dsa_train.errors import DSATrainError
 
+        extra = "data" if missing == ["datasets"] else "train"
         raise DSATrainError(f"{purpose} needs {', '.join(missing)}, which this installation lacks (a core install) — "
-                            f"install the train extra: pip install \"dsa-train[train]\" (offline on a cluster "
-                            f"image: the wheelhouse of docs/install.md with EXTRAS=train)")
+                            f"install the {extra} extra: pip install \"dsa-train[{extra}]\" (offline on a cluster "
+                            f"image: the wheelhouse of docs/install.md with EXTRAS={extra})")

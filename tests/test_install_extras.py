@@ -29,23 +29,25 @@ def test_require_train_extra_names_the_package_and_the_extra():
     assert 'dsa-train[train]' in msg and "docs/install.md" in msg
 
 
-def test_training_without_datasets_is_one_line(tmp_path):
+def test_a_hub_source_without_datasets_is_one_line_naming_the_data_extra(tmp_path):
+    """Local files and the bundled corpus train without `datasets` (dsa_train/data/sources.py reads
+    them); a Hugging Face hub source needs it, and says so before anything runs."""
     proc = subprocess.run([sys.executable, "-c", BLOCKED, "profile=smoke", f"run_dir={tmp_path}/run",
-                           "logging.wandb_mode=disabled"],
+                           "logging.wandb_mode=disabled", "data.sources=[some-owner/some-corpus]"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     err = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert any("datasets" in line and "dsa-train[train]" in line for line in err), proc.stderr[-2000:]
+    assert any("datasets" in line and "dsa-train[data]" in line for line in err), proc.stderr[-2000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_wandb_disabled_through_the_environment_is_not_required(tmp_path, monkeypatch):
-    # wandb_mode auto with WANDB_MODE=disabled never imports wandb (wandb_run.resolve_mode): only
-    # datasets is named missing
-    monkeypatch.setenv("WANDB_MODE", "disabled")
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    proc = subprocess.run([sys.executable, "-c", BLOCKED, "profile=smoke", f"run_dir={tmp_path}/run"],
+def test_wandb_logging_without_wandb_is_one_line_and_datasets_is_not_asked_for(tmp_path, monkeypatch):
+    # the bundled corpus needs no `datasets`; offline W&B logging needs wandb: only wandb is named
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    proc = subprocess.run([sys.executable, "-c", BLOCKED, "profile=smoke", f"run_dir={tmp_path}/run",
+                           "logging.wandb_mode=offline"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     err = [line for line in proc.stderr.splitlines() if "dsa-train[train]" in line]
     assert proc.returncode == 2 and len(err) == 1, proc.stderr[-2000:]
-    assert "datasets" in err[0] and "wandb" not in err[0], err[0]
+    assert "wandb" in err[0] and "datasets" not in err[0], err[0]

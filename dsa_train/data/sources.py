@@ -205,6 +205,15 @@ def reads_locally(source: ResolvedSource, streaming: bool) -> bool:
             and all(_compression(f) in _STDLIB_COMPRESSION for f in source.files))
 
 
+def needs_hf_datasets(sources: list[str], streaming: bool) -> bool:
+    """Whether reading `sources` imports `datasets` (a hub dataset, streaming, a .zst/.lz4 file).
+    A source that does not resolve says False: the loader reports it, in its own words."""
+    try:
+        return any(not reads_locally(r, streaming) for spec in sources for r in resolve_source(spec))
+    except DataSourceError:
+        return False
+
+
 class LocalDocuments:
     """The documents of one local source, read without `datasets`: one ``text`` value per record, in
     file order (files sorted by path, records in file order), None where a record lacks the field.

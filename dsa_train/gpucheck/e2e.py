@@ -534,9 +534,9 @@ def require_packages() -> None:
     missing = missing_packages()
     if missing:
         raise StepFailed(f"missing Python package(s) {', '.join(missing)}, which the training runs import: install "
-                         "dsa-train with its `train` extra from a wheelhouse, python -m pip install --no-index "
-                         "--find-links wheelhouse -c wheelhouse/image-constraints.txt 'dsa-train[train]' "
-                         "(docs/install.md)")
+                         "dsa-train's core from a wheelhouse, python -m pip install --no-index "
+                         "--find-links wheelhouse -c wheelhouse/image-constraints.txt 'dsa-train' "
+                         "(docs/install.md; a GPU session: scripts/gpu_session.py)")
 
 
 def peak_flops_overrides(layout: Layout) -> list[str]:
