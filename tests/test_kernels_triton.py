@@ -247,11 +247,13 @@ def test_radix_select_low_bit_differences_and_multiple_tiles():
         assert torch.equal(idx.cpu(), ridx) and torch.equal(val.cpu(), rval)
 
 
-def test_select_autotuning_as_on_a_gpu(monkeypatch, tmp_path):
+@pytest.mark.parametrize("composite_ms", [3.0, 0.5])
+def test_select_autotuning_as_on_a_gpu(monkeypatch, tmp_path, composite_ms):
     """`_select_chunk` driven as on a GPU (timing forced, the interpreter runs the launches): the
-    other config is verified against the default (same index sets), both are timed into the real
-    outputs, the faster (here: b2048-w4, by a fake clock) is chosen and remembered, and the
-    selection equals the reference's."""
+    other radix config and the composite torch.topk path are verified against the default (same
+    index sets), all three are timed into the real outputs, the fastest by a fake clock (b2048-w4,
+    or the composite path when it is faster) is chosen and remembered, and the selection equals
+    the reference's."""
     from dsa_kernels import autotune
     from dsa_kernels.ops.indexer_topk import kernel as TK
 
@@ -263,6 +265,9 @@ def test_select_autotuning_as_on_a_gpu(monkeypatch, tmp_path):
     def pick_as_on_a_gpu(kernel, key, names, build, on_gpu, device_id="", bench=None, verify=None):
         def fake_bench(launch):
             launch.run()
+            if isinstance(launch, TK._CompositeSelect):
+                timed.append("composite")
+                return composite_ms
             timed.append((launch.args["BLOCK"], launch.num_warps))
             return 1.0 if launch.num_warps == 4 else 2.0
 
@@ -277,12 +282,16 @@ def test_select_autotuning_as_on_a_gpu(monkeypatch, tmp_path):
     scores = torch.randn(1, 6, 300, generator=g)
     scores[0, 1, ::4] = float("-inf")
     scores[0, 2, 20:] = float("-inf")  # fewer valid keys than k
+    scores[0, 3, 100:200] = 0.25  # ties across the threshold
     idx, val = TK._select_chunk(scores.to(DEV), 3, 32)
     ridx, rval = topk_from_scores(scores, 32, key_offset=3)
     assert torch.equal(idx.cpu(), ridx) and torch.equal(val.cpu(), rval)
-    assert verified == ["b2048-w4"]
-    assert sorted(timed) == [(512, 4), (512, 8)]  # a 300-score row: one block of pow2(300) at each warps
-    assert list(autotune.choices("indexer_topk_select").values()) == ["b2048-w4"]
+    assert verified == ["b2048-w4", TK.COMPOSITE_CONFIG]
+    assert sorted(timed, key=str) == sorted([(512, 4), (512, 8), "composite"], key=str)  # a 300-score row: one block
+    want = TK.COMPOSITE_CONFIG if composite_ms < 1.0 else "b2048-w4"
+    assert list(autotune.choices("indexer_topk_select").values()) == [want]
+    idx2, val2 = TK._select_chunk(scores.to(DEV), 3, 32)  # the remembered choice, nothing timed again
+    assert torch.equal(idx2.cpu(), ridx) and torch.equal(val2.cpu(), rval) and len(timed) == 3
 
 
 def test_radix_select_never_selects_non_finite_scores():
