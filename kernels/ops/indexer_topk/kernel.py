@@ -31,6 +31,9 @@ chunk only a [B, C, W] fp32 (or opt-in bf16) score block exists (W = the chunk's
    non-finite scores are never selected.
 3. The k selected (score, index) pairs are ordered by a stable descending sort in PyTorch, so
    the output equals the reference's (sorted scores, ties to the lower index).
+The select's second path (`composite.py`): torch.topk on int64 composites (order-preserving score
+bits, then the inverted key index), already in the reference's order. On a GPU `_select_chunk`
+lets the autotuner verify it against the radix default and time both; `select=` forces one.
 """
 
 from __future__ import annotations
