@@ -385,7 +385,7 @@ def topk_check(T: int, cp: bool = False):
                                                                    f"other: {paths_equal}"))
         return Outcome("pass" if ok else "fail", summary, metrics)
 
-    return _budget(T, 6.0, 0.6)(fn)
+    return _budget(T, 5.0, 0.6)(fn)
 
 
 # ----------------------------------------------------------------------------- indexer KL
