@@ -19,6 +19,7 @@ from dsa_kernels.ops.indexer_topk.composite import (  # noqa: E402
     composite_keys_torch,
     plan_composite_keys,
     topk_composite,
+    topk_fix_ties,
 )
 from dsa_kernels.ops.indexer_topk.kernel import _select_chunk, indexer_topk_triton  # noqa: E402
 
@@ -64,6 +65,36 @@ def test_composite_topk_equals_the_reference_on_hard_rows(topk):
     for budget in (1 << 25, 700):  # one slice of rows, or three rows at a time
         idx, val = topk_composite(s, topk, 5, use_kernel=False, budget_elems=budget)
         assert torch.equal(idx, ridx) and torch.equal(val, rval), budget
+        idx, val = topk_fix_ties(s, topk, 5, budget_elems=budget)
+        assert torch.equal(idx, ridx) and torch.equal(val, rval), ("fix-ties", budget)
+
+
+def test_fix_ties_redoes_only_the_rows_tied_at_the_kth_score(monkeypatch):
+    # rows without a tie at the k-th score come from torch.topk on the fp32 scores alone; a tie
+    # across the boundary, or a NaN / +inf pick, sends that row (only) through the composite path
+    from dsa_kernels.ops.indexer_topk import composite
+
+    g = torch.Generator().manual_seed(2)
+    s = torch.randn(1, 6, 200, generator=g)
+    s[0, 1, 50:150] = 3.0  # 100 keys tie above all others: a tie across the k-th for k < 100
+    s[0, 3, 7] = float("nan")
+    s[0, 4, ::2] = 0.0
+    s[0, 4, 1::2] = -1.0  # 100 zeros: tied at the k-th for k < 100
+    redone = []
+    real = composite.topk_composite
+
+    def spy(rows, topk, key_offset=0, **kw):
+        redone.append(rows.shape[1])
+        return real(rows, topk, key_offset, **kw)
+
+    monkeypatch.setattr(composite, "topk_composite", spy)
+    idx, val = topk_fix_ties(s, 20, 0)
+    ridx, rval = topk_from_scores(s, 20)
+    assert torch.equal(idx, ridx) and torch.equal(val, rval)
+    assert redone == [3]  # rows 1, 3, 4
+    redone.clear()
+    idx, val = topk_fix_ties(s[:, [0, 2, 5]], 20, 0)
+    assert redone == [] and torch.equal(idx, ridx[:, [0, 2, 5]])
 
 
 def test_composite_key_order_is_score_then_lower_index():
@@ -93,7 +124,7 @@ def test_composite_kernel_builds_the_same_keys_as_torch():
     assert torch.equal(idx.cpu(), ridx) and torch.equal(val.cpu(), rval)
 
 
-@pytest.mark.parametrize("path", ["composite", "radix"])
+@pytest.mark.parametrize("path", ["composite", "fix-ties", "radix"])
 def test_select_paths_agree_with_the_reference(path):
     s = hard_scores()
     for topk in (1, 64, 300):
@@ -113,7 +144,7 @@ def test_composite_path_end_to_end_packed_documents_and_all_tie_rows():
     q[1, 44] = 0
     ds = doc_start([[19, 7, 19], [45]])
     ridx, rval = indexer_topk_ref(q, k, w, ds, topk)
-    for select in ("composite", "radix"):
+    for select in ("composite", "fix-ties", "radix"):
         idx, val = indexer_topk_triton(q, k, w, ds, topk, select=select, chunk_size=11)
         assert torch.equal(idx, ridx) and torch.equal(val, rval), select
     assert (ridx[0, 0, 1:] == -1).all()  # the first token has one key: -1 tail
@@ -134,5 +165,6 @@ def test_composite_path_at_context_parallel_positions():
     ds = doc_start([[23, 41]])
     p = local_positions(T, cp, 1, device=DEV)
     ridx, rval = indexer_topk_at_positions_ref(q[:, p], k, w[:, p], ds, topk, p)
-    idx, val = indexer_topk_triton(q[:, p], k, w[:, p], ds, topk, query_positions=p, select="composite", chunk_size=10)
-    assert torch.equal(idx, ridx) and torch.equal(val, rval)
+    for select in ("composite", "fix-ties"):
+        idx, val = indexer_topk_triton(q[:, p], k, w[:, p], ds, topk, query_positions=p, select=select, chunk_size=10)
+        assert torch.equal(idx, ridx) and torch.equal(val, rval), select

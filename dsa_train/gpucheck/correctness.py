@@ -280,7 +280,7 @@ def _run_topk(q, k, w, ds, K_, pos, cp: bool, select: str | None = None):
     return K.indexer_topk(q, k, w, ds, K_)
 
 
-TOPK_PATHS = (None, "radix", "composite")  # the entry point, then each select path forced
+TOPK_PATHS = (None, "radix", "composite", "fix-ties")  # the entry point, then each select path forced
 
 
 def _ref_topk(q, k, w, ds, K_, pos, rows, opts, full: bool):
@@ -303,8 +303,9 @@ def topk_check(T: int, cp: bool = False):
     every row whose k-th and (k+1)-th reference scores are apart by more than 2^-20 of the scale
     (the kernel and the reference sum in different orders), and the scores within 2^-12.
     Each input runs through the entry point (the autotuned select) and through each select path
-    forced (the Triton radix select, torch.topk on composite keys); both paths select from the same
-    score block, so their outputs must also be identical to each other, near-ties included."""
+    forced (the Triton radix select, torch.topk on composite keys, torch.topk on the scores with
+    tied rows redone); the paths select from the same score block, so their outputs must also be
+    identical to each other, near-ties included."""
 
     def fn(opts: Options) -> Outcome:
         d, dev = dims_for(opts.small), _device(opts)
@@ -324,7 +325,7 @@ def topk_check(T: int, cp: bool = False):
         ridx, rval = _ref_topk(q, k, w, ds, d.K, pos, rows, opts, full)
         short = int(((ridx < 0).any(-1)).sum())
         # off the GPU the entry point runs the radix default (nothing is timed): not run twice
-        paths = TOPK_PATHS if opts.device == "cuda" else (None, "composite")
+        paths = TOPK_PATHS if opts.device == "cuda" else (None, "composite", "fix-ties")
         grid_res = {}
         for path in paths:
             idx, val = _run_topk(q, k, w, ds, d.K, pos, cp, path)
@@ -362,13 +363,14 @@ def topk_check(T: int, cp: bool = False):
                                          "near_tie_rows_not_compared": near,
                                          "scores": compare(got_v[clear], rval[clear], TOL["scores"])}
             picks[path] = idx
-        # the two paths select from the same score block: identical outputs on every row, near-ties too
-        paths_equal = bool(torch.equal(picks.get("radix", picks[None]), picks["composite"]))
+        # the paths select from the same score block: identical outputs on every row, near-ties too
+        radix = picks.get("radix", picks[None])
+        paths_equal = all(bool(torch.equal(radix, picks[p])) for p in ("composite", "fix-ties"))
         del picks
 
         metrics = {"rows_compared": int(rows.shape[0]), "queries": Tq, "grid": grid_res["entry"],
                    "random": rand_res["entry"], "paths": {"grid": grid_res, "random": rand_res,
-                                                          "radix_equals_composite_random": paths_equal}}
+                                                          "paths_equal_random": paths_equal}}
         ok = paths_equal and all(
             g["rows_index_mismatch"] == 0 and g["rows_score_mismatch"] == 0 and g["all_tie_rows_wrong"] == 0
             and r["rows_set_mismatch"] == 0 and r["scores"]["ok"] for g, r in zip(grid_res.values(), rand_res.values()))
@@ -380,7 +382,7 @@ def topk_check(T: int, cp: bool = False):
                    f"score rows differ of {rows.shape[0]} ({short} with < k keys), all-tie rows "
                    f"{len(tie_rows) - g['all_tie_rows_wrong']}/{len(tie_rows)} take the lowest keys; random: "
                    f"{r['rows_set_mismatch']} sets differ ({near} near-tie rows not compared), scores "
-                   f"{r['scores']['err']:.2g}/{r['scores']['tol']:.2g}; radix and composite paths "
+                   f"{r['scores']['err']:.2g}/{r['scores']['tol']:.2g}; radix, composite and fix-ties paths "
                    + ("exact too, equal to each other" if ok else f"failing: {bad_paths or 'none'}, equal to each "
                                                                    f"other: {paths_equal}"))
         return Outcome("pass" if ok else "fail", summary, metrics)

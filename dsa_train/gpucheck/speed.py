@@ -239,7 +239,7 @@ def indexer_topk_speed(opts: Options) -> Outcome:
     table.add("scores+select", "ours", _time_ms(lambda: K.indexer_topk(q, k, w, ds, d.K), opts),
               2 * causal * d.H_I * d.D_I)
     # the last C rows' score block over the whole row: our select (autotuned: the radix select's
-    # configs and the composite-key torch.topk path), each path forced, and plain torch.topk
+    # configs and the two torch.topk paths), each path forced, and plain torch.topk
     C = min(T, 4096)
     scores, k0 = index_scores_triton(q, k, w, ds, T - C, T)
     block_pairs = C * (T - C) + C * (C + 1) // 2
@@ -247,7 +247,7 @@ def indexer_topk_speed(opts: Options) -> Outcome:
               2 * block_pairs * d.H_I * d.D_I)
     sel = "select (last rows)"
     table.add(sel, "ours", _time_ms(lambda: _select_chunk(scores, k0, d.K), opts))
-    for path in ("radix", "composite"):
+    for path in ("radix", "composite", "fix-ties"):
         table.baseline(f"{path} select", lambda p=path: {sel: _time_ms(lambda: _select_chunk(scores, k0, d.K, path=p),
                                                                        opts)}, {})
     table.baseline("torch.topk", lambda: {sel: _time_ms(lambda: torch.topk(scores, d.K, dim=-1), opts)}, {})
@@ -373,7 +373,7 @@ def checks(opts: Options) -> list[Check]:
                                            f"PyTorch, FlashMLA/TileLang anchors; {how}",
               _budgeted(40, sparse_mla_speed)),
         Check("speed.indexer_topk", "speed", f"T={T} H_I={d.H_I} d_I={d.D_I} k={d.K}; scores+select; our select "
-                                             f"(autotuned), radix and composite-key paths vs torch.topk on the "
+                                             f"(autotuned), radix / composite-key / fix-ties paths vs torch.topk on the "
                                              f"same rows; {how}", _budgeted(25, indexer_topk_speed)),
         Check("speed.sparse_indexer_kl", "speed", f"T={T} k={d.K} H={d.H} H_I={d.H_I}; fwd, bwd; ours vs chunked "
                                                   f"PyTorch; {how}", _budgeted(30, sparse_kl_speed)),

@@ -16,6 +16,10 @@ involution on the key); a composite whose key is INT32_MIN is an empty slot (-1,
 come last. A bf16 score block is widened to fp32 first (exact), so the selection is that of the
 bf16 scores, as the radix select's.
 
+`topk_fix_ties` is a third way to the same answer: torch.topk on the fp32 scores (k + 1 of them),
+the k picks ordered by their composites, and only the rows that tie across the k-th score (or pick
++inf / NaN) redone through the composite path.
+
 `composite_keys_torch` is the map in PyTorch (the specification, CPU); on the GPU one Triton pass
 (`_composite_keys_kernel`: read the score, write the int64) builds it, a slice of rows at a time so
 the int64 block is no larger than the fp32 score block. `topk_composite(scores, topk, key_offset)`
@@ -37,15 +41,20 @@ COMPOSITE_BLOCK = 1024  # scores per program of the key kernel
 COMPOSITE_BUDGET_ELEMS = 1 << 25
 
 
-def composite_keys_torch(scores: torch.Tensor) -> torch.Tensor:
-    """scores [..., W] fp32 / bf16 -> int64 composites [..., W] (module docstring)."""
+def composite_keys_torch(scores: torch.Tensor, columns: torch.Tensor | None = None,
+                         width: int | None = None) -> torch.Tensor:
+    """scores [..., W] fp32 / bf16 -> int64 composites [..., W] (module docstring). columns / width:
+    the scores' key columns (int, same shape) in a row of `width` keys (default: 0..W-1 of W)."""
     x = scores.float()
     x = torch.where(x == 0, torch.zeros((), dtype=x.dtype, device=x.device), x)  # -0.0 -> +0.0
     bits = x.view(torch.int32)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     key = torch.where(torch.isfinite(x), key, torch.full_like(key, INT32_MIN))
-    W = scores.shape[-1]
-    inv = torch.arange(W - 1, -1, -1, device=scores.device, dtype=torch.int64)
+    if columns is None:
+        W = scores.shape[-1]
+        inv = torch.arange(W - 1, -1, -1, device=scores.device, dtype=torch.int64)
+    else:
+        inv = (width - 1) - columns.to(torch.int64)
     return (key.to(torch.int64) << 32) | inv
 
 
@@ -115,4 +124,42 @@ def topk_composite(scores: torch.Tensor, topk: int, key_offset: int = 0, use_ker
         idx[r0:r0 + step, :kk] = i
         val[r0:r0 + step, :kk] = v
         del comp, top
+    return idx.view(B, C, topk), val.view(B, C, topk)
+
+
+def topk_fix_ties(scores: torch.Tensor, topk: int, key_offset: int = 0,
+                  budget_elems: int = COMPOSITE_BUDGET_ELEMS) -> tuple[torch.Tensor, torch.Tensor]:
+    """`topk_from_scores`' contract from torch.topk on the scores themselves (fp32, no int64 block):
+    torch.topk picks k + 1 per row; where the k-th and (k+1)-th scores differ the k selected keys are
+    the only valid set, and ordering them by their composites ([rows, k] int64, one sort) gives the
+    reference's order. Rows where they tie across the boundary (which of the equal keys make the cut
+    decides the set), or whose picks include +inf / NaN (torch.topk ranks them first; the contract
+    never selects them), are redone by `topk_composite` on those rows alone: one host sync per call
+    to learn whether there are any. Its speed depends on how many rows tie at the k-th score."""
+    B, C, W = scores.shape
+    kk = min(topk, W)
+    rows = scores.reshape(B * C, W)
+    x = rows if rows.dtype == torch.float32 else rows.float()
+    idx = torch.full((B * C, topk), -1, dtype=torch.int32, device=scores.device)
+    val = torch.full((B * C, topk), float("-inf"), dtype=torch.float32, device=scores.device)
+    bad_all = []
+    step = max(1, budget_elems // max(W, 1))
+    for r0 in range(0, B * C, step):
+        part = x[r0:r0 + step]
+        v, i = torch.topk(part, min(kk + 1, W), dim=-1, largest=True, sorted=True)
+        sel_v, sel_i = v[:, :kk], i[:, :kk]
+        # +inf / NaN picked, or a tie across the boundary (only when a (k+1)-th key exists)
+        bad = (torch.isnan(sel_v) | (sel_v == float("inf"))).any(-1)
+        if kk < W:
+            bad |= (v[:, kk] == v[:, kk - 1]) & torch.isfinite(v[:, kk - 1])
+        top = torch.sort(composite_keys_torch(sel_v, sel_i, W), dim=-1, descending=True).values
+        i2, v2 = decode(top, W, key_offset)
+        idx[r0:r0 + step, :kk] = i2
+        val[r0:r0 + step, :kk] = v2
+        bad_all.append(bad)
+    bad = torch.cat(bad_all)
+    if bool(bad.any()):  # the one host sync: redo the ambiguous rows exactly
+        redo = bad.nonzero().squeeze(1)
+        ri, rv = topk_composite(rows[redo].view(1, -1, W), topk, key_offset)
+        idx[redo], val[redo] = ri[0], rv[0]
     return idx.view(B, C, topk), val.view(B, C, topk)

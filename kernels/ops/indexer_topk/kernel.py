@@ -31,9 +31,10 @@ chunk only a [B, C, W] fp32 (or opt-in bf16) score block exists (W = the chunk's
    non-finite scores are never selected.
 3. The k selected (score, index) pairs are ordered by a stable descending sort in PyTorch, so
    the output equals the reference's (sorted scores, ties to the lower index).
-The select's second path (`composite.py`): torch.topk on int64 composites (order-preserving score
-bits, then the inverted key index), already in the reference's order. On a GPU `_select_chunk`
-lets the autotuner verify it against the radix default and time both; `select=` forces one.
+The select's torch.topk paths (`composite.py`): torch.topk on int64 composites (order-preserving
+score bits, then the inverted key index), already in the reference's order; or torch.topk on the
+fp32 scores with the rows tied at the k-th score redone that way. On a GPU `_select_chunk` lets
+the autotuner verify them against the radix default and time all; `select=` forces one.
 """
 
 from __future__ import annotations
@@ -496,24 +497,28 @@ def _score_chunk(q, k, w, doc_start, positions, r0, r1, k0, k_end, qs=None, ks=N
 
 
 # The select's paths (`_select_chunk`'s `path`): "radix" (the Triton radix select over
-# `select_config_space`), "composite" (torch.topk on composite int64 keys, `composite.py`), None (both:
-# the autotuner verifies the composite path's index sets against the radix default and times all).
-SELECT_PATHS = ("radix", "composite")
+# `select_config_space`), "composite" (torch.topk on composite int64 keys, `composite.py`),
+# "fix-ties" (torch.topk on the fp32 scores, rows tied at the k-th score redone by the composite
+# path; `composite.topk_fix_ties`), None (all: the autotuner verifies the torch paths' index sets
+# against the radix default and times every candidate).
+SELECT_PATHS = ("radix", "composite", "fix-ties")
 COMPOSITE_CONFIG = "torch-topk-composite"  # the composite path's name in the autotuning space
+FIX_TIES_CONFIG = "torch-topk-fix-ties"
+TORCH_SELECTS = {COMPOSITE_CONFIG: "topk_composite", FIX_TIES_CONFIG: "topk_fix_ties"}
 
 
 class _CompositeSelect:
-    """The composite path as a launch the autotuner can plan, verify and time: run() writes the
+    """A torch.topk path as a launch the autotuner can plan, verify and time: run() writes the
     sorted selection into idx / val."""
 
-    def __init__(self, scores, idx, val, k0: int, topk: int):
-        self.scores, self.idx, self.val, self.k0, self.topk = scores, idx, val, k0, topk
+    def __init__(self, scores, idx, val, k0: int, topk: int, name: str = COMPOSITE_CONFIG):
+        self.scores, self.idx, self.val, self.k0, self.topk, self.name = scores, idx, val, k0, topk, name
         self.kernel, self.num_warps, self.args = None, 0, {}
 
     def run(self) -> None:
-        from .composite import topk_composite
+        from . import composite
 
-        i, v = topk_composite(self.scores, self.topk, self.k0)
+        i, v = getattr(composite, TORCH_SELECTS[self.name])(self.scores, self.topk, self.k0)
         self.idx.copy_(i)
         self.val.copy_(v)
 
@@ -522,9 +527,9 @@ def _select_chunk(scores: torch.Tensor, k0: int, topk: int, block: int | None = 
                   cap: int = CANDIDATE_CAP, bin_count_out: list | None = None, path: str | None = None):
     """-> (idx, val) [B, C, topk] sorted as the reference; bin_count_out (a list) receives the
     kernel's per-row candidate counts [B, C] (-1: the row's threshold bin overflowed `cap` and
-    took the streaming path; nothing when the composite path ran). path: one of SELECT_PATHS, or
-    None: on a GPU the autotuner picks among the radix configs and the composite path by timing
-    (each verified against the radix default first); off the GPU the radix default runs."""
+    took the streaming path; nothing when a torch.topk path ran). path: one of SELECT_PATHS, or
+    None: on a GPU the autotuner picks among the radix configs and the two torch.topk paths by
+    timing (each verified against the radix default first); off the GPU the radix default runs."""
     if path is not None and path not in SELECT_PATHS:
         raise ValueError(f"select path must be one of {SELECT_PATHS} or None (autotuned); got {path!r}")
     B, C, W_LEN = scores.shape
@@ -535,14 +540,16 @@ def _select_chunk(scores: torch.Tensor, k0: int, topk: int, block: int | None = 
 
     idx, val = outputs()
     space = {cfg[0]: cfg for cfg in select_config_space(target_capability(scores))}
-    names = [] if path == "composite" else list(space)
-    if path != "radix":
+    names = list(space) if path in (None, "radix") else []
+    if path in (None, "composite"):
         names.append(COMPOSITE_CONFIG)
+    if path in (None, "fix-ties"):
+        names.append(FIX_TIES_CONFIG)
     buffers = []
 
     def build(name, idx=idx, val=val):  # timing runs write the same selection into idx / val again
-        if name == COMPOSITE_CONFIG:
-            return _CompositeSelect(scores, idx, val, k0, topk)
+        if name in TORCH_SELECTS:
+            return _CompositeSelect(scores, idx, val, k0, topk, name)
         if not buffers:
             buffers.extend(candidate_buffers(B, C, cap, scores.device))
         return plan_select(scores, idx, val, *buffers, k0, topk, config=space[name])
@@ -620,7 +627,8 @@ def indexer_topk_triton(
     those rounded scores in two 8-bit radix passes instead of three 11-bit ones: the selection
     is then `topk_from_scores` of the bf16-rounded scores (same tie and non-finite rules), not
     of the fp32 scores; the returned scores are the bf16 values. Default fp32: exactly the
-    reference. select: the selection path (`_select_chunk`: "radix", "composite", None = autotuned)."""
+    reference. select: the selection path (`_select_chunk`: "radix", "composite", "fix-ties",
+    None = autotuned)."""
     if score_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"score_dtype must be torch.float32 or torch.bfloat16; got {score_dtype}")
     if select is not None and select not in SELECT_PATHS:
