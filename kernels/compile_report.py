@@ -21,7 +21,8 @@ first on the PYTHONPATH of a fresh process. Every row records the Triton that co
 
 Gate (`gate_failures`; `tests/test_kernels_compile.py` runs it in `make test` for every
 (Triton, arch) pair of `GATE_TARGETS`, through `run_reports`, as `dsa-train kernels gate` does): the kernel compiles, does not spill, fits in the
-per-block shared memory of the architecture, and, when its work is dot products
+per-block shared memory of the architecture (a spill listed in `ALLOWED_SPILLS`, with the GPU
+measurement that earned it, passes up to its listed bytes), and, when its work is dot products
 (`KernelCase.dots`: every kernel but the radix top-k selection), uses the architecture's
 tensor-core instructions: wgmma on sm_90a (mma.sync alone does not count there), tcgen05.mma or
 mma.sync on sm_100, mma.sync on sm_80.
@@ -62,6 +63,24 @@ _TENSOR_CORE_RE = {key: re.compile(rf"\b{re.escape(ins)}\b") for key, ins in TEN
 # Per compute capability, the instructions of which a dot-product kernel needs at least one.
 # sm_90a: wgmma; a kernel whose dots all fall back to mma.sync leaves Hopper's warpgroup MMA unused.
 # sm_100: wgmma is sm_90a-only; Triton 3.9 emits tcgen05.mma, and mma.sync for some dot shapes.
+# Spills the gate allows, each earned by a GPU measurement (docs/kernels.md "Measured on a GPU"):
+# (kernel, config label prefix, Triton major.minor, compute capability) -> the most spill bytes
+# (ptxas stores + loads) allowed. The split sparse-MLA backward at 32-key tiles and 3 stages ran
+# 478 ms against the 16-key default's 709-727 ms on an H200 (Triton 3.6, T = 32K, k = 2048);
+# ptxas: 255 registers, 396 B spilled (the GPU's Triton reported n_spills 46: local memory / 4).
+ALLOWED_SPILLS = {
+    ("_sparse_mla_bwd_kernel", "autotune config split-k32-s3 ", "3.6", 90): 396,
+}
+
+
+def allowed_spill(row: dict, cap: int) -> int:
+    """The spill bytes `ALLOWED_SPILLS` grants this row's (kernel, config, Triton, arch); 0 if none."""
+    minor = ".".join(str(row.get("triton", "")).split(".")[:2])
+    return max([b for (kernel, prefix, version, c), b in ALLOWED_SPILLS.items()
+                if row["kernel"] == kernel and row["config"].startswith(prefix) and version == minor and c == cap],
+               default=0)
+
+
 TENSOR_CORE_REQUIRED = {80: ("mma_sync",), 90: ("wgmma",), 100: ("tcgen05_mma", "mma_sync")}
 
 # The keys of a report row, in the JSON and table order (`gate`: the gate's failures, one string each).
@@ -270,8 +289,9 @@ def gate_failures(row: dict, cap: int, dots: bool) -> list[str]:
     fails = []
     if row["error"]:
         return [f"does not compile: {row['error']}"]
-    if row["spill_bytes"]:
-        fails.append(f"spills {row['spill_bytes']} bytes")
+    if row["spill_bytes"] > allowed_spill(row, cap):
+        allowed = allowed_spill(row, cap)
+        fails.append(f"spills {row['spill_bytes']} bytes" + (f" (allowed: {allowed}, ALLOWED_SPILLS)" if allowed else ""))
     if row.get("global_writes") == 0:
         fails.append("compiles to a kernel that writes no global memory (a lone trap?)")
     if row["shared_bytes"] > SMEM_LIMIT[cap]:
@@ -499,7 +519,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"GATE FAIL {r['op']} {r['kernel']}: {f}")
     if not failing:
         cores = " or ".join(map(TENSOR_CORE_PTX.get, TENSOR_CORE_REQUIRED[ARCHES[args.arch]]))
-        print(f"gate (Triton {have_version}, {args.arch}): every kernel compiles, none spills, shared memory "
+        allowed = [r for r in rows if r["spill_bytes"]]  # spills within ALLOWED_SPILLS
+        listed = ", ".join(f"{r['kernel']} {r['spill_bytes']} B" for r in allowed)
+        spills = "none spills" + (f" beyond ALLOWED_SPILLS ({listed})" if allowed else "")
+        print(f"gate (Triton {have_version}, {args.arch}): every kernel compiles, {spills}, shared memory "
               f"within the limit, every dot-product kernel uses {cores}")
     if args.json:
         print(json.dumps([{k: r[k] for k in ROW_KEYS} for r in rows]))

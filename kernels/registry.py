@@ -36,6 +36,7 @@ SHAPES_671B = dict(B=1, T=131072, H=128, D=576, D_V=512, D_QK_MHA=192, D_V_MHA=1
 # of them. Every other registered kernel must use tensor cores.
 DOT_FREE_KERNELS = {
     "_radix_topk_kernel": "radix top-k selection: digit histograms, prefix sums and compares, no tl.dot",
+    "_composite_keys_kernel": "top-k composite keys: an elementwise bit map of the scores, no tl.dot",
 }
 
 # The op names the report uses, in report order.

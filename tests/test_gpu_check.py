@@ -342,6 +342,29 @@ def test_correctness_checks_fail_on_a_wrong_kernel(monkeypatch):
     assert out.metrics["random"]["rows_set_mismatch"] == 1
 
 
+def test_topk_check_fails_on_a_wrong_composite_path(monkeypatch):
+    """correctness.indexer_topk runs each select path forced: a composite path that breaks one tie
+    the wrong way fails the check even when the entry point (the radix select here) is right."""
+    from dsa_kernels.ops.indexer_topk import composite
+    from dsa_train.gpucheck import correctness
+
+    real = composite.topk_composite
+
+    def one_swapped_tie(scores, topk, key_offset=0, **kw):
+        idx, val = real(scores, topk, key_offset, **kw)
+        if idx.shape[1] > 50:  # a whole chunk (not the fix-ties path's few redone rows)
+            idx[0, 50, [0, 1]] = idx[0, 50, [1, 0]]  # row 50's first two slots exchanged
+        return idx, val
+
+    monkeypatch.setattr(composite, "topk_composite", one_swapped_tie)
+    out = correctness.topk_check(64)(Options(device="cpu", small=True))
+    assert out.status == "fail", out.summary
+    paths = out.metrics["paths"]
+    assert paths["grid"]["entry"]["rows_index_mismatch"] == 0
+    assert paths["grid"]["composite"]["rows_index_mismatch"] == 1
+    assert not paths["paths_equal_random"] and "composite" in out.summary
+
+
 def test_speed_table_counts_tflops_and_anchors_as_on_a_gpu(tmp_path):
     """The GPU branch of the speed report, with made-up timings: TFLOPS from the FLOP count,
     baselines as time / ours, the anchors as ours / anchor, all in report.md."""

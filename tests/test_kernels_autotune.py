@@ -143,12 +143,25 @@ def test_every_backward_config_is_in_the_compile_gate(capability):
     with planning_for(capability):
         built = [c for c in cases(["sparse_mla_bwd"])
                  if not c.config.startswith("CP ") and "DETERMINISTIC=True" not in c.config]
-    got = {(c.kernel_name, None, None) if "SPLIT" in c.launch.args
-           else (c.kernel_name, c.launch.args["BLOCK_K"], c.launch.num_stages) for c in built}
+    got = {(c.kernel_name, c.launch.args["BLOCK_K"] if c.launch.args["BLOCK_K"] != 16 or "SPLIT" not in c.launch.args
+            else None, c.launch.num_stages) for c in built}
     want = {("_sparse_mla_bwd_kernel" if schedule == "split" else "_sparse_mla_bwd_interleaved_kernel", bk, st)
             for _, schedule, bk, st in bwd_config_space(capability)}
     assert got == want
     assert bwd_config_space(capability)[0][1] == "split"  # the measured kernel stays the default
+
+
+def test_backward_space_follows_the_triton_version():
+    """Under Triton 3.6 Hopper's backward space adds the split kernel at 32 keys x 3 stages (478 vs
+    709-727 ms on an H200; its spill is listed in the gate's ALLOWED_SPILLS); 3.9 and sm_100 do not."""
+    from dsa_kernels import compile_report
+
+    extra = set(bwd_config_space(90, "3.6.0")) - set(bwd_config_space(90, "3.9.0"))
+    assert extra == {("split-k32-s3", "split", 32, 3)}
+    assert bwd_config_space(90, "3.9.0") == BWD_CONFIG_SPACE[90]
+    assert bwd_config_space(100, "3.6.0") == bwd_config_space(100, "3.9.0") == BWD_CONFIG_SPACE[100]
+    assert any(k[0] == "_sparse_mla_bwd_kernel" and k[1].startswith("autotune config split-k32-s3")
+               and k[2:] == ("3.6", 90) for k in compile_report.ALLOWED_SPILLS)
 
 
 @pytest.mark.parametrize("capability", [90, 100])
@@ -157,7 +170,11 @@ def test_every_select_config_is_in_the_compile_gate(capability):
     the config's score block and warps."""
     with planning_for(capability):
         built = cases(["indexer_topk"])
-    got = sorted((c.launch.args["BLOCK"], c.launch.num_warps, str(c.launch.args["S"].dtype)) for c in built)
+    got = sorted((c.launch.args["BLOCK"], c.launch.num_warps, str(c.launch.args["S"].dtype)) for c in built
+                 if c.kernel_name == "_radix_topk_kernel")
+    # and the composite path's key kernel (its other candidate, torch.topk, is not a Triton kernel)
+    assert sorted(str(c.launch.args["S"].dtype) for c in built if c.kernel_name == "_composite_keys_kernel") == [
+        "torch.bfloat16", "torch.float32"]
     want = sorted((block, warps, str(dtype)) for _, block, warps in select_config_space(capability)
                   for dtype in (torch.float32, torch.bfloat16))
     assert got == want

@@ -247,11 +247,13 @@ def test_radix_select_low_bit_differences_and_multiple_tiles():
         assert torch.equal(idx.cpu(), ridx) and torch.equal(val.cpu(), rval)
 
 
-def test_select_autotuning_as_on_a_gpu(monkeypatch, tmp_path):
+@pytest.mark.parametrize("composite_ms", [3.0, 0.5])
+def test_select_autotuning_as_on_a_gpu(monkeypatch, tmp_path, composite_ms):
     """`_select_chunk` driven as on a GPU (timing forced, the interpreter runs the launches): the
-    other config is verified against the default (same index sets), both are timed into the real
-    outputs, the faster (here: b2048-w4, by a fake clock) is chosen and remembered, and the
-    selection equals the reference's."""
+    other radix config and the two torch.topk paths are verified against the default (same index
+    sets), all four are timed into the real outputs, the fastest by a fake clock (b2048-w4, or the
+    composite path when it is faster) is chosen and remembered, and the selection equals the
+    reference's."""
     from dsa_kernels import autotune
     from dsa_kernels.ops.indexer_topk import kernel as TK
 
@@ -263,6 +265,9 @@ def test_select_autotuning_as_on_a_gpu(monkeypatch, tmp_path):
     def pick_as_on_a_gpu(kernel, key, names, build, on_gpu, device_id="", bench=None, verify=None):
         def fake_bench(launch):
             launch.run()
+            if isinstance(launch, TK._CompositeSelect):
+                timed.append(launch.name)
+                return composite_ms if launch.name == TK.COMPOSITE_CONFIG else 5.0
             timed.append((launch.args["BLOCK"], launch.num_warps))
             return 1.0 if launch.num_warps == 4 else 2.0
 
@@ -277,12 +282,17 @@ def test_select_autotuning_as_on_a_gpu(monkeypatch, tmp_path):
     scores = torch.randn(1, 6, 300, generator=g)
     scores[0, 1, ::4] = float("-inf")
     scores[0, 2, 20:] = float("-inf")  # fewer valid keys than k
+    scores[0, 3, 100:200] = 0.25  # ties across the threshold
     idx, val = TK._select_chunk(scores.to(DEV), 3, 32)
     ridx, rval = topk_from_scores(scores, 32, key_offset=3)
     assert torch.equal(idx.cpu(), ridx) and torch.equal(val.cpu(), rval)
-    assert verified == ["b2048-w4"]
-    assert sorted(timed) == [(512, 4), (512, 8)]  # a 300-score row: one block of pow2(300) at each warps
-    assert list(autotune.choices("indexer_topk_select").values()) == ["b2048-w4"]
+    assert verified == ["b2048-w4", TK.COMPOSITE_CONFIG, TK.FIX_TIES_CONFIG]
+    # a 300-score row: one block at each radix config
+    assert sorted(timed, key=str) == sorted([(512, 4), (512, 8), TK.COMPOSITE_CONFIG, TK.FIX_TIES_CONFIG], key=str)
+    want = TK.COMPOSITE_CONFIG if composite_ms < 1.0 else "b2048-w4"
+    assert list(autotune.choices("indexer_topk_select").values()) == [want]
+    idx2, val2 = TK._select_chunk(scores.to(DEV), 3, 32)  # the remembered choice, nothing timed again
+    assert torch.equal(idx2.cpu(), ridx) and torch.equal(val2.cpu(), rval) and len(timed) == 4
 
 
 def test_radix_select_never_selects_non_finite_scores():
@@ -375,7 +385,7 @@ def test_topk_work_reads_each_score_row_at_most_twice():
     # score row plus the candidate buffer's traffic, against the streaming design's PASSES + 1
     from dsa_kernels.registry import cases
 
-    topk_cases = {c.launch.args["S"].dtype: c for c in cases(["indexer_topk"])}
+    topk_cases = {c.launch.args["S"].dtype: c for c in cases(["indexer_topk"]) if c.kernel_name == "_radix_topk_kernel"}
     assert set(topk_cases) == {torch.float32, torch.bfloat16}
     for dtype, case in topk_cases.items():
         a, work = case.launch.args, case.work

@@ -267,12 +267,21 @@ def index_scores_check(T: int, fp8: bool):
 
 
 # ----------------------------------------------------------------------------- top-k
-def _run_topk(q, k, w, ds, K_, pos, cp: bool):
+def _run_topk(q, k, w, ds, K_, pos, cp: bool, select: str | None = None):
+    """The entry point (select None: the autotuned select), or the Triton driver with the select
+    path forced ("radix" / "composite")."""
     import dsa_kernels as K
 
+    if select is not None:
+        from dsa_kernels.ops.indexer_topk.kernel import indexer_topk_triton
+
+        return indexer_topk_triton(q, k, w, ds, K_, query_positions=pos if cp else None, select=select)
     if cp:
         return K.indexer_topk(q, k, w, ds, K_, query_positions=pos)
     return K.indexer_topk(q, k, w, ds, K_)
+
+
+TOPK_PATHS = (None, "radix", "composite", "fix-ties")  # the entry point, then each select path forced
 
 
 def _ref_topk(q, k, w, ds, K_, pos, rows, opts, full: bool):
@@ -293,7 +302,11 @@ def topk_check(T: int, cp: bool = False):
     are zero (all their scores tie at 0) and must select the first k keys of their document.
     Random values (every mantissa bit in play, as real scores): the selected sets must be equal on
     every row whose k-th and (k+1)-th reference scores are apart by more than 2^-20 of the scale
-    (the kernel and the reference sum in different orders), and the scores within 2^-12."""
+    (the kernel and the reference sum in different orders), and the scores within 2^-12.
+    Each input runs through the entry point (the autotuned select) and through each select path
+    forced (the Triton radix select, torch.topk on composite keys, torch.topk on the scores with
+    tied rows redone); the paths select from the same score block, so their outputs must also be
+    identical to each other, near-ties included."""
 
     def fn(opts: Options) -> Outcome:
         d, dev = dims_for(opts.small), _device(opts)
@@ -310,51 +323,72 @@ def topk_check(T: int, cp: bool = False):
         k = grid((1, T, d.D_I), dev, seed=T + 22)
         w = grid((1, T, d.H_I), dev, seed=T + 23, dtype=torch.float32)[:, pos].contiguous()
         q[:, tie_rows] = 0
-        idx, val = _run_topk(q, k, w, ds, d.K, pos, cp)
         ridx, rval = _ref_topk(q, k, w, ds, d.K, pos, rows, opts, full)
-        got_i, got_v = idx[:, rows], val[:, rows]
-        bad_rows = int((got_i != ridx).any(-1).sum())
-        bad_vals = int((got_v != rval).any(-1).sum())
-        tie_bad = 0
-        for r in tie_rows.tolist():  # the k lowest visible keys, ascending
-            p = int(pos[r])
-            start = int(ds[0, p])
-            n = min(d.K, p - start + 1)
-            want = torch.full((d.K,), -1, dtype=torch.int32, device=dev)
-            want[:n] = torch.arange(start, start + n, device=dev, dtype=torch.int32)
-            tie_bad += int(not torch.equal(idx[0, r], want))
         short = int(((ridx < 0).any(-1)).sum())
-        del q, k, w, idx, val
+        # off the GPU the entry point runs the radix default (nothing is timed): not run twice
+        paths = TOPK_PATHS if opts.device == "cuda" else (None, "composite", "fix-ties")
+        grid_res = {}
+        for path in paths:
+            idx, val = _run_topk(q, k, w, ds, d.K, pos, cp, path)
+            got_i, got_v = idx[:, rows], val[:, rows]
+            tie_bad = 0
+            for r in tie_rows.tolist():  # the k lowest visible keys, ascending
+                p = int(pos[r])
+                start = int(ds[0, p])
+                n = min(d.K, p - start + 1)
+                want = torch.full((d.K,), -1, dtype=torch.int32, device=dev)
+                want[:n] = torch.arange(start, start + n, device=dev, dtype=torch.int32)
+                tie_bad += int(not torch.equal(idx[0, r], want))
+            grid_res[path or "entry"] = {"rows_index_mismatch": int((got_i != ridx).any(-1).sum()),
+                                         "rows_score_mismatch": int((got_v != rval).any(-1).sum()),
+                                         "all_tie_rows_wrong": tie_bad, "rows_with_fewer_than_k": short}
+            del idx, val, got_i, got_v
+        del q, k, w
 
         # random values: equal sets away from near-ties, scores within tolerance
         q = randn((1, Tq, d.H_I, d.D_I), dev, seed=T + 24)
         k = randn((1, T, d.D_I), dev, seed=T + 25)
         w = randn((1, Tq, d.H_I), dev, seed=T + 26, dtype=torch.float32, std=(d.H_I * d.D_I) ** -0.5)
-        idx, val = _run_topk(q, k, w, ds, d.K, pos, cp)
         ridx1, rval1 = _ref_topk(q, k, w, ds, d.K + 1, pos, rows, opts, full)  # one more: the margin
         ridx, rval = ridx1[..., : d.K], rval1[..., : d.K]
-        got_i, got_v = idx[:, rows], val[:, rows]
         scale = float(rval[torch.isfinite(rval)].abs().max().clamp_min(1e-30))
         kth, next_ = rval1[..., d.K - 1], rval1[..., d.K]
         clear = ~torch.isfinite(next_) | ((kth - next_) > TOPK_NEAR_TIE * scale)
-        same_set = (torch.sort(got_i, -1).values == torch.sort(ridx, -1).values).all(-1)
-        set_bad = int((clear & ~same_set).sum())
         near = int((~clear).sum())
-        score_err = compare(got_v[clear], rval[clear], TOL["scores"])
+        rand_res, picks = {}, {}
+        for path in paths:
+            idx, val = _run_topk(q, k, w, ds, d.K, pos, cp, path)
+            got_i, got_v = idx[:, rows], val[:, rows]
+            same_set = (torch.sort(got_i, -1).values == torch.sort(ridx, -1).values).all(-1)
+            rand_res[path or "entry"] = {"rows_set_mismatch": int((clear & ~same_set).sum()),
+                                         "near_tie_rows_not_compared": near,
+                                         "scores": compare(got_v[clear], rval[clear], TOL["scores"])}
+            picks[path] = idx
+        # the paths select from the same score block: identical outputs on every row, near-ties too
+        radix = picks.get("radix", picks[None])
+        paths_equal = all(bool(torch.equal(radix, picks[p])) for p in ("composite", "fix-ties"))
+        del picks
 
-        metrics = {"rows_compared": int(rows.shape[0]), "queries": Tq,
-                   "grid": {"rows_index_mismatch": bad_rows, "rows_score_mismatch": bad_vals,
-                            "all_tie_rows_wrong": tie_bad, "rows_with_fewer_than_k": short},
-                   "random": {"rows_set_mismatch": set_bad, "near_tie_rows_not_compared": near,
-                              "scores": score_err}}
-        ok = bad_rows == 0 and bad_vals == 0 and tie_bad == 0 and set_bad == 0 and score_err["ok"]
-        summary = (f"{'' if ok else 'MISMATCH: '}grid: {bad_rows} index / {bad_vals} score rows differ of "
-                   f"{rows.shape[0]} ({short} with < k keys), all-tie rows {len(tie_rows) - tie_bad}/{len(tie_rows)} "
-                   f"take the lowest keys; random: {set_bad} sets differ ({near} near-tie rows not compared), "
-                   f"scores {score_err['err']:.2g}/{score_err['tol']:.2g}")
+        metrics = {"rows_compared": int(rows.shape[0]), "queries": Tq, "grid": grid_res["entry"],
+                   "random": rand_res["entry"], "paths": {"grid": grid_res, "random": rand_res,
+                                                          "paths_equal_random": paths_equal}}
+        ok = paths_equal and all(
+            g["rows_index_mismatch"] == 0 and g["rows_score_mismatch"] == 0 and g["all_tie_rows_wrong"] == 0
+            and r["rows_set_mismatch"] == 0 and r["scores"]["ok"] for g, r in zip(grid_res.values(), rand_res.values()))
+        g, r = grid_res["entry"], rand_res["entry"]
+        bad_paths = [p for p in grid_res if any(grid_res[p][x] for x in ("rows_index_mismatch", "rows_score_mismatch",
+                                                                         "all_tie_rows_wrong"))
+                     or rand_res[p]["rows_set_mismatch"] or not rand_res[p]["scores"]["ok"]]
+        summary = (f"{'' if ok else 'MISMATCH: '}grid: {g['rows_index_mismatch']} index / {g['rows_score_mismatch']} "
+                   f"score rows differ of {rows.shape[0]} ({short} with < k keys), all-tie rows "
+                   f"{len(tie_rows) - g['all_tie_rows_wrong']}/{len(tie_rows)} take the lowest keys; random: "
+                   f"{r['rows_set_mismatch']} sets differ ({near} near-tie rows not compared), scores "
+                   f"{r['scores']['err']:.2g}/{r['scores']['tol']:.2g}; radix, composite and fix-ties paths "
+                   + ("exact too, equal to each other" if ok else f"failing: {bad_paths or 'none'}, equal to each "
+                                                                   f"other: {paths_equal}"))
         return Outcome("pass" if ok else "fail", summary, metrics)
 
-    return _budget(T, 4.0, 0.4)(fn)
+    return _budget(T, 5.0, 0.6)(fn)
 
 
 # ----------------------------------------------------------------------------- indexer KL
@@ -488,7 +522,8 @@ def checks(opts: Options) -> list[Check]:
             Check(f"correctness.index_scores_fp8.T{T}", "correctness", f"{ix}; e4m3 q/k, 128-channel scales",
                   index_scores_check(T, fp8=True)),
             Check(f"correctness.indexer_topk.T{T}", "correctness", f"{ix} k={d.K}; grid inputs exact (ties to the lower "
-                                                                   f"index), random inputs same sets; {sample}", topk_check(T)),
+                                                                   f"index), random inputs same sets; entry point, "
+                                                                   f"radix, composite and fix-ties paths; {sample}", topk_check(T)),
             Check(f"correctness.sparse_indexer_kl.T{T}", "correctness",
                   f"{ix} k={d.K} H={d.H} D={d.D}; value + dq_I/dk_I/dw", sparse_kl_check(T)),
             Check(f"correctness.dense_indexer_kl.T{T}", "correctness",

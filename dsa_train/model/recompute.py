@@ -5,6 +5,10 @@ backward, runs fn again on them with autograd and back-propagates through that: 
 gradients are those of fn itself (the same operations run), but the intermediates fn would keep
 (RMSNorm's fp32 copy of its input) live only during this block's backward.
 A lighter `torch.utils.checkpoint` for one-output functions of tensors.
+
+`topk_reuse_contexts` is the `context_fn` the checkpointed layers (`transformer._checkpointed`) pass
+to `torch.utils.checkpoint`: the recompute reuses the forward's top-k indices instead of running the
+indexer scores and the select again.
 """
 
 from __future__ import annotations
@@ -36,3 +40,17 @@ def recomputed(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         return _Recomputed.apply(fn, *inputs)
     return fn(*inputs)
+
+
+def topk_reuse_contexts():
+    """`torch.utils.checkpoint`'s `context_fn` for a checkpointed layer: its forward records the
+    top-k selections it makes (`dsa_kernels.indexer_topk`), and its recompute in the backward
+    replays them instead of scoring and selecting again (the same inputs give the same indices).
+    The indices ([B, T_loc, k] int32 per layer) live until the layer's backward has run, beside the
+    layer input the checkpoint keeps, within the memo's budget (`memo.DEFAULT_BUDGET_BYTES` for all
+    layers together; a layer over it selects again in its recompute); `parallel/plan.py` counts
+    the same bound."""
+    from dsa_kernels.ops.indexer_topk import TopkMemo
+
+    memo = TopkMemo()
+    return memo.recording(), memo.replaying()

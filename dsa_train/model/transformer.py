@@ -110,7 +110,9 @@ def _checkpointed(fn, *args):
         return fn(*args)
     from torch.utils.checkpoint import checkpoint
 
-    return checkpoint(fn, *args, use_reentrant=False)
+    from .recompute import topk_reuse_contexts  # the recompute replays the forward's top-k indices
+
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=topk_reuse_contexts)
 
 
 class SharedHead(nn.Module):

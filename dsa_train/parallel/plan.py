@@ -235,8 +235,16 @@ def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
     act = activation_bytes_per_token(c, sizes, stage, cfg.parallel.recompute, pb, cfg.data.seq_len, topk)
     g["activations"] = T_loc * (act["layers"] + act["recompute_block"] + act["head"]) / GiB
     chunk = 4 * KERNEL_CHUNK_ELEMS * 3  # a few fp32 chunk-sized blocks live in the reference kernels
-    g["dsa_buffers"] = (T_loc * act["dsa_indices"] + cfg.data.micro_batch_size * cfg.data.seq_len * act["cp_gather"]
-                        + chunk) / GiB
+    # recomputed layers keep their top-k indices for the recompute (it replays them) up to the memo's
+    # budget for all layers together (`dsa_kernels.ops.indexer_topk.memo`); past it they select again
+    reused = 0.0
+    if cfg.parallel.recompute == "full" and act["dsa_indices"]:
+        from dsa_kernels.ops.indexer_topk.memo import DEFAULT_BUDGET_BYTES
+
+        per_layer = T_loc * act["dsa_indices"]
+        reused = min(c.num_hidden_layers, DEFAULT_BUDGET_BYTES // per_layer) * per_layer
+    g["dsa_buffers"] = (T_loc * act["dsa_indices"] + reused + cfg.data.micro_batch_size * cfg.data.seq_len
+                        * act["cp_gather"] + chunk) / GiB
     # two phases: forward/backward (everything above) and the optimizer step (model state plus the
     # update's temporaries; activations and DSA buffers are freed by then) -- the peak is the larger
     step_phase = g["parameters"] + g["gradients"] + g["optimizer"] + step_temporaries

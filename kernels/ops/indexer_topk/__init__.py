@@ -16,10 +16,14 @@ Files: `reference.py` (PyTorch, the specification), `kernel.py` (Triton score an
 kernels, their launch plans and the chunked driver), `op.py` (the reference's top-k at query
 positions registered as one torch op, `dsa_kernels::indexer_topk_at_positions`, with a fake
 implementation for the memory trace), `specs.py` (the launches the compile report compiles at the
-671B shapes). No autograd Function: selection has no gradient.
+671B shapes), `composite.py` (the select as torch.topk on composite int64 keys, the second path
+the autotuner times against the radix select), `memo.py` (record / replay of the selections for
+activation recompute). No autograd Function: selection has no gradient.
 """
 
 from ..._triton_common import use_triton as _use_triton
+from . import memo as _memo
+from .memo import TopkMemo
 from .op import indexer_topk_at_positions_op
 from .reference import (
     FP8_GROUP,
@@ -36,7 +40,14 @@ from .reference import (
 def indexer_topk(q, k, w, doc_start, topk, chunk_size=None, query_positions=None):
     """CUDA tensors (or DSA_KERNELS=triton) -> the Triton kernels; otherwise the reference.
     query_positions [Tq]: q and w hold only the queries at these global positions of the
-    sequence that k and doc_start describe (a context-parallel rank's share); None: all of them."""
+    sequence that k and doc_start describe (a context-parallel rank's share); None: all of them.
+    Inside a `TopkMemo` context (`memo.py`; activation recompute) the selection is recorded, or
+    replayed without computing anything (then the scores are None)."""
+    return _memo.memoized(lambda: _indexer_topk(q, k, w, doc_start, topk, chunk_size, query_positions),
+                          q, k, w, doc_start, topk, query_positions)
+
+
+def _indexer_topk(q, k, w, doc_start, topk, chunk_size, query_positions):
     if _use_triton(q, k, w):
         from .kernel import indexer_topk_triton
 
@@ -47,5 +58,5 @@ def indexer_topk(q, k, w, doc_start, topk, chunk_size=None, query_positions=None
     return indexer_topk_ref(q, k, w, doc_start, topk, chunk_size)
 
 
-__all__ = ["FP8_GROUP", "gather_index_scores", "index_scores_block", "index_scores_ref", "indexer_topk",
+__all__ = ["FP8_GROUP", "TopkMemo", "gather_index_scores", "index_scores_block", "index_scores_ref", "indexer_topk",
            "indexer_topk_at_positions_op", "indexer_topk_at_positions_ref", "indexer_topk_ref", "quantize_fp8_groups", "topk_from_scores"]

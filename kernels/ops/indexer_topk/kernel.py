@@ -31,6 +31,10 @@ chunk only a [B, C, W] fp32 (or opt-in bf16) score block exists (W = the chunk's
    non-finite scores are never selected.
 3. The k selected (score, index) pairs are ordered by a stable descending sort in PyTorch, so
    the output equals the reference's (sorted scores, ties to the lower index).
+The select's torch.topk paths (`composite.py`): torch.topk on int64 composites (order-preserving
+score bits, then the inverted key index), already in the reference's order; or torch.topk on the
+fp32 scores with the rows tied at the k-th score redone that way. On a GPU `_select_chunk` lets
+the autotuner verify them against the radix default and time all; `select=` forces one.
 """
 
 from __future__ import annotations
@@ -492,11 +496,42 @@ def _score_chunk(q, k, w, doc_start, positions, r0, r1, k0, k_end, qs=None, ks=N
     return scores
 
 
+# The select's paths (`_select_chunk`'s `path`): "radix" (the Triton radix select over
+# `select_config_space`), "composite" (torch.topk on composite int64 keys, `composite.py`),
+# "fix-ties" (torch.topk on the fp32 scores, rows tied at the k-th score redone by the composite
+# path; `composite.topk_fix_ties`), None (all: the autotuner verifies the torch paths' index sets
+# against the radix default and times every candidate).
+SELECT_PATHS = ("radix", "composite", "fix-ties")
+COMPOSITE_CONFIG = "torch-topk-composite"  # the composite path's name in the autotuning space
+FIX_TIES_CONFIG = "torch-topk-fix-ties"
+TORCH_SELECTS = {COMPOSITE_CONFIG: "topk_composite", FIX_TIES_CONFIG: "topk_fix_ties"}
+
+
+class _CompositeSelect:
+    """A torch.topk path as a launch the autotuner can plan, verify and time: run() writes the
+    sorted selection into idx / val."""
+
+    def __init__(self, scores, idx, val, k0: int, topk: int, name: str = COMPOSITE_CONFIG):
+        self.scores, self.idx, self.val, self.k0, self.topk, self.name = scores, idx, val, k0, topk, name
+        self.kernel, self.num_warps, self.args = None, 0, {}
+
+    def run(self) -> None:
+        from . import composite
+
+        i, v = getattr(composite, TORCH_SELECTS[self.name])(self.scores, self.topk, self.k0)
+        self.idx.copy_(i)
+        self.val.copy_(v)
+
+
 def _select_chunk(scores: torch.Tensor, k0: int, topk: int, block: int | None = None,
-                  cap: int = CANDIDATE_CAP, bin_count_out: list | None = None):
+                  cap: int = CANDIDATE_CAP, bin_count_out: list | None = None, path: str | None = None):
     """-> (idx, val) [B, C, topk] sorted as the reference; bin_count_out (a list) receives the
     kernel's per-row candidate counts [B, C] (-1: the row's threshold bin overflowed `cap` and
-    took the streaming path)."""
+    took the streaming path; nothing when a torch.topk path ran). path: one of SELECT_PATHS, or
+    None: on a GPU the autotuner picks among the radix configs and the two torch.topk paths by
+    timing (each verified against the radix default first); off the GPU the radix default runs."""
+    if path is not None and path not in SELECT_PATHS:
+        raise ValueError(f"select path must be one of {SELECT_PATHS} or None (autotuned); got {path!r}")
     B, C, W_LEN = scores.shape
 
     def outputs():
@@ -504,30 +539,43 @@ def _select_chunk(scores: torch.Tensor, k0: int, topk: int, block: int | None = 
                 torch.full((B, C, topk), float("-inf"), dtype=torch.float32, device=scores.device))
 
     idx, val = outputs()
-    cand_idx, cand_val, bin_count = candidate_buffers(B, C, cap, scores.device)
     space = {cfg[0]: cfg for cfg in select_config_space(target_capability(scores))}
+    names = list(space) if path in (None, "radix") else []
+    if path in (None, "composite"):
+        names.append(COMPOSITE_CONFIG)
+    if path in (None, "fix-ties"):
+        names.append(FIX_TIES_CONFIG)
+    buffers = []
 
     def build(name, idx=idx, val=val):  # timing runs write the same selection into idx / val again
-        return plan_select(scores, idx, val, cand_idx, cand_val, bin_count, k0, topk, config=space[name])
+        if name in TORCH_SELECTS:
+            return _CompositeSelect(scores, idx, val, k0, topk, name)
+        if not buffers:
+            buffers.extend(candidate_buffers(B, C, cap, scores.device))
+        return plan_select(scores, idx, val, *buffers, k0, topk, config=space[name])
 
     def verify(name):  # the config's selection against the default's, before it may be timed
         picks = []
-        for n in (next(iter(space)), name):
+        for n in (names[0], name):
             i, v = outputs()
             build(n, i, v).run()
             picks.append(torch.sort(i, dim=-1).values)
         return bool(torch.equal(*picks))
 
     if block is not None:  # tests: this score block at the default's warps, no timing
-        launch = plan_select(scores, idx, val, cand_idx, cand_val, bin_count, k0, topk, block)
+        buffers.extend(candidate_buffers(B, C, cap, scores.device))
+        launch = plan_select(scores, idx, val, *buffers, k0, topk, block)
     else:
         on_gpu = scores.is_cuda and not interpreted()
-        _, launch = autotune.pick("indexer_topk_select", (pow2(C), pow2(W_LEN), topk, str(scores.dtype)),
-                                  list(space), build, on_gpu, autotune.device_id(scores) if on_gpu else "",
+        kernel = "indexer_topk_select" if path is None else f"indexer_topk_select_{path}"
+        _, launch = autotune.pick(kernel, (pow2(C), pow2(W_LEN), topk, str(scores.dtype), "+".join(names)),
+                                  names, build, on_gpu, autotune.device_id(scores) if on_gpu else "",
                                   verify=verify)
     launch.run()
+    if isinstance(launch, _CompositeSelect):
+        return idx, val  # already in the reference's order
     if bin_count_out is not None:
-        bin_count_out.append(bin_count)
+        bin_count_out.append(buffers[2])
     # each run of equal selected scores is in index order (above-bin keys, then the bin's picks; the
     # two never tie): a stable descending sort keeps ties at the lower index
     val, order = torch.sort(val, dim=-1, descending=True, stable=True)
@@ -569,6 +617,7 @@ def indexer_topk_triton(
     query_positions: torch.Tensor | None = None,
     key_span: int | None = None,
     score_dtype: torch.dtype = torch.float32,
+    select: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `indexer_topk_ref` (with `query_positions`: as
     `indexer_topk_at_positions_ref`: q [B, Tq, H_I, D_I] and w [B, Tq, H_I] hold the queries at
@@ -578,9 +627,12 @@ def indexer_topk_triton(
     those rounded scores in two 8-bit radix passes instead of three 11-bit ones: the selection
     is then `topk_from_scores` of the bf16-rounded scores (same tie and non-finite rules), not
     of the fp32 scores; the returned scores are the bf16 values. Default fp32: exactly the
-    reference."""
+    reference. select: the selection path (`_select_chunk`: "radix", "composite", "fix-ties",
+    None = autotuned)."""
     if score_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"score_dtype must be torch.float32 or torch.bfloat16; got {score_dtype}")
+    if select is not None and select not in SELECT_PATHS:
+        raise ValueError(f"select must be one of {SELECT_PATHS} or None (autotuned); got {select!r}")
     B, Tq, HI, DI = q.shape
     T = k.shape[1]
     q, k = _score_inputs("indexer_topk", q, k, fp8)
@@ -599,7 +651,7 @@ def indexer_topk_triton(
         p = pos[r0:r1]
         k0, k_end = int(ds_cpu[p].min()), int(p.max()) + 1  # the chunk's key window [k0, k_end)
         scores = _score_chunk(q, k, w, doc_start, pos_dev, r0, r1, k0, k_end, qs, ks, key_span, score_dtype)
-        idx, val = _select_chunk(scores, k0, topk)
+        idx, val = _select_chunk(scores, k0, topk, path=select)
         del scores
         all_idx.append(idx)
         all_val.append(val)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from ...analysis import Work
 from ...registry import SHAPES_671B, KernelCase, register
 from ..._triton_common import target_capability
+from .composite import COMPOSITE_BUDGET_ELEMS, plan_composite_keys
 from .kernel import (DEFAULT_SCORE_BUDGET, candidate_buffers, plan_scores, plan_select, scores_work, select_config_space,
                      select_work)
 
@@ -66,4 +68,18 @@ def _topk():
             launch = plan_select(scores, idx, val, cand_idx, cand_val, bin_count, k0, s["K"], config=cfg)
             label = name + ("" if i == 0 else f"autotune config {cfg[0]} ")
             cases.append(KernelCase(label + _config(launch), launch, work=select_work(launch)))
+        # the composite path's key pass (one slice of rows of the int64 block; then torch.topk)
+        rows = min(B * C, max(1, COMPOSITE_BUDGET_ELEMS // (q1 - k0)))
+        comp = torch.empty(rows, q1 - k0, dtype=torch.int64, **meta)
+        launch = plan_composite_keys(scores.view(B * C, q1 - k0)[:rows], comp)
+        cases.append(KernelCase(name + "composite int64 keys " + _config(launch), launch,
+                                work=composite_work(launch)))
     return cases
+
+
+def composite_work(launch) -> Work:
+    """Per query row of the composite key pass: its W scores read, W int64 composites written (then
+    torch.topk reads them: not this launch); no FLOPs."""
+    a = launch.args
+    return Work(useful_flops=0.0, issued_flops=0.0, read_bytes=a["W_LEN"] * a["S"].element_size(),
+                write_bytes=a["W_LEN"] * a["OUT"].element_size())

@@ -506,11 +506,22 @@ BWD_CONFIG_SPACE = {
     90: (("split-k16", "split", None, None), ("interleaved-h32-k32-s2", "interleaved", 32, 2)),
     100: (("split-k16", "split", None, None), ("interleaved-h32-k32-s2", "interleaved", 32, 2)),
 }
+# Under Triton 3.6 (the GPU image's) Hopper's space also holds the split kernel at 32-key tiles and 3
+# stages: measured on an H200 at 478 ms against the 16-key default's 709-727 ms (96 vs 64 TFLOPS,
+# docs/kernels.md "Measured on a GPU"), it spills 46 B there (255 registers). The compile gate allows
+# that spill for this config alone (`compile_report.ALLOWED_SPILLS`, with the measurement); its
+# output is verified against the default's before it is timed, like every config.
+BWD_CONFIG_SPACE_TRITON_36 = {90: BWD_CONFIG_SPACE[90] + (("split-k32-s3", "split", 32, 3),)}
 
 
-def bwd_config_space(capability: int) -> tuple:
-    """The atomic backward's configs `sparse_mla_bwd` times on a GPU of this compute capability."""
-    return BWD_CONFIG_SPACE[100 if capability >= 100 else 90]
+def bwd_config_space(capability: int, triton_version: str | None = None) -> tuple:
+    """The atomic backward's configs `sparse_mla_bwd` times on a GPU of this compute capability
+    with this Triton (default: the installed one)."""
+    arch = 100 if capability >= 100 else 90
+    version = triton.__version__ if triton_version is None else triton_version
+    if version.startswith("3.6.") and arch in BWD_CONFIG_SPACE_TRITON_36:
+        return BWD_CONFIG_SPACE_TRITON_36[arch]
+    return BWD_CONFIG_SPACE[arch]
 
 
 def plan_bwd_config(config: tuple, q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float,
@@ -518,7 +529,8 @@ def plan_bwd_config(config: tuple, q, kv, indices, n_slots, dout, lse, delta, dq
     """The atomic backward's launch for one config of `bwd_config_space`."""
     _, schedule, block_k, stages = config
     if schedule == "split":
-        return plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale, d_v)
+        return plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale, d_v, block_k=block_k,
+                        num_stages=stages)
     return plan_bwd_interleaved(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale, d_v,
                                 block_k=block_k, num_stages=stages)
 
@@ -597,8 +609,10 @@ def _bwd_args(q, kv, indices, n_slots, dout, lse, delta, dq) -> dict:
 
 def plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float, d_v: int,
              t0: int = 0, n_tokens: int | None = None, k_lo: int = 0, k_hi: int | None = None,
-             stage=None) -> Launch:
+             stage=None, block_k: int | None = None, num_stages: int | None = None) -> Launch:
     """The backward launch for tokens [t0, t0 + n_tokens) and slots [k_lo, k_hi).
+    block_k / num_stages (atomic launches only, a config of `bwd_config_space`): the key tile and
+    the pipeline stages instead of `bwd_blocks`' 16 keys and Triton's default stages.
     Atomic (stage None): dq [B, T, H, D] (q's dtype), dkv [B, N, D] fp32 zeroed.
     Deterministic: dq = the chunk's fp32 accumulator [B, >= n_tokens, H, D], and
     stage [head blocks, B, n_tokens, k_hi - k_lo, D] fp32 receiving every (head block, token,
@@ -608,6 +622,10 @@ def plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float, d
     n_tok = T - t0 if n_tokens is None else n_tokens
     k_hi = indices.shape[-1] if k_hi is None else k_hi
     blocks = bwd_blocks(H, d_v, D - d_v)
+    if (block_k is not None or num_stages is not None) and det:
+        raise ValueError("block_k / num_stages are configs of the atomic backward, not the deterministic one")
+    if block_k is not None:
+        blocks["BLOCK_K"] = block_k
     n_parts = triton.cdiv(H, blocks["BLOCK_H"]) * blocks["SPLIT"]
     if det:
         dk = dict(DKV=stage, stride_dkb=stage.stride(1), stride_dkt=stage.stride(2),
@@ -624,7 +642,7 @@ def plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float, d
         ),
         num_warps=8 if blocks["BLOCK_DV"] >= 256 else 4,
         # deterministic: no software pipelining (with Triton's default 3 stages it spilled 32-72 B)
-        num_stages=1 if det else None,
+        num_stages=1 if det else num_stages,
     )
 
 
