@@ -89,13 +89,13 @@ def _producer(KV, IDX, NSLOT, kv_lat, kv_rope, bias, ready, empty, b, t,
             _cp_async(kv_lat.index(s).slice(c * 64, 64, dim=1), row_ptr + c * 64, mask=vmask)
         _cp_async(kv_rope.index(s), row_ptr + D_V, mask=vmask)
         async_copy.commit_group()
-        # the previous tile's copies have landed (this one's stay in flight): publish it
-        async_copy.wait_group(1)
+        # publish the tile once every producer thread's copies have landed. (Publishing one tile
+        # behind, to keep two tiles in flight, deadlocks with two stages: the consumers release a
+        # stage only after they get the next tile.)
+        async_copy.wait_group(0)
+        fence_async_shared()  # the consumers' wgmma reads these rows through the async proxy
         _cta_barrier()
-        mbarrier.arrive(ready.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
-    async_copy.wait_group(0)
-    _cta_barrier()
-    mbarrier.arrive(ready.index((n_tiles + STAGES - 1) % STAGES), count=1)
+        mbarrier.arrive(ready.index(s), count=1)
 
 
 @gluon.jit
@@ -116,7 +116,9 @@ def _consume_tile(i, acc, m_i, l_i, scale_log2, q_lat, q_rope, kv_lat, kv_rope, 
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
     else:
         # the previous tile's PV (issued before these logits) has completed too: release its stage
+        # once both warp groups are past their wait (wgmma completion is per warp group)
         acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))
+        _cta_barrier()
         mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1)
     sc = sc * scale_log2 + bias.index(s).load(gl.SliceLayout(0, s_lay))[None, :]
     m_new = gl.maximum(m_i, gl.max(sc, axis=1))
@@ -133,11 +135,12 @@ def _consume_tile(i, acc, m_i, l_i, scale_log2, q_lat, q_rope, kv_lat, kv_rope, 
         else:
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_lay))[:, None]
     p_smem.store(p.to(p_smem.dtype))
+    fence_async_shared()  # each thread orders its P stores before the wgmma's async-proxy reads
     _cta_barrier()
-    fence_async_shared()
     acc = warpgroup_mma(p_smem, kl.slice(0, D_V, dim=1), acc, use_acc=not FIRST, is_async=True)
     if not PIPELINE_PV:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _cta_barrier()  # both warp groups' PV done: the stage and P may be overwritten
         mbarrier.arrive(empty.index(s), count=1)
     return acc, m_use, l_i
 
@@ -168,8 +171,8 @@ def _consumer(Q, NSLOT, O, LSE, q_lat, q_rope, kv_lat, kv_rope, bias, p_smem, re
     _cp_async(q_rope, q_ptr + D_V)
     async_copy.commit_group()
     async_copy.wait_group(0)
-    _cta_barrier()
     fence_async_shared()
+    _cta_barrier()
 
     n_slots = gl.load(NSLOT + b * stride_nb + t)
     n_tiles = gl.maximum(gl.cdiv(n_slots, BLOCK_K), 1)  # >= 1 (the producer agrees): tile 0 is peeled
@@ -193,6 +196,7 @@ def _consumer(Q, NSLOT, O, LSE, q_lat, q_rope, kv_lat, kv_rope, bias, p_smem, re
                                           BLOCK_K, D_V, STAGES, THRESHOLD, False, PIPELINE_PV, SKIP_RESCALE)
     if PIPELINE_PV:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _cta_barrier()
         mbarrier.arrive(empty.index((n_tiles + STAGES - 1) % STAGES), count=1)
 
     has = l_i > 0

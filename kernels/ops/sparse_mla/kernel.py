@@ -721,9 +721,18 @@ def fwd_space_for(q, kv, d_v: int) -> dict:
     if any(is_gluon_config(c) for c in space.values()):
         from .gluon_fwd import gluon_fwd_supported
 
-        if gluon_fwd_supported(q, kv, d_v, cap) is not None:
+        if not gluon_enabled() or gluon_fwd_supported(q, kv, d_v, cap) is not None:
             space = {n: c for n, c in space.items() if not is_gluon_config(c)}
     return space
+
+
+def gluon_enabled() -> bool:
+    """DSA_KERNELS_GLUON=0 takes the Gluon configs out of every call's space (a switch for a GPU or
+    Triton build where they misbehave); default 1."""
+    value = os.environ.get("DSA_KERNELS_GLUON", "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"DSA_KERNELS_GLUON must be 1 or 0; got {value!r}")
+    return value in ("1", "true", "on")
 
 
 _FORCED_FWD: contextvars.ContextVar[str | None] = contextvars.ContextVar("dsa_sparse_mla_fwd_config", default=None)
