@@ -7,39 +7,49 @@ out [B, T, H, 512] in q's dtype, lse [B, T, H] fp32 in the natural log (-inf on 
 valid slot, whose out is 0).
 
 Schedule, one CTA per (token, 64-head block), the head block fastest in the grid (the CTAs of one
-token gather the same rows together), three warp groups:
+token gather the same rows together), three warp groups (`gl.warp_specialize`, launched with
+maxnreg 168 x 384 threads: one CTA per SM):
 
-- **producer** (a worker partition of one warp group, `setmaxnreg` down to PRODUCER_REGS): walks
-  the row's slots in 64-key tiles; per tile it waits for a free stage of the shared-memory ring
-  (`empty[s]`), gathers the 64 selected rows (512 latent + 64 rope columns, 72 KB) with `cp.async`
-  (16-byte vectors; an empty slot's row is zero-filled, never read), and once the copies of a tile
-  have landed (`cp.async.wait_group` one tile behind, so two tiles are in flight) arrives on
-  `ready[s]`. Two stages: q (72 KB) + 2 x 72 KB + P (8 KB) = 224 KB of Hopper's 227.
-- **consumers** (the default partition, two warp groups, the registers the producer gave up):
-  q of the head block is staged once in shared memory. Per tile, the logits `S = q kv^T` [64 x 64]
-  by wgmma over all 576 dims, **computed once**: the two warp groups split the 64 keys (32 each,
-  `warps_per_cta = [4, 2]`), so no tile is computed twice (the Triton kernel's x1.53). Online
-  softmax in the log2 domain; P (bf16) goes to shared memory, and `O += P V` by wgmma with the two
-  warp groups splitting the 512 value columns (each owns a [64, 256] fp32 accumulator, 128
-  registers a thread). The rescale of O is skipped unless the running max of some row grows by
-  more than RESCALE_THRESHOLD (log2 units: P stays <= 2^8, exact in the final normalization, which
-  divides by the sum of the same P): FlashAttention-3's rule, taken per CTA since the decision is
-  one branch. The PV wgmma of tile i is left in flight while the logits of tile i+1 are issued; its
-  stage is released (`empty[s]`) as soon as `warpgroup_mma_wait` says it completed.
+- **producer** (the worker partition, one warp group, `setmaxnreg` down to PRODUCER_REGS = 40):
+  walks the row's slots in 64-key tiles; per tile it waits for a free stage of the shared-memory
+  ring (`empty[s]`), gathers the 64 selected rows (512 latent + 64 rope columns, 72 KB) with
+  `cp.async` (16-byte vectors; an empty or out-of-range slot's row is zero-filled, never read),
+  writes the tile's key mask (0 / -inf per key) to shared memory, and once its copies have landed
+  (`cp.async.wait_group 0`, proxy fence, a producer-only named barrier) arrives on `ready[s]`. Two
+  stages: q (72 KB) + 2 x 72 KB + P (8 KB) + masks = 225 KB of Hopper's 227. (Publishing a tile only
+  after issuing the next one, to keep two tiles in flight, deadlocks with two stages: the consumers
+  release a stage only after they get the next tile.)
+- **consumers** (the default partition, two warp groups, `setmaxnreg` up to 232): q of the head
+  block is staged once in shared memory. Per tile, the logits `S = q kv^T` [64 x 64] by wgmma over
+  all 576 dims, **computed once**: the two warp groups split the 64 keys (32 each, `warps_per_cta =
+  [4, 2]`), so no tile is computed twice (the Triton kernel's x1.53). Online softmax in the log2
+  domain with FlashAttention-3's stale maximum: a row's running max moves only when it grows by
+  more than RESCALE_THRESHOLD (8, log2 units; P stays <= 2^8 and the final normalization divides by
+  the sum of the same P, so the result is exact). P (bf16) goes to shared memory, and `O += P V` by
+  wgmma with the two warp groups splitting the 512 value columns (each owns a [64, 256] fp32
+  accumulator, 128 registers a thread). A stage is released (`empty[s]`) once both warp groups are
+  past their PV wait.
 
-Triton 3.6 and 3.9 differ in two names this kernel uses (`_compat`): the cp.async call
+Two configs (`kernel.FWD_GLUON_CONFIGS*`): "gluon" waits for each tile's PV at the tile's end;
+"gluon-pv" (PIPELINE_PV) leaves it in flight while the next tile's logits are issued (tile 0
+peeled, so that no instruction defines the accumulator inside a wgmma pipeline stage: otherwise
+ptxas serializes every wgmma, C7514/C7515), which spills 120 B under Triton 3.9 (none under 3.6).
+O is rescaled on every tile (by 1 where the max stayed): skipping the multiply with one per-CTA
+branch (SKIP_RESCALE) spilled 80 B under 3.6.
+
+Triton 3.6 and 3.9 differ in two names this kernel uses (the shim below): the cp.async call
 (`async_copy_global_to_shared` in 3.6, `async_load` in 3.9) and the CTA barrier (`thread_barrier`
 / `barrier`). Gluon kernels do not run under TRITON_INTERPRET: on the CPU nothing here runs; the
-compile gate compiles it (sm_90a, Triton 3.6 and 3.9) and the GPU checks prove it correct.
+compile gate compiles it (sm_90a, Triton 3.6 and 3.9), tests/test_kernels_gluon_fwd.py checks its
+arithmetic as a PyTorch model of the schedule, and the GPU checks prove the kernel itself.
 """
 
 from __future__ import annotations
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                              warpgroup_mma_init, warpgroup_mma_wait)
+                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from ..._triton_common import Launch
@@ -271,7 +281,9 @@ class GluonLaunch(Launch):
         self.maxnreg = maxnreg
 
     def options(self) -> dict:
-        opts = super().options()
+        # num_stages is the ring's depth (a kernel argument, kept here for the reports); Triton's
+        # software pipeliner has nothing to do in a Gluon kernel, so it is not passed on
+        opts = {"num_warps": self.num_warps}
         if self.maxnreg is not None:
             opts["maxnreg"] = self.maxnreg
         return opts
@@ -293,17 +305,14 @@ def gluon_fwd_supported(q, kv, d_v: int, capability: int) -> str | None:
     return None
 
 
-def plan_fwd_gluon(q, kv, indices, n_slots, out, lse, scale: float, d_v: int, pipeline_pv: bool = False,
+def plan_fwd_gluon(q, kv, indices, n_slots, out, lse, scale: float, d_v: int, grid: tuple, pipeline_pv: bool = False,
                    producer_regs: int | None = None, skip_rescale: bool = False) -> GluonLaunch:
-    """The Gluon forward's launch (same arguments as `kernel.plan_fwd`); the caller checks
-    `gluon_fwd_supported` first."""
-    from .kernel import LOG2E as _LOG2E, _grid, _int32_rows
-
+    """The Gluon forward's launch (`kernel.plan_fwd`'s arguments; `grid` = (tokens x head blocks, B),
+    checked there against CUDA's limits); the caller checks `gluon_fwd_supported` first."""
     B, T, H, D = q.shape
     n_hb = H // BLOCK_H
-    _int32_rows(kv, "forward (Gluon)")
     return GluonLaunch(
-        _sparse_mla_fwd_gluon_kernel, _grid(n_hb * T, B, "forward (Gluon)"),
+        _sparse_mla_fwd_gluon_kernel, grid,
         dict(
             Q=q, KV=kv, IDX=indices, NSLOT=n_slots, O=out, LSE=lse,
             stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
@@ -312,10 +321,10 @@ def plan_fwd_gluon(q, kv, indices, n_slots, out, lse, scale: float, d_v: int, pi
             stride_nb=n_slots.stride(0),
             stride_ob=out.stride(0), stride_ot=out.stride(1), stride_oh=out.stride(2),
             stride_lb=lse.stride(0), stride_lt=lse.stride(1),
-            H=H, N_KV=kv.shape[1], N_HB=n_hb, scale_log2=scale * _LOG2E,
+            H=H, N_KV=kv.shape[1], N_HB=n_hb, scale_log2=scale * LOG2E,
             D_V=d_v, D_R=D - d_v, BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K, BLOCK_DV=d_v, BLOCK_DR=D - d_v,
             EVEN_H=True, VALUE_SPLIT=1, STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS,
             PRODUCER_REGS=producer_regs or PRODUCER_REGS, THRESHOLD=RESCALE_THRESHOLD, PIPELINE_PV=pipeline_pv, SKIP_RESCALE=skip_rescale,
         ),
-        num_warps=CONSUMER_WARPS, maxnreg=MAXNREG,
+        num_warps=CONSUMER_WARPS, num_stages=STAGES, maxnreg=MAXNREG,
     )

@@ -498,7 +498,7 @@ def fwd_config_space(capability: int, triton_version: str | None = None) -> tupl
 # The Gluon forward (`gluon_fwd.py`, FlashMLA's schedule: a cp.async producer warp group, two wgmma
 # consumer warp groups) as configs of the sm_90 space: (name, key tile, ring stages). "gluon": each
 # tile's PV wgmma waited for at the tile's end; "gluon-pv": left in flight under the next tile's
-# logits (no spill under Triton 3.6 only: 3.9 spills 128 B, so 3.9's space leaves it out). Both
+# logits (no spill under Triton 3.6 only: 3.9 spills 120 B, so 3.9's space leaves it out). Both
 # rescale O on every tile with FlashAttention-3's stale max (the per-CTA skip branch spilled 80 B
 # under 3.6). A call the kernel does not take (`gluon_fwd.gluon_fwd_supported`: H % 64, d_v, rope
 # 64, 16-bit) drops them from its space; on a GPU each is verified against the default before it is
@@ -581,9 +581,11 @@ def plan_fwd(q, kv, indices, n_slots, out, lse, scale: float, d_v: int, config: 
     B, T, H, D = q.shape
     cap = target_capability(q)
     if config is not None and is_gluon_config(config):
-        from .gluon_fwd import plan_fwd_gluon
+        from .gluon_fwd import BLOCK_H as GLUON_BLOCK_H, plan_fwd_gluon
 
-        return plan_fwd_gluon(q, kv, indices, n_slots, out, lse, scale, d_v, pipeline_pv=config[0] == "gluon-pv")
+        _int32_rows(kv, "forward (Gluon)")
+        grid = _grid(triton.cdiv(H, GLUON_BLOCK_H) * T, B, "forward (Gluon)")
+        return plan_fwd_gluon(q, kv, indices, n_slots, out, lse, scale, d_v, grid, pipeline_pv=config[0] == "gluon-pv")
     _, block_k, stages = config or fwd_config_space(cap)[0]
     blocks = fwd_blocks(H, d_v, D - d_v, cap, block_k)
     n_hb = triton.cdiv(H, blocks["BLOCK_H"])
