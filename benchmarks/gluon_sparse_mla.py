@@ -2,6 +2,7 @@
 on one GPU: correctness and time at T = 4K and 32K, 671B dims (H = 128, D = 576, d_v = 512), k = 2048.
 
     python benchmarks/gluon_sparse_mla.py OUT_JSON [--T 4096 32768] [--budget 55]
+    TRITON_INTERPRET=1 python benchmarks/gluon_sparse_mla.py OUT_JSON --small   # CPU smoke run of the script
 
 Per T (one document, causal top-k lists as gpu-check builds them, the first row empty): the Triton
 forward's default config (`plan_fwd`'s default: what runs today), then each Gluon config ("gluon":
@@ -52,15 +53,25 @@ def _child(args) -> int:
 
     t_start = time.time()
     deadline = t_start + args.budget
-    d = dims_for(False)
-    dev = "cuda"
-    cap = torch.cuda.get_device_capability()
-    emit(kind="env", device=torch.cuda.get_device_name(), capability=f"sm_{cap[0]}{cap[1]}",
+    d = dims_for(args.small)
+    cuda = not args.small
+    dev = "cuda" if cuda else "cpu"
+    cap = torch.cuda.get_device_capability() if cuda else (9, 0)
+    emit(kind="env", device=torch.cuda.get_device_name() if cuda else "cpu (interpreter smoke run)",
+         capability=f"sm_{cap[0]}{cap[1]}",
          triton=triton.__version__, torch=torch.__version__,
          space=[c[0] for c in SM.fwd_config_space(cap[0] * 10 + cap[1])])
     torch.backends.cuda.matmul.allow_tf32 = False
 
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
     def time_ms(fn) -> float:
+        if not cuda:
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e3
         for _ in range(2):
             fn()
         times = []
@@ -91,8 +102,9 @@ def _child(args) -> int:
         idx = topk_lists(ds, pos, d.K, seed=T + 1).to(torch.int32).contiguous()
         pairs = valid_pairs(ds, pos, d.K)
         flops = 2.0 * pairs * d.H * (d.D + d.D_V)
-        q = randn((1, T, d.H, d.D), dev, seed=T + 2)
-        kv = randn((1, T, d.D), dev, seed=T + 3)
+        dt = torch.bfloat16 if cuda else torch.float32  # the interpreter's tl.dot is wrong on 16-bit operands
+        q = randn((1, T, d.H, d.D), dev, seed=T + 2, dtype=dt)
+        kv = randn((1, T, d.D), dev, seed=T + 3, dtype=dt)
         scale = d.D**-0.5
         n_slots = SM.slot_counts(idx, T)
         rows = torch.cat([torch.arange(REF_ROWS // 2), torch.arange(T - REF_ROWS // 2, T)]).to(dev)
@@ -105,7 +117,7 @@ def _child(args) -> int:
             launch = SM.plan_fwd(q, kv, idx, n_slots, out, lse, scale, d.D_V, cfg)
             t0 = time.time()
             launch.run()
-            torch.cuda.synchronize()
+            sync()
             return launch, out, lse, time.time() - t0
 
         base = dict(T=T, H=d.H, D=d.D, D_V=d.D_V, k=d.K, pairs=pairs)
@@ -140,7 +152,8 @@ def _child(args) -> int:
                 emit(kind="gluon", config=cfg[0], **base, error=f"{type(err).__name__}: {str(err)[-600:]}")
                 traceback.print_exc()
         del q, kv, idx, t_out, t_lse
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
     return 0
 
 
@@ -149,6 +162,7 @@ def main(argv=None) -> int:
     p.add_argument("out_json")
     p.add_argument("--T", type=int, nargs="+", default=[4096, 32768])
     p.add_argument("--budget", type=float, default=55.0, help="seconds for the child's measurements")
+    p.add_argument("--small", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): a smoke run")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rows-file", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -157,7 +171,9 @@ def main(argv=None) -> int:
     import torch
 
     t0 = time.time()
-    if not torch.cuda.is_available():
+    if args.small:
+        args.T = [t for t in args.T if t <= 256] or [64, 128]
+    elif not torch.cuda.is_available():
         result = {"status": "no CUDA GPU: nothing measured", "rows": []}
         with open(args.out_json, "w") as f:
             json.dump(result, f, indent=1)
@@ -166,7 +182,7 @@ def main(argv=None) -> int:
     rows_file = args.out_json + ".rows"
     open(rows_file, "w").close()
     cmd = [sys.executable, os.path.abspath(__file__), args.out_json, "--child", "--rows-file", rows_file,
-           "--budget", str(args.budget), "--T", *map(str, args.T)]
+           "--budget", str(args.budget), "--T", *map(str, args.T), *(["--small"] if args.small else [])]
     status = "ok"
     try:
         proc = subprocess.run(cmd, timeout=args.budget + 5, stdout=None, stderr=subprocess.PIPE, text=True)
