@@ -10,7 +10,9 @@ each tile's PV waited for; "gluon-pv": PV in flight under the next tile's logits
 is compared with the Triton forward on every row (out: max |a - b| / max |b|; lse: max |a - b|, the
 -inf rows equal) and both with the fp32 PyTorch reference (`sparse_mla_ref`) on 32 rows (the first
 rows, with few or no valid slots, and the last ones); then timed with CUDA events (median of 5 after
-2 warm-ups). TFLOPS = 2 pairs H (D + d_v) / time, pairs = sum over rows of min(k, visible keys)
+2 warm-ups). At the largest T two timing diagnostics of "gluon" follow (outputs not compared):
+without the producer's copies (compute and synchronization only) and without the consumers' math
+(the gather and synchronization only). TFLOPS = 2 pairs H (D + d_v) / time, pairs = sum over rows of min(k, visible keys)
 (docs/gpu-check.md's convention). A config that fails to compile or launch is a row with its error,
 not a crash.
 
@@ -151,6 +153,23 @@ def _child(args) -> int:
             except Exception as err:  # a compile / launch failure is a row
                 emit(kind="gluon", config=cfg[0], **base, error=f"{type(err).__name__}: {str(err)[-600:]}")
                 traceback.print_exc()
+        # timing diagnostics at the largest T (outputs not compared): the "gluon" kernel with the
+        # producer's copies left out (DIAG 1: compute and synchronization only) and with the
+        # consumers' math left out (DIAG 2: the gather and synchronization only)
+        if why is None and T == max(args.T):
+            for diag, what in ((1, "no gather"), (2, "no math")):
+                if time.time() > deadline - 5:
+                    emit(kind="diagnostic", config=f"gluon ({what})", **base, note="budget spent")
+                    continue
+                try:
+                    launch, _, _, first_s = run_config(GLUON_CONFIGS[0])
+                    launch.args["DIAG"] = diag
+                    ms = time_ms(launch.run)
+                    emit(kind="diagnostic", config=f"gluon ({what})", **base, ms=round(ms, 3),
+                         tflops=round(flops / ms / 1e9, 1))
+                except Exception as err:
+                    emit(kind="diagnostic", config=f"gluon ({what})", **base,
+                         error=f"{type(err).__name__}: {str(err)[-300:]}")
         del q, kv, idx, t_out, t_lse
         if cuda:
             torch.cuda.empty_cache()

@@ -37,6 +37,10 @@ ptxas serializes every wgmma, C7514/C7515), which spills 120 B under Triton 3.9 
 O is rescaled on every tile (by 1 where the max stayed): skipping the multiply with one per-CTA
 branch (SKIP_RESCALE) spilled 80 B under 3.6.
 
+DIAG (a constexpr, 0 in every launch the dispatcher makes): 1 leaves the producer's copies out, 2
+the consumers' math, for `benchmarks/gluon_sparse_mla.py`'s timing diagnostics (is a tile's time
+the gather's or the math's?); their outputs are meaningless.
+
 Triton 3.6 and 3.9 differ in two names this kernel uses (the shim below): the cp.async call
 (`async_copy_global_to_shared` in 3.6, `async_load` in 3.9) and the CTA barrier (`thread_barrier`
 / `barrier`). Gluon kernels do not run under TRITON_INTERPRET: on the CPU nothing here runs; the
@@ -75,7 +79,8 @@ LOG2E = 1.4426950408889634
 @gluon.jit
 def _producer(KV, IDX, NSLOT, kv_lat, kv_rope, bias, ready, empty, b, t,
               stride_kvb, stride_kvt, stride_ib, stride_it, stride_nb, N_KV,
-              D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+              D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+              DIAG: gl.constexpr):
     num_warps: gl.constexpr = gl.num_warps()
     # 16-byte vectors: 8 threads across 64 columns, 4 rows per warp
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
@@ -95,9 +100,10 @@ def _producer(KV, IDX, NSLOT, kv_lat, kv_rope, bias, ready, empty, b, t,
         vmask = valid[:, None] & (cols < 64)[None, :]
         # the logits' mask for the consumers: 0 or -inf per key (no index loads on their side)
         bias.index(s).store(gl.where(valid, 0.0, float("-inf")))
-        for c in gl.static_range(D_V // 64):
-            _cp_async(kv_lat.index(s).slice(c * 64, 64, dim=1), row_ptr + c * 64, mask=vmask)
-        _cp_async(kv_rope.index(s), row_ptr + D_V, mask=vmask)
+        if DIAG != 1:  # DIAG 1 (a timing diagnostic): no gather, the ring's stale rows are used
+            for c in gl.static_range(D_V // 64):
+                _cp_async(kv_lat.index(s).slice(c * 64, 64, dim=1), row_ptr + c * 64, mask=vmask)
+            _cp_async(kv_rope.index(s), row_ptr + D_V, mask=vmask)
         async_copy.commit_group()
         # publish the tile once every producer thread's copies have landed. (Publishing one tile
         # behind, to keep two tiles in flight, deadlocks with two stages: the consumers release a
@@ -112,46 +118,52 @@ def _producer(KV, IDX, NSLOT, kv_lat, kv_rope, bias, ready, empty, b, t,
 def _consume_tile(i, acc, m_i, l_i, scale_log2, q_lat, q_rope, kv_lat, kv_rope, bias, p_smem,
                   ready, empty, s_lay: gl.constexpr, o_lay: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, D_V: gl.constexpr,
                   STAGES: gl.constexpr, THRESHOLD: gl.constexpr, FIRST: gl.constexpr, PIPELINE_PV: gl.constexpr,
-                  SKIP_RESCALE: gl.constexpr):
+                  SKIP_RESCALE: gl.constexpr, DIAG: gl.constexpr):
     """One 64-key tile: logits (wgmma over 576 dims), online softmax, P to shared memory, O += P V
-    issued (left in flight). `acc`: O, a tensor (FIRST) or the previous tile's in-flight PV."""
+    issued (left in flight). `acc`: O, a tensor (FIRST) or the previous tile's in-flight PV.
+    DIAG 2 (a timing diagnostic): the tile is received and released, nothing computed."""
     s = i % STAGES
     mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-    fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
-    kl = kv_lat.index(s)
-    sc = warpgroup_mma(q_lat, kl.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout=s_lay),
-                       use_acc=False, is_async=True)
-    sc = warpgroup_mma(q_rope, kv_rope.index(s).permute((1, 0)), sc, is_async=True)
-    if FIRST or not PIPELINE_PV:
-        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-    else:
-        # the previous tile's PV (issued before these logits) has completed too: release its stage
-        # once both warp groups are past their wait (wgmma completion is per warp group)
-        acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))
+    if DIAG == 2:
         _cta_barrier()
-        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1)
-    sc = sc * scale_log2 + bias.index(s).load(gl.SliceLayout(0, s_lay))[None, :]
-    m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-    # FlashAttention-3's rule: keep the stale max unless it grew by more than THRESHOLD
-    grow = m_new > m_i + THRESHOLD
-    m_use = gl.where(grow, m_new, m_i)
-    alpha = gl.exp2(m_i - m_use)
-    p = gl.exp2(sc - m_use[:, None])
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    if not FIRST:
-        if SKIP_RESCALE:
-            if gl.max(grow.to(gl.int32), axis=0) > 0:  # one branch per CTA: most tiles skip the rescale
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_lay))[:, None]
-        else:
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_lay))[:, None]
-    p_smem.store(p.to(p_smem.dtype))
-    fence_async_shared()  # each thread orders its P stores before the wgmma's async-proxy reads
-    _cta_barrier()
-    acc = warpgroup_mma(p_smem, kl.slice(0, D_V, dim=1), acc, use_acc=not FIRST, is_async=True)
-    if not PIPELINE_PV:
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _cta_barrier()  # both warp groups' PV done: the stage and P may be overwritten
         mbarrier.arrive(empty.index(s), count=1)
+        m_use = m_i
+    else:
+        fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
+        kl = kv_lat.index(s)
+        sc = warpgroup_mma(q_lat, kl.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout=s_lay),
+                           use_acc=False, is_async=True)
+        sc = warpgroup_mma(q_rope, kv_rope.index(s).permute((1, 0)), sc, is_async=True)
+        if FIRST or not PIPELINE_PV:
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+        else:
+            # the previous tile's PV (issued before these logits) has completed too: release its stage
+            # once both warp groups are past their wait (wgmma completion is per warp group)
+            acc, sc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, sc))
+            _cta_barrier()
+            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1)
+        sc = sc * scale_log2 + bias.index(s).load(gl.SliceLayout(0, s_lay))[None, :]
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        # FlashAttention-3's rule: keep the stale max unless it grew by more than THRESHOLD
+        grow = m_new > m_i + THRESHOLD
+        m_use = gl.where(grow, m_new, m_i)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(sc - m_use[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        if not FIRST:
+            if SKIP_RESCALE:
+                if gl.max(grow.to(gl.int32), axis=0) > 0:  # one branch per CTA: most tiles skip the rescale
+                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_lay))[:, None]
+            else:
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_lay))[:, None]
+        p_smem.store(p.to(p_smem.dtype))
+        fence_async_shared()  # each thread orders its P stores before the wgmma's async-proxy reads
+        _cta_barrier()
+        acc = warpgroup_mma(p_smem, kl.slice(0, D_V, dim=1), acc, use_acc=not FIRST, is_async=True)
+        if not PIPELINE_PV:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _cta_barrier()  # both warp groups' PV done: the stage and P may be overwritten
+            mbarrier.arrive(empty.index(s), count=1)
     return acc, m_use, l_i
 
 
@@ -161,7 +173,7 @@ def _consumer(Q, NSLOT, O, LSE, q_lat, q_rope, kv_lat, kv_rope, bias, p_smem, re
               stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, scale_log2,
               D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
               STAGES: gl.constexpr, THRESHOLD: gl.constexpr, PIPELINE_PV: gl.constexpr,
-              SKIP_RESCALE: gl.constexpr):
+              SKIP_RESCALE: gl.constexpr, DIAG: gl.constexpr):
     num_warps: gl.constexpr = gl.num_warps()
     # logits [64 heads, 64 keys]: the two warp groups split the keys; O [64, 512]: they split the columns
     s_lay: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
@@ -194,16 +206,16 @@ def _consumer(Q, NSLOT, O, LSE, q_lat, q_rope, kv_lat, kv_rope, bias, p_smem, re
         # pipeline only when no other instruction defines its accumulator inside a pipeline stage)
         acc, m_i, l_i = _consume_tile(0, acc, m_i, l_i, scale_log2, q_lat, q_rope,
                                       kv_lat, kv_rope, bias, p_smem, ready, empty, s_lay, o_lay, BLOCK_H, BLOCK_K,
-                                      D_V, STAGES, THRESHOLD, True, PIPELINE_PV, SKIP_RESCALE)
+                                      D_V, STAGES, THRESHOLD, True, PIPELINE_PV, SKIP_RESCALE, DIAG)
         for i in range(1, n_tiles):
             acc, m_i, l_i = _consume_tile(i, acc, m_i, l_i, scale_log2, q_lat, q_rope,
                                           kv_lat, kv_rope, bias, p_smem, ready, empty, s_lay, o_lay, BLOCK_H,
-                                          BLOCK_K, D_V, STAGES, THRESHOLD, False, PIPELINE_PV, SKIP_RESCALE)
+                                          BLOCK_K, D_V, STAGES, THRESHOLD, False, PIPELINE_PV, SKIP_RESCALE, DIAG)
     else:  # each tile's PV waited for at its end
         for i in range(n_tiles):
             acc, m_i, l_i = _consume_tile(i, acc, m_i, l_i, scale_log2, q_lat, q_rope,
                                           kv_lat, kv_rope, bias, p_smem, ready, empty, s_lay, o_lay, BLOCK_H,
-                                          BLOCK_K, D_V, STAGES, THRESHOLD, False, PIPELINE_PV, SKIP_RESCALE)
+                                          BLOCK_K, D_V, STAGES, THRESHOLD, False, PIPELINE_PV, SKIP_RESCALE, DIAG)
     if PIPELINE_PV:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         _cta_barrier()
@@ -239,7 +251,7 @@ def _sparse_mla_fwd_gluon_kernel(
     BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_DV: gl.constexpr, BLOCK_DR: gl.constexpr,
     EVEN_H: gl.constexpr, VALUE_SPLIT: gl.constexpr,
     STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    THRESHOLD: gl.constexpr, PIPELINE_PV: gl.constexpr, SKIP_RESCALE: gl.constexpr,
+    THRESHOLD: gl.constexpr, PIPELINE_PV: gl.constexpr, SKIP_RESCALE: gl.constexpr, DIAG: gl.constexpr,
 ):
     # program (x, y) -> (token, head block), the head block fastest; y = b. The launcher admits this
     # kernel only where H % 64 == 0, D_V = 512 (any multiple of 128 up to 512), D_R = 64, 16-bit inputs.
@@ -265,10 +277,10 @@ def _sparse_mla_fwd_gluon_kernel(
         (_consumer, (Q, NSLOT, O, LSE, q_lat, q_rope, kv_lat, kv_rope, bias, p_smem, ready, empty, b, t, hb,
                      stride_qb, stride_qt, stride_qh, stride_nb,
                      stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, scale_log2,
-                     D_V, D_R, BLOCK_H, BLOCK_K, STAGES, THRESHOLD, PIPELINE_PV, SKIP_RESCALE)),
+                     D_V, D_R, BLOCK_H, BLOCK_K, STAGES, THRESHOLD, PIPELINE_PV, SKIP_RESCALE, DIAG)),
         (_producer, (KV, IDX, NSLOT, kv_lat, kv_rope, bias, ready, empty, b, t,
                      stride_kvb, stride_kvt, stride_ib, stride_it, stride_nb, N_KV,
-                     D_V, D_R, BLOCK_K, STAGES)),
+                     D_V, D_R, BLOCK_K, STAGES, DIAG)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -324,7 +336,7 @@ def plan_fwd_gluon(q, kv, indices, n_slots, out, lse, scale: float, d_v: int, gr
             H=H, N_KV=kv.shape[1], N_HB=n_hb, scale_log2=scale * LOG2E,
             D_V=d_v, D_R=D - d_v, BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K, BLOCK_DV=d_v, BLOCK_DR=D - d_v,
             EVEN_H=True, VALUE_SPLIT=1, STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS,
-            PRODUCER_REGS=producer_regs or PRODUCER_REGS, THRESHOLD=RESCALE_THRESHOLD, PIPELINE_PV=pipeline_pv, SKIP_RESCALE=skip_rescale,
+            PRODUCER_REGS=producer_regs or PRODUCER_REGS, THRESHOLD=RESCALE_THRESHOLD, PIPELINE_PV=pipeline_pv, SKIP_RESCALE=skip_rescale, DIAG=0,
         ),
         num_warps=CONSUMER_WARPS, num_stages=STAGES, maxnreg=MAXNREG,
     )
