@@ -84,7 +84,7 @@ def allowed_spill(row: dict, cap: int) -> int:
 TENSOR_CORE_REQUIRED = {80: ("mma_sync",), 90: ("wgmma",), 100: ("tcgen05_mma", "mma_sync")}
 
 # The keys of a report row, in the JSON and table order (`gate`: the gate's failures, one string each).
-ROW_KEYS = ("op", "kernel", "config", "triton", "registers", "spill_bytes", "shared_bytes",
+ROW_KEYS = ("op", "kernel", "language", "config", "triton", "registers", "spill_bytes", "shared_bytes",
             *TENSOR_CORE_PTX, "global_writes", "dots", "error", "gate", "shapes", "replication", "occupancy", "analysis")
 
 
@@ -233,19 +233,37 @@ def _compile_logged(src, target, options: dict, always: bool):
     return compiled, out.getvalue()
 
 
+def kernel_language(kernel) -> str:
+    """"Gluon" for a `@gluon.jit` kernel (`triton.experimental.gluon`: explicit layouts, warp
+    specialization), else "Triton"."""
+    is_gluon = getattr(kernel, "is_gluon", None)
+    return "Gluon" if callable(is_gluon) and is_gluon() else "Triton"
+
+
+def _ast_source(kernel):
+    """The compiler front end of a kernel: Gluon's (`GluonASTSource`) or Triton's `ASTSource`."""
+    if kernel_language(kernel) == "Gluon":
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        return GluonASTSource
+    from triton.compiler import ASTSource
+
+    return ASTSource
+
+
 def compile_case(case, cap: int) -> dict:
     """Compile one registered kernel case for compute capability `cap` -> one report row."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     row = dict.fromkeys(ROW_KEYS)
-    row.update(op=case.op, kernel=case.kernel_name, config=case.config, triton=triton.__version__,
+    row.update(op=case.op, kernel=case.kernel_name, language=kernel_language(case.launch.kernel),
+               config=case.config, triton=triton.__version__,
                dots=case.dots, gate=[], analysis=analysis.as_dict(case.work))
     t0 = time.perf_counter()
     try:
         signature, constexprs, attrs = _specialize(case.launch)
-        src = ASTSource(case.launch.kernel, signature, constexprs, attrs)
+        src = _ast_source(case.launch.kernel)(case.launch.kernel, signature, constexprs, attrs)
         target, options = GPUTarget("cuda", cap, 32), case.launch.options()
         compiled, log = _compile_logged(src, target, options, always=False)
         # ptxas ran (a cold Triton cache): its log; else the statistics kept from that run; else

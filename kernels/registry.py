@@ -126,7 +126,8 @@ def registered_ops() -> list[str]:
     return [op for op in OPS if op in _REGISTRY]
 
 
-_DOT_CALL = re.compile(r"\btl\.dot(?:_scaled)?\s*\(")
+# a dot product: Triton's tl.dot / tl.dot_scaled, or a Gluon kernel's warpgroup MMA (wgmma)
+_DOT_CALL = re.compile(r"\btl\.dot(?:_scaled)?\s*\(|\bwarpgroup_mma\s*\(")
 _NAME = re.compile(r"\b[A-Za-z_]\w*\b")
 
 

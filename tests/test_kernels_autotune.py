@@ -130,8 +130,9 @@ def test_forward_space_follows_the_triton_version():
     """Hopper's space depends on the Triton that compiles it: 3.6 (torch 2.11's) holds 32-key tiles
     without spill and ran them 1.55x faster on an H200 than 16-key ones (docs/kernels.md); 3.9
     spills at 32 keys and keeps 16. Blackwell's space is the same for both."""
-    assert {bk for _, bk, _ in fwd_config_space(90, "3.6.0")} == {32}
-    assert {bk for _, bk, _ in fwd_config_space(90, "3.9.0")} == {16}
+    triton_cfgs = lambda version: [c for c in fwd_config_space(90, version) if not c[0].startswith("gluon")]  # noqa: E731
+    assert {bk for _, bk, _ in triton_cfgs("3.6.0")} == {32}
+    assert {bk for _, bk, _ in triton_cfgs("3.9.0")} == {16}
     assert fwd_config_space(100, "3.6.0") == fwd_config_space(100, "3.9.0") == FWD_CONFIG_SPACE[100]
     assert fwd_config_space(90) == fwd_config_space(90, triton.__version__)
 

@@ -322,3 +322,27 @@ def test_occupancy_limits():
     assert occupancy(255, 8, 110656, 90) == dict(ctas=1, warps=8, limit="registers")
     assert occupancy(96, 4, 8192, 90)["ctas"] == 5  # 96 x 128 threads: 5 CTAs in 64K registers
     assert occupancy(32, 4, 120 * 1024, 90) == dict(ctas=1, warps=4, limit="shared")
+
+
+def test_gluon_forward_is_in_the_gate_on_hopper_under_both_tritons(gate_reports):
+    """Issue 31: the Gluon sparse MLA forward (FlashMLA's schedule: a cp.async producer warp group and
+    two wgmma consumer warp groups, setmaxnreg) is compiled for sm_90a under the oldest and the newest
+    supported Triton (every Gluon config of that Triton's forward space), marked "Gluon" in the
+    report's language column, with wgmma, no spill, and the warp-specialized partitions' register
+    rebalance (maxnreg 168: 384 threads); sm_100 has no Gluon config. Every other kernel is "Triton"."""
+    from dsa_kernels.ops.sparse_mla.kernel import fwd_config_space
+
+    for (version, arch), res in gate_reports.items():
+        rows = res["rows"] or []
+        assert rows, (version, arch)
+        assert {r["language"] for r in rows} <= {"Triton", "Gluon"}
+        gluon = [r for r in rows if r["language"] == "Gluon"]
+        assert all(r["kernel"] == "_sparse_mla_fwd_gluon_kernel" for r in gluon)
+        if arch != "sm_90a":
+            assert not gluon, (version, arch)
+            continue
+        names = {c[0] for c in fwd_config_space(90, version) if c[0].startswith("gluon")}
+        assert {r["config"].split()[2] for r in gluon} == names, (version, [r["config"] for r in gluon])
+        for r in gluon:
+            assert r["error"] is None and r["gate"] == [], (version, r)
+            assert r["wgmma"] > 0 and r["spill_bytes"] == 0 and r["registers"] == 168, (version, r)

@@ -221,10 +221,46 @@ def sparse_mla_check(T_asked: int, cp: bool = False):
                "dq": compare(dq_r, rdq, TOL["grad"]), "dkv": compare(dkv, rdkv, TOL["grad"])}
         if outside:
             res["dq_outside_rows"] = {"err": outside, "tol": 0.0, "ok": False, "note": "dout is 0 there"}
+        gluon = _sparse_mla_gluon_forwards(q.detach(), kv.detach(), idx, scale, d.D_V, rows, ro, rlse)
+        res.update(gluon)
+        note = f"; Gluon forward {', '.join(sorted({k.split('_', 1)[1] for k in gluon}))}" if gluon else ""
         return _outcome(res, {"rows_compared": int(rows.shape[0]), "queries": Tq, "keys": T},
-                        f"; {rows.shape[0]} of {Tq} rows compared{fit_note}")
+                        f"; {rows.shape[0]} of {Tq} rows compared{fit_note}{note}")
 
     return _budget(T_asked, 5.0, 0.5)(fn)
+
+
+def _sparse_mla_gluon_forwards(q, kv, idx, scale, d_v, rows, ref_out, ref_lse, on_gpu: bool | None = None) -> dict:
+    """Issue 31: each Gluon config of the forward's space for this call (sm_90 GPUs; none on the CPU
+    or elsewhere: {}) run explicitly (forced, not autotuned) and compared on the same rows with the
+    same fp32 reference and tolerances: {"out_<config>": compare, "lse_<config>": compare}. A config
+    that fails to compile or launch is a failed output with its error."""
+    from dsa_kernels.ops.sparse_mla import kernel as SM
+
+    if not (q.is_cuda if on_gpu is None else on_gpu):
+        return {}
+    space = SM.fwd_space_for(q, kv, d_v)
+    res = {}
+    for name, cfg in space.items():
+        if not SM.is_gluon_config(cfg):
+            continue
+        try:
+            with torch.no_grad(), SM.force_fwd_config(name):
+                import dsa_kernels as K
+
+                out, lse = K.sparse_mla(q, kv, idx, scale, d_v)
+            res[f"out_{name}"] = compare(out[:, rows].float(), ref_out, TOL["out"])
+            res[f"lse_{name}"] = compare(lse[:, rows], ref_lse, TOL["lse"])
+            del out, lse
+        except torch.cuda.OutOfMemoryError:  # the largest T: the GPU holds one forward's outputs, not two
+            torch.cuda.empty_cache()
+            res[f"out_{name}"] = {"err": 0.0, "tol": TOL["out"], "ok": True,
+                                  "note": "not compared: out of GPU memory for a second forward at this T"}
+        except Exception as err:  # noqa: BLE001 - a compile / launch failure is this output's failure
+            msg = (str(err).strip().splitlines() or [""])[-1][:200]
+            res[f"out_{name}"] = {"err": math.inf, "tol": TOL["out"], "ok": False,
+                                  "note": f"{type(err).__name__}: {msg}"}
+    return res
 
 
 # ----------------------------------------------------------------------------- index scores

@@ -53,6 +53,10 @@ elsewhere the split kernel runs.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -483,8 +487,28 @@ def fwd_config_space(capability: int, triton_version: str | None = None) -> tupl
     arch = 100 if capability >= 100 else 90
     version = triton.__version__ if triton_version is None else triton_version
     if version.startswith("3.6.") and arch in FWD_CONFIG_SPACE_TRITON_36:
-        return FWD_CONFIG_SPACE_TRITON_36[arch]
-    return FWD_CONFIG_SPACE[arch]
+        space = FWD_CONFIG_SPACE_TRITON_36[arch]
+    else:
+        space = FWD_CONFIG_SPACE[arch]
+    if capability == 90:  # the Gluon forward (wgmma, sm_90a only): after the Triton configs, never the default
+        space = space + (FWD_GLUON_CONFIGS_TRITON_36 if version.startswith("3.6.") else FWD_GLUON_CONFIGS)
+    return space
+
+
+# The Gluon forward (`gluon_fwd.py`, FlashMLA's schedule: a cp.async producer warp group, two wgmma
+# consumer warp groups) as configs of the sm_90 space: (name, key tile, ring stages). "gluon": each
+# tile's PV wgmma waited for at the tile's end; "gluon-pv": left in flight under the next tile's
+# logits (no spill under Triton 3.6 only: 3.9 spills 120 B, so 3.9's space leaves it out). Both
+# rescale O on every tile with FlashAttention-3's stale max (the per-CTA skip branch spilled 80 B
+# under 3.6). A call the kernel does not take (`gluon_fwd.gluon_fwd_supported`: H % 64, d_v, rope
+# 64, 16-bit) drops them from its space; on a GPU each is verified against the default before it is
+# timed (`sparse_mla_fwd`).
+FWD_GLUON_CONFIGS = (("gluon", 64, 2),)
+FWD_GLUON_CONFIGS_TRITON_36 = (("gluon", 64, 2), ("gluon-pv", 64, 2))
+
+
+def is_gluon_config(config: tuple) -> bool:
+    return config[0].startswith("gluon")
 
 
 def bwd_blocks(H: int, D_V: int, D_R: int) -> dict:
@@ -568,6 +592,12 @@ def plan_fwd(q, kv, indices, n_slots, out, lse, scale: float, d_v: int, config: 
     `fwd_config_space` (default: its first)."""
     B, T, H, D = q.shape
     cap = target_capability(q)
+    if config is not None and is_gluon_config(config):
+        from .gluon_fwd import BLOCK_H as GLUON_BLOCK_H, plan_fwd_gluon
+
+        _int32_rows(kv, "forward (Gluon)")
+        grid = _grid(triton.cdiv(H, GLUON_BLOCK_H) * T, B, "forward (Gluon)")
+        return plan_fwd_gluon(q, kv, indices, n_slots, out, lse, scale, d_v, grid, pipeline_pv=config[0] == "gluon-pv")
     _, block_k, stages = config or fwd_config_space(cap)[0]
     blocks = fwd_blocks(H, d_v, D - d_v, cap, block_k)
     n_hb = triton.cdiv(H, blocks["BLOCK_H"])
@@ -683,13 +713,120 @@ def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, n_s
     lse = torch.empty((B, T, H), dtype=torch.float32, device=q.device)
     if B * T == 0 or H == 0:
         return out, lse
-    space = {cfg[0]: cfg for cfg in fwd_config_space(target_capability(q))}
+    space = fwd_space_for(q, kv, d_v)
     on_gpu = q.is_cuda and not interpreted()
-    _, launch = autotune.pick("sparse_mla_fwd", (H, D, d_v, pow2(indices.shape[-1])), list(space),
-                              lambda name: plan_fwd(q, kv, indices, n_slots, out, lse, scale, d_v, space[name]),
-                              on_gpu, autotune.device_id(q) if on_gpu else "")
+
+    def build(name):
+        return plan_fwd(q, kv, indices, n_slots, out, lse, scale, d_v, space[name])
+
+    forced = forced_fwd_config()
+    if forced is not None:  # DSA_SPARSE_MLA_FWD_CONFIG / force_fwd_config: this config, untimed
+        if forced not in space:
+            raise ValueError(f"sparse_mla forward: config {forced!r} (DSA_SPARSE_MLA_FWD_CONFIG) is not in this "
+                             f"call's space {list(space)}; unset it or pick one of those")
+        _launch(build(forced))
+        return out, lse
+    _, launch = autotune.pick("sparse_mla_fwd", (H, D, d_v, pow2(indices.shape[-1])), list(space), build,
+                              on_gpu, autotune.device_id(q) if on_gpu else "",
+                              verify=lambda name: fwd_verify(q, kv, indices, n_slots, scale, d_v, space, name))
     _launch(launch)
     return out, lse
+
+
+def fwd_space_for(q, kv, d_v: int) -> dict:
+    """{name: config} of the forward's space for this call: `fwd_config_space` of the GPU's
+    capability, less the Gluon configs where that kernel does not take the call."""
+    cap = target_capability(q)
+    space = {cfg[0]: cfg for cfg in fwd_config_space(cap)}
+    if any(is_gluon_config(c) for c in space.values()):
+        from .gluon_fwd import gluon_fwd_supported
+
+        if not gluon_enabled() or gluon_fwd_supported(q, kv, d_v, cap) is not None:
+            space = {n: c for n, c in space.items() if not is_gluon_config(c)}
+    return space
+
+
+def gluon_enabled() -> bool:
+    """DSA_KERNELS_GLUON=0 takes the Gluon configs out of every call's space (a switch for a GPU or
+    Triton build where they misbehave); default 1."""
+    value = os.environ.get("DSA_KERNELS_GLUON", "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"DSA_KERNELS_GLUON must be 1 or 0; got {value!r}")
+    return value in ("1", "true", "on")
+
+
+_FORCED_FWD: contextvars.ContextVar[str | None] = contextvars.ContextVar("dsa_sparse_mla_fwd_config", default=None)
+
+
+def forced_fwd_config() -> str | None:
+    """The forward config forced by `force_fwd_config` or DSA_SPARSE_MLA_FWD_CONFIG (a name of the
+    forward's space, e.g. "gluon"): it runs untimed and unverified (gpu-check's Gluon checks compare
+    it with the reference themselves). None: the autotuner chooses."""
+    return _FORCED_FWD.get() or os.environ.get("DSA_SPARSE_MLA_FWD_CONFIG") or None
+
+
+@contextlib.contextmanager
+def force_fwd_config(name: str | None):
+    token = _FORCED_FWD.set(name)
+    try:
+        yield
+    finally:
+        _FORCED_FWD.reset(token)
+
+
+# A forward config is verified against the default (the first Triton config) on two blocks of
+# tokens before it may be timed: the last FWD_VERIFY_TOKENS (the longest rows: every tile of the
+# pipeline) and the first FWD_VERIFY_TOKENS (short and empty rows). out: max |a - b| <=
+# FWD_VERIFY_OUT_TOL x max |b| (bf16 outputs, P rounded to bf16 in both, summed in another order);
+# lse: max |a - b| <= FWD_VERIFY_LSE_TOL x max(1, max |b|), and -inf exactly where the default has it.
+FWD_VERIFY_TOKENS = 128
+FWD_VERIFY_OUT_TOL = 2.0**-6
+FWD_VERIFY_LSE_TOL = 1e-4
+
+
+def fwd_verify(q, kv, indices, n_slots, scale: float, d_v: int, space: dict, name: str) -> bool:
+    """Whether config `name`'s out / lse agree with the default's (`FWD_VERIFY_*`) on probe tokens.
+    A config that fails to compile or launch counts as disagreeing (the autotuner leaves it out)."""
+    B, T, H, _ = q.shape
+    default = next(iter(space))
+    probes = [slice(max(0, T - FWD_VERIFY_TOKENS), T)] + ([slice(0, FWD_VERIFY_TOKENS)] if T > FWD_VERIFY_TOKENS else [])
+    for sl in probes:
+        qs, ids, ns = q[:, sl], indices[:, sl], n_slots[:, sl]
+        outs = {}
+        for cfg in (default, name):
+            o = torch.empty((B, qs.shape[1], H, d_v), dtype=q.dtype, device=q.device)
+            ls = torch.empty((B, qs.shape[1], H), dtype=torch.float32, device=q.device)
+            try:
+                _launch(plan_fwd(qs, kv, ids, ns, o, ls, scale, d_v, space[cfg]))
+            except Exception as err:  # a compile / launch failure of the candidate: left out
+                if cfg == default:
+                    raise
+                import warnings
+
+                warnings.warn(f"sparse_mla_fwd: config {name} failed: {type(err).__name__}: "
+                              f"{str(err).strip().splitlines()[-1] if str(err).strip() else ''}", RuntimeWarning)
+                return False
+            outs[cfg] = (o.float(), ls)
+        (o_ref, l_ref), (o_got, l_got) = outs[default], outs[name]
+        if not fwd_outputs_close(o_got, o_ref, l_got, l_ref):
+            return False
+    return True
+
+
+def fwd_outputs_close(out, ref_out, lse, ref_lse) -> bool:
+    """The forward verification's criterion (`FWD_VERIFY_*`)."""
+    if bool(torch.isnan(out).any()) or bool(torch.isnan(lse).any()):
+        return False
+    if not bool(((out - ref_out).abs().max() <= FWD_VERIFY_OUT_TOL * ref_out.abs().max().clamp_min(1e-30))):
+        return False
+    inf_ref = torch.isinf(ref_lse)
+    if not torch.equal(torch.isinf(lse), inf_ref) or not torch.equal(lse[inf_ref], ref_lse[inf_ref]):
+        return False
+    fin = ~inf_ref
+    if not bool(fin.any()):
+        return True
+    lse_scale = max(1.0, float(ref_lse[fin].abs().max()))
+    return bool((lse[fin] - ref_lse[fin]).abs().max() <= FWD_VERIFY_LSE_TOL * lse_scale)
 
 
 DELTA_CHUNK_ELEMS = 1 << 26  # fp32 elements of `bwd_delta`'s one temporary (256 MB)

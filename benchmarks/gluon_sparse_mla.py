@@ -1,0 +1,250 @@
+"""The Gluon sparse MLA forward (`dsa_kernels/ops/sparse_mla/gluon_fwd.py`) against the Triton forward,
+on one GPU: correctness and time at T = 4K and 32K, 671B dims (H = 128, D = 576, d_v = 512), k = 2048.
+
+    python benchmarks/gluon_sparse_mla.py OUT_JSON [--T 4096 32768] [--budget 55]
+    TRITON_INTERPRET=1 python benchmarks/gluon_sparse_mla.py OUT_JSON --small   # CPU smoke run of the script
+
+Per T (one document, causal top-k lists as gpu-check builds them, the first row empty): the Triton
+forward's default config (`plan_fwd`'s default: what runs today), then each Gluon config ("gluon":
+each tile's PV waited for; "gluon-pv": PV in flight under the next tile's logits). Each Gluon config
+is compared with the Triton forward on every row (out: max |a - b| / max |b|; lse: max |a - b|, the
+-inf rows equal) and both with the fp32 PyTorch reference (`sparse_mla_ref`) on 32 rows (the first
+rows, with few or no valid slots, and the last ones); then timed with CUDA events (median of 5 after
+2 warm-ups). Last, at the largest T only, the EXPERIMENTAL "gluon-fm" (`gluon_fwd_fm.py`: FlashMLA's alternating key tiles per warp
+group; in no autotuning space), compared and timed the same way. At the largest T two timing
+diagnostics of "gluon" come before it (outputs not compared):
+without the producer's copies (compute and synchronization only) and without the consumers' math
+(the gather and synchronization only). TFLOPS = 2 pairs H (D + d_v) / time, pairs = sum over rows of min(k, visible keys)
+(docs/gpu-check.md's convention). A config that fails to compile or launch is a row with its error,
+not a crash.
+
+The measurements run in a child process under a deadline (`--budget` seconds, 55 by default): a kernel
+that hangs (a synchronization bug) is killed with its process and reported as a timeout; the rows
+written before stay. One JSON line per row on stdout; the list in OUT_JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+GLUON_CONFIGS = (("gluon", 64, 2), ("gluon-pv", 64, 2))
+REF_ROWS = 32
+
+
+def _child(args) -> int:
+    """Runs the measurements, appending one JSON line per row to args.rows_file."""
+    import torch
+    import triton
+
+    from dsa_kernels.ops.sparse_mla import kernel as SM
+    from dsa_kernels.ops.sparse_mla.gluon_fwd import gluon_fwd_supported
+    from dsa_kernels.ops.sparse_mla.reference import sparse_mla_ref
+    from dsa_train.gpucheck.inputs import dims_for, randn, topk_lists, valid_pairs
+
+    def emit(**row):
+        row["t_s"] = round(time.time() - t_start, 1)
+        line = json.dumps(row)
+        print(line, flush=True)
+        with open(args.rows_file, "a") as f:
+            f.write(line + "\n")
+
+    t_start = time.time()
+    deadline = t_start + args.budget
+    d = dims_for(args.small)
+    cuda = not args.small
+    dev = "cuda" if cuda else "cpu"
+    cap = torch.cuda.get_device_capability() if cuda else (9, 0)
+    emit(kind="env", device=torch.cuda.get_device_name() if cuda else "cpu (interpreter smoke run)",
+         capability=f"sm_{cap[0]}{cap[1]}",
+         triton=triton.__version__, torch=torch.__version__,
+         space=[c[0] for c in SM.fwd_config_space(cap[0] * 10 + cap[1])])
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def time_ms(fn) -> float:
+        if not cuda:
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e3
+        for _ in range(2):
+            fn()
+        times = []
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[2]
+
+    def rel(x, ref) -> float:
+        return float((x.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
+
+    def lse_err(x, ref) -> float:
+        inf = torch.isinf(ref)
+        if not torch.equal(torch.isinf(x), inf) or not torch.equal(x[inf], ref[inf]):
+            return math.inf
+        return float((x[~inf] - ref[~inf]).abs().max()) if bool((~inf).any()) else 0.0
+
+    for T in sorted(args.T):  # ascending: what runs at the largest T (diagnostics, the experiment) is last
+        if time.time() > deadline - 5:
+            emit(kind="skip", T=T, note="budget spent")
+            continue
+        ds = torch.zeros(1, T, dtype=torch.long, device=dev)
+        pos = torch.arange(T, device=dev)
+        idx = topk_lists(ds, pos, d.K, seed=T + 1).to(torch.int32).contiguous()
+        pairs = valid_pairs(ds, pos, d.K)
+        flops = 2.0 * pairs * d.H * (d.D + d.D_V)
+        dt = torch.bfloat16 if cuda else torch.float32  # the interpreter's tl.dot is wrong on 16-bit operands
+        q = randn((1, T, d.H, d.D), dev, seed=T + 2, dtype=dt)
+        kv = randn((1, T, d.D), dev, seed=T + 3, dtype=dt)
+        scale = d.D**-0.5
+        n_slots = SM.slot_counts(idx, T)
+        rows = torch.cat([torch.arange(REF_ROWS // 2), torch.arange(T - REF_ROWS // 2, T)]).to(dev)
+        with torch.no_grad():
+            r_out, r_lse = sparse_mla_ref(q[:, rows].float(), kv.float(), idx[:, rows], scale, d.D_V)
+
+        def run_config(cfg):
+            out = torch.empty((1, T, d.H, d.D_V), dtype=q.dtype, device=dev)
+            lse = torch.empty((1, T, d.H), dtype=torch.float32, device=dev)
+            launch = SM.plan_fwd(q, kv, idx, n_slots, out, lse, scale, d.D_V, cfg)
+            t0 = time.time()
+            launch.run()
+            sync()
+            return launch, out, lse, time.time() - t0
+
+        base = dict(T=T, H=d.H, D=d.D, D_V=d.D_V, k=d.K, pairs=pairs)
+        try:
+            launch, t_out, t_lse, first_s = run_config(None)
+            ms = time_ms(launch.run)
+            emit(kind="triton", config=SM.fwd_config_space(cap[0] * 10 + cap[1])[0][0], **base, ms=round(ms, 3),
+                 tflops=round(flops / ms / 1e9, 1), first_call_s=round(first_s, 1),
+                 ref_out_err=rel(t_out[:, rows], r_out), ref_lse_err=lse_err(t_lse[:, rows], r_lse))
+        except Exception as err:
+            emit(kind="triton", **base, error=f"{type(err).__name__}: {str(err)[-400:]}")
+            traceback.print_exc()
+            continue
+        why = gluon_fwd_supported(q, kv, d.D_V, cap[0] * 10 + cap[1])
+        for cfg in GLUON_CONFIGS:
+            if why is not None:
+                emit(kind="gluon", config=cfg[0], **base, error=f"not supported here: {why}")
+                continue
+            if time.time() > deadline - 5:
+                emit(kind="gluon", config=cfg[0], **base, note="budget spent")
+                continue
+            try:
+                launch, g_out, g_lse, first_s = run_config(cfg)
+                row = dict(first_call_s=round(first_s, 1), nan=bool(torch.isnan(g_out).any() or torch.isnan(g_lse).any()),
+                           out_err_vs_triton=rel(g_out, t_out), lse_err_vs_triton=lse_err(g_lse, t_lse),
+                           ref_out_err=rel(g_out[:, rows], r_out), ref_lse_err=lse_err(g_lse[:, rows], r_lse),
+                           verify_pass=SM.fwd_outputs_close(g_out.float(), t_out.float(), g_lse, t_lse))
+                del g_out, g_lse
+                ms = time_ms(launch.run)
+                emit(kind="gluon", config=cfg[0], **base, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1), **row)
+            except Exception as err:  # a compile / launch failure is a row
+                emit(kind="gluon", config=cfg[0], **base, error=f"{type(err).__name__}: {str(err)[-600:]}")
+                traceback.print_exc()
+        # timing diagnostics at the largest T (outputs not compared): the "gluon" kernel with the
+        # producer's copies left out (DIAG 1: compute and synchronization only) and with the
+        # consumers' math left out (DIAG 2: the gather and synchronization only)
+        if why is None and T == max(args.T):
+            for diag, what in ((1, "no gather"), (2, "no math")):
+                if time.time() > deadline - 5:
+                    emit(kind="diagnostic", config=f"gluon ({what})", **base, note="budget spent")
+                    continue
+                try:
+                    launch, _, _, first_s = run_config(GLUON_CONFIGS[0])
+                    launch.args["DIAG"] = diag
+                    ms = time_ms(launch.run)
+                    emit(kind="diagnostic", config=f"gluon ({what})", **base, ms=round(ms, 3),
+                         tflops=round(flops / ms / 1e9, 1))
+                except Exception as err:
+                    emit(kind="diagnostic", config=f"gluon ({what})", **base,
+                         error=f"{type(err).__name__}: {str(err)[-300:]}")
+        # EXPERIMENTAL (`gluon_fwd_fm.py`: FlashMLA's alternating key tiles, in no autotuning space;
+        # spills under both Tritons): at the largest T only, last, so that a hang here costs no other row
+        if why is None and T == max(args.T) and time.time() <= deadline - 5:
+            try:
+                from dsa_kernels.ops.sparse_mla.gluon_fwd_fm import plan_fwd_gluon_fm
+
+                g_out = torch.empty((1, T, d.H, d.D_V), dtype=q.dtype, device=dev)
+                g_lse = torch.empty((1, T, d.H), dtype=torch.float32, device=dev)
+                grid = SM.plan_fwd(q, kv, idx, n_slots, g_out, g_lse, scale, d.D_V, GLUON_CONFIGS[0]).grid
+                launch = plan_fwd_gluon_fm(q, kv, idx, n_slots, g_out, g_lse, scale, d.D_V, grid)
+                t0 = time.time()
+                launch.run()
+                sync()
+                row = dict(first_call_s=round(time.time() - t0, 1),
+                           nan=bool(torch.isnan(g_out).any() or torch.isnan(g_lse).any()),
+                           out_err_vs_triton=rel(g_out, t_out), lse_err_vs_triton=lse_err(g_lse, t_lse),
+                           ref_out_err=rel(g_out[:, rows], r_out), ref_lse_err=lse_err(g_lse[:, rows], r_lse),
+                           verify_pass=SM.fwd_outputs_close(g_out.float(), t_out.float(), g_lse, t_lse))
+                del g_out, g_lse
+                ms = time_ms(launch.run)
+                emit(kind="experimental", config="gluon-fm", **base, ms=round(ms, 3),
+                     tflops=round(flops / ms / 1e9, 1), **row)
+            except Exception as err:
+                emit(kind="experimental", config="gluon-fm", **base, error=f"{type(err).__name__}: {str(err)[-400:]}")
+        del q, kv, idx, t_out, t_lse
+        if cuda:
+            torch.cuda.empty_cache()
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out_json")
+    p.add_argument("--T", type=int, nargs="+", default=[4096, 32768])
+    p.add_argument("--budget", type=float, default=55.0, help="seconds for the child's measurements")
+    p.add_argument("--small", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): a smoke run")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rows-file", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return _child(args)
+    import torch
+
+    t0 = time.time()
+    if args.small:
+        args.T = [t for t in args.T if t <= 256] or [64, 128]
+    elif not torch.cuda.is_available():
+        result = {"status": "no CUDA GPU: nothing measured", "rows": []}
+        with open(args.out_json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(result["status"], file=sys.stderr)
+        return 2
+    rows_file = args.out_json + ".rows"
+    open(rows_file, "w").close()
+    cmd = [sys.executable, os.path.abspath(__file__), args.out_json, "--child", "--rows-file", rows_file,
+           "--budget", str(args.budget), "--T", *map(str, args.T), *(["--small"] if args.small else [])]
+    status = "ok"
+    try:
+        proc = subprocess.run(cmd, timeout=args.budget + 5, stdout=None, stderr=subprocess.PIPE, text=True)
+        if proc.returncode != 0:
+            tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+            status = f"child exited {proc.returncode}: {tail}"
+    except subprocess.TimeoutExpired:
+        status = (f"timeout after {args.budget + 5:.0f} s: killed (a hang in the kernel running last, "
+                  f"see the last row)")
+    rows = [json.loads(line) for line in open(rows_file) if line.strip()]
+    os.remove(rows_file)
+    result = {"status": status, "seconds": round(time.time() - t0, 1), "rows": rows}
+    with open(args.out_json, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"gluon_sparse_mla: {status}; {len(rows)} rows in {args.out_json}, {result['seconds']} s", file=sys.stderr)
+    return 0 if status == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
