@@ -747,9 +747,10 @@ def fwd_space_for(q, kv, d_v: int) -> dict:
 
 
 def gluon_enabled() -> bool:
-    """DSA_KERNELS_GLUON=0 takes the Gluon configs out of every call's space (a switch for a GPU or
-    Triton build where they misbehave); default 1."""
-    value = os.environ.get("DSA_KERNELS_GLUON", "1").strip().lower()
+    """DSA_KERNELS_GLUON=1 puts the Gluon configs into the call's space (after the Triton ones, verified
+    before timing). Default 0 until a GPU run has shown them correct, free of hangs and faster: the
+    verification catches a wrong result, not a kernel that never returns (docs/kernels.md)."""
+    value = os.environ.get("DSA_KERNELS_GLUON", "0").strip().lower()
     if value not in ("0", "1", "false", "true", "off", "on"):
         raise ValueError(f"DSA_KERNELS_GLUON must be 1 or 0; got {value!r}")
     return value in ("1", "true", "on")
