@@ -30,6 +30,8 @@ On the GPU machine (offline; the image's python3, which is itself a venv):
        correctness dsa-train gpu-check --only correctness
        check:P1,P2[=S]  dsa-train gpu-check --only P1 P2 (any check prefixes), S seconds
        bench:SCRIPT[=S] python benchmarks/SCRIPT <out>.json (a kernel candidate's script)
+       env:NAME=VALUE   set NAME for the steps after it (e.g. env:DSA_KERNELS_GLUON=1 before the
+                        steps that may run an opt-in kernel, after the steps that must not)
   Outputs ($OUT, at most 8 files): session.md (one row per step: status, seconds, command), session.log
   (everything printed), image.txt, reports.tar.gz (every step's reports, logs and JSON), and the reports
   of up to four steps as <step>.md / .json.
@@ -251,6 +253,13 @@ class Session:
         self.reports.append((name, out))
 
     def step(self, spec: str) -> None:
+        if spec.startswith("env:"):
+            key, sep, value = spec[4:].partition("=")
+            if not key or not sep:
+                raise SessionError(f"--step {spec!r}: write env:NAME=VALUE")
+            self.env[key] = value
+            self.say(f"env: {key}={value} for the steps after this")
+            return
         name, _, secs = spec.partition("=")
         kind, _, arg = name.partition(":")
         seconds = float(secs) if secs else STEP_SECONDS.get(kind, 120)
@@ -272,7 +281,7 @@ class Session:
             self.bench(name, arg, seconds)
         else:
             raise SessionError(f"--step {spec!r}: unknown step; use e2e, variants, speed, correctness, "
-                               "check:PREFIX[,PREFIX][=S] or bench:SCRIPT[=S]")
+                               "check:PREFIX[,PREFIX][=S], bench:SCRIPT[=S] or env:NAME=VALUE")
 
     # -- the outputs
     def finish(self) -> None:
