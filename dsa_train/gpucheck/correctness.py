@@ -467,6 +467,54 @@ def dense_attention_check(T: int):
     return _budget(T, 3.0, 0.3)(fn)
 
 
+# ----------------------------------------------------------------------------- the warm-up's frozen attention
+def warmup_attention_check(T: int, cp: bool = False):
+    """The dense warm-up's main attention forward (no gradient) with its lse against the fp32
+    reference: `dense_attention_lse` (on CUDA torch's memory-efficient attention over packed
+    documents) or, with cp, `mla_attention_rows` (a CP rank's two runs of queries over the latent of
+    the whole sequence, up-projected block by block: fewer queries than keys)."""
+
+    def fn(opts: Options) -> Outcome:
+        from dsa_kernels import dense_attention_ref
+        from dsa_kernels.ops.dense_attention import dense_attention_lse, library, mla_attention_rows
+
+        d, dev = dims_for(opts.small), _device(opts)
+        lengths = dense_lengths(T, d) if not cp else doc_lengths(T)
+        ds = doc_start_of(lengths, dev)
+        H, D, DV = d.H_MHA, d.D_MHA, d.DV_MHA
+        rope = 64 if not opts.small else 8
+        nope, R = D - rope, 512 if not opts.small else 32
+        scale = D**-0.5
+        q = randn((1, T, H, D), dev, seed=T + 61)
+        if not cp:
+            k, v = randn((1, T, H, D), dev, seed=T + 62), randn((1, T, H, DV), dev, seed=T + 63)
+            out, lse = dense_attention_lse(q, k, v, scale, ds)
+        else:
+            latent, k_rope = randn((1, T, R), dev, seed=T + 64), randn((1, T, rope), dev, seed=T + 65)
+            w_kv = randn((H * (nope + DV), R), dev, seed=T + 66, std=R**-0.5)
+            k, v = library._up_project(latent, k_rope, w_kv, H, nope)
+            pos = cp_positions(T, dev)
+            L = pos.numel() // 2
+            runs = [(0, int(pos[0]), L), (L, int(pos[L]), L)]
+            parts = [mla_attention_rows(q[:, int(a):int(a) + n], latent, k_rope, w_kv, scale, ds, a, nope)
+                     for _, a, n in runs]
+            out, lse = torch.cat([o for o, _ in parts], 1), torch.cat([x for _, x in parts], 1)
+        ref_out = torch.empty(1, T, H, DV, device=dev, dtype=torch.float32)
+        ref_lse = torch.empty(1, T, H, device=dev, dtype=torch.float32)
+        with torch.no_grad():
+            for sl, s in _documents(lengths):
+                ro, rl = dense_attention_ref(*(x[:, sl].float() for x in (q, k, v)), scale, ds[:, sl] - s,
+                                             chunk_size=_ref_chunk(opts, 64))
+                ref_out[:, sl], ref_lse[:, sl] = ro, rl
+        if cp:
+            ref_out, ref_lse = ref_out[:, pos], ref_lse[:, pos]
+        res = {"out": compare(out, ref_out, TOL["out"]), "lse": compare(lse, ref_lse, TOL["lse"])}
+        return _outcome(res, {"documents": lengths, "backend": library.backend_for(q)},
+                        note=f"; backend {library.backend_for(q)}")
+
+    return _budget(T, 3.0, 0.3)(fn)
+
+
 # ----------------------------------------------------------------------------- the list
 def checks(opts: Options) -> list[Check]:
     d = dims_for(opts.small)
@@ -505,5 +553,14 @@ def checks(opts: Options) -> list[Check]:
               topk_check(big, cp=True)),
         Check(f"correctness.sparse_indexer_kl.cp.T{big}", "correctness", f"{cp}, k={d.K}; value + grads",
               sparse_kl_check(big, cp=True)),
+    ]
+    first, mid = d.seq_lens[0], d.seq_lens[0] * 4
+    out += [
+        Check(f"correctness.warmup_attention.T{first}", "correctness",
+              f"T={first} MHA H={d.H_MHA} q/k {d.D_MHA} v {d.DV_MHA}; frozen forward out/lse (library kernel)",
+              warmup_attention_check(first)),
+        Check(f"correctness.warmup_attention.cp.T{mid}", "correctness",
+              f"CP rank 1 of 4: {mid // 4} queries over T={mid} keys, latent up-projected in blocks; out/lse",
+              warmup_attention_check(mid, cp=True)),
     ]
     return out
