@@ -90,11 +90,11 @@ def _lse_rows(lse: torch.Tensor, cu: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def _efficient(q, k, v, scale, cu_q, cu_k, max_q, max_k, causal: bool):
-    """q [1, Mq, H, D], k [1, Mk, H, D], v [1, Mk, H, Dv] packed rows -> out [Mq, H, Dv] fp32,
+    """q [1, Mq, H, D], k [1, Mk, H, D], v [1, Mk, H, Dv] packed rows -> out [Mq, H, Dv] (q's dtype),
     lse [Mq, H] fp32."""
     out, lse = torch.ops.aten._efficient_attention_forward(
         q, k, v, None, cu_q, cu_k, max_q, max_k, 0.0, 1 if causal else 0, True, scale=scale)[:2]
-    return out[0].float(), _lse_rows(lse.float(), cu_q, q.shape[1])
+    return out[0], _lse_rows(lse.float(), cu_q, q.shape[1])
 
 
 def _library_or_triton(q, k, v, scale, doc_start):
@@ -178,7 +178,7 @@ def _rows_efficient(q, latent, k_rope, w_kv, scale, doc_start, q_offset, nope, k
     cu, max_len = doc_segments(ds)
     flat = [x.reshape(1, B * C, H, x.shape[-1]).contiguous() for x in (q, k, v)]
     out, lse = _efficient(*flat, scale, cu, cu, max_len, max_len, True)
-    out, lse = out.view(B, C, H, -1), lse.view(B, C, H)
+    out, lse = out.view(B, C, H, -1).float(), lse.view(B, C, H)
     del k, v, flat
     if a == 0:
         return out, lse
@@ -194,7 +194,7 @@ def _rows_efficient(q, latent, k_rope, w_kv, scale, doc_start, q_offset, nope, k
             cu_q = torch.tensor([0, n], dtype=torch.int32, device=q.device)
             cu_k = torch.tensor([0, k1 - k0], dtype=torch.int32, device=q.device)
             o_blk, l_blk = _efficient(qr, kb, vb, scale, cu_q, cu_k, n, k1 - k0, False)
-            out[row, :n], lse[row, :n] = merge(out[row, :n], lse[row, :n], o_blk, l_blk)
+            out[row, :n], lse[row, :n] = merge(out[row, :n], lse[row, :n], o_blk.float(), l_blk)
     return out, lse
 
 
