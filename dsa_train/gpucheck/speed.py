@@ -376,7 +376,8 @@ def _layer_memory(opts: Options, T: int) -> dict:
     dev = _device(opts)
     cfg = _layer_config(opts.small)
     torch.manual_seed(0)
-    mla = MLA(cfg).to(dev)
+    with torch.device(dev):  # initialized on the device (201M parameters at the 671B dims)
+        mla = MLA(cfg)
     for name, p in mla.named_parameters():
         keep_fp32 = name.endswith(("indexer.weights_proj.weight", "indexer.k_norm.weight", "indexer.k_norm.bias"))
         p.data = p.data.to(torch.float32 if keep_fp32 or dev == "cpu" else torch.bfloat16)
