@@ -184,3 +184,21 @@ def test_probe_sees_a_closure_that_keeps_a_tensor():
     assert alive == 1
     with pytest.raises(AssertionError, match="survived"):
         _check(region, [torch.randn(4, requires_grad=True)])
+
+
+def test_dense_indexer_kl_at_a_query_offset_frees_its_inputs_under_checkpoint():
+    torch.manual_seed(5)
+    B, T, N, HI, DI, H, D = 1, 4, 9, 2, 8, 2, 8  # CP shape: rows at positions [5, 9) over 9 keys
+    ds = _doc_start(B, [3, 6])
+    from dsa_kernels import dense_attention_ref
+
+    q_full, k = torch.randn(B, N, H, D, device=DEV), torch.randn(B, N, H, D, device=DEV)
+    _, lse = dense_attention_ref(q_full, k, torch.randn(B, N, H, 4, device=DEV), D**-0.5, ds)
+    inputs = [torch.randn(B, T, HI, DI, device=DEV, requires_grad=True), torch.randn(B, N, DI, device=DEV, requires_grad=True),
+              torch.rand(B, T, HI, device=DEV, requires_grad=True), q_full[:, 5:], k, lse[:, 5:]]
+
+    def region(probe, qi, ki, wi, qm, km, lse_m):
+        qi, ki, wi, qm, km, lse_m = _copies(probe, qi, ki, wi, qm, km, lse_m)
+        return dense_indexer_kl_triton(qi, ki, wi, qm, km, D**-0.5, ds, lse_main=lse_m, q_offset=5)[0]
+
+    _check(region, inputs)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 import dsa_kernels as K
+from dsa_kernels._triton_common import use_triton
 from dsa_kernels.ops.dense_attention import dense_attention_lse, mla_attention_rows
 
 from .config import DSAConfig
@@ -303,7 +304,20 @@ class MLA(nn.Module):
         if cp is None:
             kl, stats = K.dense_indexer_kl(q_idx, k_idx, w_idx, q_main, k_main, self.scale, doc_start, lse_main=lse_heads)
             return kl, stats["kl_uniform"]
-        return self._kl_at_positions(q_idx, cp.gather(k_idx), w_idx, q_main, lse_heads, k_main, doc_start, cp.positions)
+        k_idx_all = cp.gather(k_idx)
+        if use_triton(q_idx, k_idx_all, w_idx, q_main, k_main):
+            # the dense KL kernel per run of queries at its offset, over the gathered keys (MQA form)
+            from dsa_kernels.ops.indexer_kl.function import dense_indexer_kl_triton
+
+            kl, klu = None, 0.0
+            for j0, a, n in cp_runs(cp, doc_start.shape[1]):
+                value, stats = dense_indexer_kl_triton(
+                    q_idx[:, j0 : j0 + n], k_idx_all, w_idx[:, j0 : j0 + n], q_main[:, j0 : j0 + n],
+                    k_main[:, :, None, :], self.scale, doc_start, lse_main=lse_heads[:, j0 : j0 + n], q_offset=a)
+                kl = value if kl is None else kl + value
+                klu = klu + stats["kl_uniform"]
+            return kl, klu
+        return self._kl_at_positions(q_idx, k_idx_all, w_idx, q_main, lse_heads, k_main, doc_start, cp.positions)
 
     def _kl_at_positions(self, q_idx, k_idx_all, w_idx, q_heads, lse_heads, kv_all, doc_start, positions):
         """Eq. 3 for queries at global `positions` over every visible key, one query chunk at a time

@@ -82,7 +82,7 @@ class _DenseKL(torch.autograd.Function):
     saved, so backward never runs it again)."""
 
     @staticmethod
-    def forward(ctx, q_idx, k_idx, w_idx, q_main, k_main, doc_start, lse_main, scale):
+    def forward(ctx, q_idx, k_idx, w_idx, q_main, k_main, doc_start, lse_main, scale, q_offset=0):
         B, T = q_idx.shape[:2]
         H = q_main.shape[2]
         # fp32 q/k on the compiled path -> bf16 (fp32 dots would be TF32; `compute_dtype`)
@@ -98,11 +98,11 @@ class _DenseKL(torch.autograd.Function):
         else:  # log2 domain, [B, H, T]; a row without keys -> +inf (p = 0), as the lse kernel writes
             lse2 = (lse_main.detach().float() * LOG2E).transpose(1, 2).contiguous()
             lse2 = lse2.masked_fill_(lse2 == float("-inf"), float("inf"))
-        kl, klu, _ = _dense_run(qi, ki, wi, qm, km, ds, lse2, scale, False)
+        kl, klu, _ = _dense_run(qi, ki, wi, qm, km, ds, lse2, scale, False, q_offset)
         ctx.need = any(ctx.needs_input_grad[:3])
         if ctx.need:
             ctx.save_for_backward(qi, ki, wi, qm, km, ds, lse2)
-        ctx.scale = scale
+        ctx.scale, ctx.q_offset = scale, q_offset
         ctx.dtypes = (q_idx.dtype, k_idx.dtype, w_idx.dtype)
         ctx.mark_non_differentiable(klu)
         return kl, klu
@@ -111,24 +111,24 @@ class _DenseKL(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dkl, _dklu):
         if not ctx.need:
-            return (None,) * 8
-        _, _, grads = _dense_run(*ctx.saved_tensors, ctx.scale, True)
-        return (*_grads_out(grads, dkl, ctx.dtypes), None, None, None, None, None)
+            return (None,) * 9
+        _, _, grads = _dense_run(*ctx.saved_tensors, ctx.scale, True, ctx.q_offset)
+        return (*_grads_out(grads, dkl, ctx.dtypes), None, None, None, None, None, None)
 
 
-def _dense_run(qi, ki, wi, qm, km, ds, lse2, scale, need: bool):
+def _dense_run(qi, ki, wi, qm, km, ds, lse2, scale, need: bool, q_offset: int = 0):
     B, T, HI, DI = qi.shape
-    dev = qi.device
+    n_keys, dev = ki.shape[1], qi.device
     kl = torch.empty((B, T), dtype=torch.float32, device=dev)
     klu = torch.empty((B, T), dtype=torch.float32, device=dev)
     if need:
         dq = torch.zeros((B, T, HI, DI), dtype=torch.float32, device=dev)
-        dk = torch.zeros((B, T, DI), dtype=torch.float32, device=dev)
+        dk = torch.zeros((B, n_keys, DI), dtype=torch.float32, device=dev)
         dw = torch.zeros((B, T, HI), dtype=torch.float32, device=dev)
     else:
         dq = dk = dw = kl
     if B * T > 0:
-        plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, klu, dq, dk, dw, scale, need).run()
+        plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, klu, dq, dk, dw, scale, need, q_offset).run()
     return kl.sum(), klu.sum(), ((dq, dk, dw) if need else ())
 
 
@@ -155,15 +155,22 @@ def sparse_indexer_kl_triton(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_
 
 
 def dense_indexer_kl_triton(q_idx, k_idx, w_idx, q_main, k_main, scale: float, doc_start,
-                            chunk_size: int | None = None, lse_main=None):
+                            chunk_size: int | None = None, lse_main=None, q_offset: int = 0):
     """Same contract as `dense_indexer_kl_ref` (chunk_size accepted and ignored).
-    k_main [B, T, H or 1, D] (MHA form or the shared MQA key). lse_main [B, T, H] (natural log,
-    from dense_attention's forward) replaces the dense-lse kernel's pass when given."""
+    k_main [B, N, H or 1, D] (MHA form or the shared MQA key). lse_main [B, T, H] (natural log,
+    from dense_attention's forward) replaces the dense-lse kernel's pass when given.
+    q_offset: the T query rows (q_idx, w_idx, q_main, lse_main) are at positions [q_offset,
+    q_offset + T) of the N key rows (k_idx, k_main, doc_start [B, N]): a context-parallel rank's run
+    of queries over the gathered sequence (then lse_main is required). k_idx's gradient has N rows."""
     B, T = q_idx.shape[:2]
-    if k_idx.shape[1] != T or k_main.shape[1] != T or q_main.shape[1] != T:
-        raise ValueError(f"dense_indexer_kl: queries and keys must be the same T positions (q_idx "
-                         f"{tuple(q_idx.shape)}, k_idx {tuple(k_idx.shape)}, q_main {tuple(q_main.shape)}, "
-                         f"k_main {tuple(k_main.shape)}); a context-parallel rank's queries take "
-                         f"sparse_indexer_kl over visible_key_indices (model/mla.py)")
-    kl_sum, klu_sum = _DenseKL.apply(q_idx, k_idx, w_idx, q_main, k_main, doc_start, lse_main, float(scale))
+    N = k_idx.shape[1]
+    shifted = q_offset != 0 or N != T
+    if (k_main.shape[1] != N or q_main.shape[1] != T or doc_start.shape[-1] != N or q_offset < 0
+            or q_offset + T > N or (shifted and lse_main is None)):
+        raise ValueError(f"dense_indexer_kl: q_idx {tuple(q_idx.shape)} / q_main {tuple(q_main.shape)} must hold "
+                         f"the query rows at positions [{q_offset}, {q_offset + T}) of the key rows of k_idx "
+                         f"{tuple(k_idx.shape)}, k_main {tuple(k_main.shape)} and doc_start "
+                         f"{tuple(doc_start.shape)}" + ("; queries at an offset need lse_main" if shifted else ""))
+    kl_sum, klu_sum = _DenseKL.apply(q_idx, k_idx, w_idx, q_main, k_main, doc_start, lse_main, float(scale),
+                                     int(q_offset))
     return kl_sum, _stats(kl_sum, klu_sum, B, T)

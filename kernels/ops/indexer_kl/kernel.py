@@ -263,13 +263,14 @@ def _dense_tiles(
     stride_qib, stride_qit, stride_qih,
     stride_kib, stride_kit,
     stride_wib, stride_wit,
-    T, H, HI, scale_log2, inv_h,
+    T, Q0, N_KEYS, H, HI, scale_log2, inv_h,
     D: tl.constexpr, DI: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DI: tl.constexpr,
 ):
-    """-> (p [M, N] head-averaged target, I [M, N] indexer scores (-inf masked), valid [M, N])."""
-    valid = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= ds[:, None]) & mask_m[:, None]
-    mask_n = offs_n < T
+    """-> (p [M, N] head-averaged target, I [M, N] indexer scores (-inf masked), valid [M, N]).
+    Query row m is at position Q0 + m; key rows are positions [0, N_KEYS)."""
+    valid = (offs_n[None, :] <= (Q0 + offs_m)[:, None]) & (offs_n[None, :] >= ds[:, None]) & mask_m[:, None]
+    mask_n = offs_n < N_KEYS
     p = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for h in range(H):
         s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -308,18 +309,20 @@ def _dense_kl_kernel(
     stride_kib, stride_kit,
     stride_wib, stride_wit,
     stride_db,
-    T, H, HI, scale_log2, inv_h,
+    T, Q0, N_KEYS, H, HI, scale_log2, inv_h,
     D: tl.constexpr, DI: tl.constexpr, GRAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr,
 ):
+    """T query rows at positions Q0 + row (Q0 = 0, N_KEYS = T: the whole sequence; under context
+    parallelism a run of a rank's queries over the N_KEYS gathered keys)."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < T
-    ds = tl.load(DS + b * stride_db + offs_m, mask=mask_m, other=2147483647).to(tl.int32)
+    ds = tl.load(DS + b * stride_db + Q0 + offs_m, mask=mask_m, other=2147483647).to(tl.int32)
     lo = tl.min(ds, 0)
-    hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M, T)
+    hi = Q0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, T)
     start = (lo // BLOCK_N) * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -334,7 +337,7 @@ def _dense_kl_kernel(
             QM, KM, QI, KI, WI, LSE2, b, offs_m, mask_m, offs_n, ds,
             stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
             stride_qib, stride_qit, stride_qih, stride_kib, stride_kit, stride_wib, stride_wit,
-            T, H, HI, scale_log2, inv_h, D, DI, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DI)
+            T, Q0, N_KEYS, H, HI, scale_log2, inv_h, D, DI, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DI)
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(sc - m_safe[:, None]), 1)
@@ -362,7 +365,7 @@ def _dense_kl_kernel(
                 QM, KM, QI, KI, WI, LSE2, b, offs_m, mask_m, offs_n, ds,
                 stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                 stride_qib, stride_qit, stride_qih, stride_kib, stride_kit, stride_wib, stride_wit,
-                T, H, HI, scale_log2, inv_h, D, DI, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DI)
+                T, Q0, N_KEYS, H, HI, scale_log2, inv_h, D, DI, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DI)
             g = tl.where(valid, p_sum[:, None] * tl.exp(sc - lse_i[:, None]) - p, 0.0)  # dKL / dI
             dk_t = tl.zeros([BLOCK_DI, BLOCK_N], dtype=tl.float32)  # dk_I of the key tile, transposed
             for j in range(HI):
@@ -385,8 +388,8 @@ def _dense_kl_kernel(
                 # transposed, [BLOCK_DI, BLOCK_N] = q_I^T da: M = D_I = 128 (wgmma), where da^T q_I
                 # would have M = BLOCK_N = 32 (mma.sync)
                 dk_t += tl.dot(tl.trans(qi), da, input_precision="ieee")
-            tl.atomic_add(DKI + (b * T + offs_n[None, :].to(tl.int64)) * DI + offs_di[:, None], dk_t,
-                          mask=(offs_n < T)[None, :] & mask_di[:, None], sem="relaxed")
+            tl.atomic_add(DKI + (b * N_KEYS + offs_n[None, :].to(tl.int64)) * DI + offs_di[:, None], dk_t,
+                          mask=(offs_n < N_KEYS)[None, :] & mask_di[:, None], sem="relaxed")
 
 
 # ----------------------------------------------------------------------------- launch plans
@@ -497,9 +500,10 @@ def plan_dense_lse(qm, km, ds, lse2, scale: float) -> Launch:
     )
 
 
-def plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, klu, dq, dk, dw, scale: float, grad: bool) -> Launch:
+def plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, klu, dq, dk, dw, scale: float, grad: bool, q0: int = 0) -> Launch:
     """Eq. 3 per query row from the lse table: -> kl, klu [B, T] and, with grad, dq [B, T, H_I, D_I]
-    and dk [B, T, D_I] (zeroed), dw [B, T, H_I] fp32."""
+    and dk [B, N, D_I] (zeroed), dw [B, T, H_I] fp32. The T query rows (qm, qi, wi, lse2) are at
+    positions q0 + row; the key rows (km, ki) and ds [B, N] are positions [0, N), N >= q0 + T."""
     B, T, H, D = qm.shape
     HI, DI = qi.shape[2], qi.shape[3]
     block_m, block_n, block_d = dense_blocks(T, D)
@@ -514,7 +518,7 @@ def plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, klu, dq, dk, dw, scale: floa
             stride_kib=ki.stride(0), stride_kit=ki.stride(1),
             stride_wib=wi.stride(0), stride_wit=wi.stride(1),
             stride_db=ds.stride(0),
-            T=T, H=H, HI=HI, scale_log2=scale * LOG2E, inv_h=1.0 / H,
+            T=T, Q0=q0, N_KEYS=km.shape[1], H=H, HI=HI, scale_log2=scale * LOG2E, inv_h=1.0 / H,
             D=D, DI=DI, GRAD=grad,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
             BLOCK_HI=pow2(HI), BLOCK_DI=pow2(DI),
