@@ -28,7 +28,8 @@ def test_warmup_layer_speed_cpu_form(monkeypatch):
 
 def test_warmup_checks_are_listed():
     names = {c.name for c in speed.checks(Options())} | {c.name for c in correctness.checks(Options())}
-    assert {"speed.warmup_layer", "correctness.warmup_attention.T4096", "correctness.warmup_attention.cp.T16384"} <= names
+    assert {"speed.warmup_layer", "correctness.warmup_attention.T4096", "correctness.warmup_attention.cp.T16384",
+            "correctness.dense_indexer_kl.cp.T16384"} <= names
     proc = subprocess.run([sys.executable, "-m", "dsa_train.cli", "gpu-check", "--dry-run"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and "speed.warmup_layer" in proc.stdout and "vs SDPA" in proc.stdout, proc.stdout[-2000:]
@@ -49,3 +50,10 @@ def test_warmup_attention_check_passes_and_fails_on_a_wrong_lse(monkeypatch, cp)
     monkeypatch.setattr(library, "_rows_reference" if cp else "dense_attention_fwd_ref", off)
     bad = correctness.warmup_attention_check(T, cp=cp)(OPTS)
     assert bad.status == "fail" and "lse" in bad.summary, bad.summary
+
+
+def test_dense_kl_cp_check_cpu_form(monkeypatch):
+    monkeypatch.setenv("DSA_KERNELS", "triton")
+    out = correctness.dense_kl_cp_check(128)(OPTS)
+    assert out.status == "pass", out.summary
+    assert set(out.metrics["outputs"]) == {"kl", "kl_uniform", "dq_I", "dw", "dk_I"}

@@ -435,6 +435,58 @@ def dense_kl_check(T: int):
     return _budget(T, 3.0, 0.3)(fn)
 
 
+def dense_kl_cp_check(T: int):
+    """The dense KL kernel at a query offset (a CP rank's two runs of queries over the whole
+    sequence's keys, MQA form as the warm-up runs it under CP) against the same kernel over the whole
+    sequence (checked against the reference by correctness.dense_indexer_kl.*) with w = 0 on the
+    rows the rank does not hold (so they add nothing to dk_I): per-row KL, dq_I and dw of the run's
+    rows, and dk_I summed over both runs."""
+
+    def fn(opts: Options) -> Outcome:
+        from dsa_kernels._triton_common import kernel_input
+        from dsa_kernels.ops.indexer_kl.kernel import plan_dense_kl, plan_dense_lse
+
+        d, dev = dims_for(opts.small), _device(opts)
+        lengths = doc_lengths(T)
+        ds = doc_start_of(lengths, dev)
+        qm = kernel_input(randn((1, T, d.H, d.D), dev, seed=T + 71), None)
+        km = kernel_input(randn((1, T, 1, d.D), dev, seed=T + 72), None)
+        qi, ki, wi = (kernel_input(x, None) for x in _indexer_inputs(d, T, T, dev, seed=T + 73))
+        wi = wi.float()
+        scale = d.D**-0.5
+        lse2 = torch.empty(1, d.H, T, dtype=torch.float32, device=dev)
+        plan_dense_lse(qm, km, ds, lse2, scale).run()
+        pos = cp_positions(T, dev)
+        L = pos.numel() // 2
+        runs = [int(pos[0]), int(pos[L])]
+
+        def rows(q0: int, n: int, w):
+            kl = torch.empty(1, n, dtype=torch.float32, device=dev)
+            klu = torch.empty_like(kl)
+            dq = torch.zeros(1, n, d.H_I, d.D_I, dtype=torch.float32, device=dev)
+            dk = torch.zeros(1, T, d.D_I, dtype=torch.float32, device=dev)
+            dw = torch.zeros(1, n, d.H_I, dtype=torch.float32, device=dev)
+            sl = slice(q0, q0 + n)
+            plan_dense_kl(qm[:, sl], km, qi[:, sl], ki, w[:, sl], ds, lse2[:, :, sl].contiguous(), kl, klu, dq, dk,
+                          dw, scale, True, q0).run()
+            return kl, klu, dq, dk, dw
+
+        w_held = torch.zeros_like(wi)
+        w_held[:, pos] = wi[:, pos]
+        full = rows(0, T, w_held)
+        got = [rows(a, L, wi) for a in runs]
+        res = {}
+        for i, name in enumerate(("kl", "kl_uniform", "dq_I")):
+            res[name] = compare(torch.cat([g[i] for g in got], 1), torch.cat([full[i][:, a:a + L] for a in runs], 1),
+                                TOL["kl_grad"] if name == "dq_I" else TOL["kl"])
+        res["dw"] = compare(torch.cat([g[4] for g in got], 1), torch.cat([full[4][:, a:a + L] for a in runs], 1),
+                            TOL["kl_grad"])
+        res["dk_I"] = compare(got[0][3] + got[1][3], full[3], TOL["kl_grad"])
+        return _outcome(res, {"documents": lengths, "runs": runs})
+
+    return _budget(T, 3.0, 0.3)(fn)
+
+
 # ----------------------------------------------------------------------------- dense attention
 def dense_attention_check(T: int):
     def fn(opts: Options) -> Outcome:
@@ -562,5 +614,8 @@ def checks(opts: Options) -> list[Check]:
         Check(f"correctness.warmup_attention.cp.T{mid}", "correctness",
               f"CP rank 1 of 4: {mid // 4} queries over T={mid} keys, latent up-projected in blocks; out/lse",
               warmup_attention_check(mid, cp=True)),
+        Check(f"correctness.dense_indexer_kl.cp.T{mid}", "correctness",
+              f"CP rank 1 of 4: {mid // 4} queries at their offsets over T={mid} keys, MQA H={d.H} D={d.D}; "
+              f"KL rows + grads vs the whole-sequence kernel", dense_kl_cp_check(mid)),
     ]
     return out
