@@ -17,9 +17,11 @@ pairs = the (query, key) pairs attended (sum over rows of min(k, visible keys); 
   index scores:                     2 * pairs * H_I * d_I
   sparse indexer KL fwd (value):    2 * pairs * (H * D_qk + H_I * d_I)       (target QK^T, index scores)
   sparse indexer KL bwd:            2 * pairs * (H * D_qk + 3 * H_I * d_I)   (both again, dq_I, dk_I)
-  dense indexer KL: as the sparse one plus the target's log-sum-exp pass (another H * D_qk)
-The KL kernels keep no gradient between forward and backward: the backward recomputes the
-value's pass, and the counts above include every product the kernels perform.
+  dense indexer KL fwd:              2 * pairs * (2 H * D_qk + H_I * d_I)    (the target's lse pass, statistics pass)
+  dense indexer KL bwd:              2 * pairs * (H * D_qk + 3 * H_I * d_I)   (the gradient pass alone)
+The KL kernels keep no gradient between forward and backward: the sparse backward recomputes the
+value's pass; the dense one keeps each row's indexer logsumexp and target mass from the forward
+and runs only the gradient pass. The counts above include every product the kernels perform.
 """
 
 from __future__ import annotations
@@ -293,11 +295,13 @@ def dense_kl_speed(opts: Options) -> Outcome:
     ki = randn((1, T, d.D_I), dev, seed=16).requires_grad_()
     wi = randn((1, T, d.H_I), dev, seed=17, dtype=torch.float32).requires_grad_()
     scale = d.D_MHA**-0.5
-    # the target's lse pass (QK^T of every head) + the KL pass (QK^T again, scores; bwd: + dq_I, dk_I)
+    # fwd: the target's lse pass (QK^T of every head) + the statistics pass (QK^T again, scores);
+    # bwd: the gradient pass alone (QK^T, scores, dq_I, dk_I; each row's lse_I and target mass kept
+    # from the forward)
     flops = {"fwd": 2 * pairs * (2 * d.H_MHA * d.D_MHA + d.H_I * d.D_I),
-             "bwd": 2 * pairs * (2 * d.H_MHA * d.D_MHA + 3 * d.H_I * d.D_I)}
-    table = Table(opts, "fwd 2*pairs*(2*H*D_qk + H_I*d_I), bwd 2*pairs*(2*H*D_qk + 3*H_I*d_I) (lse pass + KL pass), "
-                        f"pairs = T(T+1)/2 = {pairs}")
+             "bwd": 2 * pairs * (d.H_MHA * d.D_MHA + 3 * d.H_I * d.D_I)}
+    table = Table(opts, "fwd 2*pairs*(2*H*D_qk + H_I*d_I) (lse pass + statistics pass), bwd 2*pairs*(H*D_qk + "
+                        f"3*H_I*d_I) (gradient pass), pairs = T(T+1)/2 = {pairs}")
     table.add_passes("ours", _passes(lambda: K.dense_indexer_kl(qi, ki, wi, qm, km, scale, ds)[0], (qi, ki, wi),
                                      torch.ones_like, opts), flops)
     chunk = DENSE_BASELINE_CHUNK if opts.device == "cuda" else None

@@ -76,10 +76,11 @@ def _sparse_run(qi, ki, wi, idx, n_slots, qm, kvm, lse, scale, need: bool):
 
 
 class _DenseKL(torch.autograd.Function):
-    """Eq. 3 on the Triton kernels: as `_SparseKL` (statistics pass in forward, the gradient pass
-    in backward, tensors kept only through `save_for_backward`). lse_main [B, T, H] (natural log)
-    replaces the dense-lse kernel's pass; None runs that pass (in forward; its [B, H, T] table is
-    saved, so backward never runs it again)."""
+    """Eq. 3 on the Triton kernels: the statistics pass in forward (which also keeps each row's
+    indexer logsumexp and target mass, [B, T] fp32 each), the gradient pass alone in backward (the
+    main scores formed once in each), tensors kept only through `save_for_backward`. lse_main
+    [B, T, H] (natural log) replaces the dense-lse kernel's pass; None runs that pass (in forward;
+    its [B, H, T] table is saved, so backward never runs it again)."""
 
     @staticmethod
     def forward(ctx, q_idx, k_idx, w_idx, q_main, k_main, doc_start, lse_main, scale, q_offset=0):
@@ -98,10 +99,12 @@ class _DenseKL(torch.autograd.Function):
         else:  # log2 domain, [B, H, T]; a row without keys -> +inf (p = 0), as the lse kernel writes
             lse2 = (lse_main.detach().float() * LOG2E).transpose(1, 2).contiguous()
             lse2 = lse2.masked_fill_(lse2 == float("-inf"), float("inf"))
-        kl, klu, _ = _dense_run(qi, ki, wi, qm, km, ds, lse2, scale, False, q_offset)
+        row_stats = (torch.empty((B, T), dtype=torch.float32, device=q_idx.device),
+                     torch.empty((B, T), dtype=torch.float32, device=q_idx.device))
+        kl, klu, _ = _dense_run(qi, ki, wi, qm, km, ds, lse2, scale, False, q_offset, row_stats)
         ctx.need = any(ctx.needs_input_grad[:3])
-        if ctx.need:
-            ctx.save_for_backward(qi, ki, wi, qm, km, ds, lse2)
+        if ctx.need:  # each row's indexer logsumexp and target mass: the backward needs no statistics pass
+            ctx.save_for_backward(qi, ki, wi, qm, km, ds, lse2, *row_stats)
         ctx.scale, ctx.q_offset = scale, q_offset
         ctx.dtypes = (q_idx.dtype, k_idx.dtype, w_idx.dtype)
         ctx.mark_non_differentiable(klu)
@@ -112,15 +115,18 @@ class _DenseKL(torch.autograd.Function):
     def backward(ctx, dkl, _dklu):
         if not ctx.need:
             return (None,) * 9
-        _, _, grads = _dense_run(*ctx.saved_tensors, ctx.scale, True, ctx.q_offset)
+        qi, ki, wi, qm, km, ds, lse2, lse_i, p_sum = ctx.saved_tensors
+        _, _, grads = _dense_run(qi, ki, wi, qm, km, ds, lse2, ctx.scale, True, ctx.q_offset, (lse_i, p_sum))
         return (*_grads_out(grads, dkl, ctx.dtypes), None, None, None, None, None, None)
 
 
-def _dense_run(qi, ki, wi, qm, km, ds, lse2, scale, need: bool, q_offset: int = 0):
+def _dense_run(qi, ki, wi, qm, km, ds, lse2, scale, need: bool, q_offset: int, row_stats):
+    """need=False: the statistics pass (KL values; writes row_stats); need=True: the gradient pass
+    alone, reading row_stats (the KL values it returns are then not computed: zeros)."""
     B, T, HI, DI = qi.shape
     n_keys, dev = ki.shape[1], qi.device
-    kl = torch.empty((B, T), dtype=torch.float32, device=dev)
-    klu = torch.empty((B, T), dtype=torch.float32, device=dev)
+    kl = (torch.zeros if need else torch.empty)((B, T), dtype=torch.float32, device=dev)
+    klu = torch.zeros_like(kl) if need else torch.empty_like(kl)
     if need:
         dq = torch.zeros((B, T, HI, DI), dtype=torch.float32, device=dev)
         dk = torch.zeros((B, n_keys, DI), dtype=torch.float32, device=dev)
@@ -128,7 +134,8 @@ def _dense_run(qi, ki, wi, qm, km, ds, lse2, scale, need: bool, q_offset: int = 
     else:
         dq = dk = dw = kl
     if B * T > 0:
-        plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, klu, dq, dk, dw, scale, need, q_offset).run()
+        plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, klu, dq, dk, dw, scale, need, q_offset, row_stats,
+                      stats=not need).run()
     return kl.sum(), klu.sum(), ((dq, dk, dw) if need else ())
 
 
