@@ -276,7 +276,8 @@ class DSAForCausalLM(nn.Module):
             mla_form=mla_form,
             return_topk=return_topk,
             context=cp,
-            main_frozen=self.main_frozen(),
+            # the frozen-main path is the dense warm-up's (MHA form); other frozen runs take the general one
+            main_frozen=attention == "dense" and mla_form in ("auto", "mha") and self.main_frozen(),
         )
         if measure_topk_recall and attention == "sparse":
             g = torch.Generator().manual_seed(T)
