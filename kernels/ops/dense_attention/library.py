@@ -38,6 +38,7 @@ from .reference import dense_attention_fwd_ref
 NEG_INF = float("-inf")
 LOGITS_BUDGET = 1 << 24  # fp32 logits elements per block of the CPU path's math
 _WARNED: set = set()
+LAST_BACKEND = ["reference"]  # the backend `attention_lse` ran last (gpu-check reports it)
 
 
 def backend_for(q: torch.Tensor) -> str:
@@ -105,6 +106,7 @@ def _library_or_triton(q, k, v, scale, doc_start):
             cu, max_len = doc_segments(doc_start)
             flat = [x.reshape(1, B * T, H, x.shape[-1]).contiguous() for x in (q, k, v)]
             out, lse = _efficient(*flat, scale, cu, cu, max_len, max_len, True)
+            LAST_BACKEND[0] = "efficient"
             return out.view(B, T, H, -1).to(q.dtype), lse.view(B, T, H)
         except RuntimeError as err:  # e.g. a build without the op, or a shape it does not take
             if "efficient" not in _WARNED:
@@ -113,6 +115,7 @@ def _library_or_triton(q, k, v, scale, doc_start):
                               f"Triton kernel (set DSA_DENSE_ATTENTION=triton to skip the attempt)", stacklevel=3)
     from .function import dense_attention_triton
 
+    LAST_BACKEND[0] = "triton"
     return dense_attention_triton(q, k, v, scale, doc_start)
 
 
@@ -123,6 +126,7 @@ def attention_lse(q, k, v, scale: float, doc_start):
 
     with torch.no_grad():
         if backend_for(q) == "reference" or not triton_supports(q, k, v):
+            LAST_BACKEND[0] = "reference"
             return dense_attention_fwd_ref(q, k, v, scale, doc_start)
         return _library_or_triton(q, k, v, scale, doc_start)
 
