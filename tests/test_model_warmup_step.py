@@ -71,3 +71,32 @@ def test_frozen_main_model_runs_once_without_a_graph(recompute):
     assert calls["wq_b"] == (2 * n if recompute == "full" else n), calls
     assert calls["kv_b"] == (2 * n if recompute == "full" else n), calls
     assert grads and all(g.abs().sum() > 0 for g in grads.values())
+
+
+def test_recompute_skips_the_kl_statistics_pass_on_the_triton_path(monkeypatch):
+    """Triton path (interpreter): under `recompute` the checkpoint's recompute reuses the KL's row
+    statistics from the forward, so the statistics pass runs once per layer, not twice, and the
+    gradients equal those of the run without recompute."""
+    monkeypatch.setenv("DSA_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from dsa_kernels.ops.indexer_kl import function
+
+    launches = []
+    real = function.plan_dense_kl
+
+    def counting(*args, stats=True, **kwargs):
+        launches.append("stats" if stats else "grad")
+        return real(*args, stats=stats, **kwargs)
+
+    monkeypatch.setattr(function, "plan_dense_kl", counting)
+    model = _tiny()
+    loss_n, klu_n, grads_n = _step(model, "none", frozen=True)
+    n = len(model.main_layers())
+    assert launches == ["stats"] * n + ["grad"] * n, launches
+    launches.clear()
+    loss_f, klu_f, grads_f = _step(model, "full", frozen=True)
+    assert sorted(launches) == ["grad"] * n + ["stats"] * n, launches
+    torch.testing.assert_close(loss_f, loss_n, rtol=0, atol=0)
+    torch.testing.assert_close(klu_f, klu_n, rtol=0, atol=0)
+    for name in grads_n:
+        torch.testing.assert_close(grads_f[name], grads_n[name], rtol=1e-6, atol=1e-8, msg=name)

@@ -275,11 +275,12 @@ class MLA(nn.Module):
             if recompute_indexer and torch.is_grad_enabled():
                 from torch.utils.checkpoint import checkpoint
 
-                # the first run takes `held`; the backward's recompute finds it empty and forms them from x
-                kl, klu = checkpoint(self._frozen_kl, x, lse_heads, cos, sin, doc_start, request, held,
+                # the first run takes `held` and fills the row statistics; the backward's recompute
+                # forms the main-model tensors from x and skips the KL's statistics pass
+                kl, klu = checkpoint(self._frozen_kl, x, lse_heads, cos, sin, doc_start, request, held, [],
                                      use_reentrant=False)
             else:
-                kl, klu = self._frozen_kl(x, lse_heads, cos, sin, doc_start, request, held)
+                kl, klu = self._frozen_kl(x, lse_heads, cos, sin, doc_start, request, held, [])
             self._record_kl(aux, kl, klu, B * T_loc)
         return out, aux
 
@@ -295,29 +296,43 @@ class MLA(nn.Module):
             q_abs, kv = self.mqa_qkv(q_nope, q_rope, latent, k_rope)
             return q_latent, self.heads.gather(q_abs), cp.gather(kv)
 
-    def _frozen_kl(self, x, lse_heads, cos, sin, doc_start, request, held):
+    def _frozen_kl(self, x, lse_heads, cos, sin, doc_start, request, held, row_stats):
         """Eq. 3 for this layer's queries -> (kl_sum, kl_uniform_sum). `held` gives the main-model
-        tensors the attention's forward already formed (taken once); empty, they are formed from x."""
+        tensors the attention's forward already formed (taken once); empty, they are formed from x.
+        On the Triton path `row_stats` collects each KL call's row statistics ([B, T] fp32) on the
+        first run; a checkpoint's recompute finds them there and skips the KL's statistics pass (its
+        sums are then zeros: a recompute's outputs are discarded)."""
+        from dsa_kernels.ops.indexer_kl.function import dense_indexer_kl_triton
+
         q_latent, q_main, k_main = held.pop() if held else self._frozen_kl_inputs(x, cos, sin, request)
         q_idx, k_idx, w_idx = self.indexer(x.detach(), q_latent, cos, sin)
         cp = request.context
+        recomputing = len(row_stats) > 0
         if cp is None:
-            kl, stats = K.dense_indexer_kl(q_idx, k_idx, w_idx, q_main, k_main, self.scale, doc_start, lse_main=lse_heads)
+            if not use_triton(q_idx, k_idx, w_idx, q_main, k_main):
+                kl, stats = K.dense_indexer_kl(q_idx, k_idx, w_idx, q_main, k_main, self.scale, doc_start,
+                                               lse_main=lse_heads)
+                return kl, stats["kl_uniform"]
+            kl, stats = dense_indexer_kl_triton(q_idx, k_idx, w_idx, q_main, k_main, self.scale, doc_start,
+                                                lse_main=lse_heads, row_stats=row_stats[0] if recomputing else None)
+            if not recomputing:
+                row_stats.append(stats["row_stats"])
             return kl, stats["kl_uniform"]
         k_idx_all = cp.gather(k_idx)
-        if use_triton(q_idx, k_idx_all, w_idx, q_main, k_main):
-            # the dense KL kernel per run of queries at its offset, over the gathered keys (MQA form)
-            from dsa_kernels.ops.indexer_kl.function import dense_indexer_kl_triton
-
-            kl, klu = None, 0.0
-            for j0, a, n in cp_runs(cp, doc_start.shape[1]):
-                value, stats = dense_indexer_kl_triton(
-                    q_idx[:, j0 : j0 + n], k_idx_all, w_idx[:, j0 : j0 + n], q_main[:, j0 : j0 + n],
-                    k_main[:, :, None, :], self.scale, doc_start, lse_main=lse_heads[:, j0 : j0 + n], q_offset=a)
-                kl = value if kl is None else kl + value
-                klu = klu + stats["kl_uniform"]
-            return kl, klu
-        return self._kl_at_positions(q_idx, k_idx_all, w_idx, q_main, lse_heads, k_main, doc_start, cp.positions)
+        if not use_triton(q_idx, k_idx_all, w_idx, q_main, k_main):
+            return self._kl_at_positions(q_idx, k_idx_all, w_idx, q_main, lse_heads, k_main, doc_start, cp.positions)
+        # the dense KL kernel per run of queries at its offset, over the gathered keys (MQA form)
+        kl, klu = None, 0.0
+        for i, (j0, a, n) in enumerate(cp_runs(cp, doc_start.shape[1])):
+            value, stats = dense_indexer_kl_triton(
+                q_idx[:, j0 : j0 + n], k_idx_all, w_idx[:, j0 : j0 + n], q_main[:, j0 : j0 + n],
+                k_main[:, :, None, :], self.scale, doc_start, lse_main=lse_heads[:, j0 : j0 + n], q_offset=a,
+                row_stats=row_stats[i] if recomputing else None)
+            if not recomputing:
+                row_stats.append(stats["row_stats"])
+            kl = value if kl is None else kl + value
+            klu = klu + stats["kl_uniform"]
+        return kl, klu
 
     def _kl_at_positions(self, q_idx, k_idx_all, w_idx, q_heads, lse_heads, kv_all, doc_start, positions):
         """Eq. 3 for queries at global `positions` over every visible key, one query chunk at a time

@@ -80,10 +80,14 @@ class _DenseKL(torch.autograd.Function):
     indexer logsumexp and target mass, [B, T] fp32 each), the gradient pass alone in backward (the
     main scores formed once in each), tensors kept only through `save_for_backward`. lse_main
     [B, T, H] (natural log) replaces the dense-lse kernel's pass; None runs that pass (in forward;
-    its [B, H, T] table is saved, so backward never runs it again)."""
+    its [B, H, T] table is saved, so backward never runs it again). Outputs: kl_sum, kl_uniform_sum
+    and the row statistics (lse_i, p_sum). Given `row_stats` from an earlier forward on the same
+    inputs (the recompute of an activation checkpoint), the statistics pass is skipped: the saved
+    tensors are the same, the returned sums are zeros (a recompute's outputs are discarded)."""
 
     @staticmethod
-    def forward(ctx, q_idx, k_idx, w_idx, q_main, k_main, doc_start, lse_main, scale, q_offset=0):
+    def forward(ctx, q_idx, k_idx, w_idx, q_main, k_main, doc_start, lse_main, scale, q_offset=0,
+                lse_i_in=None, p_sum_in=None):
         B, T = q_idx.shape[:2]
         H = q_main.shape[2]
         # fp32 q/k on the compiled path -> bf16 (fp32 dots would be TF32; `compute_dtype`)
@@ -99,25 +103,31 @@ class _DenseKL(torch.autograd.Function):
         else:  # log2 domain, [B, H, T]; a row without keys -> +inf (p = 0), as the lse kernel writes
             lse2 = (lse_main.detach().float() * LOG2E).transpose(1, 2).contiguous()
             lse2 = lse2.masked_fill_(lse2 == float("-inf"), float("inf"))
-        row_stats = (torch.empty((B, T), dtype=torch.float32, device=q_idx.device),
-                     torch.empty((B, T), dtype=torch.float32, device=q_idx.device))
-        kl, klu, _ = _dense_run(qi, ki, wi, qm, km, ds, lse2, scale, False, q_offset, row_stats)
+        if lse_i_in is not None:  # recomputed: the row statistics are known, the sums are not needed
+            row_stats = (lse_i_in.detach(), p_sum_in.detach())
+            kl = torch.zeros((), dtype=torch.float32, device=q_idx.device)
+            klu = torch.zeros_like(kl)
+        else:
+            row_stats = (torch.empty((B, T), dtype=torch.float32, device=q_idx.device),
+                         torch.empty((B, T), dtype=torch.float32, device=q_idx.device))
+            kl, klu, _ = _dense_run(qi, ki, wi, qm, km, ds, lse2, scale, False, q_offset, row_stats)
         ctx.need = any(ctx.needs_input_grad[:3])
         if ctx.need:  # each row's indexer logsumexp and target mass: the backward needs no statistics pass
             ctx.save_for_backward(qi, ki, wi, qm, km, ds, lse2, *row_stats)
         ctx.scale, ctx.q_offset = scale, q_offset
         ctx.dtypes = (q_idx.dtype, k_idx.dtype, w_idx.dtype)
-        ctx.mark_non_differentiable(klu)
-        return kl, klu
+        lse_i, p_sum = row_stats[0].clone(), row_stats[1].clone()
+        ctx.mark_non_differentiable(klu, lse_i, p_sum)
+        return kl, klu, lse_i, p_sum
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dkl, _dklu):
+    def backward(ctx, dkl, _dklu, _dlse_i, _dp_sum):
         if not ctx.need:
-            return (None,) * 9
+            return (None,) * 11
         qi, ki, wi, qm, km, ds, lse2, lse_i, p_sum = ctx.saved_tensors
         _, _, grads = _dense_run(qi, ki, wi, qm, km, ds, lse2, ctx.scale, True, ctx.q_offset, (lse_i, p_sum))
-        return (*_grads_out(grads, dkl, ctx.dtypes), None, None, None, None, None, None)
+        return (*_grads_out(grads, dkl, ctx.dtypes), None, None, None, None, None, None, None, None)
 
 
 def _dense_run(qi, ki, wi, qm, km, ds, lse2, scale, need: bool, q_offset: int, row_stats):
@@ -162,13 +172,16 @@ def sparse_indexer_kl_triton(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_
 
 
 def dense_indexer_kl_triton(q_idx, k_idx, w_idx, q_main, k_main, scale: float, doc_start,
-                            chunk_size: int | None = None, lse_main=None, q_offset: int = 0):
+                            chunk_size: int | None = None, lse_main=None, q_offset: int = 0, row_stats=None):
     """Same contract as `dense_indexer_kl_ref` (chunk_size accepted and ignored).
     k_main [B, N, H or 1, D] (MHA form or the shared MQA key). lse_main [B, T, H] (natural log,
     from dense_attention's forward) replaces the dense-lse kernel's pass when given.
     q_offset: the T query rows (q_idx, w_idx, q_main, lse_main) are at positions [q_offset,
     q_offset + T) of the N key rows (k_idx, k_main, doc_start [B, N]): a context-parallel rank's run
-    of queries over the gathered sequence (then lse_main is required). k_idx's gradient has N rows."""
+    of queries over the gathered sequence (then lse_main is required). k_idx's gradient has N rows.
+    stats["row_stats"] = (lse_i, p_sum) [B, T] fp32: passed back as `row_stats` when the same call
+    is recomputed (an activation checkpoint's backward), the statistics pass is not run again and the
+    returned sums are zeros."""
     B, T = q_idx.shape[:2]
     N = k_idx.shape[1]
     shifted = q_offset != 0 or N != T
@@ -178,6 +191,7 @@ def dense_indexer_kl_triton(q_idx, k_idx, w_idx, q_main, k_main, scale: float, d
                          f"the query rows at positions [{q_offset}, {q_offset + T}) of the key rows of k_idx "
                          f"{tuple(k_idx.shape)}, k_main {tuple(k_main.shape)} and doc_start "
                          f"{tuple(doc_start.shape)}" + ("; queries at an offset need lse_main" if shifted else ""))
-    kl_sum, klu_sum = _DenseKL.apply(q_idx, k_idx, w_idx, q_main, k_main, doc_start, lse_main, float(scale),
-                                     int(q_offset))
-    return kl_sum, _stats(kl_sum, klu_sum, B, T)
+    lse_i, p_sum = row_stats if row_stats is not None else (None, None)
+    kl_sum, klu_sum, lse_i, p_sum = _DenseKL.apply(q_idx, k_idx, w_idx, q_main, k_main, doc_start, lse_main,
+                                                   float(scale), int(q_offset), lse_i, p_sum)
+    return kl_sum, {**_stats(kl_sum, klu_sum, B, T), "row_stats": (lse_i, p_sum)}
