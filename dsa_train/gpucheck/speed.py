@@ -373,7 +373,8 @@ def _layer_config(small: bool):
 def _layer_memory(opts: Options, T: int) -> dict:
     """One warm-up attention layer (MLA + indexer, main weights frozen, bf16) at T tokens: the bytes
     it keeps from its forward to its backward with the indexer and KL checkpointed (`recompute`) and
-    without, and the peak of its forward + backward above its weights and input (CUDA only)."""
+    without, the peak of its forward + backward above its weights and input, and the milliseconds of
+    each (one run; CUDA only)."""
     from dsa_train.model.mla import MLA, AttentionRequest
     from dsa_train.model.rope import RotaryEmbedding
 
@@ -398,17 +399,24 @@ def _layer_memory(opts: Options, T: int) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            events[0].record()
         out, aux = mla(x, cos, sin, ds, request, recompute_indexer=recompute)
         if cuda:
+            events[1].record()
             torch.cuda.synchronize()
             kept = torch.cuda.memory_allocated() - base - out.numel() * out.element_size()
         aux.indexer_kl_sum.backward()
         del out, aux
         key = "checkpointed" if recompute else "not_checkpointed"
         if cuda:
+            events[2].record()
             torch.cuda.synchronize()
             result[f"kept_mib_{key}"] = round(kept / 2**20, 1)
             result[f"peak_mib_{key}"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+            # one run each (the first includes any compile): projections, attention, indexer, KL
+            result[f"fwd_ms_{key}"] = round(events[0].elapsed_time(events[1]), 1)
+            result[f"bwd_ms_{key}"] = round(events[1].elapsed_time(events[2]), 1)
         mla.zero_grad(set_to_none=True)
     return result
 
