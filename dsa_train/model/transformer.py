@@ -102,7 +102,6 @@ class DecoderLayer(nn.Module):
             return h + _checkpointed(self.mlp, x), aux
         return h + self.mlp(x), aux
 
-
     def _forward_frozen(self, h, cos, sin, doc_start, request):
         """The main model frozen (the dense warm-up): norms, attention and MLP run once without
         autograd, whatever `recompute` says; the attention layer's indexer and KL are the only

@@ -211,7 +211,7 @@ def _rows_outputs(q, latent, k_rope, w_kv, scale, doc_start, q_offset, nope_dim,
 def _rows_worst_block(q, latent, k_rope, w_kv, scale, doc_start, q_offset, nope_dim, key_block):
     """The working set of one key block: its up-projected keys and values (the CUDA path's
     transient; the fused library kernel forms no logits)."""
-    B, C, H, _ = q.shape
+    C, H = q.shape[1], q.shape[2]
     S = min(key_block, q_offset + C)
     with torch.no_grad():
         _up_project(latent[:, :S], k_rope[:, :S], w_kv, H, nope_dim)
@@ -239,7 +239,7 @@ KEY_BLOCK = int(os.environ.get("DSA_CP_KEY_BLOCK", 8192))  # key positions up-pr
 def mla_attention_rows(q, latent, k_rope, w_kv, scale: float, doc_start, q_offset: int, nope_dim: int,
                        key_block: int | None = None):
     """See the module doc -> (out [B, C, H, Dv] in q's dtype, lse [B, C, H] fp32). No gradient."""
-    B, C, H, D = q.shape
+    C, H = q.shape[1], q.shape[2]
     if latent.shape[1] < q_offset + C or k_rope.shape[1] < q_offset + C or w_kv.shape[0] % H:
         raise ValueError(f"mla_attention_rows: queries at [{q_offset}, {q_offset + C}) need latent / k_rope rows "
                          f"up to {q_offset + C} (got {tuple(latent.shape)}, {tuple(k_rope.shape)}) and w_kv rows a "
