@@ -240,7 +240,7 @@ def _dense_kl_launches(D: int, key_heads: int, grad: bool):
     dk = torch.empty(B, T, D_I, dtype=torch.float32, **META)
     dw = torch.empty(B, T, H_I, dtype=torch.float32, **META)
     lse = kl_kernel.plan_dense_lse(qm, km, ds, lse2, D**-0.5)
-    main = kl_kernel.plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, kl, dq, dk, dw, D**-0.5, grad)
+    main = kl_kernel.plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, kl, dq, dk, dw, D**-0.5, grad, stats=not grad)
     return lse, main
 
 
@@ -294,10 +294,14 @@ def walk_dense_kl(launch) -> Tally:
             lo = min(ds[m] if m < T else BIG for m in offs_m)
             key_tiles = range((lo // bn) * bn, min(pid_m * bm + bm, T), bn)
             for n0 in key_tiles:
-                _walk_dense_tiles(a, t, rows, count(n0, bn, T))
+                if a["STATS"]:
+                    _walk_dense_tiles(a, t, rows, count(n0, bn, T))
                 pairs = causal_valid(offs_m, range(n0, n0 + bn), T, ds)
                 t.useful += pairs * 2 * (H * a["D"] + a["HI"] * a["DI"] * (3 if a["GRAD"] else 1))
-            t.store(rows, a["KL"]), t.store(rows, a["KLU"])
+            if a["STATS"]:  # KL, KL to uniform, and the row's lse_I and target mass for the backward
+                t.store(rows, a["KL"]), t.store(rows, a["KLU"]), t.store(rows, a["LSEI"]), t.store(rows, a["PSUM"])
+            else:  # the gradient-only launch reads the forward's lse_I and target mass
+                t.load(rows, a["LSEI"]), t.load(rows, a["PSUM"])
             if not a["GRAD"]:
                 continue
             for n0 in key_tiles:

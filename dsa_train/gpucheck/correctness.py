@@ -506,6 +506,58 @@ def dense_kl_check(T: int):
     return _budget(T, 3.0, 0.3)(fn)
 
 
+def dense_kl_cp_check(T: int):
+    """The dense KL kernel at a query offset (a CP rank's two runs of queries over the whole
+    sequence's keys, MQA form as the warm-up runs it under CP) against the same kernel over the whole
+    sequence (checked against the reference by correctness.dense_indexer_kl.*) with w = 0 on the
+    rows the rank does not hold (so they add nothing to dk_I): per-row KL, dq_I and dw of the run's
+    rows, and dk_I summed over both runs."""
+
+    def fn(opts: Options) -> Outcome:
+        from dsa_kernels._triton_common import kernel_input
+        from dsa_kernels.ops.indexer_kl.kernel import plan_dense_kl, plan_dense_lse
+
+        d, dev = dims_for(opts.small), _device(opts)
+        lengths = doc_lengths(T)
+        ds = doc_start_of(lengths, dev)
+        qm = kernel_input(randn((1, T, d.H, d.D), dev, seed=T + 71), None)
+        km = kernel_input(randn((1, T, 1, d.D), dev, seed=T + 72), None)
+        qi, ki, wi = (kernel_input(x, None) for x in _indexer_inputs(d, T, T, dev, seed=T + 73))
+        wi = wi.float()
+        scale = d.D**-0.5
+        lse2 = torch.empty(1, d.H, T, dtype=torch.float32, device=dev)
+        plan_dense_lse(qm, km, ds, lse2, scale).run()
+        pos = cp_positions(T, dev)
+        L = pos.numel() // 2
+        runs = [int(pos[0]), int(pos[L])]
+
+        def rows(q0: int, n: int, w):
+            kl = torch.empty(1, n, dtype=torch.float32, device=dev)
+            klu = torch.empty_like(kl)
+            dq = torch.zeros(1, n, d.H_I, d.D_I, dtype=torch.float32, device=dev)
+            dk = torch.zeros(1, T, d.D_I, dtype=torch.float32, device=dev)
+            dw = torch.zeros(1, n, d.H_I, dtype=torch.float32, device=dev)
+            sl = slice(q0, q0 + n)
+            plan_dense_kl(qm[:, sl], km, qi[:, sl], ki, w[:, sl], ds, lse2[:, :, sl].contiguous(), kl, klu, dq, dk,
+                          dw, scale, True, q0).run()
+            return kl, klu, dq, dk, dw
+
+        w_held = torch.zeros_like(wi)
+        w_held[:, pos] = wi[:, pos]
+        full = rows(0, T, w_held)
+        got = [rows(a, L, wi) for a in runs]
+        res = {}
+        for i, name in enumerate(("kl", "kl_uniform", "dq_I")):
+            res[name] = compare(torch.cat([g[i] for g in got], 1), torch.cat([full[i][:, a:a + L] for a in runs], 1),
+                                TOL["kl_grad"] if name == "dq_I" else TOL["kl"])
+        res["dw"] = compare(torch.cat([g[4] for g in got], 1), torch.cat([full[4][:, a:a + L] for a in runs], 1),
+                            TOL["kl_grad"])
+        res["dk_I"] = compare(got[0][3] + got[1][3], full[3], TOL["kl_grad"])
+        return _outcome(res, {"documents": lengths, "runs": runs})
+
+    return _budget(T, 3.0, 0.3)(fn)
+
+
 # ----------------------------------------------------------------------------- dense attention
 def dense_attention_check(T: int):
     def fn(opts: Options) -> Outcome:
@@ -534,6 +586,54 @@ def dense_attention_check(T: int):
         for name, g in zip(("dq", "dk", "dv"), grads):
             res[name] = compare(g, ref[name], TOL["grad"])
         return _outcome(res, {"documents": lengths})
+
+    return _budget(T, 3.0, 0.3)(fn)
+
+
+# ----------------------------------------------------------------------------- the warm-up's frozen attention
+def warmup_attention_check(T: int, cp: bool = False):
+    """The dense warm-up's main attention forward (no gradient) with its lse against the fp32
+    reference: `dense_attention_lse` (on CUDA torch's memory-efficient attention over packed
+    documents) or, with cp, `mla_attention_rows` (a CP rank's two runs of queries over the latent of
+    the whole sequence, up-projected block by block: fewer queries than keys)."""
+
+    def fn(opts: Options) -> Outcome:
+        from dsa_kernels import dense_attention_ref
+        from dsa_kernels.ops.dense_attention import dense_attention_lse, library, mla_attention_rows
+
+        d, dev = dims_for(opts.small), _device(opts)
+        lengths = dense_lengths(T, d) if not cp else doc_lengths(T)
+        ds = doc_start_of(lengths, dev)
+        H, D, DV = d.H_MHA, d.D_MHA, d.DV_MHA
+        rope = 64 if not opts.small else 8
+        nope, R = D - rope, 512 if not opts.small else 32
+        scale = D**-0.5
+        q = randn((1, T, H, D), dev, seed=T + 61)
+        if not cp:
+            k, v = randn((1, T, H, D), dev, seed=T + 62), randn((1, T, H, DV), dev, seed=T + 63)
+            out, lse = dense_attention_lse(q, k, v, scale, ds)
+        else:
+            latent, k_rope = randn((1, T, R), dev, seed=T + 64), randn((1, T, rope), dev, seed=T + 65)
+            w_kv = randn((H * (nope + DV), R), dev, seed=T + 66, std=R**-0.5)
+            k, v = library._up_project(latent, k_rope, w_kv, H, nope)
+            pos = cp_positions(T, dev)
+            L = pos.numel() // 2
+            runs = [(0, int(pos[0]), L), (L, int(pos[L]), L)]
+            parts = [mla_attention_rows(q[:, int(a):int(a) + n], latent, k_rope, w_kv, scale, ds, a, nope)
+                     for _, a, n in runs]
+            out, lse = torch.cat([o for o, _ in parts], 1), torch.cat([x for _, x in parts], 1)
+        ref_out = torch.empty(1, T, H, DV, device=dev, dtype=torch.float32)
+        ref_lse = torch.empty(1, T, H, device=dev, dtype=torch.float32)
+        with torch.no_grad():
+            for sl, s in _documents(lengths):
+                ro, rl = dense_attention_ref(*(x[:, sl].float() for x in (q, k, v)), scale, ds[:, sl] - s,
+                                             chunk_size=_ref_chunk(opts, 64))
+                ref_out[:, sl], ref_lse[:, sl] = ro, rl
+        if cp:
+            ref_out, ref_lse = ref_out[:, pos], ref_lse[:, pos]
+        res = {"out": compare(out, ref_out, TOL["out"]), "lse": compare(lse, ref_lse, TOL["lse"])}
+        ran = library.LAST_BACKEND[0] if not cp else library.backend_for(q)
+        return _outcome(res, {"documents": lengths, "backend": ran}, note=f"; backend {ran}")
 
     return _budget(T, 3.0, 0.3)(fn)
 
@@ -577,5 +677,17 @@ def checks(opts: Options) -> list[Check]:
               topk_check(big, cp=True)),
         Check(f"correctness.sparse_indexer_kl.cp.T{big}", "correctness", f"{cp}, k={d.K}; value + grads",
               sparse_kl_check(big, cp=True)),
+    ]
+    first, mid = d.seq_lens[0], d.seq_lens[0] * 4
+    out += [
+        Check(f"correctness.warmup_attention.T{first}", "correctness",
+              f"T={first} MHA H={d.H_MHA} q/k {d.D_MHA} v {d.DV_MHA}; frozen forward out/lse (library kernel)",
+              warmup_attention_check(first)),
+        Check(f"correctness.warmup_attention.cp.T{mid}", "correctness",
+              f"CP rank 1 of 4: {mid // 4} queries over T={mid} keys, latent up-projected in blocks; out/lse",
+              warmup_attention_check(mid, cp=True)),
+        Check(f"correctness.dense_indexer_kl.cp.T{mid}", "correctness",
+              f"CP rank 1 of 4: {mid // 4} queries at their offsets over T={mid} keys, MQA H={d.H} D={d.D}; "
+              f"KL rows + grads vs the whole-sequence kernel", dense_kl_cp_check(mid)),
     ]
     return out

@@ -17,9 +17,11 @@ pairs = the (query, key) pairs attended (sum over rows of min(k, visible keys); 
   index scores:                     2 * pairs * H_I * d_I
   sparse indexer KL fwd (value):    2 * pairs * (H * D_qk + H_I * d_I)       (target QK^T, index scores)
   sparse indexer KL bwd:            2 * pairs * (H * D_qk + 3 * H_I * d_I)   (both again, dq_I, dk_I)
-  dense indexer KL: as the sparse one plus the target's log-sum-exp pass (another H * D_qk)
-The KL kernels keep no gradient between forward and backward: the backward recomputes the
-value's pass, and the counts above include every product the kernels perform.
+  dense indexer KL fwd:              2 * pairs * (2 H * D_qk + H_I * d_I)    (the target's lse pass, statistics pass)
+  dense indexer KL bwd:              2 * pairs * (H * D_qk + 3 * H_I * d_I)   (the gradient pass alone)
+The KL kernels keep no gradient between forward and backward: the sparse backward recomputes the
+value's pass; the dense one keeps each row's indexer logsumexp and target mass from the forward
+and runs only the gradient pass. The counts above include every product the kernels perform.
 """
 
 from __future__ import annotations
@@ -309,11 +311,13 @@ def dense_kl_speed(opts: Options) -> Outcome:
     ki = randn((1, T, d.D_I), dev, seed=16).requires_grad_()
     wi = randn((1, T, d.H_I), dev, seed=17, dtype=torch.float32).requires_grad_()
     scale = d.D_MHA**-0.5
-    # the target's lse pass (QK^T of every head) + the KL pass (QK^T again, scores; bwd: + dq_I, dk_I)
+    # fwd: the target's lse pass (QK^T of every head) + the statistics pass (QK^T again, scores);
+    # bwd: the gradient pass alone (QK^T, scores, dq_I, dk_I; each row's lse_I and target mass kept
+    # from the forward)
     flops = {"fwd": 2 * pairs * (2 * d.H_MHA * d.D_MHA + d.H_I * d.D_I),
-             "bwd": 2 * pairs * (2 * d.H_MHA * d.D_MHA + 3 * d.H_I * d.D_I)}
-    table = Table(opts, "fwd 2*pairs*(2*H*D_qk + H_I*d_I), bwd 2*pairs*(2*H*D_qk + 3*H_I*d_I) (lse pass + KL pass), "
-                        f"pairs = T(T+1)/2 = {pairs}")
+             "bwd": 2 * pairs * (d.H_MHA * d.D_MHA + 3 * d.H_I * d.D_I)}
+    table = Table(opts, "fwd 2*pairs*(2*H*D_qk + H_I*d_I) (lse pass + statistics pass), bwd 2*pairs*(H*D_qk + "
+                        f"3*H_I*d_I) (gradient pass), pairs = T(T+1)/2 = {pairs}")
     table.add_passes("ours", _passes(lambda: K.dense_indexer_kl(qi, ki, wi, qm, km, scale, ds)[0], (qi, ki, wi),
                                      torch.ones_like, opts), flops)
     chunk = DENSE_BASELINE_CHUNK if opts.device == "cuda" else None
@@ -365,6 +369,164 @@ def dense_attention_speed(opts: Options) -> Outcome:
     return table.outcome("dense_attention")
 
 
+WARMUP_LAYER_REPS = 2  # after one warm-up: a 32K KL backward takes seconds
+
+
+def _layer_config(small: bool):
+    """An MLA layer at the 671B attention dims (hidden 7168, 128 heads, q-LoRA 1536, latent 512,
+    indexer 64 x 128, YaRN factor 40), or a tiny one for the CPU run."""
+    from dsa_train.model.config import tiny_config
+
+    if small:
+        return tiny_config(num_attention_heads=4, index_n_heads=4, index_head_dim=16)
+    return tiny_config(hidden_size=7168, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+                       qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, index_n_heads=64,
+                       index_head_dim=128, max_position_embeddings=163840,
+                       rope_scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+
+
+def _layer_memory(opts: Options, T: int) -> dict:
+    """One warm-up attention layer (MLA + indexer, main weights frozen, bf16) at T tokens: the bytes
+    it keeps from its forward to its backward with the indexer and KL checkpointed (`recompute`) and
+    without, the peak of its forward + backward above its weights and input, and the milliseconds of
+    each (one run; CUDA only)."""
+    from dsa_train.model.mla import MLA, AttentionRequest
+    from dsa_train.model.rope import RotaryEmbedding
+
+    dev = _device(opts)
+    cfg = _layer_config(opts.small)
+    torch.manual_seed(0)
+    with torch.device(dev):  # initialized on the device (201M parameters at the 671B dims)
+        mla = MLA(cfg)
+    for name, p in mla.named_parameters():
+        keep_fp32 = name.endswith(("indexer.weights_proj.weight", "indexer.k_norm.weight", "indexer.k_norm.bias"))
+        p.data = p.data.to(torch.float32 if keep_fp32 or dev == "cpu" else torch.bfloat16)
+        p.requires_grad_(name.startswith("indexer."))
+    dtype = torch.float32 if dev == "cpu" else torch.bfloat16
+    cos, sin = RotaryEmbedding(cfg).to(dev)(torch.arange(T, device=dev)[None])
+    x = randn((1, T, cfg.hidden_size), dev, seed=30, dtype=dtype)
+    ds = _single_doc(T, dev)
+    request = AttentionRequest(attention="dense", indexer_loss=True, main_frozen=True)
+    cuda = dev == "cuda"
+    result = {}
+    for recompute in (True, False):
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            events[0].record()
+        out, aux = mla(x, cos, sin, ds, request, recompute_indexer=recompute)
+        if cuda:
+            events[1].record()
+            torch.cuda.synchronize()
+            kept = torch.cuda.memory_allocated() - base - out.numel() * out.element_size()
+        aux.indexer_kl_sum.backward()
+        del out, aux
+        key = "checkpointed" if recompute else "not_checkpointed"
+        if cuda:
+            events[2].record()
+            torch.cuda.synchronize()
+            result[f"kept_mib_{key}"] = round(kept / 2**20, 1)
+            result[f"peak_mib_{key}"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+            # one run each (the first includes any compile): projections, attention, indexer, KL
+            result[f"fwd_ms_{key}"] = round(events[0].elapsed_time(events[1]), 1)
+            result[f"bwd_ms_{key}"] = round(events[1].elapsed_time(events[2]), 1)
+        mla.zero_grad(set_to_none=True)
+    return result
+
+
+def warmup_layer_speed(opts: Options) -> Outcome:
+    """The dense warm-up's attention layer: the frozen main attention forward with its lse (the
+    library kernel, `dense_attention_lse`), then the KL (eq. 3) from that lse, value and gradient
+    of q_I, k_I, w; against PyTorch SDPA's forward on the same q, k, v."""
+    import dsa_kernels as K
+    from dsa_kernels.ops.dense_attention import dense_attention_lse, library
+
+    d, dev = dims_for(opts.small), _device(opts)
+    T = d.speed_T
+    ds = _single_doc(T, dev)
+    pairs = valid_pairs(ds, torch.arange(T), None)
+    H, D, DV = d.H_MHA, d.D_MHA, d.DV_MHA
+    q, k, v = (randn((1, T, H, n), dev, seed=40 + i) for i, n in enumerate((D, D, DV)))
+    qi = randn((1, T, d.H_I, d.D_I), dev, seed=43).requires_grad_()
+    ki = randn((1, T, d.D_I), dev, seed=44).requires_grad_()
+    wi = randn((1, T, d.H_I), dev, seed=45, dtype=torch.float32, std=(d.H_I * d.D_I) ** -0.5).requires_grad_()
+    scale = D**-0.5
+    reps = WARMUP_LAYER_REPS if opts.device == "cuda" else None
+
+    def attention():
+        with torch.no_grad():
+            return dense_attention_lse(q, k, v, scale, ds)
+
+    _, lse = attention()
+
+    def kl():
+        return K.dense_indexer_kl(qi, ki, wi, q, k, scale, ds, lse_main=lse)[0]
+
+    def step():
+        with torch.no_grad():
+            _, lse_s = dense_attention_lse(q, k, v, scale, ds)
+        value = K.dense_indexer_kl(qi, ki, wi, q, k, scale, ds, lse_main=lse_s)[0]
+        torch.autograd.grad(value, (qi, ki, wi))
+
+    attn_flops = 2 * pairs * H * (D + DV)
+    kl_fwd = 2 * pairs * (H * D + d.H_I * d.D_I)
+    kl_bwd = 2 * pairs * (H * D + 3 * d.H_I * d.D_I)
+    flops = {"attention fwd": attn_flops, "kl fwd": kl_fwd, "kl bwd": kl_bwd, "layer step": attn_flops + kl_fwd + kl_bwd}
+    table = Table(opts, "attention fwd 2*pairs*H*(D_qk+D_v); kl fwd 2*pairs*(H*D_qk + H_I*d_I) (target from the "
+                        "attention's lse); kl bwd 2*pairs*(H*D_qk + 3*H_I*d_I); layer step = their sum; "
+                        f"pairs = T(T+1)/2 = {pairs}")
+    table.add("attention fwd", "ours", _time_ms(attention, opts, reps), attn_flops)
+    backend = library.LAST_BACKEND[0]  # the one that ran (efficient falls back to Triton if it raises)
+    kl_ms = _fwd_bwd(kl, (qi, ki, wi), torch.ones_like, opts, reps)
+    table.add("kl fwd", "ours", kl_ms[0], kl_fwd)
+    table.add("kl bwd", "ours", kl_ms[1], kl_bwd)
+    table.add("layer step", "ours", _time_ms(step, opts, reps), flops["layer step"])
+
+    def sdpa(backend_name=None):
+        def run():
+            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            with torch.no_grad():
+                if backend_name is None:
+                    return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                with sdpa_kernel(getattr(SDPBackend, backend_name)):
+                    return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+        return lambda: {"attention fwd": _time_ms(run, opts, reps)}
+
+    table.baseline("PyTorch SDPA", sdpa(), flops)
+    if opts.device == "cuda":
+        table.baseline("SDPA cuDNN", sdpa("CUDNN_ATTENTION"), flops)
+        table.baseline("SDPA efficient", sdpa("EFFICIENT_ATTENTION"), flops)
+
+        def triton_attention():
+            from dsa_kernels.ops.dense_attention.function import dense_attention_triton
+
+            with torch.no_grad():
+                return dense_attention_triton(q, k, v, scale, ds)
+
+        table.baseline("Triton dense_attention", lambda: {"attention fwd": _time_ms(triton_attention, opts, reps)}, flops)
+    outcome = table.outcome("warmup_layer")
+    rows = {(r["pass"], r["impl"]): r for r in table.rows if r.get("ms")}
+    sdpa_row = rows.get(("attention fwd", "PyTorch SDPA"))
+    outcome.metrics["attention_backend"] = backend
+    if sdpa_row:
+        ratio = rows[("layer step", "ours")]["ms"] / sdpa_row["ms"]
+        outcome.metrics["step_over_sdpa_fwd"] = round(ratio, 3)
+        outcome.metrics["goal_step_over_sdpa_fwd"] = 2.5
+        outcome.summary += f"; layer step / SDPA fwd = {ratio:.3g} (goal <= 2.5)"
+    del qi, ki, wi, q, k, v, lse
+    memory = _layer_memory(opts, T)
+    outcome.metrics["layer_memory"] = memory
+    if memory:
+        outcome.summary += "; one layer kept fwd->bwd: " + ", ".join(
+            f"{key.split('_mib_')[1]} {val:.0f} MiB" for key, val in memory.items() if key.startswith("kept"))
+    return outcome
+
+
 def checks(opts: Options) -> list[Check]:
     d = dims_for(opts.small)
     T = d.speed_T
@@ -383,4 +545,8 @@ def checks(opts: Options) -> list[Check]:
         Check("speed.dense_attention", "speed", f"T={T} MHA H={d.H_MHA} q/k {d.D_MHA} v {d.DV_MHA}; fwd, bwd; ours vs "
                                                 f"SDPA (and FlashAttention if installed), chunked PyTorch; {how}",
               _budgeted(40, dense_attention_speed)),
+        Check("speed.warmup_layer", "speed", f"T={T} MHA H={d.H_MHA} q/k {d.D_MHA} v {d.DV_MHA} H_I={d.H_I}; frozen "
+                                             f"attention fwd (library, lse) + KL fwd/bwd from its lse, vs SDPA's fwd; "
+                                             f"one layer's memory under checkpointing; {how}",
+              _budgeted(60, warmup_layer_speed)),
     ]

@@ -27,6 +27,8 @@ import torch
 from torch import nn
 
 import dsa_kernels as K
+from dsa_kernels._triton_common import use_triton
+from dsa_kernels.ops.dense_attention import dense_attention_lse, mla_attention_rows
 
 from .config import DSAConfig
 from .indexer import LightningIndexer
@@ -61,6 +63,9 @@ class AttentionRequest:
     # their global positions (`positions` [T_loc]) and gathers per-token tensors of the whole
     # sequence (`gather`: [B, T_loc, ...] -> [B, T, ...], autograd). None: the whole sequence.
     context: object | None = None
+    # Every parameter but the indexer's is frozen (the dense warm-up): the main model runs without
+    # autograd and is never recomputed; only the indexer and its KL carry a graph (`MLA._forward_frozen`).
+    main_frozen: bool = False
 
 
 @dataclass
@@ -157,9 +162,14 @@ class MLA(nn.Module):
         sin: torch.Tensor,
         doc_start: torch.Tensor,
         request: AttentionRequest,
+        recompute_indexer: bool = False,
     ) -> tuple[torch.Tensor, AttentionAux]:
         """x [B, T_loc, hidden] (T_loc = T without context parallelism); cos/sin of the same
-        tokens; doc_start [B, T] of the whole sequence."""
+        tokens; doc_start [B, T] of the whole sequence. recompute_indexer: with a frozen main
+        model (`request.main_frozen`), the indexer and its KL run again in the backward (the
+        layer's `parallel.recompute`) instead of keeping their inputs."""
+        if request.main_frozen and request.attention == "dense" and request.mla_form in ("auto", "mha"):
+            return self._forward_frozen(x, cos, sin, doc_start, request, recompute_indexer)
         B, T_loc, _ = x.shape
         aux = AttentionAux()
         cp = request.context
@@ -218,6 +228,133 @@ class MLA(nn.Module):
                                                   w_idx if request.indexer_loss else None, doc_start, cp.positions)
         out = self.mqa_output(out_latent)  # [B, T_loc, H, v_dim]
         return self.o_proj(out.reshape(B, T_loc, -1)), aux
+
+    # -------------------------------------------------------------- the dense warm-up (frozen main model)
+    def _forward_frozen(self, x, cos, sin, doc_start, request, recompute_indexer):
+        """Dense attention of a frozen main model: no autograd graph, run once (never recomputed),
+        MHA form. Without context parallelism a library kernel that returns the log-sum-exp
+        (`dense_attention_lse`); under it the rank's runs of queries over the gathered latent,
+        up-projected locally block by block (`mla_attention_rows`). With the indexer loss, the
+        indexer's forward and the KL (eq. 3) are the only graph; `recompute_indexer` checkpoints
+        them from x and the attention's lse (the KL's main-model inputs are then recomputed from x
+        in the backward, not kept from the forward)."""
+        B, T_loc, _ = x.shape
+        aux = AttentionAux()
+        cp = request.context
+        held = []
+        with torch.no_grad():
+            q_latent, q_nope, q_rope, latent, k_rope = self.project(x, cos, sin)
+            if cp is None:
+                q, k, v = self.mha_qkv(q_nope, q_rope, latent, k_rope)
+                out, lse = dense_attention_lse(q, k, v, self.scale, doc_start)  # [B, T, H, v_dim], [B, T, H]
+                del v
+                if request.indexer_loss:
+                    held.append((q_latent, self.heads.gather(q), self.heads.gather(k)))
+                del q, k
+            else:
+                q = torch.cat([q_nope, q_rope], dim=-1)  # [B, T_loc, H, nope + rope]
+                kv_all = cp.gather(torch.cat([latent, k_rope], dim=-1))  # [B, T, 576]: what CP exchanges
+                latent_all, k_rope_all = kv_all.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+                outs, lses = [], []
+                for j0, a, n in cp_runs(cp, doc_start.shape[1]):
+                    o, l_ = mla_attention_rows(q[:, j0 : j0 + n], latent_all, k_rope_all, self.kv_b_proj.weight,
+                                               self.scale, doc_start, a, self.nope_dim)
+                    outs.append(o)
+                    lses.append(l_)
+                out, lse = torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+                del q, outs, lses
+                if request.indexer_loss:
+                    q_abs, _ = self.mqa_qkv(q_nope, q_rope, latent, k_rope)
+                    held.append((q_latent, self.heads.gather(q_abs), kv_all))
+                    del q_abs
+                del latent_all, k_rope_all, kv_all
+            del q_nope, q_rope, latent, k_rope
+            out = self.o_proj(out.reshape(B, T_loc, -1))
+        if request.indexer_loss:
+            lse_heads = self.heads.gather(lse)
+            if recompute_indexer and torch.is_grad_enabled():
+                from torch.utils.checkpoint import checkpoint
+
+                # the first run takes `held` and fills the row statistics; the backward's recompute
+                # forms the main-model tensors from x and skips the KL's statistics pass
+                kl, klu = checkpoint(self._frozen_kl, x, lse_heads, cos, sin, doc_start, request, held, [],
+                                     use_reentrant=False)
+            else:
+                kl, klu = self._frozen_kl(x, lse_heads, cos, sin, doc_start, request, held, [])
+            self._record_kl(aux, kl, klu, B * T_loc)
+        return out, aux
+
+    def _frozen_kl_inputs(self, x, cos, sin, request):
+        """The KL target's main-model tensors (no graph): q_latent, every head's queries and the keys
+        (MHA q, k without context parallelism; the absorbed q and the gathered [latent | k_rope] under it)."""
+        cp = request.context
+        with torch.no_grad():
+            q_latent, q_nope, q_rope, latent, k_rope = self.project(x, cos, sin)
+            if cp is None:
+                q, k, _ = self.mha_qkv(q_nope, q_rope, latent, k_rope)
+                return q_latent, self.heads.gather(q), self.heads.gather(k)
+            q_abs, kv = self.mqa_qkv(q_nope, q_rope, latent, k_rope)
+            return q_latent, self.heads.gather(q_abs), cp.gather(kv)
+
+    def _frozen_kl(self, x, lse_heads, cos, sin, doc_start, request, held, row_stats):
+        """Eq. 3 for this layer's queries -> (kl_sum, kl_uniform_sum). `held` gives the main-model
+        tensors the attention's forward already formed (taken once); empty, they are formed from x.
+        On the Triton path `row_stats` collects each KL call's row statistics ([B, T] fp32) on the
+        first run; a checkpoint's recompute finds them there and skips the KL's statistics pass (its
+        sums are then zeros: a recompute's outputs are discarded)."""
+        from dsa_kernels.ops.indexer_kl.function import dense_indexer_kl_triton
+
+        q_latent, q_main, k_main = held.pop() if held else self._frozen_kl_inputs(x, cos, sin, request)
+        q_idx, k_idx, w_idx = self.indexer(x.detach(), q_latent, cos, sin)
+        cp = request.context
+        recomputing = len(row_stats) > 0
+        if cp is None:
+            if not use_triton(q_idx, k_idx, w_idx, q_main, k_main):
+                kl, stats = K.dense_indexer_kl(q_idx, k_idx, w_idx, q_main, k_main, self.scale, doc_start,
+                                               lse_main=lse_heads)
+                return kl, stats["kl_uniform"]
+            kl, stats = dense_indexer_kl_triton(q_idx, k_idx, w_idx, q_main, k_main, self.scale, doc_start,
+                                                lse_main=lse_heads, row_stats=row_stats[0] if recomputing else None)
+            if not recomputing:
+                row_stats.append(stats["row_stats"])
+            return kl, stats["kl_uniform"]
+        k_idx_all = cp.gather(k_idx)
+        if not use_triton(q_idx, k_idx_all, w_idx, q_main, k_main):
+            return self._kl_at_positions(q_idx, k_idx_all, w_idx, q_main, lse_heads, k_main, doc_start, cp.positions)
+        # the dense KL kernel per run of queries at its offset, over the gathered keys (MQA form)
+        kl, klu = None, 0.0
+        for i, (j0, a, n) in enumerate(cp_runs(cp, doc_start.shape[1])):
+            value, stats = dense_indexer_kl_triton(
+                q_idx[:, j0 : j0 + n], k_idx_all, w_idx[:, j0 : j0 + n], q_main[:, j0 : j0 + n],
+                k_main[:, :, None, :], self.scale, doc_start, lse_main=lse_heads[:, j0 : j0 + n], q_offset=a,
+                row_stats=row_stats[i] if recomputing else None)
+            if not recomputing:
+                row_stats.append(stats["row_stats"])
+            kl = value if kl is None else kl + value
+            klu = klu + stats["kl_uniform"]
+        return kl, klu
+
+    def _kl_at_positions(self, q_idx, k_idx_all, w_idx, q_heads, lse_heads, kv_all, doc_start, positions):
+        """Eq. 3 for queries at global `positions` over every visible key, one query chunk at a time
+        (the sparse KL over `visible_key_indices`, each chunk's index list built inside a checkpoint)."""
+        from torch.utils.checkpoint import checkpoint
+
+        Tq, T = q_idx.shape[1], kv_all.shape[1]
+        chunk = max(1, DENSE_CHUNK_ELEMS // max(T * q_idx.shape[0], 1))
+
+        def kl(qi, ki, wi, qm, lse, pos, kv):
+            idx = visible_key_indices(doc_start, pos)
+            value, stats = K.sparse_indexer_kl(qi, ki, wi, idx, qm, kv, lse, self.scale)
+            return value, stats["kl_uniform"]
+
+        kl_total, klu_total = None, 0.0
+        for q0 in range(0, Tq, chunk):
+            sl = slice(q0, q0 + chunk)
+            value, klu = checkpoint(kl, q_idx[:, sl], k_idx_all, w_idx[:, sl], q_heads[:, sl], lse_heads[:, sl],
+                                    positions[sl], kv_all, use_reentrant=False)
+            kl_total = value if kl_total is None else kl_total + value
+            klu_total = klu_total + klu
+        return kl_total, klu_total
 
     def _dense_at_positions(self, aux, request, q_abs, kv_all, q_idx, k_idx_all, w_idx, doc_start, positions):
         """Dense attention (and eq. 3) for queries at global `positions` [T_loc] over the whole
@@ -293,6 +430,18 @@ class MLA(nn.Module):
 
 # index-list elements per query chunk of dense attention at given positions (env override for tests)
 DENSE_CHUNK_ELEMS = int(os.environ.get("DSA_CP_DENSE_CHUNK", 1 << 24))
+
+
+def cp_runs(cp, seq_len: int) -> list[tuple[int, int, int]]:
+    """The contiguous runs of a CP rank's query positions as (local start, global start, length):
+    chunks rank and 2 * size - 1 - rank of 2 * size (`dsa_train.parallel.context.local_positions`),
+    known from the handle without reading its positions back (FakeTensorMode, no host sync)."""
+    size, rank = cp.size, cp.rank
+    L = seq_len // (2 * size)
+    if cp.positions.shape[0] != 2 * L:
+        raise ValueError(f"context-parallel rank {rank} of {size} holds {cp.positions.shape[0]} positions of a "
+                         f"{seq_len}-token sequence; expected its 2 chunks of {L} (local_positions)")
+    return [(0, rank * L, L), (L, (2 * size - 1 - rank) * L, L)]
 
 
 def visible_key_indices(doc_start: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -86,6 +86,8 @@ class DecoderLayer(nn.Module):
         self.recompute = "none"
 
     def forward(self, h, cos, sin, doc_start, request: AttentionRequest) -> tuple[torch.Tensor, AttentionAux]:
+        if request.main_frozen:
+            return self._forward_frozen(h, cos, sin, doc_start, request)
         if self.recompute == "full":
             return _checkpointed(self._forward, h, cos, sin, doc_start, request)
         return self._forward(h, cos, sin, doc_start, request)
@@ -101,6 +103,18 @@ class DecoderLayer(nn.Module):
         if self.recompute == "moe" and self.is_moe:
             return h + _checkpointed(self.mlp, x), aux
         return h + self.mlp(x), aux
+
+    def _forward_frozen(self, h, cos, sin, doc_start, request):
+        """The main model frozen (the dense warm-up): norms, attention and MLP run once without
+        autograd, whatever `recompute` says; the attention layer's indexer and KL are the only
+        graph, recomputed in the backward when `recompute` covers the attention."""
+        with torch.no_grad():
+            x = self.input_layernorm(h)
+        attn_out, aux = self.self_attn(x, cos, sin, doc_start, request,
+                                       recompute_indexer=self.recompute in ("full", "attention"))
+        with torch.no_grad():
+            h = h + attn_out
+            return h + self.mlp(self.post_attention_layernorm(h)), aux
 
 
 def _checkpointed(fn, *args):
@@ -262,6 +276,8 @@ class DSAForCausalLM(nn.Module):
             mla_form=mla_form,
             return_topk=return_topk,
             context=cp,
+            # the frozen-main path is the dense warm-up's (MHA form); other frozen runs take the general one
+            main_frozen=attention == "dense" and mla_form in ("auto", "mha") and self.main_frozen(),
         )
         if measure_topk_recall and attention == "sparse":
             g = torch.Generator().manual_seed(T)
@@ -304,6 +320,11 @@ class DSAForCausalLM(nn.Module):
             out.topk_indices = [a.topk_indices for a in auxes]
         self._moe_stats(out.stats)
         return out
+
+    def main_frozen(self) -> bool:
+        """No parameter but the indexer's trains (the dense warm-up's `Stage.select_trainable`):
+        the main model then runs without autograd and is never recomputed (`DecoderLayer._forward_frozen`)."""
+        return not any(p.requires_grad for name, p in self.named_parameters() if ".indexer." not in name)
 
     def _moe_stats(self, stats: dict) -> None:
         """Expert-load balance of this forward over the main MoE layers (each ran on this

@@ -12,6 +12,12 @@ Differentiable w.r.t. q, k, v.
 CUDA tensors (or DSA_KERNELS=triton) in the MHA form -> the Triton kernels; the MQA form and CPU
 tensors -> the PyTorch path.
 
+Forward only, for a frozen model (the dense warm-up's main attention; `library.py`):
+  dense_attention_lse(q, k, v, scale, doc_start) -> (out, lse): MHA form; on CUDA torch's
+      memory-efficient attention (packed documents as cumulative sequence lengths, lse returned).
+  mla_attention_rows(q, latent, k_rope, w_kv, scale, doc_start, q_offset, nope_dim): a context-
+      parallel rank's run of queries over the gathered latent, up-projected block by block (MHA form).
+
 Files: `reference.py` (PyTorch, chunked over queries, the specification), `chunked.py` (the
 PyTorch path `dense_attention_ref`: the reference's forward, under autograd the flash-style
 `DenseAttentionFunction` whose backward recomputes each query chunk), `kernel.py` (Triton
@@ -23,6 +29,8 @@ them and `dense_attention_triton`), `specs.py` (the launches the compile report 
 from ..._triton_common import use_triton as _use_triton
 from .chunked import DenseAttentionFunction, dense_attention_bwd_ref, dense_attention_ref
 from .function import dense_attention_triton, triton_supports
+from .library import attention_lse as dense_attention_lse
+from .library import mla_attention_rows
 from .reference import dense_attention_chunk, dense_attention_fwd_ref, dense_attention_logits
 
 
@@ -38,7 +46,9 @@ __all__ = [
     "dense_attention_bwd_ref",
     "dense_attention_chunk",
     "dense_attention_fwd_ref",
+    "dense_attention_lse",
     "dense_attention_logits",
     "dense_attention_ref",
     "dense_attention_triton",
+    "mla_attention_rows",
 ]

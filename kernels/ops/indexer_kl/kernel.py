@@ -263,13 +263,14 @@ def _dense_tiles(
     stride_qib, stride_qit, stride_qih,
     stride_kib, stride_kit,
     stride_wib, stride_wit,
-    T, H, HI, scale_log2, inv_h,
+    T, Q0, N_KEYS, H, HI, scale_log2, inv_h,
     D: tl.constexpr, DI: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DI: tl.constexpr,
 ):
-    """-> (p [M, N] head-averaged target, I [M, N] indexer scores (-inf masked), valid [M, N])."""
-    valid = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= ds[:, None]) & mask_m[:, None]
-    mask_n = offs_n < T
+    """-> (p [M, N] head-averaged target, I [M, N] indexer scores (-inf masked), valid [M, N]).
+    Query row m is at position Q0 + m; key rows are positions [0, N_KEYS)."""
+    valid = (offs_n[None, :] <= (Q0 + offs_m)[:, None]) & (offs_n[None, :] >= ds[:, None]) & mask_m[:, None]
+    mask_n = offs_n < N_KEYS
     p = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for h in range(H):
         s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -299,29 +300,16 @@ def _dense_tiles(
 
 
 @triton.jit
-def _dense_kl_kernel(
-    QM, KM, QI, KI, WI, DS, LSE2,
-    KL, KLU, DQI, DKI, DWI,
-    stride_qb, stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_qib, stride_qit, stride_qih,
-    stride_kib, stride_kit,
-    stride_wib, stride_wit,
-    stride_db,
-    T, H, HI, scale_log2, inv_h,
-    D: tl.constexpr, DI: tl.constexpr, GRAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr,
+def _dense_kl_stats(
+    QM, KM, QI, KI, WI, LSE2, KL, KLU, LSEI, PSUM, b, offs_m, mask_m, ds, start, hi,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+    stride_qib, stride_qit, stride_qih, stride_kib, stride_kit, stride_wib, stride_wit,
+    T, Q0, N_KEYS, H, HI, scale_log2, inv_h,
+    D: tl.constexpr, DI: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DI: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < T
-    ds = tl.load(DS + b * stride_db + offs_m, mask=mask_m, other=2147483647).to(tl.int32)
-    lo = tl.min(ds, 0)
-    hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M, T)
-    start = (lo // BLOCK_N) * BLOCK_N
-
+    """The statistics pass of `_dense_kl_kernel` over key tiles [start, hi): stores each row's KL,
+    KL to uniform, indexer logsumexp and target mass; -> (lse_i, p_sum)."""
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     a_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -334,7 +322,7 @@ def _dense_kl_kernel(
             QM, KM, QI, KI, WI, LSE2, b, offs_m, mask_m, offs_n, ds,
             stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
             stride_qib, stride_qit, stride_qih, stride_kib, stride_kit, stride_wib, stride_wit,
-            T, H, HI, scale_log2, inv_h, D, DI, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DI)
+            T, Q0, N_KEYS, H, HI, scale_log2, inv_h, D, DI, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DI)
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(sc - m_safe[:, None]), 1)
@@ -351,6 +339,49 @@ def _dense_kl_kernel(
     klu = a_sum + tl.log(tl.maximum(n_valid, 1).to(tl.float32))
     tl.store(KL + b * T + offs_m, kl, mask=mask_m)
     tl.store(KLU + b * T + offs_m, klu, mask=mask_m)
+    tl.store(LSEI + b * T + offs_m, lse_i, mask=mask_m)
+    tl.store(PSUM + b * T + offs_m, p_sum, mask=mask_m)
+    return lse_i, p_sum
+
+
+@triton.jit
+def _dense_kl_kernel(
+    QM, KM, QI, KI, WI, DS, LSE2,
+    KL, KLU, LSEI, PSUM, DQI, DKI, DWI,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_qib, stride_qit, stride_qih,
+    stride_kib, stride_kit,
+    stride_wib, stride_wit,
+    stride_db,
+    T, Q0, N_KEYS, H, HI, scale_log2, inv_h,
+    D: tl.constexpr, DI: tl.constexpr, GRAD: tl.constexpr, STATS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr,
+):
+    """T query rows at positions Q0 + row (Q0 = 0, N_KEYS = T: the whole sequence; under context
+    parallelism a run of a rank's queries over the N_KEYS gathered keys). STATS: the statistics
+    pass (KL, KL to uniform, and each row's indexer logsumexp and target mass into LSEI / PSUM);
+    without it those two are read from LSEI / PSUM (the forward's), so the gradient pass (GRAD)
+    alone forms the main scores once more."""
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < T
+    ds = tl.load(DS + b * stride_db + Q0 + offs_m, mask=mask_m, other=2147483647).to(tl.int32)
+    lo = tl.min(ds, 0)
+    hi = Q0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, T)
+    start = (lo // BLOCK_N) * BLOCK_N
+
+    if STATS:
+        lse_i, p_sum = _dense_kl_stats(
+            QM, KM, QI, KI, WI, LSE2, KL, KLU, LSEI, PSUM, b, offs_m, mask_m, ds, start, hi,
+            stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+            stride_qib, stride_qit, stride_qih, stride_kib, stride_kit, stride_wib, stride_wit,
+            T, Q0, N_KEYS, H, HI, scale_log2, inv_h, D, DI, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DI)
+    else:
+        lse_i = tl.load(LSEI + b * T + offs_m, mask=mask_m, other=0.0)
+        p_sum = tl.load(PSUM + b * T + offs_m, mask=mask_m, other=0.0)
 
     if GRAD:
         offs_di = tl.arange(0, BLOCK_DI)
@@ -362,7 +393,7 @@ def _dense_kl_kernel(
                 QM, KM, QI, KI, WI, LSE2, b, offs_m, mask_m, offs_n, ds,
                 stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                 stride_qib, stride_qit, stride_qih, stride_kib, stride_kit, stride_wib, stride_wit,
-                T, H, HI, scale_log2, inv_h, D, DI, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DI)
+                T, Q0, N_KEYS, H, HI, scale_log2, inv_h, D, DI, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DI)
             g = tl.where(valid, p_sum[:, None] * tl.exp(sc - lse_i[:, None]) - p, 0.0)  # dKL / dI
             dk_t = tl.zeros([BLOCK_DI, BLOCK_N], dtype=tl.float32)  # dk_I of the key tile, transposed
             for j in range(HI):
@@ -385,8 +416,8 @@ def _dense_kl_kernel(
                 # transposed, [BLOCK_DI, BLOCK_N] = q_I^T da: M = D_I = 128 (wgmma), where da^T q_I
                 # would have M = BLOCK_N = 32 (mma.sync)
                 dk_t += tl.dot(tl.trans(qi), da, input_precision="ieee")
-            tl.atomic_add(DKI + (b * T + offs_n[None, :].to(tl.int64)) * DI + offs_di[:, None], dk_t,
-                          mask=(offs_n < T)[None, :] & mask_di[:, None], sem="relaxed")
+            tl.atomic_add(DKI + (b * N_KEYS + offs_n[None, :].to(tl.int64)) * DI + offs_di[:, None], dk_t,
+                          mask=(offs_n < N_KEYS)[None, :] & mask_di[:, None], sem="relaxed")
 
 
 # ----------------------------------------------------------------------------- launch plans
@@ -497,9 +528,17 @@ def plan_dense_lse(qm, km, ds, lse2, scale: float) -> Launch:
     )
 
 
-def plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, klu, dq, dk, dw, scale: float, grad: bool) -> Launch:
+def plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, klu, dq, dk, dw, scale: float, grad: bool, q0: int = 0,
+                  row_stats=None, stats: bool = True) -> Launch:
     """Eq. 3 per query row from the lse table: -> kl, klu [B, T] and, with grad, dq [B, T, H_I, D_I]
-    and dk [B, T, D_I] (zeroed), dw [B, T, H_I] fp32."""
+    and dk [B, N, D_I] (zeroed), dw [B, T, H_I] fp32. The T query rows (qm, qi, wi, lse2) are at
+    positions q0 + row; the key rows (km, ki) and ds [B, N] are positions [0, N), N >= q0 + T.
+    row_stats = (lse_i, p_sum) [B, T] fp32: written by the statistics pass (stats=True), read by a
+    gradient-only launch (stats=False, grad=True: the backward after a statistics forward)."""
+    if row_stats is None:
+        row_stats = (torch.empty_like(kl), torch.empty_like(kl))
+    if not stats and not grad:
+        raise ValueError("plan_dense_kl: a launch without the statistics pass must run the gradient pass")
     B, T, H, D = qm.shape
     HI, DI = qi.shape[2], qi.shape[3]
     block_m, block_n, block_d = dense_blocks(T, D)
@@ -507,15 +546,15 @@ def plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, klu, dq, dk, dw, scale: floa
         _dense_kl_kernel, (triton.cdiv(T, block_m), B),
         dict(
             QM=qm, KM=km, QI=qi, KI=ki, WI=wi, DS=ds, LSE2=lse2,
-            KL=kl, KLU=klu, DQI=dq, DKI=dk, DWI=dw,
+            KL=kl, KLU=klu, LSEI=row_stats[0], PSUM=row_stats[1], DQI=dq, DKI=dk, DWI=dw,
             stride_qb=qm.stride(0), stride_qt=qm.stride(1), stride_qh=qm.stride(2),
             stride_kb=km.stride(0), stride_kt=km.stride(1), stride_kh=0 if km.shape[2] == 1 else km.stride(2),
             stride_qib=qi.stride(0), stride_qit=qi.stride(1), stride_qih=qi.stride(2),
             stride_kib=ki.stride(0), stride_kit=ki.stride(1),
             stride_wib=wi.stride(0), stride_wit=wi.stride(1),
             stride_db=ds.stride(0),
-            T=T, H=H, HI=HI, scale_log2=scale * LOG2E, inv_h=1.0 / H,
-            D=D, DI=DI, GRAD=grad,
+            T=T, Q0=q0, N_KEYS=km.shape[1], H=H, HI=HI, scale_log2=scale * LOG2E, inv_h=1.0 / H,
+            D=D, DI=DI, GRAD=grad, STATS=stats,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
             BLOCK_HI=pow2(HI), BLOCK_DI=pow2(DI),
         ),

@@ -65,8 +65,12 @@ def _dense():
         km = torch.empty(B, T, kh, D, dtype=torch.bfloat16, **meta)
         lse_launch = plan_dense_lse(qm, km, ds, lse2, D**-0.5)
         cases.append(KernelCase(_config(lse_launch, f"{form} D={D} "), lse_launch, work=dense_lse_work(lse_launch)))
-        kl_launch = plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, kl, dq, dk, dw, D**-0.5, True)
-        cases.append(KernelCase(_config(kl_launch, f"{form} D={D} "), kl_launch, work=dense_kl_work(kl_launch)))
+        # the autograd forward's statistics pass, and the backward's gradient pass alone (it reads the
+        # forward's per-row indexer logsumexp and target mass)
+        for name, grad in (("fwd", False), ("bwd", True)):
+            kl_launch = plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, kl, dq, dk, dw, D**-0.5, grad, stats=not grad)
+            cases.append(KernelCase(_config(kl_launch, f"{form} {name} D={D} "), kl_launch,
+                                    work=dense_kl_work(kl_launch)))
     return cases
 
 
@@ -141,10 +145,10 @@ def dense_lse_work(launch) -> Work:
 
 def dense_kl_work(launch) -> Work:
     a = launch.args
-    T, H, HI, D, DI, grad = a["T"], a["H"], a["HI"], a["D"], a["DI"], a["GRAD"]
+    T, H, HI, D, DI, grad, stats = a["T"], a["H"], a["HI"], a["D"], a["DI"], a["GRAD"], a["STATS"]
     bm, bn, bd, bdi = a["BLOCK_M"], a["BLOCK_N"], a["BLOCK_D"], a["BLOCK_DI"]
     e, e_i = a["QM"].element_size(), a["QI"].element_size()
-    passes = 2 if grad else 1
+    passes = int(stats) + int(grad)
     blocks = causal_blocks(T, bm, bn)
     n_tiles = sum(t for _, t, _ in blocks)
     # per key tile and pass (`_dense_tiles`): every main head's q k^T by BLOCK_D slices, every
@@ -157,7 +161,11 @@ def dense_kl_work(launch) -> Work:
     tile_rows = H * (D * e + e_l) + HI * (DI * e_i + e_w)
     tile_keys = H * D * a["KM"].element_size() + DI * a["KI"].element_size()
     reads = sum(r * a["DS"].element_size() + passes * (t * r * tile_rows + k * tile_keys) for r, t, k in blocks)
-    writes = T * (a["KL"].element_size() + a["KLU"].element_size())
+    row_stats = T * (a["LSEI"].element_size() + a["PSUM"].element_size())  # each row's lse_I and target mass
+    if stats:
+        writes = T * (a["KL"].element_size() + a["KLU"].element_size()) + row_stats
+    else:
+        reads, writes = reads + row_stats, 0
     if grad:
         # gradient pass, per key tile and indexer head: q_I and w again, dw read-modify-write and
         # the dq_I atomic add of the rows; per key tile the dk_I atomic add of its loaded rows
