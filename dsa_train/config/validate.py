@@ -155,6 +155,42 @@ def environment_problems(cfg: TrainConfig, model_known: bool = True, world_size:
     max_pos = _max_positions(cfg) if model_known else None
     if max_pos is not None:
         check_sequence_fits(cfg, max_pos)
+    if model_known:
+        check_tokenizer_identity(cfg)
+
+
+def check_tokenizer_identity(cfg: TrainConfig) -> None:
+    """data.tokenizer against model.pretrained's own tokenizer.json, by content (not by size: a
+    tokenizer with the same vocabulary size and other ids trains without an error, on data the model
+    reads as other tokens, and the export then ships the data's tokenizer). Refused unless
+    data.allow_tokenizer_mismatch=true, which the run's recipe records."""
+    from pathlib import Path
+
+    if cfg.model.pretrained is None or cfg.data.allow_tokenizer_mismatch:
+        return
+    own = Path(cfg.model.pretrained).expanduser() / "tokenizer.json"
+    if not own.is_file():
+        return
+    from dsa_train.data.tokenizer import load_tokenizer, resolve_tokenizer_json
+
+    try:
+        data_json = resolve_tokenizer_json(cfg.data.tokenizer)
+    except Exception:  # noqa: BLE001 -- a missing data.tokenizer is reported where it is loaded
+        return
+    if data_json.resolve() == own.resolve() or data_json.read_bytes() == own.read_bytes():
+        return
+    try:
+        mine, theirs = load_tokenizer(data_json), load_tokenizer(own)
+    except Exception:  # noqa: BLE001 -- an unreadable tokenizer is reported where it is loaded
+        return
+    if mine.content_hash == theirs.content_hash:
+        return
+    size = (f"the same vocabulary size ({mine.vocab_size}) but other ids" if mine.vocab_size == theirs.vocab_size
+            else f"vocabulary {mine.vocab_size} vs {theirs.vocab_size}")
+    which = "data.tokenizer" if cfg.data.tokenizer not in (None, "bundled") else "data.tokenizer (null: the bundled one)"
+    problem(f"{which}: {data_json} is not the tokenizer of model.pretrained ({own}): {size}, so the model would read "
+            f"the data as other tokens — set data.tokenizer={cfg.model.pretrained} (the checkpoint's own), or "
+            "data.allow_tokenizer_mismatch=true to train with this one anyway (the run's recipe records it)")
 
 
 def check_global_batches(cfg: TrainConfig, data_parallel: int) -> None:
@@ -162,6 +198,8 @@ def check_global_batches(cfg: TrainConfig, data_parallel: int) -> None:
     launcher's check before starting workers and the layout's at start-up)."""
     for name, stage in cfg.stages.items():
         per_step = cfg.data.micro_batch_size * data_parallel
+        if per_step < 1:  # checked (and said) elsewhere: never divide by it
+            continue
         _require(stage.global_batch_size % per_step == 0, f"stages.{name}.global_batch_size",
                  f"{stage.global_batch_size} is not a multiple of data.micro_batch_size * data-parallel size "
                  f"= {cfg.data.micro_batch_size} * {data_parallel}")
@@ -246,7 +284,7 @@ def _validate(cfg: TrainConfig) -> None:
         _require(stage.lm_loss_coef > 0 or stage.indexer_loss_coef > 0,
                  f"{key}.lm_loss_coef", "lm_loss_coef and indexer_loss_coef are both 0")
         _require(stage.global_batch_size >= 1, f"{key}.global_batch_size", "must be >= 1")
-        _require(stage.global_batch_size % cfg.data.micro_batch_size == 0,
+        _require(cfg.data.micro_batch_size < 1 or stage.global_batch_size % cfg.data.micro_batch_size == 0,
                  f"{key}.global_batch_size",
                  f"{stage.global_batch_size} is not a multiple of data.micro_batch_size="
                  f"{cfg.data.micro_batch_size}")
@@ -295,7 +333,7 @@ def doubtful_values(cfg: TrainConfig) -> list[str]:
     out = []
     for name, stage in cfg.stages.items():
         key = f"stages.{name}"
-        if stage.warmup_steps > stage.steps:
+        if stage.warmup_steps > stage.steps >= 1:
             out.append(f"{key}.warmup_steps: {stage.warmup_steps} warm-up steps are longer than the stage "
                        f"({key}.steps={stage.steps}): the lr never reaches {key}.lr={stage.lr:g} (at most "
                        f"{stage.lr * stage.steps / stage.warmup_steps:g}); lower warmup_steps or raise steps")

@@ -46,8 +46,16 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# keys added to the recipe after checkpoints were first written: absent from an older checkpoint's
+# recipe means this default (not a change)
+ADDED_KEYS = {"data.allow_tokenizer_mismatch": False}
+
+
 def _diff(old: Any, new: Any, prefix: str) -> list[str]:
     a, b = _flatten(old, prefix), _flatten(new, prefix)
+    for key, default in ADDED_KEYS.items():
+        if key in b and key not in a:
+            a[key] = default
     return [f"{k}: {a.get(k, '<absent>')!r} (checkpoint) -> {b.get(k, '<absent>')!r}"
             for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
@@ -112,10 +120,17 @@ def compare(saved: dict, current: dict, stage_index: int, stage_step: int, path)
         else:
             problems.extend(changed)
     if problems:
+        from pathlib import Path
+
+        path = Path(path)
+        export = path.parent.parent / "export"
+        weights = (f"model.pretrained={export}" if (export / "config.json").is_file() else
+                   f"`dsa-train export {path} {path.parent.parent / ('export-' + path.name)}`, then "
+                   f"model.pretrained={path.parent.parent / ('export-' + path.name)}")
         raise RecipeChanged(
             f"checkpoint.dir: this recipe differs from the one {path} was written under: " + "; ".join(problems)
-            + " — resume with the recipe's old values, or start a new run under another run_dir (to continue from "
-            "these weights: model.pretrained=<old run_dir>/export)")
+            + f" — resume with the recipe's old values, or start a new run under another run_dir (to continue from "
+            f"these weights: {weights})")
     return applied
 
 

@@ -84,7 +84,7 @@ def model_directory(path: str | Path) -> Path:
     if (p / "export" / "config.json").is_file():
         return p / "export"
     raise EvalError(f"{p} holds no config.json and no export/config.json",
-                    f"pass a Hugging Face directory, or export the run first: dsa-train export {p} --out {p}/export")
+                    f"pass a Hugging Face directory, or export the run first: dsa-train export {p} {p}/export")
 
 
 def model_tokenizer(model_dir: Path, tokenizer: str | None) -> Tokenizer:
