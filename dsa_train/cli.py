@@ -136,9 +136,23 @@ def _override_key(arg: str) -> str:
 
 def quiet_hydra(argv: list[str]) -> list[str]:
     """`argv` plus the overrides that keep Hydra from writing into the run directory (those the
-    command line sets itself are kept as given)."""
-    given = {_override_key(a) for a in argv if "=" in a and not a.startswith("-")}
-    return [*argv, *(f"{k}={v}" for k, v in HYDRA_QUIET.items() if k not in given)]
+    command line sets itself are kept as given), placed with the command line's own overrides
+    (Hydra's parser takes them as one block of positional arguments)."""
+    from dsa_train.config.hydra_errors import VALUE_FLAGS
+
+    last, i = None, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in VALUE_FLAGS:
+            i += 2
+            continue
+        if not arg.startswith("-"):
+            last = i
+        i += 1
+    given = {_override_key(argv[j]) for j in range(len(argv)) if "=" in argv[j] and not argv[j].startswith("-")}
+    ours = [f"{k}={v}" for k, v in HYDRA_QUIET.items() if k not in given]
+    at = len(argv) if last is None else last + 1
+    return [*argv[:at], *ours, *argv[at:]]
 
 
 def run_hydra(argv: list[str], train) -> int:

@@ -25,9 +25,9 @@ class ConfigError(DSATrainError, ValueError):
     """A recipe problem; `problems` holds one `key: message` line per problem (dsa_train/errors.py:
     printed as one line per problem, exit 2)."""
 
-    def __init__(self, message: str, problems: list[str] | None = None):
-        self.problems = list(problems) if problems else [message]
-        super().__init__(message)
+    def __init__(self, message: str, problems: list[str] | None = None, fix: str | None = None):
+        self.problems = list(problems) if problems else [f"{message} — {fix}" if fix else message]
+        super().__init__(message, fix=fix)
 
     @classmethod
     def of(cls, problems: list[str]) -> "ConfigError":
