@@ -222,3 +222,44 @@ def test_report_throughput_is_tokens_over_time_not_a_mean_of_rates(tmp_path, cap
     assert done.returncode == 0
     assert "666.7" in done.stdout and "1111" not in done.stdout
     assert "0.40%" in done.stdout  # MFU = 1.8e13 FLOPs / (4.5 s * 1e15)
+
+
+def test_eval_marks_the_rows_a_run_trained_on_at_any_length(tmp_path, capsys):
+    """`dsa-train eval RUN --seq-len 128` on a run trained at 64: a row of 128 tokens overlaps the
+    training data when any of its tokens lies in a trained 64-token window; the table says so."""
+    from dsa_train.data import PackedDataset, ShardedEpochSampler, load_tokenizer
+    from dsa_train.eval.overlap import TrainedSpans, overlapping_rows, training_of
+    from dsa_train.eval.report import print_tables
+
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("\n".join(CORPUS.read_text().splitlines()[:30]) + "\n")
+    tok = load_tokenizer(None)
+    step = tmp_path / "run" / "checkpoints" / "step_00000002"
+    step.mkdir(parents=True)
+    data = {"sources": [str(corpus)], "seq_len": 64, "micro_batch_size": 2, "seed": 7, "cache_dir": str(tmp_path / "c")}
+
+    def trained_for(tokens_seen):
+        (step / "trainer_state.json").write_text(json.dumps(
+            {"recipe": {"data": data, "eval": {"enabled": False}}, "tokens_seen": tokens_seen}))
+        training = training_of(tmp_path / "run" / "export")  # the model: the run's export
+        return training, TrainedSpans(training, tok)
+
+    training, spans = trained_for(4 * 64)  # two steps of two rows
+    at64 = PackedDataset.from_sources([str(corpus)], tok, 64, cache_dir=tmp_path / "c")
+    visited = set(ShardedEpochSampler(len(at64), 2, 7).epoch_permutation(0)[:4].tolist())
+    at128 = PackedDataset.from_sources([str(corpus)], tok, 128, cache_dir=tmp_path / "c")
+    rows = list(range(len(at128)))
+    expected = [r for r in rows if any(t * 64 <= r * 128 + 128 and r * 128 <= t * 64 + 64 for t in visited)]
+    got = overlapping_rows(training, spans, [str(corpus)], rows, 128)
+    assert got == expected and 0 < len(got) < len(rows)
+    assert overlapping_rows(training, spans, ["bundled"], rows, 128) == []  # other texts
+    assert overlapping_rows(None, None, [str(corpus)], rows, 128) is None  # not a run: unknown
+    training, spans = trained_for(10 * len(at64) * 64)  # ten epochs: every row
+    assert overlapping_rows(training, spans, [str(corpus)], rows, 128) == rows
+    doc = {"models": [{"model": "run", "topk": 16, "lengths": [{"seq_len": 128, "rows": [0, 1], "rows_overlapping_training": [1],
+                                                                "layers": [], "modes": {"dense": {"loss": 1.0, "perplexity": 2.7, "buckets": []}}}]}]}
+    from rich.console import Console
+
+    console = Console(width=300, record=True)
+    print_tables(doc, console)
+    assert "1 of the 2 sequences overlap the run's training data (rows [1]): not held out" in console.export_text()
