@@ -263,3 +263,13 @@ def test_eval_marks_the_rows_a_run_trained_on_at_any_length(tmp_path, capsys):
     console = Console(width=300, record=True)
     print_tables(doc, console)
     assert "1 of the 2 sequences overlap the run's training data (rows [1]): not held out" in console.export_text()
+
+
+def test_a_mistyped_key_inside_a_recipe_file_names_it_with_a_suggestion(tmp_path, capsys):
+    """A recipe of the user's (--config-dir) over a shipped one: its unknown key is one line with
+    the closest known key, not Hydra's paragraph."""
+    (tmp_path / "mine.yaml").write_text("defaults:\n  - demo\n  - _self_\noptim:\n  weight_decya: 0.0\n")
+    one_line(run(capsys, "--config-dir", str(tmp_path), "--config-name", "mine", "--cfg", "job"),
+             "recipe mine: optim.weight_decya: no such key (did you mean optim.weight_decay?)")
+    (tmp_path / "mine.yaml").write_text("defaults:\n  - demo\n  - _self_\noptim:\n  weight_decay: 0.0\n")
+    assert run(capsys, "--config-dir", str(tmp_path), "--config-name", "mine", "--cfg", "job").returncode == 0

@@ -131,27 +131,31 @@ def precompose(argv: list[str], default_dir: Path, default_name: str) -> None:
     flags, overrides, skip = split_argv(argv)
     if skip:
         return
-    config_dir = Path(flags.get("dir") or default_dir).expanduser()
+    primary = Path(flags.get("path") or default_dir).expanduser()  # --config-path replaces the recipes dir
+    config_dir = Path(flags.get("dir") or primary).expanduser()  # --config-dir adds one, searched first
     name = flags.get("name") or default_name
     if flags.get("dir") and not config_dir.is_dir():
         raise ConfigError(f"--config-dir {flags['dir']}: no such directory",
                           fix=f"pass a directory of recipes, e.g. --config-dir {default_dir}")
     name = name[:-len(".yaml")] if name.endswith(".yaml") else name
-    candidates = [config_dir / f"{name}.yaml", Path(default_dir) / f"{name}.yaml"]
+    candidates = [config_dir / f"{name}.yaml", primary / f"{name}.yaml"]
     if not any(c.is_file() for c in candidates):
         from hydra.core.config_store import ConfigStore
 
         register_configs()
         if ConfigStore.instance().repo.get(f"{name}.yaml") is None:
-            names = sorted(set(recipe_names(config_dir)) | set(recipe_names(Path(default_dir))))
+            names = sorted(set(recipe_names(config_dir)) | set(recipe_names(primary)))
             close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
             hint = f" (did you mean {' or '.join(close)}?)" if close else ""
             raise ConfigError(f"--config-name {name}: no such recipe in {config_dir}{hint}",
                               fix=f"use one of: {', '.join(names)} (`dsa-train --help` describes each)")
     register_configs()
+    # --config-dir: the directory searched first, then the recipes (Hydra's order); the primary
+    # config is looked up in the first, the rest of the search path added as hydra.searchpath
+    search = [] if config_dir == primary else [f"hydra.searchpath=[file://{primary.resolve()}]"]
     try:
         with initialize_config_dir(config_dir=str(config_dir.resolve()), version_base=None):
-            compose(config_name=name, overrides=list(overrides))
+            compose(config_name=name, overrides=[*search, *overrides])
     except OverrideParseException as err:
         raise _parse_problem(err, overrides) from None
     except ConfigCompositionException as err:
@@ -163,8 +167,7 @@ def precompose(argv: list[str], default_dir: Path, default_name: str) -> None:
         if override:
             full = next((o for o in overrides if o.startswith(override) or o.lstrip("+~").startswith(override)), override)
             raise _override_value_problem(full, err.__cause__) from None
-        raise ConfigError(f"the recipe does not compose: {_first_line(err)}",
-                          fix="check the overrides against `dsa-train --config-name NAME --cfg job`") from None
+        raise _composition_problem(err, name) from None
     except MissingConfigException as err:
         yaml_err = _yaml_file_problem(config_dir, name)
         if yaml_err is not None:
@@ -181,6 +184,27 @@ def precompose(argv: list[str], default_dir: Path, default_name: str) -> None:
             raise ConfigError(f"the recipe does not compose: {_first_line(err)}",
                               fix="fix the key it names (`dsa-train --cfg job` prints the composed recipe)") from None
         raise
+
+
+def _composition_problem(err: BaseException, name: str) -> ConfigError:
+    """A recipe file that does not compose: the key it names (with suggestions) when there is one."""
+    from dsa_train.config.overrides import check_key
+
+    texts = []
+    e = err
+    while e is not None and len(texts) < 5:
+        texts.append(str(e))
+        e = e.__cause__ or e.__context__
+    full_key = next((m.group(1) for t in texts for m in [re.search(r"full_key: (\S+)", t)] if m), None)
+    where = next((m.group(1) for t in texts for m in [re.search(r"In '([^']+)'", t)] if m), name)
+    if full_key:
+        found = check_key(full_key)
+        detail = found or next((_first_line(Exception(t)) for t in texts[1:] if t.strip()), _first_line(err))
+        return ConfigError(f"recipe {where}: {detail}", fix="fix that key in the recipe file (`dsa-train --config-name "
+                                                            f"{name} --cfg job` prints the composed recipe)")
+    cause = next((_first_line(Exception(t)) for t in texts[1:] if t.strip()), _first_line(err))
+    return ConfigError(f"recipe {where} does not compose: {cause}",
+                       fix=f"check it and the overrides against `dsa-train --config-name {name} --cfg job`")
 
 
 def _first_line(err: BaseException) -> str:
