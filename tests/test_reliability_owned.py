@@ -171,3 +171,30 @@ def test_export_takes_the_trained_recipe_from_the_checkpoint_not_hydra(trained, 
     config.write_text(config.read_text().replace("topk: 16", "topk: 4"))
     assert run(capsys, "export", str(trained), str(tmp_path / "exported")).returncode == 0
     assert json.loads((tmp_path / "exported" / "config.json").read_text())["index_topk"] == 16
+
+
+def test_export_never_writes_into_a_folder_of_the_users(trained, capsys, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text("{\"mine\": true}\n")
+    before = tree_hash(mine, trained)
+    one_line(run(capsys, "export", str(trained), str(mine)), f"OUT {mine} is a folder that is not a model export",
+             "config.json", "nothing was written")
+    one_line(run(capsys, "export", str(trained), str(trained)), f"OUT {trained} is the source", "nothing was written")
+    assert tree_hash(mine, trained) == before
+    # an earlier export is replaced
+    out = tmp_path / "exported"
+    assert run(capsys, "export", str(trained), str(out)).returncode == 0
+    assert run(capsys, "export", str(trained), str(out)).returncode == 0
+
+
+def test_a_finished_run_without_its_export_says_how_to_write_it_and_that_works(trained, capsys):
+    """A rerun of a finished run whose end-of-run export is missing (stopped during it, or
+    checkpoint.export=false) gives the export command; once run, the message points at the export."""
+    done = run(capsys, f"run_dir={trained}", *TINY)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if "already finished" in x)
+    assert "is missing" in line
+    assert run(capsys, *suggested_command(line)).returncode == 0
+    done = run(capsys, f"run_dir={trained}", *TINY)
+    assert f"model.pretrained={trained / 'export'}" in done.stdout and (trained / "export" / "config.json").is_file()

@@ -70,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
 
         from . import training_source
 
+        from .export import check_out
+
+        check_out(args.out, args.src)  # before any work: never into a folder of the user's
         training_source.VERIFY_CHECKSUMS = not args.no_verify_checksums
         options = ExportOptions(dtype=getattr(torch, args.dtype), fp8=args.fp8, ue8m0=args.ue8m0,
                                 max_shard_bytes=args.max_shard_size)

@@ -135,6 +135,13 @@ def compare(saved: dict, current: dict, stage_index: int, stage_step: int, path)
 
 
 def finished_message(stage_names: list[str], global_step: int, path, export_dir) -> str:
-    return (f"this run is already finished: all {len(stage_names)} stages ({', '.join(stage_names)}) done at global "
-            f"step {global_step} (checkpoint {path}); nothing to train. To train more, add a stage to the recipe, or "
-            f"start a new run_dir from its export (model.pretrained={export_dir})")
+    from pathlib import Path
+
+    export_dir = Path(export_dir)
+    done = (f"this run is already finished: all {len(stage_names)} stages ({', '.join(stage_names)}) done at global "
+            f"step {global_step} (checkpoint {path}); nothing to train.")
+    if not (export_dir / "config.json").is_file():  # stopped during (or before) its end-of-run export
+        return (f"{done} Its export {export_dir} is missing (the run was stopped during its export?): write it with "
+                f"`dsa-train export {path} {export_dir}`. To train more, add a stage to the recipe")
+    return (f"{done} To train more, add a stage to the recipe, or start a new run_dir from its export "
+            f"(model.pretrained={export_dir})")
