@@ -198,3 +198,21 @@ def test_a_finished_run_without_its_export_says_how_to_write_it_and_that_works(t
     assert run(capsys, *suggested_command(line)).returncode == 0
     done = run(capsys, f"run_dir={trained}", *TINY)
     assert f"model.pretrained={trained / 'export'}" in done.stdout and (trained / "export" / "config.json").is_file()
+
+
+def test_starting_from_the_export_of_a_run_that_has_not_exported_says_what_to_run(trained, capsys, tmp_path):
+    """The sparse recipe started before the warm-up (model.pretrained = the warm-up's export): 'run
+    that recipe first'; a run with checkpoints but no export: the export command, which works."""
+    missing = tmp_path / "runs" / "v3.2_warmup-smoke" / "export"
+    one_line(run(capsys, f"run_dir={tmp_path / 'a'}", *TINY, f"model.pretrained={missing}"),
+             f"{missing} does not exist yet", "run that recipe first", "--config-name v3.2_warmup")
+    assert not (tmp_path / "a").exists()
+    before = tree_hash(trained)
+    line = one_line(run(capsys, f"run_dir={tmp_path / 'b'}", *TINY, f"model.pretrained={trained / 'export'}"),
+                    "has not finished (or did not export)", f"`dsa-train export {trained} {trained / 'export'}`")
+    assert tree_hash(trained) == before
+    assert run(capsys, *suggested_command(line)).returncode == 0
+    from dsa_train.config import compose_recipe, to_train_config
+
+    to_train_config(compose_recipe("demo", [f"run_dir={tmp_path / 'b'}", *TINY, f"model.pretrained={trained / 'export'}"]),
+                    check_environment=True)

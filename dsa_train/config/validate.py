@@ -213,6 +213,29 @@ def check_sequence_fits(cfg: TrainConfig, max_positions: int) -> None:
              f"{max_positions}; lower data.seq_len or use a model with longer context (YaRN)")
 
 
+def missing_pretrained(path) -> str:
+    """Why `path` is not a model yet, and what makes it one: the export of a run that has not
+    finished (the sparse stage started before the warm-up) says to run that recipe first."""
+    from pathlib import Path
+
+    path = Path(path)
+    run_dir = path.parent
+    is_run = (run_dir / "checkpoints").is_dir() or (run_dir / ".hydra").is_dir()
+    if path.name == "export" and (is_run or not run_dir.exists()):
+        name = run_dir.name
+        recipe = name.split("-")[0] if name.startswith("v3.2_") else name
+        if is_run and any((run_dir / "checkpoints").glob("step_*")):
+            return (f"{path} does not exist yet: the run {run_dir} has not finished (or did not export) — finish it "
+                    f"(run its command again: it resumes), or export its newest checkpoint: `dsa-train export {run_dir} {path}`")
+        return (f"{path} does not exist yet: it is the export of the run {run_dir}, which has not run — run that recipe "
+                f"first (e.g. `dsa-train --config-name {recipe} ...`; the sparse stage starts from the warm-up's export), "
+                "or set model.pretrained to a Hugging Face checkpoint directory")
+    if not path.exists():
+        return (f"{path} does not exist — pass a Hugging Face checkpoint directory (DeepSeek-V3 / V3.1 / V3.2 layout), "
+                "or `dsa-train make-tiny-checkpoint DIR` for a rehearsal")
+    return (f"{path} has no config.json — pass a Hugging Face checkpoint directory (DeepSeek-V3 / V3.1 / V3.2 layout)")
+
+
 def _max_positions(cfg: TrainConfig) -> int | None:
     import json
     from pathlib import Path
@@ -220,8 +243,7 @@ def _max_positions(cfg: TrainConfig) -> int | None:
     if cfg.model.pretrained is not None:
         config_json = Path(cfg.model.pretrained) / "config.json"
         if not config_json.is_file():
-            _require(False, "model.pretrained", f"{cfg.model.pretrained} has no config.json; pass a Hugging Face "
-                     "checkpoint directory (DeepSeek-V3 / V3.1 / V3.2 layout)")
+            problem(f"model.pretrained: {missing_pretrained(Path(cfg.model.pretrained))}")
             return None
         try:
             return int(json.loads(config_json.read_text())["max_position_embeddings"])
