@@ -109,15 +109,17 @@ def test_a_run_refused_for_a_locked_run_dir_changes_nothing_there(tmp_path, caps
     assert tree_hash(run_dir) == before
 
 
-def test_a_read_only_run_dir_is_one_line(tmp_path, capsys, monkeypatch):
-    """The run directory cannot be written (here: a file where its parent should be, which no
-    permission bits of root bypass; a read-only mount: tests/test_reliability_disk.py)."""
+def test_an_output_folder_under_a_file_is_one_line_before_any_work(tmp_path, capsys):
+    """run_dir, checkpoint.dir or the W&B folder passing through a regular file (no permission
+    bits of root bypass that; a read-only mount: tests/test_reliability_disk.py)."""
     parent = tmp_path / "blocked"
     parent.write_text("a file of the user's\n")
     before = tree_hash(tmp_path)
-    done = run(capsys, f"run_dir={parent / 'run'}", *TINY)
-    one_line(done, f"cannot write to {parent / 'run'}", "set run_dir")
-    assert tree_hash(tmp_path) == before
+    one_line(run(capsys, f"run_dir={parent / 'run'}", *TINY), f"run_dir: {parent / 'run'} cannot be a folder",
+             f"{parent} is a file")
+    one_line(run(capsys, f"run_dir={tmp_path / 'run'}", *TINY, "logging.wandb_mode=offline",
+                 f"logging.wandb_dir={parent / 'wandb'}"), "logging.wandb_dir", f"{parent} is a file")
+    assert tree_hash(tmp_path) == before and not (tmp_path / "run").exists()
 
 
 @pytest.fixture(scope="module")

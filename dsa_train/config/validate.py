@@ -157,6 +157,26 @@ def environment_problems(cfg: TrainConfig, model_known: bool = True, world_size:
         check_sequence_fits(cfg, max_pos)
     if model_known:
         check_tokenizer_identity(cfg)
+    check_output_paths(cfg)
+
+
+def check_output_paths(cfg: TrainConfig) -> None:
+    """Every folder the run will write (run_dir, checkpoint.dir, logging.wandb_dir, data.cache_dir)
+    can be a folder: none of them, nor a folder above one, is a regular file. Checked before any
+    work (a W&B folder under a file was a traceback after the data and the model were loaded)."""
+    from pathlib import Path
+
+    said = set()  # one line per file in the way (checkpoint.dir and the W&B folder lie under run_dir)
+    for key, value in (("run_dir", cfg.run_dir), ("checkpoint.dir", cfg.checkpoint.dir),
+                       ("logging.wandb_dir", cfg.logging.wandb_dir), ("data.cache_dir", cfg.data.cache_dir)):
+        if not value:
+            continue
+        path = Path(str(value)).expanduser()
+        blocker = next((p for p in [path, *path.parents] if p.exists() and not p.is_dir()), None)
+        if blocker is not None and blocker not in said:
+            said.add(blocker)
+            problem(f"{key}: {value} cannot be a folder: {blocker} is a file — set {key} to a folder path that does not "
+                    "pass through a file")
 
 
 def check_tokenizer_identity(cfg: TrainConfig) -> None:
