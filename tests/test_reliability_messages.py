@@ -273,3 +273,21 @@ def test_a_mistyped_key_inside_a_recipe_file_names_it_with_a_suggestion(tmp_path
              "recipe mine: optim.weight_decya: no such key (did you mean optim.weight_decay?)")
     (tmp_path / "mine.yaml").write_text("defaults:\n  - demo\n  - _self_\noptim:\n  weight_decay: 0.0\n")
     assert run(capsys, "--config-dir", str(tmp_path), "--config-name", "mine", "--cfg", "job").returncode == 0
+
+
+def test_a_nan_stop_gives_fixes_that_work(tmp_path, capsys, monkeypatch):
+    """fault_tolerance.nonfinite=stop at a NaN step: one line, exit 2; the fixes it names work:
+    resuming with nonfinite=skip (a resume applies it), and the export its lr fix starts from."""
+    from dsa_train.engine import faults
+
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv(faults.ENV, "step=3,kind=nan")
+    args = [f"run_dir={run_dir}", *TINY]
+    line = one_line(run(capsys, *args, "fault_tolerance.nonfinite=stop"), "non-finite", "at global step 3",
+                    "fault_tolerance.nonfinite=skip", "dsa-train export")
+    assert "Lower the stage's lr" not in line  # a resume refuses an lr change of the stage in progress
+    export = re.search(r"`dsa-train export (\S+) (\S+)`", line)
+    assert run(capsys, "export", export.group(1), export.group(2)).returncode == 0
+    assert Path(export.group(2), "config.json").is_file()
+    done = run(capsys, *args, "fault_tolerance.nonfinite=skip")
+    assert done.returncode == 0, done.stderr[-3000:]
