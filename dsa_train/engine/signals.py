@@ -170,7 +170,14 @@ def exit_if_preempted_earlier(run_dir) -> None:
 # handlers while it runs and puts them back after.
 
 
+_INSTALLED_IN: int | None = None  # the pid that installed the start-up handlers
+
+
 def _raise_signal(signum, frame) -> None:
+    if os.getpid() != _INSTALLED_IN:  # a forked child (data loader worker): die of the signal as before
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     raise SignalOutsideTraining(signum)
 
 
@@ -183,6 +190,8 @@ class startup_signals:  # noqa: N801 (a context manager, used as `with startup_s
         self.previous: dict[int, object] = {}
 
     def __enter__(self):
+        global _INSTALLED_IN
+        _INSTALLED_IN = os.getpid()
         if threading.current_thread() is threading.main_thread():
             for sig in resolve(self.names):
                 self.previous[sig] = signal.signal(sig, _raise_signal)
