@@ -81,7 +81,7 @@ def prepare_data(sources: Sequence[str] | str, tokenizer: Tokenizer | str | None
     # Validate framing up front (raises if add_bos but no BOS token, ...).
     frame_document([], tokenizer.bos_id, tokenizer.eos_id, add_bos, add_eos)
 
-    tmp_dir = out_dir.parent / f"{TMP_PREFIX(out_dir)}{os.getpid()}"
+    tmp_dir = out_dir.parent / f"{tmp_prefix(out_dir)}{os.getpid()}"
     shutil.rmtree(tmp_dir, ignore_errors=True)
     tmp_dir.mkdir(parents=True)
     try:  # the temporary folder goes on every failure path (errors, Ctrl-C, a start-up signal)
@@ -156,7 +156,7 @@ def _write(sources, tokenizer, out_dir: Path, tmp_dir: Path, seq_len, dataset, d
 OUR_FILES = (INDEX_FILE, TOKENS_FILE, DOC_OFFSETS_FILE)
 
 
-def TMP_PREFIX(out_dir: Path) -> str:  # noqa: N802 (a name pattern, like a constant)
+def tmp_prefix(out_dir: Path) -> str:
     return f".{out_dir.name}.tmp-"
 
 
@@ -234,7 +234,7 @@ def remove_stale_temporaries(out_dir: Path) -> list[Path]:
     """Temporary folders of earlier prepare-data runs for `out_dir` (`.<name>.tmp-<pid>`) whose
     process is gone (killed, or a machine restart): removed at the next start."""
     removed = []
-    parent, prefix = out_dir.parent, TMP_PREFIX(out_dir)
+    parent, prefix = out_dir.parent, tmp_prefix(out_dir)
     if not parent.is_dir():
         return removed
     for p in parent.glob(prefix + "*"):
