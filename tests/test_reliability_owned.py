@@ -180,8 +180,9 @@ def test_export_never_writes_into_a_folder_of_the_users(trained, capsys, tmp_pat
     mine.mkdir()
     (mine / "config.json").write_text("{\"mine\": true}\n")
     before = tree_hash(mine, trained)
-    one_line(run(capsys, "export", str(trained), str(mine)), f"OUT {mine} is a folder that is not a model export",
+    one_line(run(capsys, "export", str(trained), str(mine)), f"OUT {mine} is a folder that is not a model directory",
              "config.json", "nothing was written")
+    one_line(run(capsys, "make-tiny-checkpoint", str(mine)), f"OUT {mine} is a folder that is not a model directory")
     one_line(run(capsys, "export", str(trained), str(trained)), f"OUT {trained} is the source", "nothing was written")
     assert tree_hash(mine, trained) == before
     # an earlier export is replaced

@@ -194,15 +194,15 @@ def check_out(out: str | os.PathLike, src: str | os.PathLike | None = None) -> N
     if src is not None:
         src_p = Path(src).expanduser().resolve()
         if out_p == src_p or out_p in src_p.parents:
-            raise CheckpointError(f"export: OUT {shown} {'is' if out_p == src_p else 'holds'} the source {src}; nothing "
+            raise CheckpointError(f"OUT {shown} {'is' if out_p == src_p else 'holds'} the source {src}; nothing "
                                   "was written", fix=f"export into a new folder, e.g. {src_p / 'export'}")
     if out_p.exists() and not out_p.is_dir():
-        raise CheckpointError(f"export: OUT {shown} is a file; nothing was written",
+        raise CheckpointError(f"OUT {shown} is a file; nothing was written",
                               fix=f"pass a new folder, e.g. {out_p.parent / (out_p.name + '-export')}")
     if out_p.is_dir() and any(out_p.iterdir()) and not _looks_like_export(out_p):
         entries = sorted(p.name for p in out_p.iterdir())
         raise CheckpointError(
-            f"export: OUT {shown} is a folder that is not a model export ({len(entries)} entries: "
+            f"OUT {shown} is a folder that is not a model directory ({len(entries)} entries: "
             f"{', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}); it is never written into; nothing was written",
             fix=f"pass a new or empty folder, e.g. {out_p.parent / (out_p.name + '-export')}")
     if out_p.parent.is_dir():  # the temporary folder of an export that was killed
