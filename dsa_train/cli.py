@@ -125,16 +125,47 @@ def hydra_argv(argv: list[str]) -> list[str]:
     return out
 
 
+# Hydra writes nothing itself: `.hydra/` and `train.log` are written by the trainer once it holds
+# the run directory (dsa_train/config/run_files.py), so a refused run changes nothing there.
+HYDRA_QUIET = {"hydra.output_subdir": "null", "hydra/job_logging": "dsa_train", "hydra.run.dir": "."}
+
+
+def _override_key(arg: str) -> str:
+    return arg.split("=", 1)[0].lstrip("+~")
+
+
+def quiet_hydra(argv: list[str]) -> list[str]:
+    """`argv` plus the overrides that keep Hydra from writing into the run directory (those the
+    command line sets itself are kept as given), placed with the command line's own overrides
+    (Hydra's parser takes them as one block of positional arguments)."""
+    from dsa_train.config.hydra_errors import VALUE_FLAGS
+
+    last, i = None, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in VALUE_FLAGS:
+            i += 2
+            continue
+        if not arg.startswith("-"):
+            last = i
+        i += 1
+    given = {_override_key(argv[j]) for j in range(len(argv)) if "=" in argv[j] and not argv[j].startswith("-")}
+    ours = [f"{k}={v}" for k, v in HYDRA_QUIET.items() if k not in given]
+    at = len(argv) if last is None else last + 1
+    return [*argv[:at], *ours, *argv[at:]]
+
+
 def run_hydra(argv: list[str], train) -> int:
     """Compose the recipe from `argv` as a Hydra app, check it, and call `train(TrainConfig)`.
     A bad recipe or any project error (`dsa_train.errors.DSATrainError`) raised by the trainer
     exits with its one line and code 2, no traceback (Preempted, a SystemExit, exits 75).
     (`dsa-train` and the per-rank `python -m dsa_train.parallel.train` both run through here.)"""
     import hydra
-    from omegaconf import DictConfig
+    from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import MissingMandatoryValue
 
     from dsa_train.config import ConfigError, DEFAULT_RECIPE, recipes_dir, register_configs, to_train_config
+    from dsa_train.config import run_files
     from dsa_train.errors import report, run_reporting
 
     register_configs()
@@ -145,6 +176,12 @@ def run_hydra(argv: list[str], train) -> int:
             train_cfg = to_train_config(cfg, check_environment=True)
         except (ConfigError, MissingMandatoryValue) as err:
             raise SystemExit(report(ConfigError(f"invalid recipe: {err}")))
+        from hydra.core.hydra_config import HydraConfig
+
+        hydra_cfg = HydraConfig.get()
+        user_overrides = [o for o in hydra_cfg.overrides.task if _override_key(o) not in HYDRA_QUIET]
+        run_files.remember(OmegaConf.to_yaml(cfg), user_overrides)
+
         # Hydra prints any exception with a traceback: project errors leave as their one line here
         def run_training() -> None:
             from dsa_train.logging.wandb_run import resolve_mode
@@ -159,20 +196,29 @@ def run_hydra(argv: list[str], train) -> int:
             require_train_extra(*(("datasets",) if needs_hf_datasets(data.sources, data.streaming) else ()), *wandb)
             train(train_cfg)
 
-        code = run_reporting(run_training)
+        try:
+            code = run_reporting(run_training)
+        finally:
+            run_files.forget()
+            run_files.close_run_log()
         if code:
             raise SystemExit(code)
 
+    from dsa_train.config.hydra_errors import precompose
     from dsa_train.config.overrides import check_overrides
+    from dsa_train.engine.signals import startup_signals
 
-    try:  # unknown keys with suggestions, before Hydra's bare "not in StageConfig"
-        check_overrides(hydra_argv(argv), recipes_dir())
+    argv = hydra_argv(argv)
+    try:  # unknown keys with suggestions, before Hydra's bare "not in StageConfig"; then Hydra's own
+        check_overrides(argv, recipes_dir())  # errors (no such recipe, a list without brackets, YAML) as one line
+        precompose(argv, recipes_dir(), DEFAULT_RECIPE)
     except ConfigError as err:
         raise SystemExit(report(err))
     saved_argv = sys.argv
-    sys.argv = [saved_argv[0] if saved_argv else "dsa-train", *hydra_argv(argv)]
+    sys.argv = [saved_argv[0] if saved_argv else "dsa-train", *quiet_hydra(argv)]
     try:
-        train_main()
+        with startup_signals():  # SIGTERM / SIGUSR1 before the training loop: one line, temporary files removed
+            train_main()
     finally:
         sys.argv = saved_argv
     return 0

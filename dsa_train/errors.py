@@ -58,6 +58,24 @@ def report(err: DSATrainError, prefix: str = "dsa-train") -> int:
 
 
 EXIT_INTERRUPTED = 130
+EXIT_PREEMPTED = 75
+
+
+class SignalOutsideTraining(BaseException):
+    """SIGTERM / SIGUSR1 outside the training loop (engine/signals.py `startup_signals`): a
+    BaseException, so that no `except Exception` on the way keeps it; exits 75 with one line."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+        self.code = EXIT_PREEMPTED
+
+    def __str__(self) -> str:
+        import signal
+
+        name = signal.Signals(self.signum).name
+        return (f"dsa-train: stopped by {name} outside the training loop (no step was running; checkpoints are "
+                "written atomically, nothing was lost) — run the same command again to resume")
 
 
 def run_reporting(func: Callable[[], int | None], prefix: str = "dsa-train") -> int:
@@ -67,6 +85,9 @@ def run_reporting(func: Callable[[], int | None], prefix: str = "dsa-train") -> 
         return int(func() or 0)
     except DSATrainError as err:
         return report(err, prefix)
+    except SignalOutsideTraining as err:  # SIGTERM / SIGUSR1 before or after the training loop
+        print(str(err), file=sys.stderr, flush=True)
+        return err.code
     except KeyboardInterrupt:
         print(f"{prefix}: interrupted (Ctrl-C) — nothing was being trained yet, or the run had ended; "
               "run the same command again to resume", file=sys.stderr, flush=True)

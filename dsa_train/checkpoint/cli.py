@@ -70,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
 
         from . import training_source
 
+        from .export import check_out
+
+        check_out(args.out, args.src)  # before any work: never into a folder of the user's
         training_source.VERIFY_CHECKSUMS = not args.no_verify_checksums
         options = ExportOptions(dtype=getattr(torch, args.dtype), fp8=args.fp8, ue8m0=args.ue8m0,
                                 max_shard_bytes=args.max_shard_size)
@@ -86,8 +89,10 @@ def run(args: argparse.Namespace) -> int:
         print(report.text())
         return 1 if report.error or report.bad_values else 0
     if args.command == "make-tiny-checkpoint":
+        from .export import check_out
         from .tiny import make_tiny_checkpoint
 
+        check_out(args.out)  # a new or empty folder, or an earlier model directory (replaced)
         r = make_tiny_checkpoint(args.out, seed=args.seed, dense_mlp=args.dense)
         print(f"wrote {r.path}: DeepSeek-V3.1-Terminus layout, {r.tensors} tensors ({r.fp8_tensors} FP8), "
               f"{len(r.files)} shards, {r.total_bytes / 1e6:.1f} MB")

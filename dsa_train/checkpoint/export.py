@@ -183,6 +183,46 @@ def write_hf_dir(
     return result
 
 
+def _looks_like_export(out: Path) -> bool:
+    """A Hugging Face model directory (an earlier export): config.json and safetensors shards."""
+    return (out / CONFIG_FILE).is_file() and ((out / INDEX_FILE).is_file() or any(out.glob("model*.safetensors")))
+
+
+def check_out(out: str | os.PathLike, src: str | os.PathLike | None = None) -> None:
+    """`dsa-train export SRC OUT`, before any work: OUT is new, empty, or an earlier export (its
+    shards are replaced); never a file, a folder of the user's, or the source itself."""
+    out_p, shown = Path(out).expanduser().resolve(), Path(out)
+    if src is not None:
+        src_p = Path(src).expanduser().resolve()
+        if out_p == src_p or out_p in src_p.parents:
+            raise CheckpointError(f"OUT {shown} {'is' if out_p == src_p else 'holds'} the source {src}; nothing "
+                                  "was written", fix=f"export into a new folder, e.g. {src_p / 'export'}")
+    if out_p.exists() and not out_p.is_dir():
+        raise CheckpointError(f"OUT {shown} is a file; nothing was written",
+                              fix=f"pass a new folder, e.g. {out_p.parent / (out_p.name + '-export')}")
+    if out_p.is_dir() and any(out_p.iterdir()) and not _looks_like_export(out_p):
+        entries = sorted(p.name for p in out_p.iterdir())
+        raise CheckpointError(
+            f"OUT {shown} is a folder that is not a model directory ({len(entries)} entries: "
+            f"{', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}); it is never written into; nothing was written",
+            fix=f"pass a new or empty folder, e.g. {out_p.parent / (out_p.name + '-export')}")
+    if out_p.parent.is_dir():  # the temporary folder of an export that was killed
+        for stale in out_p.parent.glob(f".{out_p.name}.partial-*"):
+            pid = stale.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+                shutil.rmtree(stale, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def place(tmp: Path, out: Path) -> None:
     """Move the assembled directory `tmp` to `out` (replacing an earlier export's shards)."""
     if not out.exists():

@@ -13,9 +13,12 @@ Checkpoints of earlier versions (one `model*.pt` per rank, tensor-parallel slice
 The state dict does not carry the model config; it is found, in this order, in
   1. `config.json` inside the step directory (Hugging Face form),
   2. the `config` argument (a Hugging Face directory or a config.json),
-  3. the run's Hydra config (`<run_dir>/.hydra/config.yaml`, interpolations resolved):
-     `model.pretrained` (its config.json) or `model.arch` (tiny_config(**arch), vocab_size from
-     the embedding).
+  3. the recipe the checkpoint was trained under: `recipe` in its `trainer_state.json` (resolved,
+     profile applied; written with every checkpoint), else, for checkpoints older than that, the
+     run's Hydra config (`<run_dir>/.hydra/config.yaml`): `model.pretrained` (its config.json) or
+     `model.arch` (tiny_config(**arch), vocab_size from the embedding). `.hydra/` describes the
+     last command run in the directory, not necessarily what this checkpoint trained, so it is
+     never read when the checkpoint records its recipe.
 Relative paths in the run's config are tried here and from the directory the run started in.
 The tokenizer is the run's `data.tokenizer` (the bundled one when unset; else the run's own
 export's copy). `index_topk` becomes the top-k of the last sparse stage the checkpoint trained.
@@ -221,8 +224,9 @@ class RunConfig:
     directory the run was started in, found by taking the saved run_dir off the config's directory."""
 
     values: dict
-    run_dir: Path  # the directory holding .hydra/
+    run_dir: Path  # the run directory (holding .hydra/, checkpoints/, export/)
     started_in: Path | None
+    source: str = ".hydra/config.yaml"  # where the values were read (for messages)
 
     def path(self, value: str | None) -> Path | None:
         """An existing path the run's `value` names (relative: from where the run started, or here)."""
@@ -231,6 +235,36 @@ class RunConfig:
         p = Path(value)
         candidates = [p] if p.is_absolute() else [p, *([self.started_in / p] if self.started_in else [])]
         return next((c for c in candidates if c.exists()), None)
+
+
+def _run_config(step_dir: Path) -> RunConfig | None:
+    """The recipe `step_dir` was trained under: its trainer_state.json's, else (older checkpoints) the run's .hydra/."""
+    return _checkpoint_recipe(step_dir) or _hydra_config(step_dir)
+
+
+def _checkpoint_recipe(step_dir: Path) -> RunConfig | None:
+    state_file = step_dir / "trainer_state.json"
+    try:
+        recipe = json.loads(state_file.read_text()).get("recipe") if state_file.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(recipe, dict):
+        return None
+    ckpt_dir = step_dir.resolve().parent
+    saved_ckpt = Path(str((recipe.get("checkpoint") or {}).get("dir") or ""))
+    saved_run = Path(str(recipe.get("run_dir") or ""))
+    started_in = None
+    if str(saved_ckpt) not in ("", ".") and not saved_ckpt.is_absolute() \
+            and ckpt_dir.parts[-len(saved_ckpt.parts):] == saved_ckpt.parts:
+        started_in = Path(*ckpt_dir.parts[: -len(saved_ckpt.parts)])
+    if saved_ckpt.parent == saved_run or saved_ckpt.is_absolute() and saved_run.is_absolute() \
+            and saved_ckpt.resolve().parent == saved_run.resolve():
+        run_dir = ckpt_dir.parent  # checkpoint.dir = <run_dir>/checkpoints: wherever the run now lies
+    elif saved_run.is_absolute() or started_in is None:
+        run_dir = saved_run
+    else:
+        run_dir = started_in / saved_run
+    return RunConfig(recipe, run_dir, started_in, source=f"the recipe in {state_file}")
 
 
 def _hydra_config(step_dir: Path) -> RunConfig | None:
@@ -250,7 +284,7 @@ def _hydra_config(step_dir: Path) -> RunConfig | None:
                 run_dir = parent.resolve()
                 if run_dir.parts[-len(saved_run_dir.parts):] == saved_run_dir.parts:
                     started_in = Path(*run_dir.parts[: -len(saved_run_dir.parts)])
-            return RunConfig(values, parent, started_in)
+            return RunConfig(values, parent, started_in, source=str(f))
     return None
 
 
@@ -299,7 +333,7 @@ def _run_tokenizer(run: RunConfig | None, step_dir: Path) -> Path:
     if (export / "tokenizer.json").is_file():
         return export
     raise CheckpointError(
-        f"the run's tokenizer {tokenizer} (data.tokenizer in {run.run_dir / '.hydra' / 'config.yaml'}) does not exist "
+        f"the run's tokenizer {tokenizer} (data.tokenizer in {run.source}) does not exist "
         f"here{f' (nor under {run.started_in})' if run.started_in else ''}, and the run has no export with a "
         "tokenizer; pass --tokenizer DIR (the checkpoint the run started from)"
     )
@@ -386,7 +420,7 @@ def open_training_checkpoint(path: str | os.PathLike, config: str | os.PathLike 
         files = {name: step_dir / "state" for name in state}
     else:
         state, files = _read_state(step_dir)
-    hydra = _hydra_config(step_dir)
+    hydra = _run_config(step_dir)
     cfg = _resolve_config(step_dir, state, config, hydra)
     mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
     if cfg.num_nextn_predict_layers and not any(n.startswith(mtp_prefix) for n in state):

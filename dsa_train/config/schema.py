@@ -102,6 +102,9 @@ class DataConfig:
     sources: list[str] = field(default_factory=lambda: ["bundled"])
     text_field: str = "text"  # field holding the text in .jsonl/.json/.parquet
     tokenizer: str | None = None  # None: bundled demo tokenizer; or a checkpoint dir/tokenizer.json
+    # model.pretrained's own tokenizer.json differing (by content) from data.tokenizer is refused at
+    # start-up (the model would read the data as other tokens); true trains anyway (recorded in the recipe)
+    allow_tokenizer_mismatch: bool = False
     seq_len: int = 512  # T, tokens per sequence
     micro_batch_size: int = 1  # B, sequences per rank per forward pass
     seed: int = 1234  # shuffling seed (order is a pure function of seed, epoch, dp_size, B)

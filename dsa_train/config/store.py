@@ -43,3 +43,8 @@ def register_configs() -> None:
     cs.store(name=ROOT_SCHEMA, node=TrainConfig)
     for group, schema in GROUP_SCHEMAS.items():
         cs.store(group=group, name="base", node=schema)
+    # Hydra's console logging without its train.log (dsa_train/config/run_files.py writes that, and
+    # .hydra/, once the run holds its run directory)
+    from dsa_train.config.run_files import JOB_LOGGING
+
+    cs.store(group="hydra/job_logging", name="dsa_train", node=JOB_LOGGING, provider="dsa_train")

@@ -25,9 +25,9 @@ class ConfigError(DSATrainError, ValueError):
     """A recipe problem; `problems` holds one `key: message` line per problem (dsa_train/errors.py:
     printed as one line per problem, exit 2)."""
 
-    def __init__(self, message: str, problems: list[str] | None = None):
-        self.problems = list(problems) if problems else [message]
-        super().__init__(message)
+    def __init__(self, message: str, problems: list[str] | None = None, fix: str | None = None):
+        self.problems = list(problems) if problems else [f"{message} — {fix}" if fix else message]
+        super().__init__(message, fix=fix)
 
     @classmethod
     def of(cls, problems: list[str]) -> "ConfigError":
@@ -155,6 +155,62 @@ def environment_problems(cfg: TrainConfig, model_known: bool = True, world_size:
     max_pos = _max_positions(cfg) if model_known else None
     if max_pos is not None:
         check_sequence_fits(cfg, max_pos)
+    if model_known:
+        check_tokenizer_identity(cfg)
+    check_output_paths(cfg)
+
+
+def check_output_paths(cfg: TrainConfig) -> None:
+    """Every folder the run will write (run_dir, checkpoint.dir, logging.wandb_dir, data.cache_dir)
+    can be a folder: none of them, nor a folder above one, is a regular file. Checked before any
+    work (a W&B folder under a file was a traceback after the data and the model were loaded)."""
+    from pathlib import Path
+
+    said = set()  # one line per file in the way (checkpoint.dir and the W&B folder lie under run_dir)
+    for key, value in (("run_dir", cfg.run_dir), ("checkpoint.dir", cfg.checkpoint.dir),
+                       ("logging.wandb_dir", cfg.logging.wandb_dir), ("data.cache_dir", cfg.data.cache_dir)):
+        if not value:
+            continue
+        path = Path(str(value)).expanduser()
+        blocker = next((p for p in [path, *path.parents] if p.exists() and not p.is_dir()), None)
+        if blocker is not None and blocker not in said:
+            said.add(blocker)
+            problem(f"{key}: {value} cannot be a folder: {blocker} is a file — set {key} to a folder path that does not "
+                    "pass through a file")
+
+
+def check_tokenizer_identity(cfg: TrainConfig) -> None:
+    """data.tokenizer against model.pretrained's own tokenizer.json, by content (not by size: a
+    tokenizer with the same vocabulary size and other ids trains without an error, on data the model
+    reads as other tokens, and the export then ships the data's tokenizer). Refused unless
+    data.allow_tokenizer_mismatch=true, which the run's recipe records."""
+    from pathlib import Path
+
+    if cfg.model.pretrained is None or cfg.data.allow_tokenizer_mismatch:
+        return
+    own = Path(cfg.model.pretrained).expanduser() / "tokenizer.json"
+    if not own.is_file():
+        return
+    from dsa_train.data.tokenizer import load_tokenizer, resolve_tokenizer_json
+
+    try:
+        data_json = resolve_tokenizer_json(cfg.data.tokenizer)
+    except Exception:  # noqa: BLE001 -- a missing data.tokenizer is reported where it is loaded
+        return
+    if data_json.resolve() == own.resolve() or data_json.read_bytes() == own.read_bytes():
+        return
+    try:
+        mine, theirs = load_tokenizer(data_json), load_tokenizer(own)
+    except Exception:  # noqa: BLE001 -- an unreadable tokenizer is reported where it is loaded
+        return
+    if mine.content_hash == theirs.content_hash:
+        return
+    size = (f"the same vocabulary size ({mine.vocab_size}) but other ids" if mine.vocab_size == theirs.vocab_size
+            else f"vocabulary {mine.vocab_size} vs {theirs.vocab_size}")
+    which = "data.tokenizer" if cfg.data.tokenizer not in (None, "bundled") else "data.tokenizer (null: the bundled one)"
+    problem(f"{which}: {data_json} is not the tokenizer of model.pretrained ({own}): {size}, so the model would read "
+            f"the data as other tokens — set data.tokenizer={cfg.model.pretrained} (the checkpoint's own), or "
+            "data.allow_tokenizer_mismatch=true to train with this one anyway (the run's recipe records it)")
 
 
 def check_global_batches(cfg: TrainConfig, data_parallel: int) -> None:
@@ -162,6 +218,8 @@ def check_global_batches(cfg: TrainConfig, data_parallel: int) -> None:
     launcher's check before starting workers and the layout's at start-up)."""
     for name, stage in cfg.stages.items():
         per_step = cfg.data.micro_batch_size * data_parallel
+        if per_step < 1:  # checked (and said) elsewhere: never divide by it
+            continue
         _require(stage.global_batch_size % per_step == 0, f"stages.{name}.global_batch_size",
                  f"{stage.global_batch_size} is not a multiple of data.micro_batch_size * data-parallel size "
                  f"= {cfg.data.micro_batch_size} * {data_parallel}")
@@ -175,6 +233,29 @@ def check_sequence_fits(cfg: TrainConfig, max_positions: int) -> None:
              f"{max_positions}; lower data.seq_len or use a model with longer context (YaRN)")
 
 
+def missing_pretrained(path) -> str:
+    """Why `path` is not a model yet, and what makes it one: the export of a run that has not
+    finished (the sparse stage started before the warm-up) says to run that recipe first."""
+    from pathlib import Path
+
+    path = Path(path)
+    run_dir = path.parent
+    is_run = (run_dir / "checkpoints").is_dir() or (run_dir / ".hydra").is_dir()
+    if path.name == "export" and (is_run or not run_dir.exists()):
+        name = run_dir.name
+        recipe = name.split("-")[0] if name.startswith("v3.2_") else name
+        if is_run and any((run_dir / "checkpoints").glob("step_*")):
+            return (f"{path} does not exist yet: the run {run_dir} has not finished (or did not export) — finish it "
+                    f"(run its command again: it resumes), or export its newest checkpoint: `dsa-train export {run_dir} {path}`")
+        return (f"{path} does not exist yet: it is the export of the run {run_dir}, which has not run — run that recipe "
+                f"first (e.g. `dsa-train --config-name {recipe} ...`; the sparse stage starts from the warm-up's export), "
+                "or set model.pretrained to a Hugging Face checkpoint directory")
+    if not path.exists():
+        return (f"{path} does not exist — pass a Hugging Face checkpoint directory (DeepSeek-V3 / V3.1 / V3.2 layout), "
+                "or `dsa-train make-tiny-checkpoint DIR` for a rehearsal")
+    return (f"{path} has no config.json — pass a Hugging Face checkpoint directory (DeepSeek-V3 / V3.1 / V3.2 layout)")
+
+
 def _max_positions(cfg: TrainConfig) -> int | None:
     import json
     from pathlib import Path
@@ -182,8 +263,7 @@ def _max_positions(cfg: TrainConfig) -> int | None:
     if cfg.model.pretrained is not None:
         config_json = Path(cfg.model.pretrained) / "config.json"
         if not config_json.is_file():
-            _require(False, "model.pretrained", f"{cfg.model.pretrained} has no config.json; pass a Hugging Face "
-                     "checkpoint directory (DeepSeek-V3 / V3.1 / V3.2 layout)")
+            problem(f"model.pretrained: {missing_pretrained(Path(cfg.model.pretrained))}")
             return None
         try:
             return int(json.loads(config_json.read_text())["max_position_embeddings"])
@@ -246,7 +326,7 @@ def _validate(cfg: TrainConfig) -> None:
         _require(stage.lm_loss_coef > 0 or stage.indexer_loss_coef > 0,
                  f"{key}.lm_loss_coef", "lm_loss_coef and indexer_loss_coef are both 0")
         _require(stage.global_batch_size >= 1, f"{key}.global_batch_size", "must be >= 1")
-        _require(stage.global_batch_size % cfg.data.micro_batch_size == 0,
+        _require(cfg.data.micro_batch_size < 1 or stage.global_batch_size % cfg.data.micro_batch_size == 0,
                  f"{key}.global_batch_size",
                  f"{stage.global_batch_size} is not a multiple of data.micro_batch_size="
                  f"{cfg.data.micro_batch_size}")
@@ -295,7 +375,7 @@ def doubtful_values(cfg: TrainConfig) -> list[str]:
     out = []
     for name, stage in cfg.stages.items():
         key = f"stages.{name}"
-        if stage.warmup_steps > stage.steps:
+        if stage.warmup_steps > stage.steps >= 1:
             out.append(f"{key}.warmup_steps: {stage.warmup_steps} warm-up steps are longer than the stage "
                        f"({key}.steps={stage.steps}): the lr never reaches {key}.lr={stage.lr:g} (at most "
                        f"{stage.lr * stage.steps / stage.warmup_steps:g}); lower warmup_steps or raise steps")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,9 +26,11 @@ import torch
 
 from dsa_train.data.packing import doc_start_mask, num_rows, pack_row
 from dsa_train.data.prepare import (DOC_OFFSETS_FILE, FORMAT_NAME, FORMAT_VERSION, INDEX_FILE,
-                                    prepare_data)
+                                    prepare_data, remove_stale_temporaries)
 from dsa_train.data.sources import DataSourceError, DataSourceNotFound, sources_fingerprint
 from dsa_train.data.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 def default_cache_dir() -> Path:
@@ -49,6 +52,16 @@ def _exclusive_lock(lock_path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _complete(entry: Path) -> bool:
+    """A cache entry whose index and token stream agree (a truncated one is built again)."""
+    try:
+        index = json.loads((entry / INDEX_FILE).read_text())
+        size = (entry / index["tokens_file"]).stat().st_size
+        return size == int(index["n_tokens"]) * np.dtype(index["token_dtype"]).itemsize
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 class PackedDataset(torch.utils.data.Dataset):
@@ -84,8 +97,8 @@ class PackedDataset(torch.utils.data.Dataset):
         tokens_path = self.path / self.index["tokens_file"]
         expected_bytes = self.n_tokens * self.token_dtype.itemsize
         if not tokens_path.is_file() or tokens_path.stat().st_size != expected_bytes:
-            raise DataSourceError(f"{tokens_path} is missing or truncated (expected {expected_bytes} "
-                             f"bytes). Re-run `dsa-train prepare-data --overwrite`.")
+            raise DataSourceError(f"{tokens_path} is missing or truncated (expected {expected_bytes} bytes)",
+                                  fix=f"prepare it again: `{self.prepare_command()}`")
         self.num_sequences = num_rows(self.n_tokens, self.seq_len)
         if self.num_sequences == 0:
             raise DataSourceError(f"{self.path} holds {self.n_tokens} tokens, fewer than seq_len + 1 = "
@@ -94,6 +107,24 @@ class PackedDataset(torch.utils.data.Dataset):
         self._tokens: np.ndarray | None = None  # opened lazily: memmaps must not be pickled
         self._doc_offsets: np.ndarray | None = None
 
+    def prepare_command(self, tokenizer: str | None = None) -> str:
+        """The `dsa-train prepare-data` command that writes this dataset again (from its index)."""
+        import shlex
+
+        index = self.index
+        parts = ["dsa-train", "prepare-data", "--source", *map(str, index.get("sources") or ["SOURCE"])]
+        tok = tokenizer if tokenizer is not None else index.get("tokenizer_path")
+        if tok:
+            parts += ["--tokenizer", str(tok)]
+        parts += ["--out", str(self.path), "--seq-len", str(index.get("seq_len", 4096))]
+        if index.get("text_field", "text") != "text":
+            parts += ["--text-field", index["text_field"]]
+        if index.get("txt_sample_by", "document") != "document":
+            parts += ["--txt-sample-by", index["txt_sample_by"]]
+        parts += [*(["--no-bos"] if index.get("add_bos") is False else []),
+                  *(["--no-eos"] if index.get("add_eos") is False else []), "--overwrite"]
+        return shlex.join(parts)
+
     def check_tokenizer(self, tokenizer: Tokenizer) -> None:
         recorded_hash, recorded_vocab = self.index["tokenizer_hash"], self.index["vocab_size"]
         if recorded_hash != tokenizer.content_hash or recorded_vocab != tokenizer.vocab_size:
@@ -101,9 +132,9 @@ class PackedDataset(torch.utils.data.Dataset):
                 f"{self.path} was tokenized with a different tokenizer: recorded "
                 f"{self.index.get('tokenizer_path')} (vocab {recorded_vocab}, hash "
                 f"{recorded_hash[:12]}), but the run uses {tokenizer.path} (vocab "
-                f"{tokenizer.vocab_size}, hash {tokenizer.content_hash[:12]}). Fix: set "
-                f"data.tokenizer to the tokenizer used at prepare time, or re-run `dsa-train "
-                f"prepare-data --tokenizer {tokenizer.path.parent} --overwrite`.")
+                f"{tokenizer.vocab_size}, hash {tokenizer.content_hash[:12]})",
+                fix="set data.tokenizer to the tokenizer used at prepare time, or prepare the data again with the "
+                    f"run's tokenizer: `{self.prepare_command(str(tokenizer.path.parent))}`")
 
     # -- memmaps ---------------------------------------------------------------------------
     @property
@@ -164,13 +195,31 @@ class PackedDataset(torch.utils.data.Dataset):
             "add_bos": add_bos, "add_eos": add_eos,
         }, sort_keys=True).encode()).hexdigest()[:20]
         entry = cache_root / "packed" / key
-        with _exclusive_lock(cache_root / "packed" / f"{key}.lock"):
-            if not is_prepared_dir(entry):
-                prepare_data(sources, tokenizer, entry, seq_len, text_field=text_field,
-                             txt_sample_by=txt_sample_by, add_bos=add_bos, add_eos=add_eos,
-                             split=split, hf_cache_dir=str(cache_root / "hf_datasets"),
-                             overwrite=True)
+        if _complete(entry) and not os.access(entry.parent, os.W_OK):  # a read-only cache that holds it
+            return cls(entry, seq_len=seq_len, tokenizer=tokenizer)
+        try:
+            with _exclusive_lock(cache_root / "packed" / f"{key}.lock"):
+                cls._build_entry(entry, sources, tokenizer, seq_len, cache_root, text_field, txt_sample_by,
+                                 add_bos, add_eos, split)
+        except OSError as err:
+            if err.filename is None or not str(err.filename).startswith(str(cache_root)):
+                raise
+            raise DataSourceError(
+                f"the data cache {cache_root} cannot be written: {err.strerror or err} ({err.filename})",
+                fix="make it writable, or point DSA_TRAIN_CACHE at a writable directory (or prepare the data once with "
+                    "`dsa-train prepare-data --out DIR ...` and train with data.sources=[DIR])") from err
         return cls(entry, seq_len=seq_len, tokenizer=tokenizer)
+
+    @staticmethod
+    def _build_entry(entry: Path, sources, tokenizer, seq_len, cache_root: Path, text_field, txt_sample_by,
+                     add_bos, add_eos, split) -> None:
+        remove_stale_temporaries(entry)  # of a build that was killed
+        if is_prepared_dir(entry) and not _complete(entry):  # the cache is ours: rebuilt, not reported
+            log.warning("data cache %s is truncated: building it again", entry)
+        if not _complete(entry):
+            prepare_data(sources, tokenizer, entry, seq_len, text_field=text_field, txt_sample_by=txt_sample_by,
+                         add_bos=add_bos, add_eos=add_eos, split=split, hf_cache_dir=str(cache_root / "hf_datasets"),
+                         overwrite=True)
 
 
 def collate_sequences(sequences: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

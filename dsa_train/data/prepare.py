@@ -36,6 +36,10 @@ class PreparedDataExists(DataSourceError, FileExistsError):
     """prepare-data would replace a prepared dataset without --overwrite."""
 
 
+class OutNotOurs(DataSourceError, FileExistsError):
+    """--out is a folder prepare-data did not write (or one holding a source): never replaced."""
+
+
 FORMAT_NAME = "dsa_train.pretokenized"
 FORMAT_VERSION = 1
 INDEX_FILE = "index.json"
@@ -63,14 +67,13 @@ def prepare_data(sources: Sequence[str] | str, tokenizer: Tokenizer | str | None
         half-written dataset that looks complete.
     """
     if seq_len < 1:
-        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        raise DataSourceError(f"prepare-data: --seq-len must be >= 1, got {seq_len}", fix="pass e.g. --seq-len 4096")
     sources = [sources] if isinstance(sources, str) else list(sources)
+    out_dir = Path(out_dir)
+    check_out_dir(out_dir, sources, overwrite)  # before any work
+    remove_stale_temporaries(out_dir)
     if not isinstance(tokenizer, Tokenizer):
         tokenizer = load_tokenizer(tokenizer)
-    out_dir = Path(out_dir)
-    if (out_dir / INDEX_FILE).exists() and not overwrite:
-        raise PreparedDataExists(f"{out_dir} already holds a prepared dataset; pass --overwrite "
-                              f"(overwrite=True) to replace it, or choose another --out.")
     start_time = time.time()
     dtype = token_dtype_for_vocab(tokenizer.vocab_size)
     dataset = load_documents(sources, text_field, streaming=False, txt_sample_by=txt_sample_by,
@@ -78,9 +81,18 @@ def prepare_data(sources: Sequence[str] | str, tokenizer: Tokenizer | str | None
     # Validate framing up front (raises if add_bos but no BOS token, ...).
     frame_document([], tokenizer.bos_id, tokenizer.eos_id, add_bos, add_eos)
 
-    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    tmp_dir = out_dir.parent / f"{tmp_prefix(out_dir)}{os.getpid()}"
     shutil.rmtree(tmp_dir, ignore_errors=True)
     tmp_dir.mkdir(parents=True)
+    try:  # the temporary folder goes on every failure path (errors, Ctrl-C, a start-up signal)
+        return _write(sources, tokenizer, out_dir, tmp_dir, seq_len, dataset, dtype, text_field, txt_sample_by,
+                      add_bos, add_eos, split, start_time, log)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def _write(sources, tokenizer, out_dir: Path, tmp_dir: Path, seq_len, dataset, dtype, text_field, txt_sample_by,
+           add_bos, add_eos, split, start_time, log) -> Path:
     stats = DocumentStats()
     doc_offsets = [0]
     with open(tmp_dir / TOKENS_FILE, "wb") as tokens_file:
@@ -130,8 +142,8 @@ def prepare_data(sources: Sequence[str] | str, tokenizer: Tokenizer | str | None
         "seconds": round(time.time() - start_time, 3),
     }
     (tmp_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
+    if out_dir.exists():  # checked at the start: empty, or a prepared dataset of ours (--overwrite)
+        _remove_prepared(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp_dir, out_dir)
     if log:
@@ -139,6 +151,99 @@ def prepare_data(sources: Sequence[str] | str, tokenizer: Tokenizer | str | None
               f"({stats.n_empty_skipped} empty skipped), {n_tokens} tokens, "
               f"{index['num_sequences_at_seq_len']} sequences of {seq_len}", file=sys.stderr)
     return out_dir
+
+
+OUR_FILES = (INDEX_FILE, TOKENS_FILE, DOC_OFFSETS_FILE)
+
+
+def tmp_prefix(out_dir: Path) -> str:
+    return f".{out_dir.name}.tmp-"
+
+
+def _is_within(inner: Path, outer: Path) -> bool:
+    return inner == outer or outer in inner.parents
+
+
+def check_out_dir(out_dir: Path, sources: Sequence[str], overwrite: bool) -> None:
+    """Refuse, before any work, an --out that prepare-data must not replace: a folder holding (or
+    being) one of the sources, a file, or a non-empty folder that is not a prepared dataset holding
+    only prepare-data's own files (those are replaced with --overwrite only). An empty folder is used."""
+    out = out_dir.expanduser().resolve()
+    for source in sources:
+        src = Path(str(source)).expanduser()
+        if not src.exists():
+            continue  # a hub dataset or a glob; a local path that is not there is not ours to protect
+        src = src.resolve()
+        if _is_within(src, out) or _is_within(out, src):
+            raise OutNotOurs(f"prepare-data: --out {out_dir} {'holds' if _is_within(src, out) else 'is inside'} the "
+                             f"source {source}; nothing was written or deleted",
+                             fix=f"choose an --out outside the sources, e.g. --out {_beside(out if _is_within(src, out) else src)}")
+    if out.is_file() or (out.exists() and not out.is_dir()):
+        raise OutNotOurs(f"prepare-data: --out {out_dir} is a file, not a folder; nothing was written",
+                         fix=f"choose a folder for --out, e.g. --out {_beside(out)}")
+    if not out.is_dir():
+        return
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    ours = (out / INDEX_FILE).is_file() and _is_our_index(out / INDEX_FILE) and set(entries) <= set(OUR_FILES)
+    if not ours:
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise OutNotOurs(f"prepare-data: --out {out_dir} is a folder that prepare-data did not write ({len(entries)} "
+                         f"entries: {shown}); it is never replaced, with or without --overwrite; nothing was written",
+                         fix=f"choose a new or empty folder, e.g. --out {_beside(out)}")
+    if not overwrite:
+        raise PreparedDataExists(f"prepare-data: {out_dir} already holds a prepared dataset",
+                                 fix="pass --overwrite to replace it, or choose another --out")
+
+
+def _beside(path: Path) -> Path:
+    """A new name next to `path` for a suggested --out (one that does not exist yet)."""
+    n, candidate = 1, path.parent / f"{path.stem}-prepared"
+    while candidate.exists():
+        n += 1
+        candidate = path.parent / f"{path.stem}-prepared{n}"
+    return candidate
+
+
+def _is_our_index(path: Path) -> bool:
+    try:
+        return json.loads(path.read_text()).get("format") == FORMAT_NAME
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _remove_prepared(out_dir: Path) -> None:
+    """Delete a prepared dataset of ours: its own files, then the folder (never anything else)."""
+    for name in OUR_FILES:
+        (out_dir / name).unlink(missing_ok=True)
+    out_dir.rmdir()  # fails (OSError) rather than delete anything prepare-data did not write
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(out_dir: Path) -> list[Path]:
+    """Temporary folders of earlier prepare-data runs for `out_dir` (`.<name>.tmp-<pid>`) whose
+    process is gone (killed, or a machine restart): removed at the next start."""
+    removed = []
+    parent, prefix = out_dir.parent, tmp_prefix(out_dir)
+    if not parent.is_dir():
+        return removed
+    for p in parent.glob(prefix + "*"):
+        pid = p.name[len(prefix):]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+            logging.getLogger(__name__).warning("prepare-data: removed %s, left by an interrupted run", p)
+    return removed
 
 
 def build_arg_parser() -> argparse.ArgumentParser:

@@ -205,10 +205,19 @@ def _write_json_file(path: Path, obj, write_faults: faults.WriteFaults) -> dict:
     return _write_file(path, lambda w: w.write(data), write_faults)
 
 
-def _remove_stale(directory: Path) -> None:
+def _remove_stale(directory: Path) -> list[Path]:
+    removed = []
     for p in directory.iterdir():
         if p.name.startswith((TMP_PREFIX, OLD_PREFIX)):
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
+def remove_stale(directory: str | os.PathLike) -> list[Path]:
+    """Remove the temporary folders of saves that did not finish (`.tmp_step_*`, `.old_step_*`)."""
+    directory = Path(directory)
+    return _remove_stale(directory) if directory.is_dir() else []
 
 
 def _write_latest(directory: Path, name: str) -> None:
@@ -233,6 +242,75 @@ def _io_error(err: BaseException) -> OSError | None:
             return found
     cause = err.__cause__ or err.__context__
     return _io_error(cause) if cause is not None and cause is not err else None
+
+
+def _checkpoint_exception() -> type:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
+
+
+# what a failed write may raise: DCP's CheckpointException (the ranks' errors) is a BaseException
+WRITE_ERRORS = (Exception, _checkpoint_exception())
+
+# errno named in an error's text (torch and DCP re-raise OSErrors as RuntimeError with the text only)
+_ERRNO_TEXT = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": errno.EDQUOT,
+               "Read-only file system": errno.EROFS, "Permission denied": errno.EACCES,
+               "File too large": errno.EFBIG}
+# what torch's writers say when a write came up short (the OSError itself is lost on the way)
+_SHORT_WRITE_TEXT = ("unexpected pos", "file write failed", "PytorchStreamWriter failed", "write failed")
+
+
+def _chain(err: BaseException):
+    seen = set()
+    stack = [err]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        for value in (getattr(e, "failures", None) or {}).values():
+            value = value[0] if isinstance(value, tuple) else value
+            if isinstance(value, BaseException):
+                stack.append(value)
+        stack += [e.__cause__, e.__context__]
+
+
+def free_bytes(path: Path) -> tuple[int, int] | None:
+    """(free, total) bytes of the file system holding `path` (its nearest existing parent)."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        usage = shutil.disk_usage(path)
+    except OSError:
+        return None
+    return usage.free, usage.total
+
+
+def is_nearly_full(free: int, total: int) -> bool:
+    """Free space below what any checkpoint write needs: under 1 MiB, or under 1% of the file
+    system (at most 64 MiB). A write that failed on a full disk leaves about nothing free."""
+    return free < max(1 << 20, min(64 << 20, total // 100))
+
+
+def write_failure(err: BaseException, where: Path) -> OSError | None:
+    """The OSError a failed write stands for when the writer did not raise one: an errno named
+    in the error's text, else a short write (torch's `unexpected pos`, ...) or any failure while
+    the file system under `where` is (nearly) full -- ENOSPC, with the free space said."""
+    texts = [str(e) for e in _chain(err)]
+    for text in texts:
+        for phrase, code in _ERRNO_TEXT.items():
+            if phrase in text:
+                return OSError(code, os.strerror(code))
+    space = free_bytes(where)
+    if space is not None and is_nearly_full(*space):
+        free, total = space
+        short = next((t.splitlines()[0] for t in texts if any(s in t for s in _SHORT_WRITE_TEXT)), None)
+        how = f"the writer failed ({short.strip()[:80]})" if short else f"{type(err).__name__}"
+        return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({how} with {free} of {total} bytes free)")
+    return None
 
 
 @dataclass
@@ -285,11 +363,14 @@ def save_checkpoint(
     write_faults = faults.WriteFaults(state.global_step, disk_freed=bool(_retrying))
 
     def failed(err: BaseException):
-        io = _io_error(err)
-        if io is None:
-            raise err
+        # classified by errno and by free space, whatever type the writer raised (torch's zip writer
+        # inside DCP turns a full disk into `RuntimeError: ... unexpected pos`), before the
+        # temporary folder is removed (it holds what filled the disk)
+        io = _io_error(err) or write_failure(err, tmp if tmp.exists() else directory)
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        if io is None:
+            raise err
         if _is_out_of_space(io) and world_size == 1 and not _retrying:
             pruned = make_room(directory, keep_last, final)
             if pruned:
@@ -320,8 +401,12 @@ def save_checkpoint(
             entries[STATE_FILE] = _write_json_file(tmp / STATE_FILE, asdict(state), write_faults)
         writer, future = sharded.save_pieces(tmp / STATE_DIR, tensors, process_group, on_write=write_faults.on_write,
                                              async_save=async_save)
-    except Exception as err:
+    except WRITE_ERRORS as err:
         return failed(err)
+    except BaseException:  # Ctrl-C, a signal outside the training loop: no temporary folder left behind
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
     def finish() -> Path:
         try:
@@ -333,8 +418,12 @@ def save_checkpoint(
                 meta = tmp / DCP_METADATA
                 entries[DCP_METADATA] = {"size": meta.stat().st_size, "sha256": _sha256(meta)}
             _commit(directory, tmp, final, state, entries, keep_last, rank, world_size, barrier)
-        except Exception as err:
+        except WRITE_ERRORS as err:
             return failed(err)
+        except BaseException:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         return final
 
     if future is not None:

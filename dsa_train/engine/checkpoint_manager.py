@@ -70,6 +70,10 @@ class CheckpointManager:
         optimizer state waits for the stage's engine (`load_optimizer_state`). Rejected
         checkpoints are moved aside (quarantined)."""
         directory, checksums, rank = self.directory, self.cfg.verify_checksums, self.layout.rank
+        if rank == 0:  # temporary folders of a save that was killed: removed at the next start
+            for stale in ckpt.remove_stale(directory):
+                log.warning("resume: removed %s, left by an interrupted save", stale)
+        self.layout.barrier()
         while True:
             path, rejected = ckpt.find_resume_checkpoint(directory, checksums, rank=rank)
             path, rejected = self.agree(path, rejected)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from pathlib import Path
+
 import torch
 
 from dsa_train.config.schema import FaultToleranceConfig, NonFinitePolicy
@@ -71,11 +73,15 @@ class NonFiniteGuard(StepHooks):
             reason = ("fault_tolerance.nonfinite=stop" if policy.nonfinite == NonFinitePolicy.stop else
                       f"{consecutive} non-finite steps in a row (fault_tolerance.max_consecutive_nonfinite="
                       f"{policy.max_consecutive_nonfinite})")
+            saved = Path(self.checkpoint_dir) / f"step_{state.global_step:08d}"
+            exported = saved.parent.parent / f"export-{saved.name}"
             raise NonFiniteError(
-                f"non-finite {what} at global step {step}: stopping ({reason}). A checkpoint of the state before "
-                f"this step is in {self.checkpoint_dir} (resuming reproduces the step). Lower the stage's lr, "
-                "check the data at this position, or resume with fault_tolerance.nonfinite=skip to skip such steps"
-            )
+                f"non-finite {what} at global step {step}: stopping ({reason}). {saved} holds the state before this "
+                "step (resuming reproduces the step)",
+                fix="resume with fault_tolerance.nonfinite=skip to skip such steps; or, to lower the lr (a resume "
+                    f"keeps the recipe of the stage in progress), export it (`dsa-train export {saved} {exported}`) "
+                    f"and start a new run_dir with model.pretrained={exported} and the lower lr; or check the data "
+                    "at this position")
         log.warning("non-finite %s at global step %d: update skipped (%d in a row)", what, step, consecutive)
         state.nonfinite_consecutive = consecutive
         state.nonfinite_skipped += 1

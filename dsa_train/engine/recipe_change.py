@@ -46,8 +46,16 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# keys added to the recipe after checkpoints were first written: absent from an older checkpoint's
+# recipe means this default (not a change)
+ADDED_KEYS = {"data.allow_tokenizer_mismatch": False}
+
+
 def _diff(old: Any, new: Any, prefix: str) -> list[str]:
     a, b = _flatten(old, prefix), _flatten(new, prefix)
+    for key, default in ADDED_KEYS.items():
+        if key in b and key not in a:
+            a[key] = default
     return [f"{k}: {a.get(k, '<absent>')!r} (checkpoint) -> {b.get(k, '<absent>')!r}"
             for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
@@ -112,14 +120,28 @@ def compare(saved: dict, current: dict, stage_index: int, stage_step: int, path)
         else:
             problems.extend(changed)
     if problems:
+        from pathlib import Path
+
+        path = Path(path)
+        export = path.parent.parent / "export"
+        weights = (f"model.pretrained={export}" if (export / "config.json").is_file() else
+                   f"`dsa-train export {path} {path.parent.parent / ('export-' + path.name)}`, then "
+                   f"model.pretrained={path.parent.parent / ('export-' + path.name)}")
         raise RecipeChanged(
             f"checkpoint.dir: this recipe differs from the one {path} was written under: " + "; ".join(problems)
-            + " — resume with the recipe's old values, or start a new run under another run_dir (to continue from "
-            "these weights: model.pretrained=<old run_dir>/export)")
+            + f" — resume with the recipe's old values, or start a new run under another run_dir (to continue from "
+            f"these weights: {weights})")
     return applied
 
 
 def finished_message(stage_names: list[str], global_step: int, path, export_dir) -> str:
-    return (f"this run is already finished: all {len(stage_names)} stages ({', '.join(stage_names)}) done at global "
-            f"step {global_step} (checkpoint {path}); nothing to train. To train more, add a stage to the recipe, or "
-            f"start a new run_dir from its export (model.pretrained={export_dir})")
+    from pathlib import Path
+
+    export_dir = Path(export_dir)
+    done = (f"this run is already finished: all {len(stage_names)} stages ({', '.join(stage_names)}) done at global "
+            f"step {global_step} (checkpoint {path}); nothing to train.")
+    if not (export_dir / "config.json").is_file():  # stopped during (or before) its end-of-run export
+        return (f"{done} Its export {export_dir} is missing (the run was stopped during its export?): write it with "
+                f"`dsa-train export {path} {export_dir}`. To train more, add a stage to the recipe")
+    return (f"{done} To train more, add a stage to the recipe, or start a new run_dir from its export "
+            f"(model.pretrained={export_dir})")

@@ -18,6 +18,8 @@ import sys
 import threading
 from pathlib import Path
 
+from dsa_train.errors import SignalOutsideTraining
+
 log = logging.getLogger(__name__)
 
 EXIT_PREEMPTED = 75  # os.EX_TEMPFAIL
@@ -157,3 +159,49 @@ def exit_if_preempted_earlier(run_dir) -> None:
                "not restarting on it (the job is requeued and resumes)")
     log.warning(message)
     raise Preempted(message)
+
+
+# ---------------------------------------------------------------------------------------------
+# Signals outside the training loop (start-up: composing the recipe, preparing the data cache,
+# loading the model, resuming; and the end: export). No step is in progress, so there is nothing
+# to checkpoint: the signal unwinds the stack (temporary files are removed on the way out, e.g.
+# prepare-data's `.tmp-<pid>` folder), and the command ends with one line and exit 75, like a
+# preemption during training. The training loop's PreemptionHandler takes over from these
+# handlers while it runs and puts them back after.
+
+
+_INSTALLED_IN: int | None = None  # the pid that installed the start-up handlers
+
+
+def _raise_signal(signum, frame) -> None:
+    if os.getpid() != _INSTALLED_IN:  # a forked child (data loader worker): die of the signal as before
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    raise SignalOutsideTraining(signum)
+
+
+class startup_signals:  # noqa: N801 (a context manager, used as `with startup_signals():`)
+    """Handle `names` (SIGTERM, SIGUSR1) by raising SignalOutsideTraining until the block ends;
+    the block's SignalOutsideTraining becomes its line and SystemExit(75)."""
+
+    def __init__(self, names=DEFAULT_SIGNALS):
+        self.names = names
+        self.previous: dict[int, object] = {}
+
+    def __enter__(self):
+        global _INSTALLED_IN
+        _INSTALLED_IN = os.getpid()
+        if threading.current_thread() is threading.main_thread():
+            for sig in resolve(self.names):
+                self.previous[sig] = signal.signal(sig, _raise_signal)
+        return self
+
+    def __exit__(self, kind, err, tb):
+        for sig, previous in self.previous.items():
+            signal.signal(sig, previous)
+        self.previous = {}
+        if isinstance(err, SignalOutsideTraining):
+            print(str(err), file=sys.stderr, flush=True)
+            raise SystemExit(err.code) from None
+        return False

@@ -32,6 +32,7 @@ import dsa_train.engine.recipe_change as recipe_change
 from dsa_train.checkpoint import from_pretrained
 from dsa_train.checkpoint.export import trained_index_topk
 from dsa_train.config import ConfigError, Device, TrainConfig, validate
+from dsa_train.config.run_files import record_run_start
 from dsa_train.config.validate import check_sequence_fits, doubtful_values
 from dsa_train.data import BUNDLED_TOKENIZER_DIR, build_dataloader, check_vocab
 from dsa_train.engine.checkpoint import TrainerState
@@ -161,6 +162,8 @@ class Trainer:
         except BaseException:
             self.release_run_lock()
             raise
+        if layout.rank == 0:  # .hydra/ and train.log: only once the run holds run_dir and its resume checks passed
+            record_run_start(self.run_dir)
         self.wandb = WandbRun(cfg.logging, self.config_dict(), run_id=self.state.wandb_run_id,
                               metrics_path=self.metrics_path())
         self.state.wandb_run_id = self.wandb.id

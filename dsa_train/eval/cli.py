@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -70,10 +71,25 @@ def options(args: argparse.Namespace) -> EvalOptions:
                        seed=args.seed, tokenizer=args.tokenizer, dtype=DTYPES[args.dtype])
 
 
+def check_out(out: Path) -> None:
+    """--out must be a directory that can hold eval.json: checked before the evaluation runs."""
+    for p in [out, *out.parents]:
+        if p.exists() and not p.is_dir():
+            raise EvalError(f"--out {out}: {p} is a file, not a directory; nothing was evaluated",
+                            f"pass a directory for --out, e.g. --out {out.with_name(out.name + '-eval')}"
+                            if p == out else f"pass an --out outside {p}")
+        if p.exists():
+            if not os.access(p, os.W_OK):
+                raise EvalError(f"--out {out}: {p} is not writable; nothing was evaluated",
+                                "pass a writable directory for --out")
+            break
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     args = parser().parse_args(argv)
     opts = options(args)
+    check_out(args.out)
     require_train_extra("datasets", purpose="`dsa-train eval`'s data sources")
     models = [args.model] + ([args.compare] if args.compare else [])
     doc = evaluate(models, opts, show_progress=None if not args.no_progress else False)

@@ -51,8 +51,19 @@ def print_tables(doc: dict, console: Console | None = None) -> None:
         for length in entry["lengths"]:
             modes = length["modes"]
             buckets = [b["bucket"] for b in next(iter(modes.values()))["buckets"]]
+            overlap = length.get("rows_overlapping_training")
+            n = len(length["rows"])
+            if overlap:
+                rows = f"{n} sequences, {len(overlap)} trained on"
+                console.print(f"warning: {entry['model']} T={length['seq_len']}: {len(overlap)} of the {n} sequences "
+                              f"overlap the run's training data (rows {overlap}): not held out, their losses read low; "
+                              "evaluate on --data the run did not train on", markup=False, soft_wrap=True)
+            elif overlap is None:
+                rows = f"{n} sequences, not checked against training data"
+            else:
+                rows = f"{n} held-out sequences"
             table = Table(title=f"{entry['model']} T={length['seq_len']} k={entry['topk']}: LM loss by query position "
-                                f"({len(length['rows'])} held-out sequences)")
+                                f"({rows})")
             table.add_column("mode")
             table.add_column("loss", justify="right")
             table.add_column("ppl", justify="right")

@@ -84,7 +84,7 @@ def model_directory(path: str | Path) -> Path:
     if (p / "export" / "config.json").is_file():
         return p / "export"
     raise EvalError(f"{p} holds no config.json and no export/config.json",
-                    f"pass a Hugging Face directory, or export the run first: dsa-train export {p} --out {p}/export")
+                    f"pass a Hugging Face directory, or export the run first: dsa-train export {p} {p}/export")
 
 
 def model_tokenizer(model_dir: Path, tokenizer: str | None) -> Tokenizer:
@@ -100,6 +100,8 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: Tokenizer
     topk: int
+    training: object = None  # eval/overlap.RunTraining of a run's model, else None
+    trained: object = None  # its TrainedSpans (built once, when the evaluation's data is the run's)
 
 
 def load_model(path: str | Path, opts: EvalOptions) -> LoadedModel:
@@ -107,7 +109,13 @@ def load_model(path: str | Path, opts: EvalOptions) -> LoadedModel:
     tokenizer = model_tokenizer(directory, opts.tokenizer)
     model = dsa_train.from_pretrained(directory, dtype=opts.dtype).eval()
     check_vocab(tokenizer.vocab_size, model.config.vocab_size)
-    return LoadedModel(str(path), directory, model, tokenizer, opts.topk or model.config.index_topk)
+    from .overlap import TrainedSpans, training_of
+
+    training = training_of(path)
+    trained = None
+    if training is not None and [str(s) for s in opts.data] == [str(s) for s in training.data.get("sources") or []]:
+        trained = TrainedSpans(training, tokenizer)
+    return LoadedModel(str(path), directory, model, tokenizer, opts.topk or model.config.index_topk, training, trained)
 
 
 def check_same_tokenizer(models: list[LoadedModel]) -> None:
@@ -163,6 +171,7 @@ class LengthResult:
     available_rows: int
     modes: dict[str, ModeResult]
     layers: dict[int, LayerStats]
+    overlapping: list[int] | None = None  # rows the model's run trained on (None: not a run, unknown)
 
 
 def evaluate_batches(model: torch.nn.Module, topk: int, batches: list[dict[str, torch.Tensor]], seq_len: int,
@@ -195,7 +204,10 @@ def evaluate_length(m: LoadedModel, seq_len: int, opts: EvalOptions, progress=No
                 scored.append(score_example(lambda ids: mode_logits(m.model, mode, m.topk, ids), ex))
                 _advance(progress)
             results[mode].passkey = summarize(scored)
-    return LengthResult(seq_len, held.rows, held.available, results, layers)
+    from .overlap import overlapping_rows
+
+    overlap = overlapping_rows(m.training, m.trained, opts.data, held.rows, seq_len)
+    return LengthResult(seq_len, held.rows, held.available, results, layers, overlap)
 
 
 def _advance(progress) -> None:
@@ -242,6 +254,7 @@ def length_dict(r: LengthResult) -> dict:
         "seq_len": r.seq_len,
         "rows": r.rows,
         "available_rows": r.available_rows,
+        "rows_overlapping_training": r.overlapping,  # null: the model is not a run (unknown)
         "modes": {mode: {**res.losses.as_dict(), **({"passkey": res.passkey} if res.passkey else {})}
                   for mode, res in r.modes.items()},
         "layers": [{"layer": i, **stats.values()} for i, stats in sorted(r.layers.items())],

@@ -3,7 +3,8 @@
 Reads `<run_dir>/metrics.jsonl` (written by the trainer beside W&B, whatever the W&B mode), or
 else the offline W&B run file under `<run_dir>/wandb/` (dsa_train.logging.wandb_offline). Prints
 one row per stage (steps, training loss / LM loss / KL-captured / top-k recall at the stage's
-first and last steps, throughput, MFU, and the probe values at the stage's start and end) and
+first and last steps, throughput, model TFLOP/s per GPU and MFU -- each a total over time, tokens or
+FLOPs over the summed step time, never a mean of per-step rates (`stage_throughput`) -- and the probe values at the stage's start and end) and
 writes into `<run_dir>/report/`:
 
     loss.png         training loss and LM loss per step
@@ -45,6 +46,12 @@ KL_CAPTURED_NOTE = (
     "indexer reproduces the attention distribution, 0 means it is no better than a uniform distribution over "
     "those keys, negative means worse than uniform (a freshly initialized indexer starts there). The warm-up "
     "should raise it."
+)
+
+THROUGHPUT_NOTE = (
+    "tok/s, TFLOPS/GPU and MFU are totals over time: the logged steps' tokens and model FLOPs divided by their "
+    "summed step time (per GPU: over every GPU's peak), the first step of a stage (start-up) left out; time "
+    "outside steps (probes, evaluation, checkpoints) is not counted."
 )
 
 
@@ -137,7 +144,7 @@ def stage_names(data: RunData) -> list[str]:
 
 
 def stage_rows(data: RunData) -> list[dict]:
-    """Per stage: its steps' first and last values and mean throughput, and its probe values."""
+    """Per stage: its steps' first and last values, its throughput over time, and its probe values."""
     names = stage_names(data)
     rows = []
     for index, name in enumerate(names):
@@ -145,12 +152,6 @@ def stage_rows(data: RunData) -> list[dict]:
         if not steps and name not in data.probes:
             continue
         first, last = (data.steps[steps[0]], data.steps[steps[-1]]) if steps else ({}, {})
-
-        def mean(key):
-            values = [data.steps[s][key] for s in steps if isinstance(data.steps[s].get(key), (int, float))]
-            # the first step includes start-up work (allocation, compilation): leave it out when there are others
-            values = values[1:] if len(values) > 2 else values
-            return sum(values) / len(values) if values else None
 
         stage_cfg = data.stages.get(name, {})
         rows.append({
@@ -160,11 +161,54 @@ def stage_rows(data: RunData) -> list[dict]:
             "steps": f"{len(steps)}/{stage_cfg.get('steps', '?')}",
             "first_last": {key: (first.get(key), last.get(key)) for key in (
                 "train/loss", "train/lm_loss", "train/indexer_kl_captured", "train/topk_recall")},
-            "tokens_per_s": mean("perf/tokens_per_s"),
-            "mfu": mean("perf/mfu"),
+            **stage_throughput([data.steps[s] for s in steps]),
             "probe": data.probes.get(name, {}),
         })
     return rows
+
+
+# per-GPU model TFLOP/s: the name the trainer writes now, and the earlier one
+TFLOPS_KEYS = ("perf/tflops_per_gpu", "perf/tflops_per_device")
+
+
+def _number(metrics: dict, *keys: str) -> float | None:
+    for key in keys:
+        value = metrics.get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            return float(value)
+    return None
+
+
+def stage_throughput(records: list[dict]) -> dict:
+    """A stage's throughput as totals over time, never a mean of per-step rates (a mean of rates
+    weights a fast step like a slow one and reads high): tokens/s = sum of tokens / sum of step
+    times, TFLOP/s per GPU = sum of FLOPs / sum of step times, MFU = sum of FLOPs / (sum of step
+    times * peak), i.e. each step's rate weighted by its time. Over the logged steps (each record
+    carries its own step time); the first step of a stage is left out when there are more than two
+    (start-up work: allocation, compilation). Records without a step time (older runs) count as
+    equally long."""
+    rows = []
+    for m in records:
+        rate = _number(m, "perf/tokens_per_s")
+        if rate is None:
+            continue
+        seconds = _number(m, "perf/step_time_s")
+        rows.append((seconds if seconds is not None and seconds > 0 else None, m))
+    if len(rows) > 2:
+        rows = rows[1:]
+    timed = all(t is not None for t, _ in rows)
+    total = sum(t if timed else 1.0 for t, _ in rows)
+    if not rows or total <= 0:
+        return {"tokens_per_s": None, "tflops_per_gpu": None, "mfu": None, "seconds": None, "timed_steps": 0}
+
+    def weighted(*keys):
+        pairs = [(t if timed else 1.0, _number(m, *keys)) for t, m in rows]
+        pairs = [(t, v) for t, v in pairs if v is not None]
+        span = sum(t for t, _ in pairs)
+        return sum(t * v for t, v in pairs) / span if pairs and span > 0 else None
+
+    return {"tokens_per_s": weighted("perf/tokens_per_s"), "tflops_per_gpu": weighted(*TFLOPS_KEYS),
+            "mfu": weighted("perf/mfu"), "seconds": total if timed else None, "timed_steps": len(rows)}
 
 
 def _fmt(value, digits: int = 4) -> str:
@@ -186,7 +230,7 @@ def format_report(data: RunData, plots: list[Path]) -> str:
 
     table = Table(title=f"run {data.run_dir} (from {data.source.name}): per step, first -> last step of each stage")
     for column in ("stage", "attention", "trains", "steps", "loss", "LM loss", "KL captured", "top-k recall",
-                   "tok/s", "MFU"):
+                   "tok/s", "TFLOPS/GPU", "MFU"):
         table.add_column(column)
     probe_table = Table(title="probe batches, stage start -> end")
     for column in ("stage", "LM loss", "indexer KL", "KL captured", "top-k recall"):
@@ -196,7 +240,8 @@ def format_report(data: RunData, plots: list[Path]) -> str:
         table.add_row(
             row["stage"], row["attention"], row["trains"], row["steps"], _arrow(fl["train/loss"]),
             _arrow(fl["train/lm_loss"]), _arrow(fl["train/indexer_kl_captured"]), _arrow(fl["train/topk_recall"]),
-            _fmt(row["tokens_per_s"], 1), "-" if row["mfu"] is None else f"{row['mfu']:.2%}",
+            _fmt(row["tokens_per_s"], 1), "-" if row["tflops_per_gpu"] is None else f"{row['tflops_per_gpu']:.3g}",
+            "-" if row["mfu"] is None else f"{row['mfu']:.2%}",
         )
         probe = row["probe"]
         pair = lambda key: (probe.get("start", {}).get(key), probe.get("end", {}).get(key))  # noqa: E731
@@ -208,6 +253,7 @@ def format_report(data: RunData, plots: list[Path]) -> str:
     if data.probes:
         console.print(probe_table)
         console.print(PROBE_NOTE)
+    console.print(THROUGHPUT_NOTE)
     console.print(KL_CAPTURED_NOTE)
     if data.evals:
         step = max(data.evals)
