@@ -29,6 +29,7 @@ def test_require_train_extra_names_the_package_and_the_extra():
     assert 'dsa-train[train]' in msg and "docs/install.md" in msg
 
 
+@pytest.mark.integration
 def test_training_without_datasets_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-c", BLOCKED, "profile=smoke", f"run_dir={tmp_path}/run",
                            "logging.wandb_mode=disabled"],
@@ -39,6 +40,7 @@ def test_training_without_datasets_is_one_line(tmp_path):
     assert any("datasets" in line and "dsa-train[train]" in line for line in err), proc.stderr[-2000:]
 
 
+@pytest.mark.integration
 def test_wandb_disabled_through_the_environment_is_not_required(tmp_path, monkeypatch):
     # wandb_mode auto with WANDB_MODE=disabled never imports wandb (wandb_run.resolve_mode): only
     # datasets is named missing

@@ -169,6 +169,7 @@ def test_side_install_failure_is_one_line(tmp_path, monkeypatch, capsys):
     assert len(err_lines) == 1 and "no network" in err_lines[0]
 
 
+@pytest.mark.integration
 def test_ptxas_log_parsing_and_stats_cache(tmp_path, monkeypatch):
     """Registers / spills / static shared memory are read from `ptxas -v` output (here: Triton's
     bundled ptxas on a small PTX, and a log with spills), and kept per compiled kernel in
