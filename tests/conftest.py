@@ -7,20 +7,22 @@ Set DSA_STRICT_DEVICES=0 in the environment to switch it off.
 
 Tiers (markers registered in pyproject.toml): `integration` (the test starts a process -- torchrun
 ranks, a spawned process group, Slurm daemons, an offline install, the CLI in a subprocess -- or runs
-a whole trainer), `slow` (over the budget below on 2 cores), `gpu`, `long`. `make test-fast` runs
-the rest (the unit tier); `make test` runs everything but `gpu` and `long`.
+a whole trainer), `slow` (over the budget below), `gpu`, `long`. `make test-fast` runs the rest (the
+unit tier); `make test` runs everything but `gpu` and `long`.
 
 The tiers are checked as the tests run, each failure one line saying what to do:
-- the budget: an unmarked test whose call phase takes more than UNIT_TEST_BUDGET_S seconds fails
-  (DSA_TEST_BUDGET_S overrides the budget; 0 turns the check off);
+- the budget: an unmarked test whose call phase uses more than UNIT_TEST_BUDGET_S seconds of CPU
+  (this process's threads and its children) fails. CPU time, not wall time: it does not grow with
+  the machine's load (a loaded machine stretches a test's wall time several times over) and a
+  test that waits uses none. DSA_TEST_BUDGET_S overrides the budget; 0 turns the check off.
 - the kind: a test not marked `integration` (nor `gpu` / `long`) that starts a process -- a Python
   interpreter, a shell, torchrun, dsa-train, pip, a Slurm daemon (PROCESS_NAMES), a multiprocessing
-  child -- or constructs the trainer (TRAINER_MODULE's `Trainer`) in its setup or call fails.
-  Helper tools a library runs (ptxas, ldconfig, a compiler) do not count.
+  child (a DataLoader worker included) -- or constructs the trainer (TRAINER_MODULE's `Trainer`) in
+  its setup or call fails. Helper tools a library runs (ptxas, ldconfig, a compiler) do not count.
 
 `--durations-file PATH` (make test passes docs/test-durations.txt): at the session's end, write
-the slowest 25 test phases, as pytest's `--durations=25` prints them, with the session's wall time,
-the machine's load and the time per tier.
+the slowest 25 test phases (wall time, as pytest's `--durations=25` ranks them, and CPU time), with
+the session's wall time, the machine's load and the wall and CPU time per tier.
 """
 
 import os
@@ -31,6 +33,7 @@ import importlib.abc  # noqa: E402
 import multiprocessing.process  # noqa: E402
 import platform  # noqa: E402
 import re  # noqa: E402
+import resource  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -38,9 +41,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-# The slowest unmarked test of `make test` took BUDGET_MEASURED s (call phase) on 2 cores at load
-# ~10 (tests/conftest.py's durations file; docs/test-durations.txt); the budget leaves room for a
-# machine loaded as that one was, twice over.
+# CPU seconds of an unmarked test's call phase. BUDGET_NOTE
 UNIT_TEST_BUDGET_S = 20.0
 # marks that exempt a test from the budget (and from the unit tier)
 TIER_MARKS = ("integration", "slow", "gpu", "long")
@@ -87,11 +88,18 @@ def tier(item) -> str:
     return next((mark for mark in TIER_MARKS if item.get_closest_marker(mark)), "unit")
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process (every thread) and of its finished children."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
 class Timings:
     def __init__(self):
         self.start = time.time()
         self.load_start = os.getloadavg()
         self.tiers = {}  # nodeid -> tier
+        self.cpu = {}  # (nodeid, phase) -> CPU seconds
 
 
 TIMINGS_KEY = pytest.StashKey[Timings]()
@@ -184,10 +192,27 @@ def watched(item) -> bool:
     return not any(item.get_closest_marker(mark) for mark in ("integration", "gpu", "long"))
 
 
+def _timed(item, phase):
+    cpu = item.config.stash[TIMINGS_KEY].cpu
+    start = cpu_seconds()
+    yield
+    cpu[item.nodeid, phase] = cpu_seconds() - start
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
     Starts.seen = [] if watched(item) else None
-    yield
+    yield from _timed(item, "setup")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield from _timed(item, "call")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    yield from _timed(item, "teardown")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -201,16 +226,17 @@ def pytest_runtest_makereport(item, call):
         return
     started, Starts.seen = Starts.seen or [], None
     budget = budget_s()
+    cpu = timings.cpu.get((item.nodeid, "call"), 0.0)
     if report.passed and started:
         report.outcome = "failed"
         report.longrepr = (f"{item.nodeid} started {started[0]}"
                            f"{f' and {len(started) - 1} more' if len(started) > 1 else ''}: mark it "
                            f"@pytest.mark.integration (tests/conftest.py), or test the same thing in this process")
-    elif report.passed and item_tier == "unit" and budget > 0 and report.duration > budget:
+    elif report.passed and item_tier == "unit" and budget > 0 and cpu > budget:
         report.outcome = "failed"
-        report.longrepr = (f"{item.nodeid}: {report.duration:.1f} s, over the {budget:g} s budget of an unmarked test "
-                           f"(tests/conftest.py): mark it @pytest.mark.integration if it starts a process or a "
-                           f"trainer, else @pytest.mark.slow, or make it faster")
+        report.longrepr = (f"{item.nodeid}: {cpu:.1f} s of CPU ({report.duration:.1f} s wall), over the {budget:g} s "
+                           f"budget of an unmarked test (tests/conftest.py): mark it @pytest.mark.integration if it "
+                           f"starts a process or a trainer, else @pytest.mark.slow, or make it faster")
 
 
 @pytest.hookimpl(trylast=True)
@@ -219,14 +245,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not path:
         return
     timings = config.stash[TIMINGS_KEY]
-    phases, tiers, counts = [], {}, {}
+    phases, tiers, tier_cpu, counts = [], {}, {}, {}
     for reports in terminalreporter.stats.values():
         for report in reports:
             if getattr(report, "when", None) not in ("setup", "call", "teardown") or not hasattr(report, "duration"):
                 continue
-            phases.append((report.duration, report.when, report.nodeid))
+            cpu = timings.cpu.get((report.nodeid, report.when), 0.0)
+            phases.append((report.duration, cpu, report.when, report.nodeid))
             item_tier = timings.tiers.get(report.nodeid, "unit")
             tiers[item_tier] = tiers.get(item_tier, 0.0) + report.duration
+            tier_cpu[item_tier] = tier_cpu.get(item_tier, 0.0) + cpu
             if report.when == "call" or (report.when == "setup" and not report.passed):
                 counts[item_tier] = counts.get(item_tier, 0) + 1
     phases.sort(reverse=True)
@@ -247,14 +275,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         f"# command: pytest {' '.join(config.invocation_params.args)}",
         f"# {summary}; exit status {int(exitstatus)}",
         f"# session wall time: {wall / 60:.1f} min ({wall:.0f} s)",
-        "# time per tier (setup + call + teardown of its tests; unit = `make test-fast`):",
-        *[f"#   {name:<12} {counts.get(name, 0):4d} tests {seconds / 60:7.1f} min"
+        f"# session CPU time: {cpu_seconds() / 60:.1f} min (pytest and the processes it started)",
+        "# time per tier (setup + call + teardown of its tests; unit = `make test-fast`; CPU: pytest's",
+        "# threads and the processes the tests started):",
+        *[f"#   {name:<12} {counts.get(name, 0):4d} tests {seconds / 60:7.1f} min wall {tier_cpu[name] / 60:7.1f} min CPU"
           for name, seconds in sorted(tiers.items(), key=lambda kv: -kv[1])],
-        f"# unmarked-test budget: {budget_s():g} s per call phase (tests/conftest.py)",
+        f"# unmarked-test budget: {budget_s():g} s of CPU per call phase (tests/conftest.py)",
         "",
-        f"slowest {SLOWEST} phases:",
-        *[f"{seconds:8.2f}s {when:<8} {nodeid}  [{timings.tiers.get(nodeid, 'unit')}]"
-          for seconds, when, nodeid in phases[:SLOWEST]],
+        f"slowest {SLOWEST} phases (wall, CPU):",
+        *[f"{seconds:8.2f}s {cpu:8.2f}s {when:<8} {nodeid}  [{timings.tiers.get(nodeid, 'unit')}]"
+          for seconds, cpu, when, nodeid in phases[:SLOWEST]],
     ]
     out = Path(path)
     if not out.is_absolute():

@@ -20,7 +20,12 @@ def test_quick():
     pass
 
 def test_over_the_budget():
-    time.sleep(0.6)
+    start = time.process_time()
+    while time.process_time() - start < 0.4:  # CPU, not sleep: the budget counts CPU seconds
+        pass
+
+def test_waits_without_cpu():
+    time.sleep(0.4)
 
 @pytest.mark.slow
 def test_marked_slow():
@@ -38,26 +43,29 @@ def test_starts_python():
 
 @pytest.mark.integration
 def test_the_budget_and_the_kind_check_fail_unmarked_tests_and_the_durations_file_records_them(pytester, monkeypatch):
-    monkeypatch.setenv("DSA_TEST_BUDGET_S", "0.3")
+    monkeypatch.setenv("DSA_TEST_BUDGET_S", "0.2")
     pytester.makeconftest(CONFTEST.read_text())
     pytester.makeini("[pytest]\nmarkers =\n    slow: slow\n    integration: integration\n    gpu: gpu\n    long: long\n")
     pytester.makepyfile(test_small=SMALL_SUITE)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--durations-file", "out/durations.txt")
-    result.assert_outcomes(passed=3, failed=2)
-    result.stdout.fnmatch_lines(["*test_over_the_budget: * s, over the 0.3 s budget of an unmarked test*"
+    result.assert_outcomes(passed=4, failed=2)
+    result.stdout.fnmatch_lines(["*test_over_the_budget: 0.* s of CPU (* s wall), over the 0.2 s budget of an "
+                                 "unmarked test*"
                                  "mark it @pytest.mark.integration if it starts a process*"])
     result.stdout.fnmatch_lines(["*test_starts_python started a process (*python* -c pass): mark it "
                                  "@pytest.mark.integration*"])
     text = (pytester.path / "out" / "durations.txt").read_text()
-    assert "3 passed, 2 failed" in text and "session wall time" in text
-    # "    0.60s call     test_small.py::test_marked_slow  [slow]"
+    assert "4 passed, 2 failed" in text and "session wall time" in text
+    # "    0.60s     0.00s call     test_small.py::test_marked_slow  [slow]": wall, CPU
     phases = {}
-    for line in text.split("slowest 25 phases:\n")[1].splitlines():
-        seconds, when, nodeid, tier = line.split()
-        phases[nodeid.split("::")[1], when] = float(seconds.rstrip("s")), tier
-    assert len(phases) == 15  # setup, call, teardown of 5 tests
+    for line in text.split("slowest 25 phases (wall, CPU):\n")[1].splitlines():
+        wall, cpu, when, nodeid, tier = line.split()
+        phases[nodeid.split("::")[1], when] = float(wall.rstrip("s")), float(cpu.rstrip("s")), tier
+    assert len(phases) == 18  # setup, call, teardown of 6 tests
     for name, tier in [("test_over_the_budget", "[unit]"), ("test_marked_slow", "[slow]"),
-                       ("test_marked_integration", "[integration]")]:
-        seconds, recorded_tier = phases[name, "call"]
-        assert seconds >= 0.6 and recorded_tier == tier, (name, phases[name, "call"])
-    assert phases["test_quick", "call"][1] == "[unit]"
+                       ("test_marked_integration", "[integration]"), ("test_waits_without_cpu", "[unit]")]:
+        wall, cpu, recorded_tier = phases[name, "call"]
+        assert wall >= 0.4 and recorded_tier == tier, (name, phases[name, "call"])
+    assert phases["test_over_the_budget", "call"][1] >= 0.4  # CPU
+    assert phases["test_waits_without_cpu", "call"][1] < 0.2  # waited: passed under the budget
+    assert phases["test_quick", "call"][2] == "[unit]"
