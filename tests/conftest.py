@@ -16,7 +16,7 @@ The tiers are checked as the tests run, each failure one line saying what to do:
   the machine's load (a loaded machine stretches a test's wall time several times over) and a
   test that waits uses none. DSA_TEST_BUDGET_S overrides the budget; 0 turns the check off.
 - the kind: a test not marked `integration` (nor `gpu` / `long`) that starts a process -- a Python
-  interpreter, a shell, torchrun, dsa-train, pip, a Slurm daemon (PROCESS_NAMES), a multiprocessing
+  interpreter, a shell, torchrun, dsa-train, pip, a Slurm daemon, W&B's service (PROCESS_NAMES), a multiprocessing
   child (a DataLoader worker included) -- or constructs the trainer (TRAINER_MODULE's `Trainer`) in
   its setup or call fails. Helper tools a library runs (ptxas, ldconfig, a compiler) do not count.
 
@@ -49,7 +49,7 @@ SLOWEST = 25
 
 # what starts "a process" for the kind check: the basename of the command's first word
 PROCESS_NAMES = re.compile(r"^(python[0-9.]*|pypy[0-9.]*|bash|sh|dash|zsh|torchrun|dsa-train|pip[0-9.]*|"
-                           r"srun|sbatch|salloc|slurmd|slurmctld|slurmdbd|munged|scontrol|squeue)$")
+                           r"srun|sbatch|salloc|slurmd|slurmctld|slurmdbd|munged|scontrol|squeue|wandb-core)$")
 # the trainer: constructing its `Trainer` makes a test an integration test
 TRAINER_MODULE = "dsa_train.engine.trainer"
 

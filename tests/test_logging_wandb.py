@@ -69,6 +69,7 @@ def test_disabled_logs_nothing(tmp_path, no_wandb_env):
     assert run.id is None and not list(tmp_path.iterdir())
 
 
+@pytest.mark.integration
 def test_failed_online_init_falls_back_to_offline(tmp_path, no_wandb_env, monkeypatch):
     # an unreachable server: the online init fails, training must not
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
