@@ -113,6 +113,7 @@ def test_sparse_mla_forward_value_split_plan_matches_reference():
     assert torch.isneginf(lse[1, 3]).all() and (o[1, 3] == 0).all()
 
 
+@pytest.mark.slow
 def test_sparse_mla_deterministic_backward(monkeypatch):
     """Under torch.use_deterministic_algorithms(True) the backward stages every dkv contribution and
     reduces in a fixed order (no atomics into shared rows): same gradients as the reference, and
