@@ -5,7 +5,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install wheelhouse clean
+.PHONY: demo test test-fast install wheelhouse clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -20,9 +20,14 @@ demo: $(STAMP)
 	$(VENV)/bin/dsa-train
 
 # The whole CPU test suite. Deselected: GPU-only tests (run them with `-m gpu` on a GPU) and
-# the benchmark-scale `long` check (tens of minutes on 2 cores; run it with `-m long`).
+# the benchmark-scale `long` check (tens of minutes on 2 cores; run it with `-m long`). Writes the
+# slowest 25 test phases, the wall time and the time per tier to docs/test-durations.txt.
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -m "not gpu and not long" -q
+	TRITON_INTERPRET=1 $(PY) -m pytest -m "not gpu and not long" -q --durations-file docs/test-durations.txt
+
+# The unit tier: no process started, no trainer run, nothing marked slow (minutes on 2 cores).
+test-fast: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -m "not integration and not slow and not gpu and not long" -q
 
 # Offline install on a cluster image that has its own CUDA torch and Triton (docs/install.md): on
 # the image run `python scripts/make_wheelhouse.py --probe`, then here, on a connected machine:

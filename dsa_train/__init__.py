@@ -2,15 +2,45 @@
 Attention (DSA) models, with the DeepSeek-V3.2 two-stage recipe.
 
 The model (`dsa_train.model`) knows nothing of files: `from_pretrained` / `save_pretrained` are
-the checkpoint package's (`dsa_train.checkpoint`), re-exported here."""
+the checkpoint package's (`dsa_train.checkpoint`), re-exported here.
+
+The re-exports are lazy (PEP 562): `import dsa_train.data` or `dsa-train --help` loads neither the
+model nor the kernels; `dsa_train.from_pretrained` imports `dsa_train.checkpoint` on first use
+(tests/test_structure.py checks which modules a light import loads)."""
 
 from __future__ import annotations
 
-from .checkpoint import from_pretrained, save_pretrained
-from .model import DSAConfig, DSAForCausalLM, DSAOutput, tiny_config
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "from_pretrained": "dsa_train.checkpoint",
+    "save_pretrained": "dsa_train.checkpoint",
+    "DSAConfig": "dsa_train.model",
+    "DSAForCausalLM": "dsa_train.model",
+    "DSAOutput": "dsa_train.model",
+    "tiny_config": "dsa_train.model",
+}
 
 __all__ = [
     "DSAConfig", "DSAForCausalLM", "DSAOutput", "from_pretrained", "save_pretrained", "tiny_config", "__version__",
 ]
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on first use
+    from dsa_train.checkpoint import from_pretrained, save_pretrained
+    from dsa_train.model import DSAConfig, DSAForCausalLM, DSAOutput, tiny_config
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -15,13 +15,14 @@ kind's own config rules. Adding a kind is one entry here plus the recipe (docs/s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from dsa_train.errors import DSATrainError
-from dsa_train.model.config import DSAConfig
-from dsa_train.model.flops import flops_per_token
+
+if TYPE_CHECKING:  # annotations only: the config schema imports this module, and must not load the model
+    import torch
+
+    from dsa_train.model.config import DSAConfig
 
 __all__ = ["STAGE_KINDS", "Stage", "StageKind", "UnknownStageKind", "register_stage_kind", "stage_kind"]
 
@@ -216,6 +217,8 @@ class Stage:
     # ------------------------------------------------------------------ cost
     def flops_per_token(self, model_config: DSAConfig, seq_len: int) -> float:
         """Training FLOPs per token of one step (dsa_train.model.flops, as this kind runs it)."""
+        from dsa_train.model.flops import flops_per_token
+
         return flops_per_token(
             model_config, seq_len, self.attention, self.topk_for(model_config),
             main_backward=self.kind.main_backward, lm_head=self.kind.lm_head,

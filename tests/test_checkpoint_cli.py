@@ -10,6 +10,7 @@ import pytest
 from dsa_train.cli import main as dsa_train_main
 
 
+@pytest.mark.integration
 def test_make_tiny_checkpoint_is_fast_and_inspect_reports_it(tmp_path, capsys):
     start = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "dsa_train.cli", "make-tiny-checkpoint", str(tmp_path / "tiny"),

@@ -12,6 +12,8 @@ from dsa_train.checkpoint.fp8 import is_quantized_in_reference
 from dsa_train.checkpoint.tiny import make_tiny_checkpoint
 from tests.checkpoint_helpers import BLOCK_ALIGNED, assert_close_logits, raw_tensors, read_json, reference_weights
 
+pytestmark = pytest.mark.slow  # the module fixture loads, trains and exports (~8 s of CPU); ~25 s of CPU in all
+
 
 def train_a_few_steps(model, steps=3, seed=0):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -96,6 +96,7 @@ def test_byte_ranges_are_hashed_while_written(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_671b_rank_proposes_one_holder_per_replica_and_plans_fast():
     """Rank 0 of both 671B recipes at full size (world 1024 / 128, fake process group, meta model:
     benchmarks/checkpoint_plan_671b.py). Measured (2-core box, loaded), v3.2_sparse: 1499 write

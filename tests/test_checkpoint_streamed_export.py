@@ -67,6 +67,7 @@ TINY = ["data.seq_len=64", "data.micro_batch_size=1", "logging.wandb_mode=disabl
           for k, v in (("steps", 1), ("global_batch_size", 2), ("warmup_steps", 1))]]
 
 
+@pytest.mark.integration
 def test_end_of_run_export_is_save_pretrained_of_the_trained_model(tmp_path):
     from dsa_train.checkpoint import save_pretrained
     from dsa_train.config import load_recipe
@@ -93,6 +94,7 @@ def _torchrun(run_dir, extra):
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_two_rank_expert_parallel_export_equals_the_offline_export(tmp_path):
     run = tmp_path / "run"
     out = _torchrun(run, ["parallel=zero2", "parallel.expert_parallel=2"])
@@ -117,6 +119,7 @@ def test_two_rank_expert_parallel_export_equals_the_offline_export(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_export_peak_memory_per_rank_is_about_one_tensor(tmp_path):
     """2 gloo ranks export a 404 MB fp32 checkpoint in 40 MB shards (benchmarks/export_memory.py).
     Measured (2-core box, loaded): rank 0 +52.9 MB, rank 1 +36.0 MB for a 16.8 MB largest tensor;

@@ -14,6 +14,7 @@ def dsa_train(*args, cwd=None):
     )
 
 
+@pytest.mark.integration
 def test_cfg_job_prints_the_default_demo_recipe(tmp_path):
     proc = dsa_train("--cfg", "job", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -24,6 +25,7 @@ def test_cfg_job_prints_the_default_demo_recipe(tmp_path):
     assert not (tmp_path / "runs").exists()  # printing the config trains nothing
 
 
+@pytest.mark.integration
 def test_recipe_shorthand_and_overrides(tmp_path):
     proc = dsa_train("recipe=v3.2_sparse", "stages.sparse.steps=7", "--cfg", "job", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -31,6 +33,7 @@ def test_recipe_shorthand_and_overrides(tmp_path):
     assert "lr: 7.3e-06" in proc.stdout and "steps: 7" in proc.stdout and "topk: 2048" in proc.stdout
 
 
+@pytest.mark.integration
 def test_unknown_key_fails_at_startup_naming_it(tmp_path):
     proc = dsa_train("stages.sparse.topk_k=3", cwd=tmp_path)
     assert proc.returncode != 0
@@ -38,6 +41,7 @@ def test_unknown_key_fails_at_startup_naming_it(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.integration
 def test_semantic_error_fails_at_startup_naming_the_key(tmp_path):
     proc = dsa_train("stages.sparse.global_batch_size=6", cwd=tmp_path)
     assert proc.returncode != 0
@@ -45,6 +49,7 @@ def test_semantic_error_fails_at_startup_naming_the_key(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.integration
 def test_typo_in_a_yaml_recipe_fails_naming_the_key(tmp_path):
     (tmp_path / "mine.yaml").write_text("defaults:\n  - demo\n  - _self_\noptim:\n  weight_decya: 0.0\n")
     proc = dsa_train("--config-dir", str(tmp_path), "--config-name", "mine", "--cfg", "job", cwd=tmp_path)
@@ -96,6 +101,7 @@ def test_help_lists_every_subcommand_with_a_description(capsys):
     assert all(description for description in listed.values()), listed
 
 
+@pytest.mark.integration
 def test_unknown_command_fails_naming_it(tmp_path):
     proc = dsa_train("frobnicate", cwd=tmp_path)
     assert proc.returncode != 0
@@ -103,6 +109,7 @@ def test_unknown_command_fails_naming_it(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.integration
 def test_missing_mandatory_value_fails_naming_the_key(tmp_path):
     proc = dsa_train("recipe=v3.2_warmup", "data.sources=[x.parquet]", cwd=tmp_path)
     assert proc.returncode != 0

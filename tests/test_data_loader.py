@@ -82,7 +82,7 @@ def test_epochs_differ_and_cover_all_sequences(dataset):
     assert not np.array_equal(e0, e1)
 
 
-@pytest.mark.parametrize("num_workers", [0, 1])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(1, marks=pytest.mark.integration)])  # 1: a worker process
 def test_resume_yields_exactly_the_uninterrupted_batches(dataset, num_workers):
     batch_size = 4
     uninterrupted = PackedDataLoader(dataset, batch_size, seed=11)

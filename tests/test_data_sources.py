@@ -105,6 +105,7 @@ def test_unsupported_file_type(tmp_path):
         load_documents([str(path)])
 
 
+@pytest.mark.integration
 def test_hub_dataset_without_network_gives_clear_error(tmp_path):
     code = ("from dsa_train.data import load_documents\n"
             f"load_documents(['no-such-owner-xyz/no-such-dataset'], cache_dir={str(tmp_path)!r})\n")

@@ -5,6 +5,8 @@ import pytest
 from dsa_train.config import load_recipe
 from dsa_train.engine.trainer import train
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.slow
 def test_demo_warmup_captures_attention_and_sparse_keeps_lm_loss(tmp_path, capsys):

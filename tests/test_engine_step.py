@@ -86,6 +86,7 @@ def test_no_weight_decay_on_vectors():
     assert plain["weight_decay"] == 0.0 and all(p.ndim < 2 for p in plain["params"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [WARMUP, SPARSE], ids=["warmup", "sparse"])
 def test_gradient_accumulation_matches_one_big_batch(stage):
     full = batch(2)

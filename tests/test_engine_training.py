@@ -4,6 +4,7 @@ import dataclasses
 import json
 import shutil
 
+import pytest
 import torch
 
 import dsa_train
@@ -12,6 +13,8 @@ from dsa_train.data import DataConfig, build_dataloader
 from dsa_train.engine.trainer import Trainer, train
 from dsa_train.engine.checkpoint import list_checkpoints, load_checkpoint, read_tensors
 from dsa_train.stage import STAGE_KINDS
+
+pytestmark = pytest.mark.integration
 
 is_indexer_parameter = STAGE_KINDS["indexer"].trains
 

@@ -174,6 +174,7 @@ def tiny_checkpoint(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_eval_command_on_a_tiny_fp8_checkpoint(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "eval"
     code = main(["eval", str(tiny_checkpoint), "--seq-len", "128", "--topk", "32", "--num-sequences", "1",

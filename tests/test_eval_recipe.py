@@ -31,6 +31,7 @@ def eval_records(run_dir):
     return out
 
 
+@pytest.mark.integration
 def test_eval_group_runs_at_stage_ends_and_every_n_steps_on_held_out_rows(tmp_path, capsys):
     cfg = load_recipe("demo", [f"run_dir={tmp_path}/run", *SHRUNK, "eval=stage_end", "eval.every_n_steps=2",
                                "eval.num_sequences=2"])
@@ -71,6 +72,7 @@ def test_eval_group_runs_at_stage_ends_and_every_n_steps_on_held_out_rows(tmp_pa
     assert (tmp_path / "run" / "report" / "eval.png") in plots
 
 
+@pytest.mark.integration
 def test_eval_group_is_off_by_default_and_training_reads_every_row(tmp_path):
     cfg = load_recipe("small_32k")
     assert cfg.eval.enabled is False
@@ -90,6 +92,7 @@ def test_bad_eval_values_fail_naming_the_key(override, key):
     assert str(err.value).startswith(key) and "\n" not in str(err.value)
 
 
+@pytest.mark.integration
 def test_a_typo_in_eval_fails_at_startup_in_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "dsa_train.cli", "eval.enabeld=true"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
@@ -100,6 +103,7 @@ def test_a_typo_in_eval_fails_at_startup_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_eval_group_under_two_ranks_expert_parallel_matches_one_process(tmp_path):
     """EP 2 x ZeRO-2 (the 2-rank demo layout): the model is sharded, so rank 0 evaluates a copy built
     from the gathered state; its numbers equal a one-process run of the same recipe (training agrees

@@ -165,6 +165,7 @@ def test_topk_lists_are_what_the_indexer_returns():
 
 
 @pytest.mark.slow  # 37 s on an idle 2-core machine (the interpreter), ~100 s under heavy load
+@pytest.mark.integration
 def test_cpu_small_run_writes_both_reports_and_every_kernel_check_passes(tmp_path):
     """The command end to end on the CPU: tiny shapes, Triton interpreter, kernel sections (the
     end-to-end and NCCL sections are tests/test_gpu_check_e2e.py's)."""
@@ -211,6 +212,7 @@ BLOCKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.integration
 def test_command_imports_nothing_heavy():
     """The cluster image may lack W&B, datasets, Hydra, DeepSpeed and megatron-core: the command's
     modules import none of them (the checks that need DeepSpeed import it when they run)."""
@@ -390,6 +392,7 @@ def test_speed_table_counts_tflops_and_anchors_as_on_a_gpu(tmp_path):
     assert "failed: ZeroDivisionError" in md
 
 
+@pytest.mark.integration
 def test_a_check_that_kills_the_process_leaves_the_report_of_the_checks_before(tmp_path):
     """A crashing kernel can take the process down (heap corruption, a segfault): the reports are
     rewritten after every check, so the ones before it are on disk, marked incomplete."""

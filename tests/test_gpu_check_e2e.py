@@ -161,6 +161,7 @@ def _assert_train_kill_resume(out: Outcome, device: str):
     assert out.summary.startswith("SIGKILL at step 7, resumed from step_00000005: ")
 
 
+@pytest.mark.integration
 @pytest.mark.slow  # three trainer processes (two side by side): ~40 s on 2 busy cores
 def test_small_train_kill_resume_on_the_cpu(tmp_path):
     opts = Options(device="cpu", small=True, out=tmp_path)
@@ -176,6 +177,7 @@ def test_small_train_kill_resume_on_the_cpu(tmp_path):
     assert f"| 7 | {out.metrics['resume']['losses']['7']['reference']!r} | — |" in md
 
 
+@pytest.mark.integration
 @pytest.mark.slow  # torchrun with 2 ranks: ~30 s on 2 busy cores
 def test_small_ep2_runs_on_gloo_labelled_as_such(tmp_path):
     opts = Options(device="cpu", small=True, out=tmp_path)

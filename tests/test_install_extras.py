@@ -29,6 +29,7 @@ def test_require_train_extra_names_the_package_and_the_extra():
     assert 'dsa-train[train]' in msg and "docs/install.md" in msg
 
 
+@pytest.mark.integration
 def test_a_hub_source_without_datasets_is_one_line_naming_the_data_extra(tmp_path):
     """Local files and the bundled corpus train without `datasets` (dsa_train/data/sources.py reads
     them); a Hugging Face hub source needs it, and says so before anything runs."""
@@ -42,6 +43,7 @@ def test_a_hub_source_without_datasets_is_one_line_naming_the_data_extra(tmp_pat
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.integration
 def test_wandb_logging_without_wandb_is_one_line_and_datasets_is_not_asked_for(tmp_path, monkeypatch):
     # the bundled corpus needs no `datasets`; offline W&B logging needs wandb: only wandb is named
     monkeypatch.delenv("WANDB_MODE", raising=False)

@@ -190,6 +190,7 @@ def test_stub_wheel_is_an_installable_wheel_of_that_version(tmp_path):
 # --- the whole path: image, connected machine, offline install -------------------------------------
 
 @pytest.mark.slow  # ~1-2 min on 2 busy cores (wheel builds, resolution, install); ~40 s with pip's cache warm
+@pytest.mark.integration
 def test_offline_install_on_an_image_keeps_its_torch_and_triton(tmp_path):
     start = time.monotonic()
     image = tmp_path / "image"

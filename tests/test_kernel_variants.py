@@ -21,6 +21,7 @@ def _module():
     return module
 
 
+@pytest.mark.slow
 def test_small_sweep_runs_every_kind_and_agrees(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     out = tmp_path / "variants.json"

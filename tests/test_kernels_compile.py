@@ -37,6 +37,7 @@ def gate_reports():
 
 
 @pytest.mark.parametrize("target", GATE_TARGETS, ids=_target_id)
+@pytest.mark.integration
 def test_compile_gate(gate_reports, target):
     version, arch = target
     res = gate_reports[target]
@@ -169,6 +170,7 @@ def test_supported_triton_range_matches_the_install_files():
     assert pin and pin.group(1) == newest, f"constraints-cpu.txt pins triton {pin and pin.group(1)}, not {newest}"
 
 
+@pytest.mark.integration
 def test_side_install_failure_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DSA_TRITON_SIDE_DIR", str(tmp_path))
     monkeypatch.setattr(compile_report, "_pip_install_cmd",
@@ -184,6 +186,7 @@ def test_side_install_failure_is_one_line(tmp_path, monkeypatch, capsys):
     assert len(err_lines) == 1 and "no network" in err_lines[0]
 
 
+@pytest.mark.integration
 def test_ptxas_log_parsing_and_stats_cache(tmp_path, monkeypatch):
     """Registers / spills / static shared memory are read from `ptxas -v` output (here: Triton's
     bundled ptxas on a small PTX, and a log with spills), and kept per compiled kernel in
@@ -253,6 +256,7 @@ def _rows_of(gate_reports, op: str, arch: str = "sm_90a"):
     return out
 
 
+@pytest.mark.integration
 def test_sparse_mla_forward_issues_the_useful_flops_and_reads_like_flashmla(gate_reports):
     """Issue 18's forward targets, from the report's analysis column at the 671B shapes (both
     supported Tritons, sm_90a, the default config): the tl.dot FLOPs equal the useful ones within 5%
@@ -269,6 +273,7 @@ def test_sparse_mla_forward_issues_the_useful_flops_and_reads_like_flashmla(gate
         assert a["estimate"]["note"].startswith("roofline estimate"), a
 
 
+@pytest.mark.integration
 def test_on_hopper_only_the_split_backward_uses_mma_sync(gate_reports):
     """Issue 18's "wgmma everywhere" on sm_90a, both supported Tritons: the gate lets a kernel mix
     mma.sync with wgmma, so this pins which may. Only the split sparse MLA backward (its dKV
@@ -285,6 +290,7 @@ def test_on_hopper_only_the_split_backward_uses_mma_sync(gate_reports):
         assert any(r["kernel"] in mixed and r["mma_sync"] > 0 for r in rows), "the pinned set is stale"
 
 
+@pytest.mark.integration
 def test_every_row_has_shapes_occupancy_and_replication(gate_reports):
     for (version, arch), res in gate_reports.items():
         for r in res["rows"] or []:

@@ -286,6 +286,7 @@ def test_fp32_inputs_computed_in_bf16_when_compiled(monkeypatch):
         kernel_inputs(q, kv)
 
 
+@pytest.mark.slow
 def test_deterministic_backward_in_slot_windows_and_token_chunks(monkeypatch):
     """Deterministic backward with index lists as wide as the keys (CP's dense-at-positions form)
     and a tiny stage budget: 16-slot windows x 8-token chunks (several of each, dq accumulated

@@ -113,6 +113,7 @@ def test_sparse_mla_forward_value_split_plan_matches_reference():
     assert torch.isneginf(lse[1, 3]).all() and (o[1, 3] == 0).all()
 
 
+@pytest.mark.slow
 def test_sparse_mla_deterministic_backward(monkeypatch):
     """Under torch.use_deterministic_algorithms(True) the backward stages every dkv contribution and
     reduces in a fixed order (no atomics into shared rows): same gradients as the reference, and
@@ -174,6 +175,7 @@ def test_sparse_mla_bf16_576_dims():
 
 
 # ----------------------------------------------------------------------------- indexer + top-k
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk_size", [None, 16])
 def test_indexer_topk_matches_reference_docs_and_short_rows(chunk_size):
     B, T, H, D, topk = 2, 70, 3, 24, 12  # T and D not multiples of the tiles; t < k rows
@@ -203,6 +205,7 @@ def test_indexer_topk_many_ties_and_negative_zero():
     assert torch.equal(idx, ridx) and torch.equal(val, rval)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,topk,rank", [(torch.float32, 12, 1), (torch.bfloat16, 64, 0)])
 def test_indexer_topk_context_parallel_positions_use_the_kernel(monkeypatch, dtype, topk, rank):
     # a CP rank's queries (chunks r and 2*cp-1-r of the zigzag layout, parallel/context.py) over
@@ -465,6 +468,7 @@ def test_sparse_indexer_kl_without_grad():
     torch.testing.assert_close(kl, rkl, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("K", [1, 5, 32, 64])
 def test_sparse_indexer_kl_small_k(K):
     # K <= 64: one or two slot tiles of the KL kernel, one tile of the target kernel
@@ -581,6 +585,7 @@ def test_dispatcher_routes_by_device_and_env(monkeypatch):
         K.sparse_mla(q, kv, idx, 0.1, 16)
 
 
+@pytest.mark.slow
 def test_model_sparse_step_through_triton_kernels(monkeypatch):
     import dsa_train
 

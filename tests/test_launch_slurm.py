@@ -23,6 +23,8 @@ import pytest
 
 from tests.helpers import free_port
 
+pytestmark = pytest.mark.integration
+
 
 TINY = [
     "data.seq_len=64", "data.micro_batch_size=1", "probe_batches=1", "logging.wandb_mode=disabled",

@@ -32,6 +32,7 @@ def _check_run(run_dir, logs):
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_two_torchrun_agents_form_a_two_node_job(tmp_path):
     port = free_port()
     run_dir = tmp_path / "run"
@@ -54,6 +55,7 @@ def test_two_torchrun_agents_form_a_two_node_job(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_launch_torchrun_cli_one_node_expert_parallel(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "dsa_train.cli", "launch", "torchrun", "--nproc-per-node", "2",
@@ -64,6 +66,7 @@ def test_launch_torchrun_cli_one_node_expert_parallel(tmp_path):
     _check_run(run_dir, out.stderr[-3000:])
 
 
+@pytest.mark.integration
 def test_sbatch_dry_run_from_cluster_group(tmp_path):
     script, path = render_sbatch(
         "v3.2_sparse", ["data.sources=[/data/x.parquet]", f"run_dir={tmp_path}/r"], python="python"
@@ -96,6 +99,7 @@ def test_sbatch_dry_run_from_cluster_group(tmp_path):
     assert bad.returncode == 0, bad.stderr
 
 
+@pytest.mark.integration
 def test_sbatch_refuses_bad_cluster_network_and_cpu_values():
     for override, key in (("cluster.gloo_socket_ifname=eth0 lo", "cluster.gloo_socket_ifname"),
                           ("cluster.open_files=10", "cluster.open_files"),
@@ -106,6 +110,7 @@ def test_sbatch_refuses_bad_cluster_network_and_cpu_values():
         assert out.returncode == 2 and len(lines) == 1 and key in lines[0], out.stderr
 
 
+@pytest.mark.integration
 def test_sbatch_names_a_missing_recipe_value_and_its_fix():
     out = subprocess.run([sys.executable, "-m", "dsa_train.cli", "launch", "slurm", "--config-name", "v3.2_warmup",
                           "--dry-run"], capture_output=True, text=True, timeout=120)

@@ -26,6 +26,7 @@ def no_wandb_env(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
+@pytest.mark.integration
 def test_offline_run_files_contain_the_logged_metrics(tmp_path, no_wandb_env):
     result = train(short_run(tmp_path / "run"))
     run_file = find_run_file(tmp_path / "run" / "wandb")
@@ -44,6 +45,7 @@ def test_offline_run_files_contain_the_logged_metrics(tmp_path, no_wandb_env):
     assert config["run_name"] == "demo" and config["stages"]["sparse"]["attention"] == "sparse"
 
 
+@pytest.mark.integration
 def test_resumed_run_continues_the_same_wandb_run(tmp_path, no_wandb_env):
     first = train(short_run(tmp_path / "run"))
     for path in list_checkpoints(tmp_path / "run/checkpoints")[2:]:
@@ -67,6 +69,7 @@ def test_disabled_logs_nothing(tmp_path, no_wandb_env):
     assert run.id is None and not list(tmp_path.iterdir())
 
 
+@pytest.mark.integration
 def test_failed_online_init_falls_back_to_offline(tmp_path, no_wandb_env, monkeypatch):
     # an unreachable server: the online init fails, training must not
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
@@ -95,6 +98,7 @@ def _history_once_written(run_file, timeout_s: float = 20.0) -> list[dict]:
         time.sleep(0.2)
 
 
+@pytest.mark.integration
 def test_stale_run_in_a_shared_wandb_service_does_not_stop_training(tmp_path, no_wandb_env, monkeypatch):
     """A process that inherited WANDB_SERVICE (the launcher's W&B service) and was killed leaves
     its run open in that service; the restarted process asks for the same run id and W&B answers

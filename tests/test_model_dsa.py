@@ -165,6 +165,7 @@ def test_kl_captured_of_a_uniform_indexer_is_zero(attention):
     assert m["indexer_kl_captured"] == pytest.approx(0.0, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_kl_captured_rises_as_the_indexer_learns_the_attention():
     model = tiny()
     x = ids(T=32)

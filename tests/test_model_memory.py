@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "indexer_loss_memory.py"
 
 

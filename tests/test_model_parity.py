@@ -21,6 +21,7 @@ def assert_close_logits(ours: torch.Tensor, ref: torch.Tensor) -> None:
     assert err <= 1e-4 * scale, f"max |diff| {err:.3e} > 1e-4 x max |logit| {scale:.3e}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(V3_CONFIGS))
 def test_dense_logits_match_transformers_v3(tmp_path, name):
     ref_model = make_v3(tmp_path, seed=1, **V3_CONFIGS[name])

@@ -52,6 +52,7 @@ def test_every_problem_of_the_671b_warmup_recipe_is_reported_at_once():
         assert torch.cuda.is_available()
 
 
+@pytest.mark.integration
 def test_launcher_side_config_error_exits_once_without_starting_workers(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "dsa_train.cli", "launch", "torchrun", "--nproc-per-node", "2",

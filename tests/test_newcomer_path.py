@@ -18,7 +18,7 @@ from dsa_train.checkpoint.tiny import make_tiny_checkpoint
 from dsa_train.cli import main
 from tests.checkpoint_helpers import BLOCK_ALIGNED
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 MODEL_TOPK = 128  # the tiny checkpoint's index_topk; the smoke profile trains with top-64
 

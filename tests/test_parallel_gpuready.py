@@ -71,6 +71,8 @@ def run_demo(run_dir, extra, fault=None, base=TINY_DEMO, nproc=2):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_two_rank_zero2_training_strict_devices_mfu_per_device_and_inf_gradient_caught(tmp_path):
     """Data parallel 2 x expert parallel 2 under ZeRO-2 with the demo's three stages, every
     collective checked. The logged MFU is per device: the job's model FLOP/s over 2 devices' peak.
@@ -120,6 +122,7 @@ def _losses(log):
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_bf16_zero2_resume_keeps_exact_fp32_masters(tmp_path):
     ref = run_demo(tmp_path / "ref", [], base=BF16_SPARSE)
     assert ref.returncode == 0, ref.stderr[-3000:]

@@ -18,6 +18,8 @@ def _check(results, n, layout):
         assert r["worst"]["loss"] < 2e-4 and r["worst"]["grad"] < 1e-3, r["worst"]
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_expert_parallel_2(tmp_path):
     rc, results, log = launch_selftest(2, ["--ep", "2", "--zero", "0,1,2"], str(tmp_path / "r.jsonl"))
     assert rc == 0, log
@@ -26,12 +28,16 @@ def test_expert_parallel_2(tmp_path):
     assert 0 < results[0]["metrics"]["moe/expert_load_min"] <= results[0]["metrics"]["moe/expert_load_max"]
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_tensor_parallel_2_with_attention_recompute(tmp_path):
     rc, results, log = launch_selftest(2, ["--tp", "2", "--zero", "0,1,3", "--recompute", "attention"], str(tmp_path / "r.jsonl"))
     assert rc == 0, log
     _check(results, 3, {"tp": 2, "dp": 1})
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_context_parallel_2_sparse_selection_crosses_ranks(tmp_path):
     # 64 tokens = 4 chunks of 16, top-16: late queries select keys held by the other rank
     rc, results, log = launch_selftest(2, ["--cp", "2", "--zero", "2", "--seq-len", "64", "--topk", "16"], str(tmp_path / "r.jsonl"))
@@ -40,6 +46,7 @@ def test_context_parallel_2_sparse_selection_crosses_ranks(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_context_parallel_2_sparse_triton_kernels(tmp_path, monkeypatch):
     # the same CP run on the Triton kernels (interpreted on the CPU: DSA_KERNELS=triton and
     # TRITON_INTERPRET=1 in the ranks' environment), against a single process on the PyTorch
@@ -56,6 +63,8 @@ def test_context_parallel_2_sparse_triton_kernels(tmp_path, monkeypatch):
     _check(results, 1, {"cp": 2})
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_context_parallel_2_dense_warmup_full_recompute(tmp_path, monkeypatch):
     monkeypatch.setenv("DSA_CP_DENSE_CHUNK", "640")  # 10 queries per chunk: several chunks per rank
     rc, results, log = launch_selftest(
@@ -68,6 +77,7 @@ def test_context_parallel_2_dense_warmup_full_recompute(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_four_ranks_tp2_cp2_ep2(tmp_path):
     rc, results, log = launch_selftest(4, ["--tp", "2", "--cp", "2", "--ep", "2", "--zero", "1", "--seq-len", "64"],
                               str(tmp_path / "r.jsonl"))

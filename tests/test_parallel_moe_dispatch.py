@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
 RANKS, TOKENS, HIDDEN = 2, 24, 16
 
 

@@ -54,6 +54,8 @@ def _memcheck(tmp_path, args):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc for VmHWM")
+@pytest.mark.integration
+@pytest.mark.slow
 def test_plan_matches_measured_peak_zero2(tmp_path):
     r = _memcheck(tmp_path, ["--zero", "2", "--seq-len", "1024"])
     assert r["planned"]["activations"] > 0.15 * r["planned_gib"]  # not just model state
@@ -61,6 +63,7 @@ def test_plan_matches_measured_peak_zero2(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_plan_matches_measured_peak_expert_parallel(tmp_path):
     r = _memcheck(tmp_path, ["--zero", "2", "--ep", "2", "--seq-len", "1024"])
     # Measured 0.87 (both ranks) since the plan counts the optimizer step's temporaries in their own

@@ -14,6 +14,8 @@ import pytest
 
 from tests.helpers import free_port
 
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "parallel_startup_memory.py"
 
 

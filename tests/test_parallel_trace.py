@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 
 def test_trace_of_an_ep2_zero2_rank_matches_the_plan():
     cmd = [sys.executable, "-m", "dsa_train.cli", "plan", "--trace", "--json", "--world", "2", "--config-name", "demo",

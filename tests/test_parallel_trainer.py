@@ -17,6 +17,8 @@ import torch
 
 from tests.helpers import free_port
 
+pytestmark = pytest.mark.integration
+
 # The demo as it ships, eval group included (its held-out rows change which sequences the steps
 # read). Steps after a resume under another layout are compared at a tolerance, see
 # NEXT_STEP_REL below.

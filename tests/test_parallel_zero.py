@@ -8,6 +8,8 @@ from tests.helpers import launch_selftest
 
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_zero_0_1_2_3_equal_single_process(tmp_path):
     rc, results, log = launch_selftest(2, ["--zero", "0,1,2,3", "--steps", "3", "--global-batch", "4"], str(tmp_path / "r.jsonl"))
     assert rc == 0, log
@@ -18,6 +20,8 @@ def test_zero_0_1_2_3_equal_single_process(tmp_path):
         assert len(r["losses"]) == 3
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_bf16_zero_1_2_close_to_single_process_bf16(tmp_path):
     # bf16 parameters, fp32 masters on both sides; per-step losses and grad norms within 1%
     rc, results, log = launch_selftest(2, ["--zero", "1,2", "--bf16", "--rtol", "1e-2"], str(tmp_path / "r.jsonl"))
@@ -36,6 +40,8 @@ def test_sizes_validated_against_world():
         resolve_sizes(ParallelConfig(tensor_parallel=2, expert_parallel=4), 4)
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_mtp_loss_data_parallel_equals_single_process(tmp_path):
     # the MTP loss is token-weighted over the global batch like the LM loss (rows hold 1-3
     # documents, so the ranks' valid-label counts differ and a per-rank mean would not match)

@@ -117,6 +117,7 @@ def test_shrunk_to_cp2_ep2_on_four_ranks(recipe):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.integration
 def test_recipe_rehearsal(recipe, tmp_path):
     ranks, overrides = rehearsal_overrides(recipe)
     run_dir = tmp_path / "run"

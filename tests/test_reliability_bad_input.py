@@ -25,6 +25,7 @@ def tiny(run_dir, *extra):
     ])
 
 
+@pytest.mark.integration
 def test_topk_not_below_the_sequence_length_warns_and_trains_as_dense(tmp_path):
     """Sparse with k >= T selects every key: a warning that names the fix, and the run goes on
     (the top-k slots past the causal prefix are -1, the loss stays finite)."""
@@ -40,23 +41,27 @@ def test_topk_not_below_the_sequence_length_warns_and_trains_as_dense(tmp_path):
     assert math.isfinite(last["train/loss"]) and math.isfinite(last["train/lm_loss"]), last
 
 
+@pytest.mark.integration
 def test_sequence_longer_than_the_model_positions(tmp_path):
     with pytest.raises(ConfigError, match=r"data.seq_len: 64-token sequences are longer than the model's "
                                           r"max_position_embeddings=32; lower data.seq_len"):
         Trainer(tiny(tmp_path / "run", "+model.arch.max_position_embeddings=32"))
 
 
+@pytest.mark.integration
 def test_tokenizer_vocab_larger_than_the_model(tmp_path):
     with pytest.raises(ValueError, match=r"exceeds the model's vocab_size 100 .* Fix: .*data.tokenizer=<checkpoint dir>"):
         Trainer(tiny(tmp_path / "run", "+model.arch.vocab_size=100"))
 
 
+@pytest.mark.integration
 def test_parallel_sizes_the_single_process_trainer_cannot_run(tmp_path):
     # (sizes that do not divide the world size: tests/test_parallel_zero.py::test_sizes_validated_against_world)
     with pytest.raises(ConfigError, match=r"parallel.tensor_parallel=2: the single-process trainer runs one rank; set it to 1"):
         Trainer(tiny(tmp_path / "run", "parallel.tensor_parallel=2"))
 
 
+@pytest.mark.integration
 def test_resuming_a_checkpoint_of_another_model(tmp_path):
     train(tiny(tmp_path / "run", "stages.sparse.steps=2", "checkpoint.every_n_steps=1"))
     with pytest.raises(ConfigError, match=r"checkpoint.dir: .*step_00000003 was written for another model "

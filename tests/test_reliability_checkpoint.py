@@ -167,6 +167,7 @@ def tiny_run(run_dir, *extra):
     ])
 
 
+@pytest.mark.integration
 def test_trainer_falls_back_past_a_corrupt_checkpoint_and_says_so(tmp_path, caplog):
     first = train(tiny_run(tmp_path / "run"))
     ckpts = tmp_path / "run/checkpoints"
@@ -186,6 +187,7 @@ def test_trainer_falls_back_past_a_corrupt_checkpoint_and_says_so(tmp_path, capl
     verify_checkpoint(ckpts / "step_00000004")
 
 
+@pytest.mark.integration
 def test_resume_false_refuses_to_overwrite_existing_checkpoints(tmp_path):
     from dsa_train.config import ConfigError
     from dsa_train.engine.trainer import Trainer
@@ -196,6 +198,7 @@ def test_resume_false_refuses_to_overwrite_existing_checkpoints(tmp_path):
         Trainer(tiny_run(tmp_path / "run", "checkpoint.resume=false"))
 
 
+@pytest.mark.integration
 def test_trainer_full_disk_stops_with_the_previous_checkpoint_intact(tmp_path, monkeypatch):
     monkeypatch.setenv(faults.ENV, "step=3,kind=enospc")
     with pytest.raises(CheckpointSaveError, match="step_00000002"):
@@ -209,6 +212,7 @@ def test_trainer_full_disk_stops_with_the_previous_checkpoint_intact(tmp_path, m
     assert state["global_step"] == 4 and state["stage_index"] == 2
 
 
+@pytest.mark.integration
 def test_async_save_commits_after_the_write_and_resumes_exactly(tmp_path):
     """checkpoint.async_save: the tensors are written in the background; every step_* that exists
     is complete and verifies, and a resume from one continues exactly."""

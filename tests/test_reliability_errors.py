@@ -74,6 +74,7 @@ def write_bad_jsonl(path: Path) -> Path:
 
 
 # ------------------------------------------------------------------ 1. one line, no traceback
+@pytest.mark.integration
 def test_project_errors_leave_every_command_as_one_line(tmp_path, capsys):
     """Training (a data file that is not JSON lines, a model.pretrained that does not exist) and
     the checkpoint subcommands: exit 2 with one `dsa-train: ...` line naming the problem."""
@@ -106,6 +107,7 @@ def test_only_project_errors_lose_their_traceback():
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_torchrun_does_not_restart_an_error_a_restart_cannot_fix(tmp_path):
     """`dsa-train launch torchrun --max-restarts 2` with a data file that is not JSON lines: the
     restarted workers exit at once (before loading anything), the launch ends with the rank's one
@@ -125,6 +127,7 @@ def test_torchrun_does_not_restart_an_error_a_restart_cannot_fix(tmp_path):
 
 
 # ------------------------------------------------------------------ 5. Ctrl-C
+@pytest.mark.integration
 def test_ctrl_c_checkpoints_at_the_step_boundary_and_resumes(tmp_path, capsys, monkeypatch):
     """SIGINT during global step 3 (the fault switch sends it, as Ctrl-C would): the step ends, a
     checkpoint of it is written, exit 130 with one line; the same command resumes from it."""
@@ -146,6 +149,7 @@ def test_ctrl_c_checkpoints_at_the_step_boundary_and_resumes(tmp_path, capsys, m
     assert read_latest(run_dir / "checkpoints") == "step_00000004"
 
 
+@pytest.mark.integration
 def test_second_ctrl_c_stops_at_once(tmp_path, capsys, monkeypatch):
     run_dir = tmp_path / "run"
     monkeypatch.setenv("DSA_FAULT", "step=3,kind=sigint;step=3,kind=sigint,at=mid_step")
@@ -167,6 +171,7 @@ def _write_lock(run_dir: Path, **holder) -> Path:
     return run_dir / LOCK_NAME
 
 
+@pytest.mark.integration
 def test_a_second_run_on_a_run_dir_is_refused_naming_the_holder(tmp_path):
     from dsa_train.engine.trainer import Trainer
     from dsa_train.engine.run_lock import RunDirLocked
@@ -187,6 +192,7 @@ def test_a_second_run_on_a_run_dir_is_refused_naming_the_holder(tmp_path):
         Trainer(tiny(tmp_path / "run"))
 
 
+@pytest.mark.integration
 def test_a_stale_lock_is_recovered(tmp_path, monkeypatch, caplog):
     from dsa_train.engine.trainer import train
     from dsa_train.engine.run_lock import LOCK_NAME
@@ -268,6 +274,7 @@ def _trained_run(tmp_path):
     return run_dir, run_dir / "checkpoints" / "step_00000002"
 
 
+@pytest.mark.integration
 def test_a_checkpoint_without_manifest_is_not_resumed_or_exported(tmp_path, capsys):
     """Corrupt weights and no manifest: resume and export refuse (nothing moved), saying how to
     proceed; with checkpoint.verify_checksums=false the user takes the risk explicitly."""
@@ -290,6 +297,7 @@ def test_a_checkpoint_without_manifest_is_not_resumed_or_exported(tmp_path, caps
     assert dsa_train(capsys, "export", str(last), str(tmp_path / "out"), "--no-verify-checksums").returncode == 0
 
 
+@pytest.mark.integration
 def test_export_verifies_the_training_checkpoint(tmp_path, capsys):
     run_dir, last = _trained_run(tmp_path)
     model = last / "state/__0_0.distcp"
@@ -361,6 +369,7 @@ def test_values_that_make_no_sense_together_are_refused_at_start_up(tmp_path, ov
         tiny(tmp_path / "run", override)
 
 
+@pytest.mark.integration
 def test_doubtful_values_are_reported_at_start_up(tmp_path, caplog):
     """Allowed, but said in the log before training: a warm-up longer than its stage (the demo
     recipe's 5-step sparse warm-up in a 2-step smoke run), a log interval longer than a stage."""
@@ -374,6 +383,7 @@ def test_doubtful_values_are_reported_at_start_up(tmp_path, caplog):
 
 
 # ------------------------------------------------------------------ 8. full disk, read-only directory
+@pytest.mark.integration
 def test_full_disk_prunes_what_keep_last_allows_and_saves(tmp_path, monkeypatch, caplog):
     """Out of space while saving step 4 with keep_last=2 (steps 2 and 3 on disk): the save prunes
     what it would have pruned after committing (step 2, never the newest, step 3) and tries again."""
@@ -392,6 +402,7 @@ def test_full_disk_prunes_what_keep_last_allows_and_saves(tmp_path, monkeypatch,
     verify_checkpoint(run_dir / "checkpoints" / "step_00000004")
 
 
+@pytest.mark.integration
 def test_read_only_checkpoint_dir_is_a_permission_problem(tmp_path, monkeypatch, capsys):
     from dsa_train.engine import faults
 
@@ -433,6 +444,7 @@ def stopped_in_sparse(stopped_in_sparse_once, tmp_path):
     shutil.copytree(backup, stopped_in_sparse_once)
 
 
+@pytest.mark.integration
 def test_resume_applies_a_longer_stage_and_says_so(stopped_in_sparse, caplog):
     from dsa_train.engine.trainer import train
 
@@ -451,6 +463,7 @@ def test_resume_applies_a_longer_stage_and_says_so(stopped_in_sparse, caplog):
                               r"\(a finished stage's checkpoint keeps no optimizer state .* add a stage after it\)"),
     ("optim.weight_decay=0.5", r"optim.weight_decay: 0.1 \(checkpoint\) -> 0.5"),
 ])
+@pytest.mark.integration
 def test_resume_refuses_other_recipe_changes_naming_the_key(stopped_in_sparse, override, message):
     from dsa_train.engine.trainer import Trainer
     from dsa_train.engine.recipe_change import RecipeChanged
@@ -460,6 +473,7 @@ def test_resume_refuses_other_recipe_changes_naming_the_key(stopped_in_sparse, o
     assert read_latest(stopped_in_sparse / "checkpoints") == "step_00000003"  # nothing moved
 
 
+@pytest.mark.integration
 def test_a_finished_run_says_it_is_finished(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert dsa_train(capsys, f"run_dir={run_dir}", *TINY).returncode == 0

@@ -81,6 +81,7 @@ def assert_same_weights(reference, run_dir):
     ("step=5,kind=sigkill,at=checkpoint", 4, "step_00000003"),  # half-written checkpoint
     ("step=3,kind=sigkill,at=commit", 4, "step_00000002"),  # renamed, `latest` not yet moved
 ], ids=["mid_step", "mid_checkpoint_write", "before_latest_pointer"])
+@pytest.mark.integration
 def test_sigkill_then_resume_matches_the_uninterrupted_run(reference, tmp_path, fault, resumes_at, after_kill):
     run_dir = tmp_path / "run"
     proc, _ = run(run_dir, fault)
@@ -101,6 +102,7 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run(reference, tmp_path, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, step, saved", [("sigterm", 4, 4), ("sigusr1", 3, 3)])
+@pytest.mark.integration
 def test_preemption_signal_checkpoints_exits_75_and_resumes(reference, tmp_path, kind, step, saved):
     """The signal arrives during step N; the step finishes, a checkpoint of it is written
     (for N = 3 it is the stage-end checkpoint) and the run exits with 75."""
@@ -119,6 +121,7 @@ def test_preemption_signal_checkpoints_exits_75_and_resumes(reference, tmp_path,
     assert_same_weights(reference, run_dir)
 
 
+@pytest.mark.integration
 def test_external_sigterm_to_the_cli(tmp_path):
     """A real SIGTERM from outside to `dsa-train` (python -m dsa_train.cli) mid-run."""
     run_dir = tmp_path / "run"
@@ -146,6 +149,7 @@ def test_external_sigterm_to_the_cli(tmp_path):
     assert "Traceback" not in out + err
 
 
+@pytest.mark.integration
 def test_nan_skip_policy_skips_and_counts(reference, tmp_path):
     run_dir = tmp_path / "run"
     proc, history = run(run_dir, "step=2,kind=nan", "checkpoint.every_n_steps=1", "checkpoint.keep_last=0")
@@ -162,6 +166,7 @@ def test_nan_skip_policy_skips_and_counts(reference, tmp_path):
     assert all(m["train/loss"] == m["train/loss"] for m in history[2:])  # finite afterwards
 
 
+@pytest.mark.integration
 def test_nan_stop_policy_checkpoints_the_state_before_the_step(reference, tmp_path):
     run_dir = tmp_path / "run"
     proc, _ = run(run_dir, "step=5,kind=nan", "fault_tolerance.nonfinite=stop")
@@ -175,6 +180,7 @@ def test_nan_stop_policy_checkpoints_the_state_before_the_step(reference, tmp_pa
     assert_continues(reference, history, 5)
 
 
+@pytest.mark.integration
 def test_too_many_consecutive_nonfinite_steps_stop(tmp_path):
     run_dir = tmp_path / "run"
     proc, _ = run(run_dir, "step=4,kind=nan;step=5,kind=nan", "fault_tolerance.max_consecutive_nonfinite=1")

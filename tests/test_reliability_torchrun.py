@@ -16,6 +16,8 @@ from dsa_train.engine.checkpoint import list_checkpoints, read_latest, read_mani
 from dsa_train.parallel.launch import RESTART_ENV  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 # global steps: warm-up 1 2 3, sparse 4 5 6; a checkpoint after every step. DeepSpeed data
 # parallel without ZeRO partitioning: ZeRO-2's default buckets (5e8 elements) hold GBs per rank
 # per stage on the CPU, more than this 2-rank test needs.

@@ -1,5 +1,6 @@
 """The code base's structure, read from the source (AST and text only: nothing here imports the
-project's modules: the whole file runs in seconds).
+project's modules, except the light-import checks at the end, one of them in a subprocess: the
+whole file runs in seconds).
 
 - No import cycles among the project's modules (dsa_train and dsa_kernels, the top-level
   `kernels/` directory). The graph is built from every import statement of every module: module
@@ -34,12 +35,19 @@ project's modules: the whole file runs in seconds).
   registry (`_EXPERT_*`), subclasses of DeepSpeed classes, and the attributes of DeepSpeed's engine,
   ZeRO optimizers and partitioned parameters that are no published API (DEEPSPEED_INTERNALS),
   read as attributes or by name.
+- Imports as light as the command: `dsa-train --help`, `import dsa_train` and `import dsa_train.data`
+  load neither the model (dsa_train.model) nor the kernels (dsa_kernels, Triton), checked in a fresh
+  interpreter; the package's lazy re-exports (PEP 562) still give the public API.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import importlib
+import json
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -407,3 +415,58 @@ def test_deepspeed_private_names_only_in_the_adapter():
 def test_the_named_layout_modules_exist(path):
     # the allowances above name files: a rename must move them, not silently widen the checks
     assert (ROOT / path).is_file(), f"{path} is named by tests/test_structure.py but does not exist"
+
+
+# ------------------------------------------------------------------------------ light imports
+# modules a light import must not load: the model, the kernels and the frameworks only they need
+HEAVY_MODULES = ("dsa_train.model", "dsa_kernels", "triton", "dsa_train.checkpoint", "dsa_train.engine")
+
+LIGHT_IMPORT_PROBE = """
+import contextlib, io, json, sys
+heavy = HEAVY
+def loaded():
+    return sorted(m for m in sys.modules if m.startswith(heavy))
+steps = {}
+import dsa_train
+steps["import dsa_train"] = loaded()
+with contextlib.redirect_stdout(io.StringIO()) as out:
+    code = __import__("dsa_train.cli").cli.main(["--help"])
+assert code == 0 and "subcommands:" in out.getvalue(), out.getvalue()[:200]
+steps["dsa-train --help"] = loaded()
+from dsa_train.config import DataConfig, validate
+steps["from dsa_train.config import DataConfig, validate"] = loaded()
+import dsa_train.data
+steps["import dsa_train.data"] = loaded()
+# the lazy re-exports resolve, and then the model is loaded: the check above can see it
+steps["the public API resolves"] = [dsa_train.tiny_config(num_hidden_layers=1).num_hidden_layers,
+                                    dsa_train.from_pretrained is sys.modules["dsa_train.checkpoint"].from_pretrained,
+                                    "dsa_train.model" in sys.modules]
+print(json.dumps(steps))
+"""
+
+
+@pytest.mark.integration
+def test_light_commands_load_neither_the_model_nor_the_kernels():
+    code = LIGHT_IMPORT_PROBE.replace("HEAVY", repr(HEAVY_MODULES))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = json.loads(proc.stdout.strip().splitlines()[-1])
+    heavy = {step: modules for step, modules in steps.items() if step != "the public API resolves" and modules}
+    assert not heavy, "a light import loaded the model or the kernels (import them where they are used):\n" + "\n".join(
+        f"{step}: {', '.join(modules[:8])}" for step, modules in heavy.items())
+    assert steps["the public API resolves"] == [1, True, True]
+
+
+def test_the_lazy_reexports_give_every_public_name():
+    for package in ("dsa_train", "dsa_train.config"):
+        module = importlib.import_module(package)
+        for name in module.__all__:
+            assert getattr(module, name) is not None, f"{package}.{name}"
+            assert name in dir(module), f"{package}.{name} missing from dir()"
+        with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+            getattr(module, "no_such_name")
+    from dsa_train.config import validate
+    from dsa_train.config.validate import validate as the_function
+
+    # `validate` is also a submodule's name: the package gives the function, whatever was imported first
+    assert validate is the_function
