@@ -158,6 +158,7 @@ def test_local_reader_gives_the_documents_datasets_gives(tmp_path):
         assert len(ours) == len(got)
 
 
+@pytest.mark.integration
 def test_local_files_and_the_bundled_corpus_load_without_datasets(tmp_path):
     """`datasets` is the `data` extra: local sources never import it; a hub source says how to get it."""
     path = write_jsonl(tmp_path / "a.jsonl", [{"text": "one"}, {"text": "two"}])

@@ -276,6 +276,7 @@ def test_image_list_reads_freeze_lines_and_bare_names(tmp_path):
         make_wheelhouse.read_image_list(listed)
 
 
+@pytest.mark.integration
 def test_session_record_image_keeps_the_probe_and_the_freeze(tmp_path):
     session_image = tmp_path / "image.txt"
     session_image.write_text("# probe\n--python-version 3.12 --platform manylinux_2_39_x86_64 --torch 2.11.0 "
@@ -288,6 +289,7 @@ def test_session_record_image_keeps_the_probe_and_the_freeze(tmp_path):
     assert make_wheelhouse.read_image_list(image) == {"numpy": "2.5.2"}  # dsa-train itself is never the image's
 
 
+@pytest.mark.integration
 def test_session_run_refuses_a_missing_kit_or_a_used_out_in_one_line(tmp_path):
     for args, needle in ((["--kit", tmp_path / "nokit", "--out", tmp_path / "o"], "prepare"),):
         proc = subprocess.run([sys.executable, SESSION, "run", *args], capture_output=True, text=True)
@@ -302,6 +304,7 @@ def test_the_committed_image_list_has_probe_flags_and_versions():
     assert len(probe) == 1 and "--python-version 3.12" in probe[0]
 
 
+@pytest.mark.integration
 @pytest.mark.slow  # resolution for the GPU image's Python 3.12 (pip's cache): ~30 s
 def test_gpu_kit_for_the_committed_image_fits_in_40_mib(tmp_path):
     """`prepare` for the lent GPU image as recorded (scripts/gpu-image/cuda.txt): only what it lacks,
@@ -318,6 +321,7 @@ def test_gpu_kit_for_the_committed_image_fits_in_40_mib(tmp_path):
     assert not names & set(image), names & set(image)  # nothing the image has travels
 
 
+@pytest.mark.integration
 @pytest.mark.slow  # the wheel kit, an offline install and three trainer runs + the NCCL stand-in: ~5 min on 2 busy cores
 def test_gpu_session_rehearsal_installs_the_wheel_offline_and_trains(tmp_path):
     """`scripts/gpu_session.py` as a GPU session runs it, on an image-like venv here: `prepare` builds

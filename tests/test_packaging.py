@@ -5,6 +5,8 @@ the trainer imports)."""
 
 from __future__ import annotations
 
+import pytest
+
 import subprocess
 import sys
 import zipfile
@@ -24,6 +26,7 @@ def _source_files() -> set[str]:
     return expected
 
 
+@pytest.mark.integration
 def test_wheel_holds_every_source_file(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
                            "--wheel-dir", str(tmp_path), str(REPO)], capture_output=True, text=True)

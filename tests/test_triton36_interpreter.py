@@ -5,6 +5,8 @@ with it. Triton 3.6 comes from the compile gate's side install (kernels/compile_
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import subprocess
 import sys
@@ -49,6 +51,7 @@ def _run(mode: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.integration
 def test_triton36_interpreter_runs_runtime_loops_under_this_numpy():
     out = _run("compat")
     assert "COMPAT OK" in out
