@@ -28,7 +28,7 @@ def test_checks_are_named_in_their_sections_with_their_shapes(tmp_path):
         assert seq in checks[0].shapes and "SIGKILL at step 7" in checks[0].shapes
         assert seq in checks[1].shapes and "deterministic=false" in checks[1].shapes
     assert "Triton kernels" in checks[0].shapes and "small_32k cut to 2 layers" in checks[0].shapes
-    assert "sparse 8 steps" in checks[1].shapes and "torch.profiler on steps (3, 11)" in checks[1].shapes
+    assert "warm-up 5 + sparse 8 steps" in checks[1].shapes and "torch.profiler on steps (5, 13)" in checks[1].shapes
     assert "T=8192" in checks[2].shapes and "NCCL" in checks[2].shapes
 
 

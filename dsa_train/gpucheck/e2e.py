@@ -80,17 +80,18 @@ RESUME_STEP = WARMUP_STEPS + 2  # the newest checkpoint when the kill comes (glo
 KILL_STEP = RESUME_STEP + 2  # SIGKILL as global step 7 starts: step 6 is done, not checkpointed
 # end-to-end.throughput: the steady state the kill/resume runs are too short (and deterministic) to show.
 # Each stage's first THROUGHPUT_SKIPPED steps compile and autotune the kernels; the profiled steps are
-# the warm-up's last and the sparse stage's last (global numbering)
-THROUGHPUT_SPARSE_STEPS = 8
+# the warm-up's last and the sparse stage's last (global numbering), and are left out of the medians
+# (the profiler slows a step: 0.86 s against 0.16 s for a warm-up step on the H200, session 2)
+THROUGHPUT_WARMUP_STEPS, THROUGHPUT_SPARSE_STEPS = 5, 8
 THROUGHPUT_SKIPPED = 2
-THROUGHPUT_PROFILED = (WARMUP_STEPS, WARMUP_STEPS + THROUGHPUT_SPARSE_STEPS)
-SMALL_THROUGHPUT = (2, 1)  # --small (the CPU form: the code path, not a figure): sparse steps, skipped
+SMALL_THROUGHPUT = (3, 2, 1)  # --small (the CPU form: the code path, not a figure): warm-up, sparse, skipped
 
 
-def throughput_steps(small: bool) -> tuple[int, int, tuple[int, int]]:
-    """(sparse steps, steps skipped per stage, profiled global steps) of end-to-end.throughput."""
-    sparse, skipped = SMALL_THROUGHPUT if small else (THROUGHPUT_SPARSE_STEPS, THROUGHPUT_SKIPPED)
-    return sparse, skipped, (WARMUP_STEPS, WARMUP_STEPS + sparse)
+def throughput_steps(small: bool) -> tuple[int, int, int, tuple[int, int]]:
+    """(warm-up steps, sparse steps, steps skipped per stage, profiled global steps) of end-to-end.throughput."""
+    warmup, sparse, skipped = SMALL_THROUGHPUT if small else (THROUGHPUT_WARMUP_STEPS, THROUGHPUT_SPARSE_STEPS,
+                                                              THROUGHPUT_SKIPPED)
+    return warmup, sparse, skipped, (warmup, warmup + sparse)
 COMPARED = ("train/loss", "train/lm_loss", "train/indexer_loss", "optim/grad_norm", "optim/lr")
 REPLAYED = ("train/loss", "train/lm_loss", "train/indexer_loss", "optim/lr")  # forward values and the schedule
 
@@ -164,7 +165,7 @@ def nccl_layout(opts: Options) -> Layout:
 # ---------------------------------------------------------------------------------------- checks
 def checks(opts: Options) -> list[Check]:
     one, two = single_layout(opts), nccl_layout(opts)
-    sparse, skipped, profiled = throughput_steps(opts.small)
+    warmup, sparse, skipped, profiled = throughput_steps(opts.small)
     steps = (f"warm-up {WARMUP_STEPS} + sparse {SPARSE_STEPS} steps, checkpoint every {CHECKPOINT_EVERY}, "
              f"SIGKILL at step {KILL_STEP}, resume; vs dsa-train plan")
     nccl = ("2-rank EP2 launch on gloo (the CPU stand-in for NCCL)" if opts.device == "cpu"
@@ -172,8 +173,8 @@ def checks(opts: Options) -> list[Check]:
     return [
         Check("end-to-end.train_kill_resume", "end-to-end", f"{one.describe()}; {steps}", run_train_kill_resume),
         Check("end-to-end.throughput", "end-to-end",
-              f"{one.describe()}; warm-up {WARMUP_STEPS} + sparse {sparse} steps, deterministic=false, "
-              f"torch.profiler on steps {profiled}; median of each stage's steps after its first "
+              f"{one.describe()}; warm-up {warmup} + sparse {sparse} steps, deterministic=false, "
+              f"torch.profiler on steps {profiled}; median of each stage's unprofiled steps after its first "
               f"{skipped} vs dsa-train plan", run_throughput),
         Check("nccl.ep2", "nccl", f"{two.describe()}; warm-up 1 + sparse 2 steps; {nccl}", run_nccl_ep2),
     ]
@@ -282,9 +283,9 @@ def _throughput(opts: Options) -> Outcome:
     layout = single_layout(opts)
     plan = plan_estimate(layout, work / "plan-run")
     run_dir = work / "run"
-    sparse, skipped, profiled = throughput_steps(opts.small)
+    warmup, sparse, skipped, profiled = throughput_steps(opts.small)
     cmd = [sys.executable, "-m", "dsa_train.parallel.train", "--config-name", RECIPE,
-           *layout.overrides(run_dir, WARMUP_STEPS, sparse, 0, deterministic=False),
+           *layout.overrides(run_dir, warmup, sparse, 0, deterministic=False),
            f"logging.profile_steps=[{','.join(map(str, profiled))}]", *peak_flops_overrides(layout)]
     log = work / "run.log"
     code = run_logged(opts, cmd, log)
@@ -292,9 +293,9 @@ def _throughput(opts: Options) -> Outcome:
         raise StepFailed(f"the throughput run exited {code}: {last_error(log)} (log: {log})")
     runs = attempts(run_dir)
     rows = by_step(runs[-1]) if runs else {}
-    if sorted(rows) != list(range(1, WARMUP_STEPS + sparse + 1)):
+    if sorted(rows) != list(range(1, warmup + sparse + 1)):
         raise StepFailed(f"the throughput run logged global steps {sorted(rows)} (log: {log})")
-    stages = stage_figures(runs[-1]["stages"], rows, layout.device, plan, skip=skipped)
+    stages = stage_figures(runs[-1]["stages"], rows, layout.device, plan, skip=skipped, leave_out=profiled)
     from dsa_train.logging.profile import profile_path
 
     profiles = {}
@@ -396,7 +397,8 @@ def _max_rel(reference: dict[int, dict], got: dict[int, dict]) -> float:
     return worst
 
 
-def stage_figures(stage_names, rows: dict[int, dict], device: str, plan: dict, skip: int = 1) -> dict[str, dict]:
+def stage_figures(stage_names, rows: dict[int, dict], device: str, plan: dict, skip: int = 1,
+                  leave_out: tuple[int, ...] = ()) -> dict[str, dict]:
     """Per stage: median tokens/s, MFU, step time over the stage's steps after its first (which
     includes Triton compilation and engine start), the peak memory over all its steps, beside the
     plan's figures for the stage. `rows`: the run that had the device to itself (the killed one,
@@ -407,7 +409,7 @@ def stage_figures(stage_names, rows: dict[int, dict], device: str, plan: dict, s
         stage_rows = [rows[s] for s in sorted(rows) if rows[s]["progress/stage"] == index]
         if not stage_rows:
             raise StepFailed(f"the reference run logged no step of stage {name}")
-        timed = stage_rows[skip:] or stage_rows
+        timed = [r for r in stage_rows[skip:] if int(r["progress/global_step"]) not in leave_out] or stage_rows
         memory_key = "perf/cuda_max_allocated_gib" if device == "cuda" else "perf/memory_rss_gib"
         p = planned[name]
         tokens_per_step = p["step_detail"]["tokens_per_step"]
