@@ -23,7 +23,7 @@ demo: $(STAMP)
 # the benchmark-scale `long` check (tens of minutes on 2 cores; run it with `-m long`). Writes the
 # slowest 25 test phases, the wall time and the time per tier to docs/test-durations.txt.
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -m "not gpu and not long" -q --durations-file docs/test-durations.txt
+	TRITON_INTERPRET=1 $(PY) -m pytest -m "not gpu and not long" -q --durations-file=docs/test-durations.txt
 
 # The unit tier: no process started, no trainer run, nothing marked slow (minutes on 2 cores).
 test-fast: $(STAMP)

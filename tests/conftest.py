@@ -20,7 +20,9 @@ The tiers are checked as the tests run, each failure one line saying what to do:
   child (a DataLoader worker included) -- or constructs the trainer (TRAINER_MODULE's `Trainer`) in
   its setup or call fails. Helper tools a library runs (ptxas, ldconfig, a compiler) do not count.
 
-`--durations-file PATH` (make test passes docs/test-durations.txt): at the session's end, write
+`--durations-file=PATH` (make test passes docs/test-durations.txt; write it with `=`: pytest reads
+the command line before it loads this file, and `--durations-file PATH` with PATH an existing file
+would take PATH for the tests to run): at the session's end, write
 the slowest 25 test phases (wall time, as pytest's `--durations=25` ranks them, and CPU time), with
 the session's wall time, the machine's load and the wall and CPU time per tier.
 """

@@ -44,10 +44,15 @@ def test_starts_python():
 @pytest.mark.integration
 def test_the_budget_and_the_kind_check_fail_unmarked_tests_and_the_durations_file_records_them(pytester, monkeypatch):
     monkeypatch.setenv("DSA_TEST_BUDGET_S", "0.2")
-    pytester.makeconftest(CONFTEST.read_text())
-    pytester.makeini("[pytest]\nmarkers =\n    slow: slow\n    integration: integration\n    gpu: gpu\n    long: long\n")
-    pytester.makepyfile(test_small=SMALL_SUITE)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--durations-file", "out/durations.txt")
+    # laid out as the repository is: tests/conftest.py, testpaths, the durations file already there
+    (pytester.path / "tests").mkdir()
+    (pytester.path / "tests" / "conftest.py").write_text(CONFTEST.read_text())
+    (pytester.path / "tests" / "test_small.py").write_text(SMALL_SUITE)
+    pytester.makeini("[pytest]\ntestpaths = tests\nmarkers =\n    slow: slow\n    integration: integration\n"
+                     "    gpu: gpu\n    long: long\n")
+    (pytester.path / "out").mkdir()
+    (pytester.path / "out" / "durations.txt").write_text("the last run's\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--durations-file=out/durations.txt")
     result.assert_outcomes(passed=4, failed=2)
     result.stdout.fnmatch_lines(["*test_over_the_budget: 0.* s of CPU (* s wall), over the 0.2 s budget of an "
                                  "unmarked test*"
