@@ -159,7 +159,7 @@ def precompose(argv: list[str], default_dir: Path, default_name: str) -> None:
     except OverrideParseException as err:
         raise _parse_problem(err, overrides) from None
     except ConfigCompositionException as err:
-        yaml_err = _yaml_problem(err) or _yaml_file_problem(config_dir, name)
+        yaml_err = _yaml_problem(err)
         if yaml_err is not None:
             raise yaml_err from None
         match = re.search(r"override (\S+)", str(err))
@@ -167,7 +167,7 @@ def precompose(argv: list[str], default_dir: Path, default_name: str) -> None:
         if override:
             full = next((o for o in overrides if o.startswith(override) or o.lstrip("+~").startswith(override)), override)
             raise _override_value_problem(full, err.__cause__) from None
-        raise _composition_problem(err, name) from None
+        raise (_yaml_file_problem(config_dir, name) or _composition_problem(err, name)) from None
     except MissingConfigException as err:
         yaml_err = _yaml_file_problem(config_dir, name)
         if yaml_err is not None:
