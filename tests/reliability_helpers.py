@@ -7,8 +7,6 @@ import hashlib
 import shlex
 from pathlib import Path
 
-from tests.test_reliability_errors import Done
-
 REPO = Path(__file__).resolve().parents[1]
 
 # the demo recipe, two tiny stages of two steps, a checkpoint after every step
@@ -18,6 +16,13 @@ TINY = [
     "stages.sparse.steps=2", "stages.sparse.global_batch_size=2", "stages.sparse.topk=16",
     "stages.sparse.warmup_steps=1", "checkpoint.every_n_steps=1", "checkpoint.export=false",
 ]
+
+
+class Done:
+    """What `dsa-train ARGS` in this process left: exit code and output (like CompletedProcess)."""
+
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
 
 
 def tree_hash(*roots: Path) -> dict[str, str]:

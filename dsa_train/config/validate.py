@@ -179,6 +179,37 @@ def check_output_paths(cfg: TrainConfig) -> None:
                     "pass through a file")
 
 
+def _tokenizer_json(spec) -> "Path | None":
+    """The tokenizer.json `data.tokenizer` names (None / "bundled": the bundled one), if it exists.
+    (dsa_train.data.tokenizer resolves it the same way; not imported here: config must not import data.)"""
+    from pathlib import Path
+
+    if spec in (None, "bundled"):
+        return Path(__file__).resolve().parents[1] / "assets" / "tokenizer" / "tokenizer.json"
+    path = Path(str(spec)).expanduser()
+    path = path / "tokenizer.json" if path.is_dir() else path
+    return path if path.is_file() and path.suffix == ".json" else None
+
+
+def _token_ids(tokenizer_json) -> tuple[str, int] | None:
+    """(canonical JSON of what decides the ids: model incl. vocabulary and merges, added tokens,
+    normalizer, pre-tokenizer; vocabulary size) of a tokenizer.json, None if unreadable."""
+    import json
+
+    try:
+        data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    model = data.get("model") or {}
+    vocab = model.get("vocab") or {}
+    ids = set(vocab.values()) if isinstance(vocab, dict) else set(range(len(vocab)))
+    ids |= {t.get("id") for t in data.get("added_tokens") or [] if isinstance(t, dict)}
+    key = {k: data.get(k) for k in ("model", "added_tokens", "normalizer", "pre_tokenizer")}
+    return json.dumps(key, sort_keys=True, ensure_ascii=False), len(ids)
+
+
 def check_tokenizer_identity(cfg: TrainConfig) -> None:
     """data.tokenizer against model.pretrained's own tokenizer.json, by content (not by size: a
     tokenizer with the same vocabulary size and other ids trains without an error, on data the model
@@ -189,24 +220,16 @@ def check_tokenizer_identity(cfg: TrainConfig) -> None:
     if cfg.model.pretrained is None or cfg.data.allow_tokenizer_mismatch:
         return
     own = Path(cfg.model.pretrained).expanduser() / "tokenizer.json"
-    if not own.is_file():
-        return
-    from dsa_train.data.tokenizer import load_tokenizer, resolve_tokenizer_json
-
-    try:
-        data_json = resolve_tokenizer_json(cfg.data.tokenizer)
-    except Exception:  # noqa: BLE001 -- a missing data.tokenizer is reported where it is loaded
+    data_json = _tokenizer_json(cfg.data.tokenizer)
+    if not own.is_file() or data_json is None:  # a missing data.tokenizer is reported where it is loaded
         return
     if data_json.resolve() == own.resolve() or data_json.read_bytes() == own.read_bytes():
         return
-    try:
-        mine, theirs = load_tokenizer(data_json), load_tokenizer(own)
-    except Exception:  # noqa: BLE001 -- an unreadable tokenizer is reported where it is loaded
+    mine, theirs = _token_ids(data_json), _token_ids(own)
+    if mine is None or theirs is None or mine[0] == theirs[0]:
         return
-    if mine.content_hash == theirs.content_hash:
-        return
-    size = (f"the same vocabulary size ({mine.vocab_size}) but other ids" if mine.vocab_size == theirs.vocab_size
-            else f"vocabulary {mine.vocab_size} vs {theirs.vocab_size}")
+    size = (f"the same vocabulary size ({mine[1]}) but other ids" if mine[1] == theirs[1]
+            else f"vocabulary {mine[1]} vs {theirs[1]}")
     which = "data.tokenizer" if cfg.data.tokenizer not in (None, "bundled") else "data.tokenizer (null: the bundled one)"
     problem(f"{which}: {data_json} is not the tokenizer of model.pretrained ({own}): {size}, so the model would read "
             f"the data as other tokens — set data.tokenizer={cfg.model.pretrained} (the checkpoint's own), or "
