@@ -366,6 +366,13 @@ def test_gpu_session_rehearsal_installs_the_wheel_offline_and_trains(tmp_path):
     status = {c["name"]: (c["status"], c["summary"]) for c in report["checks"]}
     for name in ("end-to-end.train_kill_resume", "end-to-end.throughput", "nccl.ep2"):
         assert status[name][0] == "pass", (name, status[name])
+    # the checks' own outcomes in detail (the only CPU runs of them in the suite)
+    from tests.test_gpu_check_e2e import assert_small_cpu_outcomes
+
+    unpacked = tmp_path / "unpacked"
+    with tarfile.open(session_out / "reports.tar.gz") as tar:
+        tar.extractall(unpacked, filter="data")
+    assert_small_cpu_outcomes(report, unpacked / "reports" / "e2e")
     assert f"{site}/dsa_train/__init__.py" in (session_out / "session.log").read_text()  # the import step's print
     with tarfile.open(session_out / "reports.tar.gz") as tar:
         members = tar.getnames()
