@@ -330,6 +330,7 @@ def test_occupancy_limits():
     assert occupancy(32, 4, 120 * 1024, 90) == dict(ctas=1, warps=4, limit="shared")
 
 
+@pytest.mark.integration  # the gate reports come from compile_report subprocesses
 def test_gluon_forward_is_in_the_gate_on_hopper_under_both_tritons(gate_reports):
     """Issue 31: the Gluon sparse MLA forward (FlashMLA's schedule: a cp.async producer warp group and
     two wgmma consumer warp groups, setmaxnreg) is compiled for sm_90a under the oldest and the newest
