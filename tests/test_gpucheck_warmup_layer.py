@@ -26,6 +26,7 @@ def test_warmup_layer_speed_cpu_form(monkeypatch):
     assert out.metrics["step_over_sdpa_fwd"] > 0 and "SDPA fwd" in out.summary
 
 
+@pytest.mark.integration
 def test_warmup_checks_are_listed():
     names = {c.name for c in speed.checks(Options())} | {c.name for c in correctness.checks(Options())}
     assert {"speed.warmup_layer", "correctness.warmup_attention.T4096", "correctness.warmup_attention.cp.T16384",

@@ -96,6 +96,7 @@ def test_eval_suggests_an_export_command_that_exists(tmp_path, capsys):
     assert command[:3] == ["dsa-train", "export", str(run_dir)] and "--out" not in command
 
 
+@pytest.mark.integration
 # ------------------------------------------------------------------ signals and temporary files at start-up
 def test_sigterm_during_start_up_is_one_line_and_leaves_no_temporary_folder(tmp_path, capsys, monkeypatch):
     """SIGTERM while the data cache is being built (before any step): exit 75 with one line, the
@@ -275,6 +276,7 @@ def test_a_mistyped_key_inside_a_recipe_file_names_it_with_a_suggestion(tmp_path
     assert run(capsys, "--config-dir", str(tmp_path), "--config-name", "mine", "--cfg", "job").returncode == 0
 
 
+@pytest.mark.integration
 def test_a_nan_stop_gives_fixes_that_work(tmp_path, capsys, monkeypatch):
     """fault_tolerance.nonfinite=stop at a NaN step: one line, exit 2; the fixes it names work:
     resuming with nonfinite=skip (a resume applies it), and the export its lr fix starts from."""

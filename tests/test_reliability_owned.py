@@ -74,6 +74,7 @@ def test_prepare_data_never_replaces_a_folder_it_did_not_write(corpus, tmp_path,
     assert tree_hash(empty) == before
 
 
+@pytest.mark.integration
 def test_prepare_data_removes_its_temporary_folder_and_a_stale_one(corpus, tmp_path, capsys, monkeypatch):
     """A failure half-way (a source that is not JSON lines) leaves no `.OUT.tmp-<pid>`; the
     temporary folder of a killed run (its pid gone) is removed at the next start."""
@@ -98,6 +99,7 @@ def _fake_previous_run(run_dir: Path) -> None:
     (run_dir / "metrics.jsonl").write_text("{}\n")
 
 
+@pytest.mark.integration
 def test_a_run_refused_for_a_locked_run_dir_changes_nothing_there(tmp_path, capsys):
     run_dir = tmp_path / "run"
     _fake_previous_run(run_dir)
@@ -144,6 +146,7 @@ def trained(trained_once, tmp_path):
     return run_dir
 
 
+@pytest.mark.integration
 def test_the_run_writes_hydra_files_and_log_once_it_goes_ahead(trained):
     saved = (trained / ".hydra" / "config.yaml").read_text()
     assert "topk: 16" in saved and "stages.sparse.topk=16" in (trained / ".hydra" / "overrides.yaml").read_text()
@@ -151,6 +154,7 @@ def test_the_run_writes_hydra_files_and_log_once_it_goes_ahead(trained):
     assert "stage sparse" in (trained / "train.log").read_text()
 
 
+@pytest.mark.integration
 def test_a_run_refused_for_a_recipe_change_changes_nothing_and_its_fix_works(trained, capsys, tmp_path):
     before = tree_hash(trained)
     done = run(capsys, f"run_dir={trained}", *TINY, "stages.sparse.topk=8")
@@ -191,6 +195,7 @@ def test_export_never_writes_into_a_folder_of_the_users(trained, capsys, tmp_pat
     assert run(capsys, "export", str(trained), str(out)).returncode == 0
 
 
+@pytest.mark.integration
 def test_a_finished_run_without_its_export_says_how_to_write_it_and_that_works(trained, capsys):
     """A rerun of a finished run whose end-of-run export is missing (stopped during it, or
     checkpoint.export=false) gives the export command; once run, the message points at the export."""

@@ -196,7 +196,7 @@ class MLA(nn.Module):
                     q_idx, k_idx, w_idx, self.heads.gather(q.detach()), self.heads.gather(k.detach()), self.scale,
                     doc_start, lse_main=self.heads.gather(lse.detach()),
                 )
-                self._record_kl(aux, kl, stats["kl_uniform"], B * T_loc)
+                record_kl(aux, kl, stats["kl_uniform"], B * T_loc)
             return self.o_proj(out.reshape(B, T_loc, -1)), aux
 
         q_abs, kv = self.mqa_qkv(q_nope, q_rope, latent, k_rope)
@@ -209,9 +209,9 @@ class MLA(nn.Module):
                     q_idx, k_idx_all, w_idx, topk_indices, self.heads.gather(q_abs.detach()), kv_all.detach(),
                     self.heads.gather(lse.detach()), self.scale,
                 )
-                self._record_kl(aux, kl, stats["kl_uniform"], B * T_loc)
+                record_kl(aux, kl, stats["kl_uniform"], B * T_loc)
             if request.recall_queries is not None:
-                self._record_recall(aux, q_abs.detach(), kv_all.detach(), topk_indices, doc_start, request, cp)
+                record_topk_recall(aux, self.scale, q_abs.detach(), kv_all.detach(), topk_indices, doc_start, request, cp)
             if request.return_topk:
                 aux.topk_indices = topk_indices
         elif cp is None:
@@ -221,7 +221,7 @@ class MLA(nn.Module):
                     q_idx, k_idx, w_idx, self.heads.gather(q_abs.detach()), kv.detach()[:, :, None, :], self.scale,
                     doc_start, lse_main=self.heads.gather(lse.detach()),
                 )
-                self._record_kl(aux, kl, stats["kl_uniform"], B * T_loc)
+                record_kl(aux, kl, stats["kl_uniform"], B * T_loc)
         else:
             out_latent = self._dense_at_positions(aux, request, q_abs, kv_all, q_idx if request.indexer_loss else None,
                                                   k_idx_all if request.indexer_loss else None,
@@ -281,7 +281,7 @@ class MLA(nn.Module):
                                      use_reentrant=False)
             else:
                 kl, klu = self._frozen_kl(x, lse_heads, cos, sin, doc_start, request, held, [])
-            self._record_kl(aux, kl, klu, B * T_loc)
+            record_kl(aux, kl, klu, B * T_loc)
         return out, aux
 
     def _frozen_kl_inputs(self, x, cos, sin, request):
@@ -320,7 +320,7 @@ class MLA(nn.Module):
             return kl, stats["kl_uniform"]
         k_idx_all = cp.gather(k_idx)
         if not use_triton(q_idx, k_idx_all, w_idx, q_main, k_main):
-            return self._kl_at_positions(q_idx, k_idx_all, w_idx, q_main, lse_heads, k_main, doc_start, cp.positions)
+            return kl_at_positions(self.scale, q_idx, k_idx_all, w_idx, q_main, lse_heads, k_main, doc_start, cp.positions)
         # the dense KL kernel per run of queries at its offset, over the gathered keys (MQA form)
         kl, klu = None, 0.0
         for i, (j0, a, n) in enumerate(cp_runs(cp, doc_start.shape[1])):
@@ -333,28 +333,6 @@ class MLA(nn.Module):
             kl = value if kl is None else kl + value
             klu = klu + stats["kl_uniform"]
         return kl, klu
-
-    def _kl_at_positions(self, q_idx, k_idx_all, w_idx, q_heads, lse_heads, kv_all, doc_start, positions):
-        """Eq. 3 for queries at global `positions` over every visible key, one query chunk at a time
-        (the sparse KL over `visible_key_indices`, each chunk's index list built inside a checkpoint)."""
-        from torch.utils.checkpoint import checkpoint
-
-        Tq, T = q_idx.shape[1], kv_all.shape[1]
-        chunk = max(1, DENSE_CHUNK_ELEMS // max(T * q_idx.shape[0], 1))
-
-        def kl(qi, ki, wi, qm, lse, pos, kv):
-            idx = visible_key_indices(doc_start, pos)
-            value, stats = K.sparse_indexer_kl(qi, ki, wi, idx, qm, kv, lse, self.scale)
-            return value, stats["kl_uniform"]
-
-        kl_total, klu_total = None, 0.0
-        for q0 in range(0, Tq, chunk):
-            sl = slice(q0, q0 + chunk)
-            value, klu = checkpoint(kl, q_idx[:, sl], k_idx_all, w_idx[:, sl], q_heads[:, sl], lse_heads[:, sl],
-                                    positions[sl], kv_all, use_reentrant=False)
-            kl_total = value if kl_total is None else kl_total + value
-            klu_total = klu_total + klu
-        return kl_total, klu_total
 
     def _dense_at_positions(self, aux, request, q_abs, kv_all, q_idx, k_idx_all, w_idx, doc_start, positions):
         """Dense attention (and eq. 3) for queries at global `positions` [T_loc] over the whole
@@ -395,37 +373,8 @@ class MLA(nn.Module):
                 kl_total = value if kl_total is None else kl_total + value
                 klu_total = klu_total + klu
         if request.indexer_loss:
-            self._record_kl(aux, kl_total, klu_total, q_abs.shape[0] * Tq)
+            record_kl(aux, kl_total, klu_total, q_abs.shape[0] * Tq)
         return torch.cat(outs, dim=1)
-
-    def _record_recall(self, aux, q_abs, kv_all, topk_indices, doc_start, request, cp) -> None:
-        """Top-k recall of the dense attention mass at the sampled query positions this rank holds."""
-        if cp is None:
-            local, positions = request.recall_queries, request.recall_queries
-        else:
-            held = torch.isin(cp.positions, request.recall_queries.to(cp.positions.device))
-            local = torch.nonzero(held).flatten()
-            positions = cp.positions[local]
-        total = q_abs.new_zeros((), dtype=torch.float32)
-        B = q_abs.shape[0]
-        # local / positions are host tensors without context parallelism (request.recall_queries)
-        for j, t in zip(local.tolist(), positions.tolist()):
-            # query t alone over keys [0, t]: broadcast views (no copies) put it at position t
-            q_t = q_abs[:, j : j + 1].expand(B, t + 1, *q_abs.shape[2:])
-            idx_t = topk_indices[:, j : j + 1].expand(B, t + 1, topk_indices.shape[-1])
-            recall = K.dense_mass_recall(q_t, kv_all[:, : t + 1], idx_t, self.scale, doc_start[:, : t + 1],
-                                         torch.full((1,), t, dtype=torch.long, device=q_abs.device))
-            total = total + recall.float() * B
-        aux.topk_recall_sum = total
-        aux.topk_recall_count = float(B * len(local))
-
-    @staticmethod
-    def _record_kl(aux: AttentionAux, kl_sum: torch.Tensor, kl_uniform_sum: torch.Tensor, queries: int) -> None:
-        """kl_sum / kl_uniform_sum stay on the device; queries (B x T_loc, the kernels' "queries"
-        stat) is known from the shapes."""
-        aux.indexer_kl_sum = kl_sum
-        aux.indexer_kl_uniform_sum = kl_uniform_sum
-        aux.indexer_queries = float(queries)
 
 
 # index-list elements per query chunk of dense attention at given positions (env override for tests)
@@ -460,3 +409,56 @@ def select_topk(q_idx, k_idx_all, w_idx, doc_start, topk: int, cp=None) -> torch
     int32 (-1 = empty). q_idx [B, T_loc, H_I, d_I], k_idx_all [B, T, d_I], w_idx [B, T_loc, H_I]."""
     positions = None if cp is None else cp.positions
     return K.indexer_topk(q_idx, k_idx_all, w_idx, doc_start, topk, query_positions=positions)[0]
+
+
+# ---- helpers of MLA.forward (module level: the class stays one screenful of methods)
+def kl_at_positions(scale: float, q_idx, k_idx_all, w_idx, q_heads, lse_heads, kv_all, doc_start, positions):
+    """Eq. 3 for queries at global `positions` over every visible key, one query chunk at a time
+    (the sparse KL over `visible_key_indices`, each chunk's index list built inside a checkpoint)."""
+    from torch.utils.checkpoint import checkpoint
+
+    Tq, T = q_idx.shape[1], kv_all.shape[1]
+    chunk = max(1, DENSE_CHUNK_ELEMS // max(T * q_idx.shape[0], 1))
+
+    def kl(qi, ki, wi, qm, lse, pos, kv):
+        idx = visible_key_indices(doc_start, pos)
+        value, stats = K.sparse_indexer_kl(qi, ki, wi, idx, qm, kv, lse, scale)
+        return value, stats["kl_uniform"]
+
+    kl_total, klu_total = None, 0.0
+    for q0 in range(0, Tq, chunk):
+        sl = slice(q0, q0 + chunk)
+        value, klu = checkpoint(kl, q_idx[:, sl], k_idx_all, w_idx[:, sl], q_heads[:, sl], lse_heads[:, sl],
+                                positions[sl], kv_all, use_reentrant=False)
+        kl_total = value if kl_total is None else kl_total + value
+        klu_total = klu_total + klu
+    return kl_total, klu_total
+
+
+def record_topk_recall(aux, scale: float, q_abs, kv_all, topk_indices, doc_start, request, cp) -> None:
+    """Top-k recall of the dense attention mass at the sampled query positions this rank holds."""
+    if cp is None:
+        local, positions = request.recall_queries, request.recall_queries
+    else:
+        held = torch.isin(cp.positions, request.recall_queries.to(cp.positions.device))
+        local = torch.nonzero(held).flatten()
+        positions = cp.positions[local]
+    total = q_abs.new_zeros((), dtype=torch.float32)
+    B = q_abs.shape[0]
+    # local / positions are host tensors without context parallelism (request.recall_queries)
+    for j, t in zip(local.tolist(), positions.tolist()):
+        # query t alone over keys [0, t]: broadcast views (no copies) put it at position t
+        q_t = q_abs[:, j : j + 1].expand(B, t + 1, *q_abs.shape[2:])
+        idx_t = topk_indices[:, j : j + 1].expand(B, t + 1, topk_indices.shape[-1])
+        recall = K.dense_mass_recall(q_t, kv_all[:, : t + 1], idx_t, scale, doc_start[:, : t + 1],
+                                     torch.full((1,), t, dtype=torch.long, device=q_abs.device))
+        total = total + recall.float() * B
+    aux.topk_recall_sum = total
+    aux.topk_recall_count = float(B * len(local))
+
+def record_kl(aux: AttentionAux, kl_sum: torch.Tensor, kl_uniform_sum: torch.Tensor, queries: int) -> None:
+    """kl_sum / kl_uniform_sum stay on the device; queries (B x T_loc, the kernels' "queries"
+    stat) is known from the shapes."""
+    aux.indexer_kl_sum = kl_sum
+    aux.indexer_kl_uniform_sum = kl_uniform_sum
+    aux.indexer_queries = float(queries)
