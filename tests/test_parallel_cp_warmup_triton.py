@@ -9,6 +9,7 @@ import pytest
 from tests.helpers import launch_selftest
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_context_parallel_2_dense_warmup_triton_kernels(tmp_path, monkeypatch):
     monkeypatch.setenv("DSA_KERNELS", "triton")
