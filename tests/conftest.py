@@ -78,6 +78,26 @@ def _restore_deterministic_mode():
         torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
+@pytest.fixture(autouse=True)
+def _restore_root_logging():
+    """A command run in-process (`dsa-train checkpoint ...`, Hydra's job logging) installs root
+    handlers on the sys.stdout/sys.stderr of that moment: under capsys a stream closed when its
+    test ends, so a later test's warning printed "--- Logging error ---" with a traceback into the
+    stderr it checks. Put the root logger back as it was after every test."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in root.handlers:
+        if handler not in handlers:
+            root.removeHandler(handler)
+    for handler in handlers:
+        if handler not in root.handlers:
+            root.addHandler(handler)
+    root.setLevel(level)
+
+
 # ------------------------------------------------------------------------------ tiers and budget
 def pytest_addoption(parser):
     parser.addoption("--durations-file", default=None, metavar="PATH",
