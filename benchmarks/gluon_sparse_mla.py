@@ -10,9 +10,7 @@ each tile's PV waited for; "gluon-pv": PV in flight under the next tile's logits
 is compared with the Triton forward on every row (out: max |a - b| / max |b|; lse: max |a - b|, the
 -inf rows equal) and both with the fp32 PyTorch reference (`sparse_mla_ref`) on 32 rows (the first
 rows, with few or no valid slots, and the last ones); then timed with CUDA events (median of 5 after
-2 warm-ups). Last, at the largest T only, the EXPERIMENTAL "gluon-fm" (`gluon_fwd_fm.py`: FlashMLA's alternating key tiles per warp
-group; in no autotuning space), compared and timed the same way. At the largest T two timing
-diagnostics of "gluon" come before it (outputs not compared):
+2 warm-ups). At the largest T, two timing diagnostics of "gluon" (outputs not compared):
 without the producer's copies (compute and synchronization only) and without the consumers' math
 (the gather and synchronization only). TFLOPS = 2 pairs H (D + d_v) / time, pairs = sum over rows of min(k, visible keys)
 (docs/gpu-check.md's convention). A config that fails to compile or launch is a row with its error,
@@ -172,30 +170,6 @@ def _child(args) -> int:
                 except Exception as err:
                     emit(kind="diagnostic", config=f"gluon ({what})", **base,
                          error=f"{type(err).__name__}: {str(err)[-300:]}")
-        # EXPERIMENTAL (`gluon_fwd_fm.py`: FlashMLA's alternating key tiles, in no autotuning space;
-        # spills under both Tritons): at the largest T only, last, so that a hang here costs no other row
-        if why is None and T == max(args.T) and time.time() <= deadline - 5:
-            try:
-                from dsa_kernels.ops.sparse_mla.gluon_fwd_fm import plan_fwd_gluon_fm
-
-                g_out = torch.empty((1, T, d.H, d.D_V), dtype=q.dtype, device=dev)
-                g_lse = torch.empty((1, T, d.H), dtype=torch.float32, device=dev)
-                grid = SM.plan_fwd(q, kv, idx, n_slots, g_out, g_lse, scale, d.D_V, GLUON_CONFIGS[0]).grid
-                launch = plan_fwd_gluon_fm(q, kv, idx, n_slots, g_out, g_lse, scale, d.D_V, grid)
-                t0 = time.time()
-                launch.run()
-                sync()
-                row = dict(first_call_s=round(time.time() - t0, 1),
-                           nan=bool(torch.isnan(g_out).any() or torch.isnan(g_lse).any()),
-                           out_err_vs_triton=rel(g_out, t_out), lse_err_vs_triton=lse_err(g_lse, t_lse),
-                           ref_out_err=rel(g_out[:, rows], r_out), ref_lse_err=lse_err(g_lse[:, rows], r_lse),
-                           verify_pass=SM.fwd_outputs_close(g_out.float(), t_out.float(), g_lse, t_lse))
-                del g_out, g_lse
-                ms = time_ms(launch.run)
-                emit(kind="experimental", config="gluon-fm", **base, ms=round(ms, 3),
-                     tflops=round(flops / ms / 1e9, 1), **row)
-            except Exception as err:
-                emit(kind="experimental", config="gluon-fm", **base, error=f"{type(err).__name__}: {str(err)[-400:]}")
         del q, kv, idx, t_out, t_lse
         if cuda:
             torch.cuda.empty_cache()

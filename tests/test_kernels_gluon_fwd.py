@@ -311,20 +311,3 @@ def test_gpu_check_runs_each_gluon_config_against_the_reference(monkeypatch):
     assert calls == ["gluon", "gluon-pv"]
     assert res["lse_gluon"]["ok"] and not res["out_gluon"]["ok"]
     assert not res["out_gluon-pv"]["ok"] and "out of resource" in res["out_gluon-pv"]["note"]
-
-
-def test_experimental_alternating_kernel_is_in_no_space():
-    """`gluon_fwd_fm.py` (FlashMLA's alternating key tiles, benchmark-only): in no forward space of any
-    architecture or Triton, its launch planned like the others' (12 warps under maxnreg 168)."""
-    from dsa_kernels.ops.sparse_mla import gluon_fwd_fm as FM
-
-    for cap in (80, 90, 100):
-        for version in ("3.6.0", "3.9.0"):
-            assert all(c[0] != "gluon-fm" for c in SM.fwd_config_space(cap, version))
-    q, kv, idx = _meta(T=8)
-    out = torch.empty(1, 8, 128, 512, dtype=q.dtype, device="meta")
-    lse = torch.empty(1, 8, 128, dtype=torch.float32, device="meta")
-    ns = torch.empty(1, 8, dtype=torch.int32, device="meta")
-    launch = FM.plan_fwd_gluon_fm(q, kv, idx, ns, out, lse, 0.04, 512, (16, 1))
-    assert launch.options() == {"num_warps": 4, "maxnreg": 168}
-    assert 168 * 12 * 32 <= 65536 and 2 * FM.CONSUMER_REGS * 128 + G.PRODUCER_REGS * 128 <= 168 * 384
