@@ -10,8 +10,9 @@ model nor the kernels; `dsa_train.from_pretrained` imports `dsa_train.checkpoint
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from dsa_train.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -34,13 +35,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from dsa_train.model import DSAConfig, DSAForCausalLM, DSAOutput, tiny_config
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

@@ -8,10 +8,11 @@ also a submodule's name, which Python sets on the package when any module import
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 from dsa_train.config.validate import ConfigError, ParallelSizes, resolve_sizes, validate
+from dsa_train.lazy import lazy_exports
+# ConfigError, ParallelSizes, resolve_sizes, validate
 
 # module -> the names it defines that this package re-exports
 _MODULES = {
@@ -34,13 +35,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from dsa_train.config.store import register_configs
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)
