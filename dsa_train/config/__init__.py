@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 from dsa_train.config.validate import ConfigError, ParallelSizes, resolve_sizes, validate
 from dsa_train.lazy import lazy_exports
-# ConfigError, ParallelSizes, resolve_sizes, validate
 
 # module -> the names it defines that this package re-exports
 _MODULES = {
