@@ -31,6 +31,7 @@ from .errors import CheckpointError
 from .fp8 import SCALE_SUFFIX, is_quantized_in_reference, quantize_fp8_blocks, scale_shape
 from .hf_layout import CONFIG_FILE, INDEX_FILE
 from .shard_writer import ShardWriter, Spec
+from ..tempdirs import remove_dead_temporaries
 
 KEEP_FP32 = STORED_FP32  # the dtype policy (dsa_train/model/dtypes.py): as V3.2-Exp stores them
 # the demo tokenizer (dsa_train.data.tokenizer uses the same files; importing it would pull `datasets`)
@@ -206,21 +207,7 @@ def check_out(out: str | os.PathLike, src: str | os.PathLike | None = None) -> N
             f"OUT {shown} is a folder that is not a model directory ({len(entries)} entries: "
             f"{', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}); it is never written into; nothing was written",
             fix=f"pass a new or empty folder, e.g. {out_p.parent / (out_p.name + '-export')}")
-    if out_p.parent.is_dir():  # the temporary folder of an export that was killed
-        for stale in out_p.parent.glob(f".{out_p.name}.partial-*"):
-            pid = stale.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-                shutil.rmtree(stale, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    remove_dead_temporaries(out_p.parent, f".{out_p.name}.partial-")  # of an export that was killed
 
 
 def place(tmp: Path, out: Path) -> None:

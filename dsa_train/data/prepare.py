@@ -31,6 +31,7 @@ import numpy as np
 from dsa_train.data.packing import frame_document, num_rows
 from dsa_train.data.sources import DataSourceError, DocumentStats, iter_texts, load_documents
 from dsa_train.data.tokenizer import Tokenizer, load_tokenizer
+from dsa_train.tempdirs import remove_dead_temporaries
 
 class PreparedDataExists(DataSourceError, FileExistsError):
     """prepare-data would replace a prepared dataset without --overwrite."""
@@ -220,29 +221,12 @@ def _remove_prepared(out_dir: Path) -> None:
     out_dir.rmdir()  # fails (OSError) rather than delete anything prepare-data did not write
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_temporaries(out_dir: Path) -> list[Path]:
     """Temporary folders of earlier prepare-data runs for `out_dir` (`.<name>.tmp-<pid>`) whose
     process is gone (killed, or a machine restart): removed at the next start."""
-    removed = []
-    parent, prefix = out_dir.parent, tmp_prefix(out_dir)
-    if not parent.is_dir():
-        return removed
-    for p in parent.glob(prefix + "*"):
-        pid = p.name[len(prefix):]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
-            logging.getLogger(__name__).warning("prepare-data: removed %s, left by an interrupted run", p)
+    removed = remove_dead_temporaries(out_dir.parent, tmp_prefix(out_dir))
+    for p in removed:
+        logging.getLogger(__name__).warning("prepare-data: removed %s, left by an interrupted run", p)
     return removed
 
 
