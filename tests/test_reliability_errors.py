@@ -13,16 +13,8 @@ import pytest
 
 from dsa_train.config import load_recipe
 from dsa_train.engine.checkpoint import read_latest, verify_checkpoint
-
-REPO = Path(__file__).resolve().parents[1]
-
-# the demo recipe, two tiny stages of two steps, a checkpoint after every step
-TINY = [
-    "~stages.pretrain", "logging.wandb_mode=disabled", "logging.progress_bar=false", "data.seq_len=64",
-    "data.micro_batch_size=2", "probe_batches=0", "stages.warmup.steps=2", "stages.warmup.global_batch_size=2",
-    "stages.sparse.steps=2", "stages.sparse.global_batch_size=2", "stages.sparse.topk=16",
-    "stages.sparse.warmup_steps=1", "checkpoint.every_n_steps=1", "checkpoint.export=false",
-]
+from tests.reliability_helpers import REPO, TINY
+from tests.reliability_helpers import run as dsa_train
 
 
 def tiny(run_dir, *extra):
@@ -34,26 +26,6 @@ def cli(*args, env_extra=None, cwd=None, timeout=300):
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "-m", "dsa_train.cli", *args], env=env, cwd=cwd or REPO,
                           capture_output=True, text=True, timeout=timeout)
-
-
-class Done:
-    """What `dsa-train ARGS` in this process left: exit code and output (like CompletedProcess)."""
-
-    def __init__(self, returncode, stdout, stderr):
-        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
-
-
-def dsa_train(capsys, *args):
-    """`dsa-train ARGS` in this process (the console script's main: Hydra app, subcommands)."""
-    from dsa_train.cli import main
-
-    capsys.readouterr()
-    try:
-        code = main(list(args))
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
-    out, err = capsys.readouterr()
-    return Done(code, out, err)
 
 
 def assert_one_line(proc, *expected):
