@@ -170,6 +170,7 @@ def test_a_run_refused_for_a_recipe_change_changes_nothing_and_its_fix_works(tra
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+@pytest.mark.integration
 def test_export_takes_the_trained_recipe_from_the_checkpoint_not_hydra(trained, capsys, tmp_path):
     """`.hydra/` describes the last command run in the folder; the export's index_topk is the
     top-k the checkpoint trained with (its trainer_state.json), whatever `.hydra/` says."""
@@ -179,6 +180,7 @@ def test_export_takes_the_trained_recipe_from_the_checkpoint_not_hydra(trained, 
     assert json.loads((tmp_path / "exported" / "config.json").read_text())["index_topk"] == 16
 
 
+@pytest.mark.integration
 def test_export_never_writes_into_a_folder_of_the_users(trained, capsys, tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()
@@ -208,6 +210,7 @@ def test_a_finished_run_without_its_export_says_how_to_write_it_and_that_works(t
     assert f"model.pretrained={trained / 'export'}" in done.stdout and (trained / "export" / "config.json").is_file()
 
 
+@pytest.mark.integration
 def test_starting_from_the_export_of_a_run_that_has_not_exported_says_what_to_run(trained, capsys, tmp_path):
     """The sparse recipe started before the warm-up (model.pretrained = the warm-up's export): 'run
     that recipe first'; a run with checkpoints but no export: the export command, which works."""
