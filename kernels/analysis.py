@@ -158,7 +158,7 @@ def describe_dict(d: dict) -> str:
     anchor = d.get("anchor")
     if anchor:
         text += f"; {anchor['name']}: " + ", ".join(
-            f"{k.replace('_', ' ')} {mb(v) if 'bytes' in k else f'{v / 1e9:.2f} GF'}"
+            f"{k.replace('_', ' ')} {mb(v) if 'bytes' in k else f'{v:.3f}' if k.endswith('_over_useful') else f'{v / 1e9:.2f} GF'}"
             for k, v in anchor.items() if k != "name")
     return text
 
@@ -177,3 +177,12 @@ def as_dict(work: Work | None, peak: dict = H100, replication: float = 1.0) -> d
                               useful_tflops=round(est["useful_tflops"], 1),
                               note="roofline estimate from issued FLOPs (x warp-group replication) and bytes, "
                                    "not a measurement"))
+
+
+def budget_anchor(name: str, issued_flops: float, useful_flops: float, factor: float) -> dict:
+    """An `anchor` for a kernel whose design has a FLOP budget (issue 32's fused KL: the step's
+    issued FLOPs, every launch of it, at most `factor` x the useful FLOPs of one pass): the step's
+    issued FLOPs per token, the budget, and their ratio to the useful FLOPs (`issued_over_useful`,
+    printed in the text report as a plain number, not GF)."""
+    return dict(name=name, step_issued_flops=issued_flops, budget_flops=factor * useful_flops,
+                issued_over_useful=issued_flops / useful_flops)
