@@ -22,12 +22,13 @@ Schedule (`plan_fused_dense_kl`; two launches, the main scores formed once):
    a_j read back: dw (the program's own rows), dq_I += (w_j g [a_j > 0]) k_I (atomic adds into the
    program's own rows) and dk_I^T += q_I,j^T (w_j g [a_j > 0]) (M = d_I = 128, one atomic add per
    key tile). No [T, T] buffer: the scratch is per program (launches chunked so it stays <= 128 MB).
-   `STORE_A=False` recomputes a_j instead of reading it back (one more indexer product per pair).
+   Recomputing a_j instead of keeping it would issue one more indexer product per pair (1.33x in
+   the MHA form, over the budget below) and spilled 44 B under Triton 3.9 (sm_90a): not kept.
 
 Issued FLOPs per (query, key) pair (padding aside), the analysis column's formula:
-    fused = 2 H D  +  2 H_I d_I x (1 pre-pass + 1 scores + 2 gradients [+ 1 recompute, STORE_A=False])
+    fused = 2 H D  +  2 H_I d_I x (1 pre-pass + 1 scores + 2 gradients)
     one pass of the main scores plus the indexer's products (useful) = 2 (H D + 3 H_I d_I)
-MHA form (H = 128, D = 192, H_I = 64, d_I = 128): 1.17x (1.33x recomputing a_j); MQA (D = 576): 1.08x.
+MHA form (H = 128, D = 192, H_I = 64, d_I = 128): 1.17x; MQA (D = 576): 1.08x.
 The split path (`kernel.py`: statistics forward + gradient-only backward, two passes of the main
 scores, three under the dense-lse pass) issues 2 x (2 H D + 4 H_I d_I) over the step: 1.67x (MHA).
 
@@ -114,14 +115,14 @@ def _dense_kl_fused_kernel(
     stride_wib, stride_wit,
     stride_db,
     BLK0, T, Q0, N_KEYS, H, HI, scale_log2, inv_h,
-    D: tl.constexpr, DI: tl.constexpr, GRAD: tl.constexpr, STORE_A: tl.constexpr,
+    D: tl.constexpr, DI: tl.constexpr, GRAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DI: tl.constexpr,
 ):
     """Query rows of block BLK0 + program (positions Q0 + row) over key rows [0, N_KEYS): the KL
     value, KL to uniform and target mass of every row and, with GRAD, dq_I, dk_I (atomic adds), dw
     (read-modify-write of the program's own rows), from lse_I (LSEI, the pre-pass) and the main
     attention's lse (LSE2, log2 domain, [B, H, T]; +inf = a row without keys). SCR: this program's
-    [HI, BLOCK_M, BLOCK_N] scratch for the indexer's pre-ReLU tiles (STORE_A)."""
+    [HI, BLOCK_M, BLOCK_N] scratch for the indexer's pre-ReLU tiles (with GRAD)."""
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pid_m = BLK0 + pid
@@ -176,8 +177,7 @@ def _dense_kl_fused_kernel(
             wj = tl.load(WI + b * stride_wib + offs_m.to(tl.int64) * stride_wit + j, mask=mask_m, other=0.0)
             a = tl.dot(qi, tl.trans(ki))
             if GRAD:
-                if STORE_A:
-                    tl.store(scr + j * BLOCK_M * BLOCK_N + offs_tile, a.to(SCR.dtype.element_ty))
+                tl.store(scr + j * BLOCK_M * BLOCK_N + offs_tile, a.to(SCR.dtype.element_ty))
             sc += wj.to(tl.float32)[:, None] * tl.maximum(a, 0.0)
         sc = tl.where(valid, sc, float("-inf"))
         pos = p > 0
@@ -187,17 +187,13 @@ def _dense_kl_fused_kernel(
         n_valid += tl.sum(valid.to(tl.int32), 1)
         if GRAD:
             g = tl.where(valid, p_norm[:, None] * tl.exp(sc - lse_i[:, None]) - p, 0.0)  # dKL / dI
-            if STORE_A:
-                tl.debug_barrier()  # the scratch tiles, stored by other threads, are visible
+            tl.debug_barrier()  # the scratch tiles, stored by other threads, are visible
             dk_t = tl.zeros([BLOCK_DI, BLOCK_N], dtype=tl.float32)  # dk_I of the key tile, transposed
             for j in range(HI):
                 qi = tl.load(QI + b * stride_qib + offs_m[:, None].to(tl.int64) * stride_qit + j * stride_qih
                              + offs_di[None, :], mask=rows_mask, other=0.0)
                 wj = tl.load(WI + b * stride_wib + offs_m.to(tl.int64) * stride_wit + j, mask=mask_m, other=0.0)
-                if STORE_A:
-                    a = tl.load(scr + j * BLOCK_M * BLOCK_N + offs_tile).to(tl.float32)
-                else:
-                    a = tl.dot(qi, tl.trans(ki))
+                a = tl.load(scr + j * BLOCK_M * BLOCK_N + offs_tile).to(tl.float32)
                 dw_ptrs = DWI + (b * T + offs_m) * HI + j
                 dw_old = tl.load(dw_ptrs, mask=mask_m, other=0.0)
                 tl.store(dw_ptrs, dw_old + tl.sum(g * tl.maximum(a, 0.0), 1), mask=mask_m)
@@ -207,8 +203,7 @@ def _dense_kl_fused_kernel(
                 dk_t += tl.dot(tl.trans(qi), da, input_precision="ieee")
             tl.atomic_add(DKI + (b * N_KEYS + offs_n[None, :].to(tl.int64)) * DI + offs_di[:, None], dk_t,
                           mask=mask_n[None, :] & mask_di[:, None], sem="relaxed")
-            if STORE_A:
-                tl.debug_barrier()  # every thread has read the scratch before the next tile overwrites it
+            tl.debug_barrier()  # every thread has read the scratch before the next tile overwrites it
 
     has = n_valid > 0
     kl = tl.where(has, a_sum - b_sum + p_sum * lse_i, 0.0)
@@ -251,13 +246,12 @@ def fused_chunk_blocks(B: int, HI: int, blocks: dict) -> int:
 
 
 def plan_fused_dense_kl(qm, km, qi, ki, wi, ds, lse2, lse_i, scratch, kl, klu, p_sum, dq, dk, dw, scale: float,
-                        grad: bool, q0: int = 0, blk0: int = 0, n_blocks: int | None = None,
-                        store_a: bool = True) -> Launch:
+                        grad: bool, q0: int = 0, blk0: int = 0, n_blocks: int | None = None) -> Launch:
     """Query blocks [blk0, blk0 + n_blocks) of the T query rows (qm [B, T, H, D], qi, wi, lse2
     [B, H, T] log2 domain, lse_i [B, T] from `plan_indexer_lse`) at positions q0 + row over the N
     key rows (km [B, N, H or 1, D], ki [B, N, D_I], ds [B, N]) -> kl, klu, p_sum [B, T] and, with
     grad, dq [B, T, H_I, D_I], dk [B, N, D_I], dw [B, T, H_I] fp32 (zeroed: added to). scratch:
-    [B, n_blocks, H_I, BLOCK_M, BLOCK_N] in the compute dtype (read only with grad and store_a)."""
+    [B, n_blocks, H_I, BLOCK_M, BLOCK_N] in the compute dtype (used only with grad)."""
     B, T, H, D = qm.shape
     HI, DI = qi.shape[2], qi.shape[3]
     blocks = fused_blocks(T, D)
@@ -275,7 +269,7 @@ def plan_fused_dense_kl(qm, km, qi, ki, wi, ds, lse2, lse_i, scratch, kl, klu, p
             stride_wib=wi.stride(0), stride_wit=wi.stride(1),
             stride_db=ds.stride(0),
             BLK0=blk0, T=T, Q0=q0, N_KEYS=km.shape[1], H=H, HI=HI, scale_log2=scale * LOG2E, inv_h=1.0 / H,
-            D=D, DI=DI, GRAD=grad, STORE_A=store_a,
+            D=D, DI=DI, GRAD=grad,
             BLOCK_DI=pow2(DI), **blocks,
         ),
         num_warps=8, num_stages=1,
@@ -283,7 +277,7 @@ def plan_fused_dense_kl(qm, km, qi, ki, wi, ds, lse2, lse_i, scratch, kl, klu, p
 
 
 # ----------------------------------------------------------------------------- autograd
-def _fused_run(qi, ki, wi, qm, km, ds, lse2, lse_i, scale, need: bool, q_offset: int, store_a: bool = True):
+def _fused_run(qi, ki, wi, qm, km, ds, lse2, lse_i, scale, need: bool, q_offset: int):
     """-> kl [B, T], klu [B, T], p_sum [B, T] and, with need, (dq, dk, dw) fp32."""
     B, T, HI, DI = qi.shape
     N, dev = ki.shape[1], qi.device
@@ -299,14 +293,13 @@ def _fused_run(qi, ki, wi, qm, km, ds, lse2, lse_i, scale, need: bool, q_offset:
         return kl, klu, p_sum, ((dq, dk, dw) if need else ())
     blocks = fused_blocks(T, qm.shape[3])
     total = triton.cdiv(T, blocks["BLOCK_M"])
-    chunk = fused_chunk_blocks(B, HI, blocks) if need and store_a else total
-    use_scratch = need and store_a
+    chunk = fused_chunk_blocks(B, HI, blocks) if need else total
     scratch = (torch.empty((B, min(chunk, total), HI, blocks["BLOCK_M"], blocks["BLOCK_N"]), dtype=qi.dtype,
-                           device=dev) if use_scratch else kl)
+                           device=dev) if need else kl)
     for blk0 in range(0, total, chunk):
         n = min(chunk, total - blk0)
         plan_fused_dense_kl(qm, km, qi, ki, wi, ds, lse2, lse_i, scratch, kl, klu, p_sum, dq, dk, dw, scale, need,
-                            q_offset, blk0, n, store_a).run()
+                            q_offset, blk0, n).run()
     return kl, klu, p_sum, ((dq, dk, dw) if need else ())
 
 

@@ -41,13 +41,13 @@ def indexer_lse_work(launch) -> Work:
 
 def fused_kl_work(launch) -> Work:
     a = launch.args
-    T, H, HI, D, DI, grad, store_a = a["T"], a["H"], a["HI"], a["D"], a["DI"], a["GRAD"], a["STORE_A"]
+    T, H, HI, D, DI, grad = a["T"], a["H"], a["HI"], a["D"], a["DI"], a["GRAD"]
     bm, bn, bd, bdi = a["BLOCK_M"], a["BLOCK_N"], a["BLOCK_D"], a["BLOCK_DI"]
     blocks = causal_blocks(T, bm, bn)
     n_tiles = sum(t for _, t, _ in blocks)
     # per key tile: every main head's q k^T by BLOCK_D slices; per indexer head q_I k_I^T and, with
-    # the gradient, da k_I and q_I^T da (and q_I k_I^T again without the a_j scratch)
-    indexer_dots = 1 + grad * (2 + (not store_a))
+    # the gradient, da k_I and q_I^T da (q_I k_I^T is read back from the a_j scratch, not recomputed)
+    indexer_dots = 1 + 2 * grad
     issued = n_tiles * 2.0 * bm * bn * (H * bd * _tiles(D, bd) + indexer_dots * HI * bdi)
     e, e_i, e_w, e_l = a["QM"].element_size(), a["QI"].element_size(), a["WI"].element_size(), a["LSE2"].element_size()
     e_s = a["SCR"].element_size()
@@ -62,17 +62,17 @@ def fused_kl_work(launch) -> Work:
         e_dw = a["DWI"].element_size()
         # gradient loop per key tile and indexer head: q_I and w again, dw read-modify-write, dq_I
         # atomics of the rows; dk_I atomics of the tile's keys; the a_j scratch written and read back
-        reads += rows_tiles * HI * (DI * e_i + e_w + e_dw) + (n_tiles * HI * bm * bn * e_s if store_a else 0)
+        reads += rows_tiles * HI * (DI * e_i + e_w + e_dw) + n_tiles * HI * bm * bn * e_s
         writes += (rows_tiles * HI * (e_dw + DI * a["DQI"].element_size())
                    + sum(k for _, _, k in blocks) * DI * a["DKI"].element_size()
-                   + (n_tiles * HI * bm * bn * e_s if store_a else 0))
+                   + n_tiles * HI * bm * bn * e_s)
     useful = 2.0 * (H * D + HI * DI * (1 + 2 * grad)) * causal_keys_per_row(T)
     return Work(useful, issued / T, reads / T, writes / T)
 
 
 def fused_cases(config) -> list[KernelCase]:
     """The pre-pass, and the fused pass in both of MLA's forms (with the gradient: the training
-    path; MHA also without it, and with the a_j recompute instead of the scratch). `config(launch,
+    path; MHA also without it: the value alone, when no input needs a gradient). `config(launch,
     prefix)` names a case as `specs._config` does."""
     s = SHAPES_671B
     meta = dict(device="meta")
@@ -95,11 +95,9 @@ def fused_cases(config) -> list[KernelCase]:
         blocks = fused_blocks(T, D)
         n = fused_chunk_blocks(B, HI, blocks)  # the launcher's chunk of query blocks (its scratch)
         scratch = torch.empty(B, n, HI, blocks["BLOCK_M"], blocks["BLOCK_N"], dtype=torch.bfloat16, **meta)
-        variants = [("", True, True)] + ([("value-only ", False, True), ("recompute-a ", True, False)]
-                                         if form == "mha" else [])
-        for name, grad, store_a in variants:
+        for name, grad in [("", True)] + ([("value-only ", False)] if form == "mha" else []):
             launch = plan_fused_dense_kl(qm, km, qi, ki, wi, ds, lse2, rows, scratch, rows, rows, rows, dq, dk, dw,
-                                         D**-0.5, grad, blk0=0, n_blocks=n, store_a=store_a)
+                                         D**-0.5, grad, blk0=0, n_blocks=n)
             work = fused_kl_work(launch)
             if grad:
                 step = pre_work.issued_flops + work.issued_flops
