@@ -179,10 +179,13 @@ def as_dict(work: Work | None, peak: dict = H100, replication: float = 1.0) -> d
                                    "not a measurement"))
 
 
-def budget_anchor(name: str, issued_flops: float, useful_flops: float, factor: float) -> dict:
-    """An `anchor` for a kernel whose design has a FLOP budget (issue 32's fused KL: the step's
-    issued FLOPs, every launch of it, at most `factor` x the useful FLOPs of one pass): the step's
-    issued FLOPs per token, the budget, and their ratio to the useful FLOPs (`issued_over_useful`,
-    printed in the text report as a plain number, not GF)."""
-    return dict(name=name, step_issued_flops=issued_flops, budget_flops=factor * useful_flops,
-                issued_over_useful=issued_flops / useful_flops)
+def budget_anchor(name: str, parts: list, useful_flops: float, factor: float) -> dict:
+    """An `anchor` for a kernel that is one launch of a step with a FLOP budget (issue 32's fused
+    KL: the indexer-lse pre-pass + the fused pass, together at most `factor` x the useful FLOPs of
+    one pass): the step's issued FLOPs and bytes per token (the `Work`s of its launches, `parts`,
+    added), the budget, and the step's issued over useful FLOPs (`issued_over_useful`, printed as
+    a plain number)."""
+    issued = sum(w.issued_flops for w in parts)
+    return dict(name=name, issued_flops=issued, read_bytes=sum(w.read_bytes for w in parts),
+                write_bytes=sum(w.write_bytes for w in parts), budget_flops=factor * useful_flops,
+                issued_over_useful=issued / useful_flops)
