@@ -190,6 +190,44 @@ def test_fused_keeps_only_its_gradients_and_checkpoints_cleanly():
         torch.testing.assert_close(b, s_, rtol=0, atol=0)  # the backward scales the kept gradient by 1
 
 
+def test_an_offset_without_lse_fails_clearly():
+    qm, km, ds, _, qi, ki, wi = _inputs(1, 8, 2, 8, 2, 8, "mqa", seed=7)
+    with pytest.raises(ValueError, match=r"positions \[5, 8\) of 8 key rows need lse_main"):
+        dense_indexer_kl_fused(qi[:, 5:], ki, wi[:, 5:], qm[:, 5:], km, 0.3, ds, q_offset=5)
+
+
+def test_warmup_check_fails_when_the_fused_pass_disagrees(monkeypatch):
+    """gpu-check's `speed.warmup_layer` compares the fused KL with the split one before timing it
+    as a speed-up: a fused pass with a wrong gradient makes `_fused_kl_rows` report disagreement."""
+    from dsa_train.gpucheck import speed
+    from dsa_train.gpucheck.core import Options
+
+    monkeypatch.setenv("DSA_KERNELS", "triton")
+    qm, km, ds, lse, qi, ki, wi = _inputs(1, 9, 2, 8, 2, 8, "mha", seed=8)
+    qi, ki, wi = (x.requires_grad_() for x in (qi, ki, wi))
+    args = (qi, ki, wi, qm, km, 8**-0.5, ds)
+
+    def split():
+        return dense_indexer_kl_triton(*args, lse_main=lse)[0]
+
+    def attention():
+        return None, lse
+
+    opts = Options(device="cpu", small=True)
+    flops = {"kl fwd+bwd": 1.0, "layer step": 1.0}
+    good = speed._fused_kl_rows(speed.Table(opts, ""), opts, None, split, args, lse, flops, attention)
+    assert good["agree"], good
+    real = fused._FusedDenseKL.backward
+
+    def wrong(ctx, *grads):
+        dq, dk, dw, *rest = real(ctx, *grads)
+        return (dq, dk * 1.1, dw, *rest)
+
+    monkeypatch.setattr(fused._FusedDenseKL, "backward", staticmethod(wrong))
+    bad = speed._fused_kl_rows(speed.Table(opts, ""), opts, None, split, args, lse, flops, attention)
+    assert not bad["agree"] and bad["worst"].startswith("dk_I"), bad
+
+
 # ---------------------------------------------------------------- analysis column
 META = dict(device="meta")
 B_W, T_W, H_W, HI_W, DI_W = 2, 75, 3, 3, 20  # d_I padded to 32

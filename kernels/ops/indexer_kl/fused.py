@@ -357,6 +357,10 @@ def dense_indexer_kl_fused(q_idx, k_idx, w_idx, q_main, k_main, scale: float, do
     when passed back as `row_stats` (a checkpoint's recompute); p_sum is each row's target mass
     (1 up to rounding when lse_main is the attention's)."""
     B, T = q_idx.shape[:2]
+    N = k_idx.shape[1]
+    if lse_main is None and (q_offset != 0 or N != T):
+        raise ValueError(f"dense_indexer_kl_fused: queries at positions [{q_offset}, {q_offset + T}) of {N} key rows "
+                         f"need lse_main (the attention's log-sum-exp of those rows); pass it")
     lse_i_in = row_stats[0] if row_stats is not None else None
     kl, klu, lse_i, p_sum = _FusedDenseKL.apply(q_idx, k_idx, w_idx, q_main, k_main, doc_start, lse_main,
                                                 float(scale), int(q_offset), lse_i_in)
