@@ -19,6 +19,8 @@ pairs = the (query, key) pairs attended (sum over rows of min(k, visible keys); 
   sparse indexer KL bwd:            2 * pairs * (H * D_qk + 3 * H_I * d_I)   (both again, dq_I, dk_I)
   dense indexer KL fwd:              2 * pairs * (2 H * D_qk + H_I * d_I)    (the target's lse pass, statistics pass)
   dense indexer KL bwd:              2 * pairs * (H * D_qk + 3 * H_I * d_I)   (the gradient pass alone)
+  warm-up KL step (split or fused):  2 * pairs * (H * D_qk + 3 * H_I * d_I)   (the same count for both paths:
+                                     the rows compare times; the fused one issues 2*pairs*(H*D_qk + 4*H_I*d_I))
 The KL kernels keep no gradient between forward and backward: the sparse backward recomputes the
 value's pass; the dense one keeps each row's indexer logsumexp and target mass from the forward
 and runs only the gradient pass. The counts above include every product the kernels perform.
