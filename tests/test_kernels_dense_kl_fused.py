@@ -346,3 +346,32 @@ def test_the_fused_step_issues_at_most_1_3x_one_pass_at_the_671b_shapes():
         assert step < split
     assert ratios["mha"] <= 1.3 and ratios["mqa"] <= 1.3, ratios
     assert math.isclose(ratios["mha"], (128 * 192 + 4 * 64 * 128) / (128 * 192 + 3 * 64 * 128), rel_tol=1e-3)
+
+
+# ---------------------------------------------------------------- the model's warm-up step
+def test_model_warmup_step_on_the_fused_pass_equals_the_split_path(monkeypatch):
+    """The tiny model's dense warm-up step (main model frozen, eq. 3 on the Triton path under the
+    interpreter) with DSA_DENSE_KL=fused: loss, KL to uniform and every indexer gradient equal the
+    split path's, without recompute and under `recompute: full` (where the checkpoint's re-run
+    reuses the forward's lse_I: one pre-pass per layer, two fused passes)."""
+    from tests.test_model_warmup_step import _step, _tiny
+
+    monkeypatch.setenv("DSA_KERNELS", "triton")
+    model = _tiny()
+    n = len(model.main_layers())
+    loss_s, klu_s, grads_s = _step(model, "none", frozen=True)
+    monkeypatch.setenv("DSA_DENSE_KL", "fused")
+    launches = []
+    for name in ("plan_indexer_lse", "plan_fused_dense_kl"):
+        real = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, _real=real, _name=name, **k: launches.append(_name) or _real(*a, **k))
+    for recompute, want in (("none", {"plan_indexer_lse": n, "plan_fused_dense_kl": n}),
+                            ("full", {"plan_indexer_lse": n, "plan_fused_dense_kl": 2 * n})):
+        launches.clear()
+        loss_f, klu_f, grads_f = _step(model, recompute, frozen=True)
+        assert {k: launches.count(k) for k in want} == want, (recompute, launches)
+        torch.testing.assert_close(loss_f, loss_s, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(klu_f, klu_s, rtol=1e-5, atol=1e-6)
+        assert grads_f.keys() == grads_s.keys() and grads_s
+        for name in grads_s:
+            torch.testing.assert_close(grads_f[name], grads_s[name], rtol=1e-4, atol=1e-6, msg=name)
