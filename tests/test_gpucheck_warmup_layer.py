@@ -31,6 +31,7 @@ def test_warmup_layer_speed_cpu_form(monkeypatch):
     assert set(fused["relative_difference"]) == {"kl", "dq_I", "dk_I", "dw"}
     assert max(fused["relative_difference"].values()) < 1e-4  # fp32 under the interpreter
     assert out.metrics["fused_step_over_sdpa_fwd"] > 0 and "fused" in out.summary
+    assert "layer_memory_fused" in out.metrics and "layer_memory_fused_keep" in out.metrics
 
 
 @pytest.mark.integration

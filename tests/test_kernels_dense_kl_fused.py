@@ -151,7 +151,7 @@ def test_switch_selects_the_fused_pass(monkeypatch):
     assert calls
     torch.testing.assert_close(one, split, rtol=1e-5, atol=1e-5)
     monkeypatch.setenv("DSA_DENSE_KL", "fast")
-    with pytest.raises(ValueError, match="DSA_DENSE_KL must be split or fused; got 'fast'"):
+    with pytest.raises(ValueError, match="DSA_DENSE_KL must be one of split, fused, fused-keep; got .fast."):
         dense_indexer_kl_triton(qi, ki, wi, qm, km, D**-0.5, ds, lse_main=lse)
 
 
@@ -375,3 +375,26 @@ def test_model_warmup_step_on_the_fused_pass_equals_the_split_path(monkeypatch):
         assert grads_f.keys() == grads_s.keys() and grads_s
         for name in grads_s:
             torch.testing.assert_close(grads_f[name], grads_s[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_fused_keep_runs_one_fused_pass_per_layer_under_recompute(monkeypatch):
+    """DSA_DENSE_KL=fused-keep: the checkpoint's recompute takes the forward's gradients from
+    `row_stats` and launches nothing, so `recompute: full` runs one pre-pass and one fused pass per
+    layer, with the split path's loss and gradients."""
+    from tests.test_model_warmup_step import _step, _tiny
+
+    monkeypatch.setenv("DSA_KERNELS", "triton")
+    model = _tiny()
+    n = len(model.main_layers())
+    loss_s, klu_s, grads_s = _step(model, "none", frozen=True)
+    monkeypatch.setenv("DSA_DENSE_KL", "fused-keep")
+    launches = []
+    real = fused.plan_fused_dense_kl
+    monkeypatch.setattr(fused, "plan_fused_dense_kl", lambda *a, **k: launches.append(1) or real(*a, **k))
+    loss_f, klu_f, grads_f = _step(model, "full", frozen=True)
+    assert len(launches) == n, launches
+    torch.testing.assert_close(loss_f, loss_s, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(klu_f, klu_s, rtol=1e-5, atol=1e-6)
+    assert grads_f.keys() == grads_s.keys() and grads_s
+    for name in grads_s:
+        torch.testing.assert_close(grads_f[name], grads_s[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -193,7 +193,7 @@ def dense_indexer_kl_triton(q_idx, k_idx, w_idx, q_main, k_main, scale: float, d
                          f"{tuple(doc_start.shape)}" + ("; queries at an offset need lse_main" if shifted else ""))
     from .fused import dense_indexer_kl_fused, dense_kl_impl
 
-    if dense_kl_impl() == "fused":  # DSA_DENSE_KL=fused: value and gradients in one pass (`fused.py`)
+    if dense_kl_impl() != "split":  # DSA_DENSE_KL=fused(-keep): value and gradients in one pass (`fused.py`)
         return dense_indexer_kl_fused(q_idx, k_idx, w_idx, q_main, k_main, scale, doc_start, lse_main, q_offset,
                                       row_stats)
     lse_i, p_sum = row_stats if row_stats is not None else (None, None)

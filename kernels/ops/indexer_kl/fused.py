@@ -50,12 +50,19 @@ from .kernel import LOG2E, plan_dense_lse
 SCRATCH_ELEMS = 1 << 26  # elements of the per-program a_j scratch per launch (128 MB in bf16)
 
 
+DENSE_KL_IMPLS = ("split", "fused", "fused-keep")
+
+
 def dense_kl_impl() -> str:
-    """`DSA_DENSE_KL`: "split" (default: `kernel.py`'s statistics forward + gradient-only backward)
-    or "fused" (this module: value and gradients in one pass, unmeasured on a GPU)."""
+    """`DSA_DENSE_KL`: "split" (default: `kernel.py`'s statistics forward + gradient-only backward),
+    "fused" (this module: value and gradients in one pass, unmeasured on a GPU) or "fused-keep"
+    (the same, and a checkpoint's recompute reuses the forward's gradients, handed back through
+    `row_stats`, instead of running the fused pass again: one pass per step under `recompute` too,
+    for the gradients' memory, H_I d_I + d_I + H_I values per token in the inputs' dtypes, kept from
+    the forward to the backward)."""
     value = os.environ.get("DSA_DENSE_KL", "split").strip().lower()
-    if value not in ("split", "fused"):
-        raise ValueError(f"DSA_DENSE_KL must be split or fused; got {value!r}")
+    if value not in DENSE_KL_IMPLS:
+        raise ValueError(f"DSA_DENSE_KL must be one of {', '.join(DENSE_KL_IMPLS)}; got {value!r}")
     return value
 
 
@@ -309,12 +316,24 @@ class _FusedDenseKL(torch.autograd.Function):
     gradients are kept, in the inputs' dtypes, through `save_for_backward` and the backward only
     scales them by grad_output (non-reentrant checkpointing drops them and reruns the forward in
     the backward). lse_i_in: each row's indexer logsumexp from an earlier forward on the same
-    inputs (a checkpoint's recompute): the pre-pass is skipped."""
+    inputs (a checkpoint's recompute): the pre-pass is skipped. grads_in (dq_I, dk_I, dw from such
+    a forward's outputs): nothing runs, they are kept for the backward and the returned sums are
+    zeros (a recompute's outputs are discarded). Outputs: kl_sum, kl_uniform_sum, lse_i, p_sum and
+    the kept gradients (None without them)."""
 
     @staticmethod
-    def forward(ctx, q_idx, k_idx, w_idx, q_main, k_main, doc_start, lse_main, scale, q_offset=0, lse_i_in=None):
+    def forward(ctx, q_idx, k_idx, w_idx, q_main, k_main, doc_start, lse_main, scale, q_offset=0, lse_i_in=None,
+                dq_in=None, dk_in=None, dw_in=None):
         B, T = q_idx.shape[:2]
         H = q_main.shape[2]
+        ctx.need = any(ctx.needs_input_grad[:3])
+        if dq_in is not None:  # a recompute with the forward's gradients: nothing to compute
+            kept = tuple(g.detach() for g in (dq_in, dk_in, dw_in)) if ctx.need else ()
+            ctx.save_for_backward(*kept)
+            kl, klu = torch.zeros((), dtype=torch.float32, device=q_idx.device), torch.zeros((), device=q_idx.device)
+            lse_i, p_sum = lse_i_in.detach().clone(), torch.full_like(lse_i_in, float("nan"))  # p: not formed here
+            ctx.mark_non_differentiable(klu, lse_i, p_sum, *kept)
+            return kl, klu, lse_i, p_sum, *(kept or (None, None, None))
         cdt = compute_dtype("dense_indexer_kl", q_idx, k_idx, q_main, k_main)
         qi, ki = kernel_input(q_idx.detach(), cdt), kernel_input(k_idx.detach(), cdt)
         wi = w_idx.detach().float().contiguous()
@@ -334,20 +353,18 @@ class _FusedDenseKL(torch.autograd.Function):
             lse_i = torch.zeros((B, T), dtype=torch.float32, device=dev)
             if B * T > 0:
                 plan_indexer_lse(qi, ki, wi, ds, lse_i, q_offset).run()
-        need = any(ctx.needs_input_grad[:3])
-        kl, klu, p_sum, grads = _fused_run(qi, ki, wi, qm, km, ds, lse2, lse_i, scale, need, q_offset)
-        ctx.need = need
-        if need:
-            ctx.save_for_backward(*(g.to(x.dtype) for g, x in zip(grads, (q_idx, k_idx, w_idx))))
-        ctx.mark_non_differentiable(klu, lse_i, p_sum)
-        return kl.sum(), klu.sum(), lse_i, p_sum
+        kl, klu, p_sum, grads = _fused_run(qi, ki, wi, qm, km, ds, lse2, lse_i, scale, ctx.need, q_offset)
+        kept = tuple(g.to(x.dtype) for g, x in zip(grads, (q_idx, k_idx, w_idx)))
+        ctx.save_for_backward(*kept)
+        ctx.mark_non_differentiable(klu, lse_i, p_sum, *kept)
+        return kl.sum(), klu.sum(), lse_i, p_sum, *(kept or (None, None, None))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dkl, _dklu, _dlse_i, _dp_sum):
+    def backward(ctx, dkl, *_):
         if not ctx.need:
-            return (None,) * 10
-        return (*(g * dkl.to(g.dtype) for g in ctx.saved_tensors), None, None, None, None, None, None, None)
+            return (None,) * 13
+        return (*(g * dkl.to(g.dtype) for g in ctx.saved_tensors), *(None,) * 10)
 
 
 def dense_indexer_kl_fused(q_idx, k_idx, w_idx, q_main, k_main, scale: float, doc_start, lse_main=None,
@@ -355,15 +372,18 @@ def dense_indexer_kl_fused(q_idx, k_idx, w_idx, q_main, k_main, scale: float, do
     """The contract of `function.dense_indexer_kl_triton` (shapes, q_offset, row_stats) in one fused
     pass. stats["row_stats"] = (lse_i, p_sum) [B, T] fp32: lse_i (the pre-pass's) skips the pre-pass
     when passed back as `row_stats` (a checkpoint's recompute); p_sum is each row's target mass
-    (1 up to rounding when lse_main is the attention's)."""
+    (1 up to rounding when lse_main is the attention's). Under DSA_DENSE_KL=fused-keep it also holds
+    the gradients (dq_I, dk_I, dw), and passed back the recompute runs no kernel (its sums: zeros)."""
     B, T = q_idx.shape[:2]
     N = k_idx.shape[1]
     if lse_main is None and (q_offset != 0 or N != T):
         raise ValueError(f"dense_indexer_kl_fused: queries at positions [{q_offset}, {q_offset + T}) of {N} key rows "
                          f"need lse_main (the attention's log-sum-exp of those rows); pass it")
     lse_i_in = row_stats[0] if row_stats is not None else None
-    kl, klu, lse_i, p_sum = _FusedDenseKL.apply(q_idx, k_idx, w_idx, q_main, k_main, doc_start, lse_main,
-                                                float(scale), int(q_offset), lse_i_in)
+    grads_in = tuple(row_stats[2:5]) if row_stats is not None and len(row_stats) == 5 else (None, None, None)
+    kl, klu, lse_i, p_sum, *grads = _FusedDenseKL.apply(q_idx, k_idx, w_idx, q_main, k_main, doc_start, lse_main,
+                                                        float(scale), int(q_offset), lse_i_in, *grads_in)
+    keep = dense_kl_impl() == "fused-keep" and grads[0] is not None
     stats = {"kl": kl.detach(), "kl_uniform": klu.detach(), "queries": torch.tensor(float(B * T)),
-             "row_stats": (lse_i, p_sum)}
+             "row_stats": (lse_i, p_sum, *grads) if keep else (lse_i, p_sum)}
     return kl, stats
