@@ -33,7 +33,8 @@ The split path (`kernel.py`: statistics forward + gradient-only backward, two pa
 scores, three under the dense-lse pass) issues 2 x (2 H D + 4 H_I d_I) over the step: 1.67x (MHA).
 
 Unmeasured on a GPU: the split path stays the default; `DSA_DENSE_KL=fused` selects this one
-(`dense_kl_impl`), and `dsa-train gpu-check --only speed.warmup_layer` times both against SDPA.
+(`dense_kl_impl`; `fused-keep` also hands the gradients to a checkpoint's recompute, so it runs no
+KL), and `dsa-train gpu-check --only speed.warmup_layer` times both against SDPA.
 """
 
 from __future__ import annotations
