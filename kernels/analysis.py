@@ -158,7 +158,7 @@ def describe_dict(d: dict) -> str:
     anchor = d.get("anchor")
     if anchor:
         text += f"; {anchor['name']}: " + ", ".join(
-            f"{k.replace('_', ' ')} {mb(v) if 'bytes' in k else f'{v / 1e9:.2f} GF'}"
+            f"{k.replace('_', ' ')} {mb(v) if 'bytes' in k else f'{v:.3f}' if k.endswith('_over_useful') else f'{v / 1e9:.2f} GF'}"
             for k, v in anchor.items() if k != "name")
     return text
 
@@ -177,3 +177,15 @@ def as_dict(work: Work | None, peak: dict = H100, replication: float = 1.0) -> d
                               useful_tflops=round(est["useful_tflops"], 1),
                               note="roofline estimate from issued FLOPs (x warp-group replication) and bytes, "
                                    "not a measurement"))
+
+
+def budget_anchor(name: str, parts: list, useful_flops: float, factor: float) -> dict:
+    """An `anchor` for a kernel that is one launch of a step with a FLOP budget (issue 32's fused
+    KL: the indexer-lse pre-pass + the fused pass, together at most `factor` x the useful FLOPs of
+    one pass): the step's issued FLOPs and bytes per token (the `Work`s of its launches, `parts`,
+    added), the budget, and the step's issued over useful FLOPs (`issued_over_useful`, printed as
+    a plain number)."""
+    issued = sum(w.issued_flops for w in parts)
+    return dict(name=name, issued_flops=issued, read_bytes=sum(w.read_bytes for w in parts),
+                write_bytes=sum(w.write_bytes for w in parts), budget_flops=factor * useful_flops,
+                issued_over_useful=issued / useful_flops)

@@ -24,6 +24,14 @@ def test_warmup_layer_speed_cpu_form(monkeypatch):
     assert {("attention fwd", "ours"), ("kl fwd", "ours"), ("kl bwd", "ours"), ("layer step", "ours"),
             ("attention fwd", "PyTorch SDPA")} <= rows
     assert out.metrics["step_over_sdpa_fwd"] > 0 and "SDPA fwd" in out.summary
+    # issue 32 item 5: the fused KL timed beside the split one, and agreeing with it
+    assert {("kl fwd+bwd", "ours"), ("kl fwd+bwd", "fused"), ("layer step", "fused")} <= rows
+    fused = out.metrics["fused_vs_split"]
+    assert fused["agree"] and fused["ours_impl"] == "split", fused
+    assert set(fused["relative_difference"]) == {"kl", "dq_I", "dk_I", "dw"}
+    assert max(fused["relative_difference"].values()) < 1e-4  # fp32 under the interpreter
+    assert out.metrics["fused_step_over_sdpa_fwd"] > 0 and "fused" in out.summary
+    assert "layer_memory_fused" in out.metrics and "layer_memory_fused_keep" in out.metrics
 
 
 @pytest.mark.integration

@@ -33,7 +33,8 @@ def test_every_case_has_work():
     cases = registry.cases(OPS)
     kernels = {c.kernel_name for c in cases}
     assert kernels == {"_sparse_kl_target_kernel", "_sparse_kl_kernel", "_dense_lse_kernel", "_dense_kl_kernel",
-                       "_dense_attn_fwd_kernel", "_dense_attn_bwd_dkdv_kernel", "_dense_attn_bwd_dq_kernel"}
+                       "_dense_attn_fwd_kernel", "_dense_attn_bwd_dkdv_kernel", "_dense_attn_bwd_dq_kernel",
+                       "_indexer_lse_kernel", "_dense_kl_fused_kernel"}  # the last two: `fused.py`
     for c in cases:
         w = c.work
         assert w is not None, f"{c.op} {c.kernel_name}: no work"

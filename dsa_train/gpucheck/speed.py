@@ -19,6 +19,8 @@ pairs = the (query, key) pairs attended (sum over rows of min(k, visible keys); 
   sparse indexer KL bwd:            2 * pairs * (H * D_qk + 3 * H_I * d_I)   (both again, dq_I, dk_I)
   dense indexer KL fwd:              2 * pairs * (2 H * D_qk + H_I * d_I)    (the target's lse pass, statistics pass)
   dense indexer KL bwd:              2 * pairs * (H * D_qk + 3 * H_I * d_I)   (the gradient pass alone)
+  warm-up KL step (split or fused):  2 * pairs * (H * D_qk + 3 * H_I * d_I)   (the same count for both paths:
+                                     the rows compare times; the fused one issues 2*pairs*(H*D_qk + 4*H_I*d_I))
 The KL kernels keep no gradient between forward and backward: the sparse backward recomputes the
 value's pass; the dense one keeps each row's indexer logsumexp and target mass from the forward
 and runs only the gradient pass. The counts above include every product the kernels perform.
@@ -26,6 +28,8 @@ and runs only the gradient pass. The counts above include every product the kern
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 import time
 
@@ -474,9 +478,12 @@ def warmup_layer_speed(opts: Options) -> Outcome:
     attn_flops = 2 * pairs * H * (D + DV)
     kl_fwd = 2 * pairs * (H * D + d.H_I * d.D_I)
     kl_bwd = 2 * pairs * (H * D + 3 * d.H_I * d.D_I)
-    flops = {"attention fwd": attn_flops, "kl fwd": kl_fwd, "kl bwd": kl_bwd, "layer step": attn_flops + kl_fwd + kl_bwd}
+    flops = {"attention fwd": attn_flops, "kl fwd": kl_fwd, "kl bwd": kl_bwd, "layer step": attn_flops + kl_fwd + kl_bwd,
+             "kl fwd+bwd": kl_bwd}  # one KL step, either path: one pass of the main scores + the indexer's products
     table = Table(opts, "attention fwd 2*pairs*H*(D_qk+D_v); kl fwd 2*pairs*(H*D_qk + H_I*d_I) (target from the "
-                        "attention's lse); kl bwd 2*pairs*(H*D_qk + 3*H_I*d_I); layer step = their sum; "
+                        "attention's lse); kl bwd 2*pairs*(H*D_qk + 3*H_I*d_I); layer step = their sum; kl fwd+bwd "
+                        "(split and fused alike) 2*pairs*(H*D_qk + 3*H_I*d_I); the fused rows use the same counts "
+                        "as the split ones (their TFLOPS compare times, not work); "
                         f"pairs = T(T+1)/2 = {pairs}")
     table.add("attention fwd", "ours", _time_ms(attention, opts, reps), attn_flops)
     backend = library.LAST_BACKEND[0]  # the one that ran (efficient falls back to Triton if it raises)
@@ -484,6 +491,8 @@ def warmup_layer_speed(opts: Options) -> Outcome:
     table.add("kl fwd", "ours", kl_ms[0], kl_fwd)
     table.add("kl bwd", "ours", kl_ms[1], kl_bwd)
     table.add("layer step", "ours", _time_ms(step, opts, reps), flops["layer step"])
+    table.add("kl fwd+bwd", "ours", kl_ms[0] + kl_ms[1], flops["kl fwd+bwd"])  # the two medians above, added
+    fused = _fused_kl_rows(table, opts, reps, kl, (qi, ki, wi, q, k, scale, ds), lse, flops, attention)
 
     def sdpa(backend_name=None):
         def run():
@@ -518,13 +527,93 @@ def warmup_layer_speed(opts: Options) -> Outcome:
         outcome.metrics["step_over_sdpa_fwd"] = round(ratio, 3)
         outcome.metrics["goal_step_over_sdpa_fwd"] = 2.5
         outcome.summary += f"; layer step / SDPA fwd = {ratio:.3g} (goal <= 2.5)"
+        if ("layer step", "fused") in rows:
+            fused_ratio = rows[("layer step", "fused")]["ms"] / sdpa_row["ms"]
+            outcome.metrics["fused_step_over_sdpa_fwd"] = round(fused_ratio, 3)
+            outcome.summary += f", fused {fused_ratio:.3g}"
+    if fused is not None:
+        outcome.metrics["fused_vs_split"] = fused
+        if not fused["agree"]:  # a fused pass that computes something else is no speed-up
+            outcome.status = "fail"
+            outcome.summary = f"fused KL disagrees with the split path ({fused['worst']}); " + outcome.summary
     del qi, ki, wi, q, k, v, lse
     memory = _layer_memory(opts, T)
     outcome.metrics["layer_memory"] = memory
     if memory:
         outcome.summary += "; one layer kept fwd->bwd: " + ", ".join(
             f"{key.split('_mib_')[1]} {val:.0f} MiB" for key, val in memory.items() if key.startswith("kept"))
+    for impl in ("fused", "fused-keep") if fused is not None else ():
+        # the same layer on the fused KL (it keeps its gradients instead of its inputs; fused-keep also
+        # through the checkpoint, which then reruns no KL)
+        with _env("DSA_DENSE_KL", impl):
+            fused_memory = _layer_memory(opts, T)
+        outcome.metrics[f"layer_memory_{impl.replace('-', '_')}"] = fused_memory
+        if fused_memory:
+            outcome.summary += f"; {impl}: " + ", ".join(
+                f"{key.split('_mib_')[1]} {val:.0f} MiB" for key, val in fused_memory.items() if key.startswith("kept"))
     return outcome
+
+
+FUSED_AGREE = {"value": 1e-2, "grads": 3e-2}  # relative (gradients: L2), bf16 on a GPU; both paths' own contract is 1%
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def _fused_kl_rows(table, opts: Options, reps, kl, kl_args, lse, flops, attention) -> dict | None:
+    """Issue 32 item 5: the fused KL pass (`indexer_kl/fused.py`, `DSA_DENSE_KL=fused`) beside the
+    dispatched path ("ours": the split one unless DSA_DENSE_KL says otherwise; its "kl fwd+bwd" row
+    is its fwd and bwd medians added): one KL step (value and gradients; the fused forward forms the
+    gradients, its backward only scales them, so it is timed as one step), the layer step with the
+    fused KL, and how far its value and
+    gradients are from the dispatched path's -> {"agree", "worst", per-output relative
+    differences, "ours_impl"}; None (no rows) where the KL does not take the Triton path."""
+    from dsa_kernels._triton_common import use_triton
+    from dsa_kernels.ops.indexer_kl.fused import dense_indexer_kl_fused, dense_kl_impl
+
+    qi, ki, wi, q, k, scale, ds = kl_args
+    if not use_triton(qi, ki, wi, q, k):
+        return None
+    inputs = (qi, ki, wi)
+
+    def fused():
+        return dense_indexer_kl_fused(qi, ki, wi, q, k, scale, ds, lse_main=lse)[0]
+
+    def one_step(fn):
+        def run():
+            torch.autograd.grad(fn(), inputs)
+        return run
+
+    def step_fused():  # the frozen attention (its lse) + the fused KL, as `warmup_layer_speed`'s step
+        _, lse_s = attention()
+        value = dense_indexer_kl_fused(qi, ki, wi, q, k, scale, ds, lse_main=lse_s)[0]
+        torch.autograd.grad(value, inputs)
+
+    table.add("kl fwd+bwd", "fused", _time_ms(one_step(fused), opts, reps), flops["kl fwd+bwd"])
+    table.add("layer step", "fused", _time_ms(step_fused, opts, reps), flops["layer step"])
+    got, want = [], []
+    for fn, out in ((fused, got), (kl, want)):
+        value = fn()
+        out.extend([value.detach(), *torch.autograd.grad(value, inputs)])
+    diffs = {}
+    for name, g, w in zip(("kl", "dq_I", "dk_I", "dw"), got, want):
+        g, w = g.double(), w.double()
+        diffs[name] = float((g - w).norm() / w.norm().clamp_min(1e-30))
+    limits = {n: FUSED_AGREE["value" if n == "kl" else "grads"] for n in diffs}
+    worst = max(diffs, key=lambda n: diffs[n] / limits[n])
+    agree = all(diffs[n] <= limits[n] for n in diffs)
+    return {"agree": agree, "worst": f"{worst} {diffs[worst]:.2e} (limit {limits[worst]:.0e})",
+            "relative_difference": {n: float(f"{v:.3g}") for n, v in diffs.items()}, "ours_impl": dense_kl_impl()}
 
 
 def checks(opts: Options) -> list[Check]:
@@ -546,7 +635,7 @@ def checks(opts: Options) -> list[Check]:
                                                 f"SDPA (and FlashAttention if installed), chunked PyTorch; {how}",
               _budgeted(40, dense_attention_speed)),
         Check("speed.warmup_layer", "speed", f"T={T} MHA H={d.H_MHA} q/k {d.D_MHA} v {d.DV_MHA} H_I={d.H_I}; frozen "
-                                             f"attention fwd (library, lse) + KL fwd/bwd from its lse, vs SDPA's fwd; "
-                                             f"one layer's memory under checkpointing; {how}",
-              _budgeted(60, warmup_layer_speed)),
+                                             f"attention fwd (library, lse) + KL fwd/bwd from its lse, split and fused "
+                                             f"(DSA_DENSE_KL), vs SDPA's fwd; one layer's memory under checkpointing; {how}",
+              _budgeted(110, warmup_layer_speed)),
     ]

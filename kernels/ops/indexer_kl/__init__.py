@@ -16,7 +16,8 @@ Entry points (both -> (kl_sum, stats); kl_sum differentiable w.r.t. q_idx, k_idx
 Files: `reference.py` (PyTorch, the specification), `chunked.py` (eq. 4's memory-bounded
 autograd Function run on the CPU: gradients formed with the value, chunk by chunk), `kernel.py` (Triton kernels and their launch
 plans), `function.py` (the autograd Function and the Triton entry points), `specs.py` (the
-launches the compile report compiles at the 671B shapes).
+launches the compile report compiles at the 671B shapes), `fused.py` + `fused_specs.py` (eq. 3's
+value and gradients in one pass, selected by DSA_DENSE_KL=fused; its gate cases and analysis).
 """
 
 from ..._triton_common import use_triton as _use_triton

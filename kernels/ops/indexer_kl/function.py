@@ -191,6 +191,11 @@ def dense_indexer_kl_triton(q_idx, k_idx, w_idx, q_main, k_main, scale: float, d
                          f"the query rows at positions [{q_offset}, {q_offset + T}) of the key rows of k_idx "
                          f"{tuple(k_idx.shape)}, k_main {tuple(k_main.shape)} and doc_start "
                          f"{tuple(doc_start.shape)}" + ("; queries at an offset need lse_main" if shifted else ""))
+    from .fused import dense_indexer_kl_fused, dense_kl_impl
+
+    if dense_kl_impl() != "split":  # DSA_DENSE_KL=fused(-keep): value and gradients in one pass (`fused.py`)
+        return dense_indexer_kl_fused(q_idx, k_idx, w_idx, q_main, k_main, scale, doc_start, lse_main, q_offset,
+                                      row_stats)
     lse_i, p_sum = row_stats if row_stats is not None else (None, None)
     kl_sum, klu_sum, lse_i, p_sum = _DenseKL.apply(q_idx, k_idx, w_idx, q_main, k_main, doc_start, lse_main,
                                                    float(scale), int(q_offset), lse_i, p_sum)

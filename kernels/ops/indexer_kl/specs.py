@@ -71,7 +71,9 @@ def _dense():
             kl_launch = plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, kl, dq, dk, dw, D**-0.5, grad, stats=not grad)
             cases.append(KernelCase(_config(kl_launch, f"{form} {name} D={D} "), kl_launch,
                                     work=dense_kl_work(kl_launch)))
-    return cases
+    from .fused_specs import fused_cases  # the one-pass path (`fused.py`, DSA_DENSE_KL=fused)
+
+    return cases + fused_cases(_config)
 
 
 # ---- the analysis column (`dsa_kernels.analysis.Work`): per token, from each launch's block sizes ----
