@@ -379,7 +379,7 @@ def traced_plan(cfg, opts, plan: dict) -> dict:
         "traced_peak_bytes": traced["peak_total"], "planned_peak_bytes": int(stage["total_gib"] * GiB) - nccl,
         "planned_nccl_bytes": nccl, "gpu_memory_bytes": int(opts.gpu_gb * GiB), "traced": traced["peak"],
         "planned": planned, "layout": traced["layout"], "trace_seconds": round(traced["seconds"], 1),
-        "peak_at": traced["peak_at"], "fits": traced["peak_total"] + nccl <= opts.gpu_gb * GiB * opts.usable,
+        "peak_at": traced["peak_at"], "kernels": traced["kernels"], "kernel_ops": traced["kernel_ops"], "fits": traced["peak_total"] + nccl <= opts.gpu_gb * GiB * opts.usable,
         "micro_batches": stage["step_detail"]["micro_batches"], "traced_collective_calls": len(traced["collectives"]),
         "communication": comm,
         "planned_comm_bytes": sum(r["planned_bytes"] for r in comm), "traced_comm_bytes": sum(r["traced_bytes"] for r in comm),
@@ -388,13 +388,15 @@ def traced_plan(cfg, opts, plan: dict) -> dict:
 
 
 def format_trace(t: dict) -> str:
-    out = [f"trace: rank {t['rank']} of {t['world_size']}, stage {t['stage']}, one step "
+    out = [f"trace: rank {t['rank']} of {t['world_size']}, stage {t['stage']}, {t['kernels']} kernel path, one step "
            f"({t['trace_seconds']} s): peak {t['traced_peak_bytes'] / GiB:.2f} GiB traced, "
            f"{t['planned_peak_bytes'] / GiB:.2f} GiB planned (+ {t['planned_nccl_bytes'] / GiB:.2f} GiB NCCL buffers)"]
     for k in t["traced"]:
         plan = t["planned"].get(k)
         out.append(f"  {k:13s} traced {t['traced'][k] / GiB:8.3f} GiB   planned "
                    + (f"{plan / GiB:8.3f} GiB" if plan is not None else "       - (in gradients)"))
+    if t["kernel_ops"]:
+        out.append("  kernel ops traced (calls): " + ", ".join(f"{k.split('::')[-1]} {n}" for k, n in t["kernel_ops"].items()))
     out.append(f"communication per step ({t['traced_collective_calls']} collectives traced in one micro-batch and "
                f"the update; x {t['micro_batches']} micro-batches): {t['traced_comm_bytes'] / 1e9:.1f} GB traced, "
                f"{t['planned_comm_bytes'] / 1e9:.1f} GB planned; {t['traced_comm_s']:.1f} s traced, "
