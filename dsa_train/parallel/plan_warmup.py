@@ -23,8 +23,14 @@ and only the indexer and its KL carry a graph. Per token and layer, what runs on
                     scores (MHA form, d = 192, without CP; the shared 576-dim key under it) and the
                     indexer scores per causal key tile. FLOPs and bytes from the compile report's
                     analysis of the same launch (`indexer_kl.specs.dense_kl_work`: issued FLOPs,
-                    every load / store / atomic add), timed as max(FLOPs at the MFU, bytes at the
-                    HBM bandwidth): its dq_I atomics make it memory-bound at the 671B shapes.
+                    every load / store / atomic add; the shared 576-dim key of the CP form counted
+                    once per key tile, not once per head: its other heads' loads are L2 hits), timed
+                    as max(FLOPs at the MFU, bytes at the HBM bandwidth). At the 671B shapes the
+                    bytes decide (the per-head keys of the MHA form re-read per query block, the
+                    q / w re-reads and the dq_I atomics per key tile). Measured at T = 32K (MHA form)
+                    on an H200 (docs/gpu-check/NVIDIA-H200) the kernel took 1059 ms forward and
+                    2910 ms backward per layer where this bound gives 319 and 494 ms at the H200's
+                    4.8 TB/s: the figure is a lower bound on the KL's time, not a prediction.
 
 The old figure (`Stage.flops_per_token` with `kl_recomputes_main_scores`) counted a dense-lse pass,
 the KL forward and backward (x3 of the indexer scores) and a recompute of the main scores; it
@@ -42,6 +48,7 @@ def _kl_work(c, seq_len: int, cp: bool):
     import torch
 
     from dsa_kernels.ops.indexer_kl.kernel import plan_dense_kl
+    from dsa_kernels.ops.dense_attention.specs import causal_blocks
     from dsa_kernels.ops.indexer_kl.specs import dense_kl_work
 
     B, T, H, HI, DI = 1, seq_len, c.num_attention_heads, c.index_n_heads, c.index_head_dim
@@ -56,7 +63,12 @@ def _kl_work(c, seq_len: int, cp: bool):
     for name, grad in (("kl_stats", False), ("kl_grad", True)):
         launch = plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, kl, dq, dk, wi, D**-0.5, grad, stats=not grad)
         w = dense_kl_work(launch)
-        out[name] = (w.issued_flops, w.read_bytes + w.write_bytes)
+        hbm = w.read_bytes + w.write_bytes
+        if kh == 1:  # the shared key: loaded by every head's loop, from HBM once per tile (L2 serves the rest)
+            a = launch.args
+            loaded = sum(k for _, _, k in causal_blocks(T, a["BLOCK_M"], a["BLOCK_N"]))
+            hbm -= (H - 1) * D * km.element_size() * loaded / T
+        out[name] = (w.issued_flops, hbm)
     return out
 
 
