@@ -30,7 +30,8 @@ the per-category peak beside these figures, and every collective of the step bes
 communication (dsa_train.parallel.trace_comm); `--json` prints it as one JSON object on the last
 line.
 Step time: training FLOPs of the stage (`Stage.flops_per_token`, indexer included) at the given
-MFU, plus every kind of communication of the step (dsa_train.parallel.plan_comm: MoE all-to-all
+MFU -- for the dense warm-up, what its frozen path runs (`plan_warmup`: the KL kernel at
+max(FLOPs at the MFU, bytes at --hbm-tbps)) --, plus every kind of communication of the step (dsa_train.parallel.plan_comm: MoE all-to-all
 in the forward, the recompute and the backward; CP gathers; TP; the data-parallel gradient
 reduction, per micro-batch under ZeRO-2; ZeRO's parameter all-gather; the step's small
 all-reduces) at the EFFECTIVE bandwidths and latencies of the recipe's `cluster.network` (not

@@ -33,6 +33,11 @@ indexer KL): one fake dispatch each, whose fake implementation offers the loop's
 largest chunk; `MemoryTrace.chunk_workspace` runs that under a nested counter (once per distinct
 shapes) and adds its peak as a transient DSA buffer on top of what is live at the call.
 
+Kernel path: a `device: cuda` recipe is traced on the code a CUDA run executes
+(`dsa_kernels.custom_ops.trace_cuda_path`): the Triton autograd Functions and the library attention,
+their launchers torch custom ops whose fake implementations give the outputs' shapes and offer
+their transient working set like the chunk loops' (`kernel_path_of`; `kernels=` overrides it).
+
 The step's gradients: autograd produces each parameter's gradient in the model dtype; ZeRO's hook
 (`TracedZeroStep._reduce`) copies it into the fp32 bucket and frees it; the trace retags it as a
 gradient (also in the peak's breakdown when it was live at the peak). AdamW's moments exist from
