@@ -20,17 +20,9 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from dsa_kernels import custom_ops as C  # noqa: E402
-from dsa_kernels import doc_starts_from_position_ids  # noqa: E402
-from dsa_kernels.ops.dense_attention.kernel import doc_ends  # noqa: E402
-from dsa_kernels.ops.sparse_mla.kernel import slot_counts  # noqa: E402
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 B, T, H, D, DV, K, HI, DI = 1, 9, 2, 32, 16, 4, 2, 16
-
-
-def _doc_start(lengths=(4, 5)):
-    row = torch.cat([torch.arange(n) for n in lengths])
-    return doc_starts_from_position_ids(row.expand(B, -1).contiguous()).to(DEV)
 
 
 def _indices():
@@ -42,63 +34,18 @@ def _indices():
     return idx.to(DEV)
 
 
-def _inputs():
-    """Real inputs of every op (fp32: the interpreter's dtype), each op's argument tuple."""
-    torch.manual_seed(0)
-    r = lambda *s: torch.randn(*s, device=DEV)  # noqa: E731
-    q, kv, idx = r(B, T, H, D), r(B, T, D), _indices()
-    n_slots = slot_counts(idx, T)
-    scale = D**-0.5
-    out, lse = C.sparse_mla_fwd(q, kv, idx, n_slots, scale, DV)
-    ds = _doc_start()
-    ds32, de = ds.to(torch.int32).contiguous(), doc_ends(ds.to(torch.int32)).to(torch.int32).contiguous()
-    qa, ka, va = r(B, T, H, 16), r(B, T, H, 16), r(B, T, H, 8)
-    oa, la = C.dense_attention_fwd(qa, ka, va, ds32, 0.25)
-    qi, ki, wi = r(B, T, HI, DI), r(B, T, DI), torch.rand(B, T, HI, device=DEV)
-    qm, km = r(B, T, H, 16), r(B, T, H, 16)
-    lse2 = C.dense_kl_lse(qm, km, ds, 0.25)
-    _, _, lse_i, p_sum = C.dense_kl_stats(qi, ki, wi, qm, km, ds, lse2, 0.25, 0)
-    return {
-        "sparse_mla_fwd": (q, kv, idx, n_slots, scale, DV),
-        "sparse_mla_bwd": (q, kv, idx, n_slots, out, lse, r(B, T, H, DV), None, scale, DV),
-        "dense_attention_fwd": (qa, ka, va, ds32, 0.25),
-        "dense_attention_bwd": (qa, ka, va, oa, la, r(B, T, H, 8), ds32, de, 0.25),
-        "dense_kl_lse": (qm, km, ds, 0.25),
-        "dense_kl_stats": (qi, ki, wi, qm, km, ds, lse2, 0.25, 0),
-        "dense_kl_grads": (qi, ki, wi, qm, km, ds, lse2, 0.25, 0, lse_i, p_sum),
-        "sparse_kl_stats": (qi, ki, wi, idx, n_slots, q, kv, lse, scale),
-        "sparse_kl_grads": (qi, ki, wi, idx, n_slots, q, kv, lse, scale),
-        "indexer_topk": (qi, ki, wi, ds, 3, 0, None),
-        "attention_lse": (qa, ka, va, 0.25, ds),
-    }
-
-
-def _meta(x):
-    return [(tuple(t.shape), t.dtype) for t in (x if isinstance(x, (tuple, list)) else (x,))]
-
-
 def test_every_fake_gives_the_launchers_output_shapes_and_dtypes():
-    cases = _inputs()
-    assert set(cases) == {name.split("::")[1] for name in C.OPS}, "an op without a case here"
-    for name, args in cases.items():
-        fn = getattr(C, name)
-        real = fn(*args)  # real tensors: the launcher itself
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with mode:
-            fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-            fake = fn(*fake_args)  # fake tensors: the custom op and its fake implementation
-        assert _meta(fake) == _meta(real), (name, _meta(fake), _meta(real))
+    """Each op on real inputs (the launcher) and on fake ones (the custom op): the same outputs'
+    shapes and dtypes (`dsa_train.gpucheck.fakes`, also gpu-check's correctness.custom_op_fakes)."""
+    from dsa_train.gpucheck.core import Options
+    from dsa_train.gpucheck.fakes import compare_fakes, custom_op_fakes_check
 
-
-def test_topk_at_positions_fake_matches_the_launcher():
-    qi, ki, wi = torch.randn(B, 4, HI, DI, device=DEV), torch.randn(B, T, DI, device=DEV), torch.rand(B, 4, HI, device=DEV)
-    pos = torch.tensor([1, 2, 7, 8], device=DEV)
-    args = (qi, ki, wi, _doc_start(), 5, 0, pos)
-    real = C.indexer_topk(*args)
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        fake = C.indexer_topk(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
-    assert _meta(fake) == _meta(real) == [((B, 4, 5), torch.int32), ((B, 4, 5), torch.float32)]
+    res = compare_fakes(DEV)
+    assert {name.split("@")[0] for name in res} == {name.split("::")[1] for name in C.OPS}, "an op without a case"
+    for name, r in res.items():
+        assert r["ok"] and r["real"], (name, r)
+    assert res["indexer_topk@positions"]["fake"] == [((B, 4, 5), "int32"), ((B, 4, 5), "float32")]
+    assert custom_op_fakes_check(Options(device="cpu", small=True)).status == "pass"
 
 
 def _saved(fn, *args):
