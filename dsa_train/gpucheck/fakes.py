@@ -38,7 +38,7 @@ def op_cases(dev: str, dtype: torch.dtype = torch.float32) -> dict:
     with torch.no_grad():
         out, lse = C.sparse_mla_fwd(q, kv, idx, n_slots, scale, DV)
         ds32, de = ds.to(torch.int32).contiguous(), doc_ends(ds.to(torch.int32)).to(torch.int32).contiguous()
-        qa, ka, va = r(B, T, H, 16), r(B, T, H, 16), r(B, T, H, 8)
+        qa, ka, va = r(B, T, H, 16), r(B, T, H, 16), r(B, T, H, 16)
         oa, la = C.dense_attention_fwd(qa, ka, va, ds32, 0.25)
         qi, ki, wi = r(B, T, HI, DI), r(B, T, DI), torch.rand(B, T, HI, generator=g).to(dev)
         qm, km = r(B, T, H, 16), r(B, T, H, 16)
@@ -49,7 +49,7 @@ def op_cases(dev: str, dtype: torch.dtype = torch.float32) -> dict:
         "sparse_mla_fwd": (q, kv, idx, n_slots, scale, DV),
         "sparse_mla_bwd": (q, kv, idx, n_slots, out, lse, r(B, T, H, DV), None, scale, DV),
         "dense_attention_fwd": (qa, ka, va, ds32, 0.25),
-        "dense_attention_bwd": (qa, ka, va, oa, la, r(B, T, H, 8), ds32, de, 0.25),
+        "dense_attention_bwd": (qa, ka, va, oa, la, r(B, T, H, 16), ds32, de, 0.25),
         "dense_kl_lse": (qm, km, ds, 0.25),
         "dense_kl_stats": (qi, ki, wi, qm, km, ds, lse2, 0.25, 0),
         "dense_kl_grads": (qi, ki, wi, qm, km, ds, lse2, 0.25, 0, lse_i, p_sum),
