@@ -340,5 +340,4 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     """CUDA: torch's memory-efficient attention over the packed documents (Triton if it raises)."""
     from .ops.dense_attention.library import _library_or_triton
 
-    out, lse = _library_or_triton(q, k, v, scale, doc_start)
-    return out.contiguous(), lse.contiguous()
+    return _library_or_triton(q, k, v, scale, doc_start)
