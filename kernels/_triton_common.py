@@ -38,10 +38,21 @@ def kernel_mode() -> str:
     return mode
 
 
+# Set by `dsa_kernels.custom_ops.trace_cuda_path` (the memory trace, on fake tensors): the CUDA path
+# is taken whatever the tensors' device, and the input policies are the compiled path's.
+_TRACE_CUDA: contextvars.ContextVar[bool] = contextvars.ContextVar("dsa_trace_cuda_path", default=False)
+
+
+def cuda_path_traced() -> bool:
+    return _TRACE_CUDA.get()
+
+
 def use_triton(*tensors: torch.Tensor) -> bool:
     mode = kernel_mode()
     if mode == "ref":
         return False
+    if _TRACE_CUDA.get():
+        return True
     if mode == "triton":
         if not triton_importable():
             raise RuntimeError("DSA_KERNELS=triton but triton cannot be imported")
@@ -78,7 +89,7 @@ def target_capability(t: torch.Tensor) -> int:
 
 
 def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return os.environ.get("TRITON_INTERPRET", "0") == "1" and not _TRACE_CUDA.get()
 
 
 def pow2(n: int, minimum: int = 16) -> int:

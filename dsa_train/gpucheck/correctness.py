@@ -690,4 +690,9 @@ def checks(opts: Options) -> list[Check]:
               f"CP rank 1 of 4: {mid // 4} queries at their offsets over T={mid} keys, MQA H={d.H} D={d.D}; "
               f"KL rows + grads vs the whole-sequence kernel", dense_kl_cp_check(mid)),
     ]
+    from .fakes import custom_op_fakes_check  # the memory trace's stand-ins for the launchers (plan --trace)
+
+    out.append(Check("correctness.custom_op_fakes", "correctness",
+                     "T=9, every kernel custom op (dsa_kernels.custom_ops): fake outputs' shapes / dtypes == the "
+                     "launcher's", custom_op_fakes_check))
     return out

@@ -30,7 +30,8 @@ the per-category peak beside these figures, and every collective of the step bes
 communication (dsa_train.parallel.trace_comm); `--json` prints it as one JSON object on the last
 line.
 Step time: training FLOPs of the stage (`Stage.flops_per_token`, indexer included) at the given
-MFU, plus every kind of communication of the step (dsa_train.parallel.plan_comm: MoE all-to-all
+MFU -- for the dense warm-up, what its frozen path runs (`plan_warmup`: the KL kernel at
+max(FLOPs at the MFU, bytes at --hbm-tbps)) --, plus every kind of communication of the step (dsa_train.parallel.plan_comm: MoE all-to-all
 in the forward, the recompute and the backward; CP gathers; TP; the data-parallel gradient
 reduction, per micro-batch under ZeRO-2; ZeRO's parameter all-gather; the step's small
 all-reduces) at the EFFECTIVE bandwidths and latencies of the recipe's `cluster.network` (not
@@ -254,6 +255,15 @@ def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
     tokens = stage.config.global_batch_size * cfg.data.seq_len
     fpt = stage.flops_per_token(c, cfg.data.seq_len)
     compute = tokens * fpt / (sizes.world * opts.peak_tflops * 1e12 * opts.mfu)
+    warmup = None
+    if not main_trains and stage.attention == "dense":  # the frozen warm-up: what `MLA._forward_frozen` runs
+        from dsa_train.parallel.plan_warmup import warmup_compute_seconds, warmup_step_work
+
+        work = warmup_step_work(c, cfg.data.seq_len, sizes.context, cfg.parallel.recompute)
+        warmup = warmup_compute_seconds(work, tokens / sizes.world, opts.peak_tflops * 1e12, opts.mfu,
+                                        getattr(opts, "hbm_tbps", 3.35) * 1e12)
+        warmup.update(flops_per_token_before=fpt, compute_s_before=compute, kl_bytes_per_token=work["kl_bytes"])
+        fpt, compute = work["total_flops"], warmup["compute_s"]
     # what gets a gradient to reduce: the trainable parameters less the MTP layer's where it does not run
     reduced_dense, reduced_expert = t_dense, t_expert
     if main_trains and not stage.uses_mtp:
@@ -271,6 +281,8 @@ def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
     p.step_s = compute + comm
     p.step_detail = {"compute_s": compute, "communication_s": comm, "micro_batches": shape.micro_batches,
                      "flops_per_token": fpt, "tokens_per_step": tokens}
+    if warmup is not None:
+        p.step_detail["warmup"] = warmup
     for key, kinds in COMM_SUMMARY.items():
         p.step_detail[key] = sum(r["seconds"] for r in p.communication if r["kind"].startswith(kinds))
     return p
@@ -332,6 +344,13 @@ def format_plan(plan: dict) -> str:
                    f"{d['communication_s']:.1f} (MoE all-to-all {d['moe_all_to_all_s']:.1f}, gradients "
                    f"{d['grad_reduce_s']:.1f}, CP gather {d['cp_gather_s']:.2f}, TP {d['tp_s']:.1f}; not overlapped); "
                    f"{d['micro_batches']} micro-batches; {d['flops_per_token'] / 1e9:.1f} GFLOP/token")
+        if "warmup" in d:
+            w = d["warmup"]
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in w["parts_s"].items())
+            out.append(f"      warm-up compute as it runs (frozen main model, library attention, dense KL kernel): "
+                       f"{w['compute_s']:.1f} s, of which the KL {w['kl_s']:.1f} s ({w['kl_bound']}-bound, "
+                       f"{w['kl_bytes_per_token'] / 1e6:.1f} MB/token); at the MFU: {parts}; was "
+                       f"{w['compute_s_before']:.1f} s ({w['flops_per_token_before'] / 1e9:.1f} GFLOP/token)")
         out.append(f"      {'communication per step':33s} {'op':14s} {'group':>18s} {'calls':>7s} {'GB sent':>9s} "
                    f"{'seconds':>8s}")
         for r in s["communication"]:
@@ -349,6 +368,8 @@ def parse_opts(argv):
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100/H800 SXM: 989)")
     p.add_argument("--mfu", type=float, default=0.35)
     p.add_argument("--gpu-gb", type=float, default=80.0, help="GPU memory in GiB (an \"80 GB\" H100 reports 79.2 GiB)")
+    p.add_argument("--hbm-tbps", type=float, default=3.35,
+                   help="HBM bandwidth per GPU in TB/s (H100 SXM: 3.35; H200: 4.8): the warm-up KL kernel's bytes")
     p.add_argument("--usable", type=float, default=0.9, help="fraction of GPU memory the plan may use")
     p.add_argument("--net-gbps", type=float, default=None, help=argparse.SUPPRESS)  # gone: cluster.network
     p.add_argument("--world", type=int, default=None, help="ranks (default: cluster.nodes x procs/GPUs per node)")
@@ -379,7 +400,7 @@ def traced_plan(cfg, opts, plan: dict) -> dict:
         "traced_peak_bytes": traced["peak_total"], "planned_peak_bytes": int(stage["total_gib"] * GiB) - nccl,
         "planned_nccl_bytes": nccl, "gpu_memory_bytes": int(opts.gpu_gb * GiB), "traced": traced["peak"],
         "planned": planned, "layout": traced["layout"], "trace_seconds": round(traced["seconds"], 1),
-        "peak_at": traced["peak_at"], "fits": traced["peak_total"] + nccl <= opts.gpu_gb * GiB * opts.usable,
+        "peak_at": traced["peak_at"], "kernels": traced["kernels"], "kernel_ops": traced["kernel_ops"], "fits": traced["peak_total"] + nccl <= opts.gpu_gb * GiB * opts.usable,
         "micro_batches": stage["step_detail"]["micro_batches"], "traced_collective_calls": len(traced["collectives"]),
         "communication": comm,
         "planned_comm_bytes": sum(r["planned_bytes"] for r in comm), "traced_comm_bytes": sum(r["traced_bytes"] for r in comm),
@@ -388,13 +409,15 @@ def traced_plan(cfg, opts, plan: dict) -> dict:
 
 
 def format_trace(t: dict) -> str:
-    out = [f"trace: rank {t['rank']} of {t['world_size']}, stage {t['stage']}, one step "
+    out = [f"trace: rank {t['rank']} of {t['world_size']}, stage {t['stage']}, {t['kernels']} kernel path, one step "
            f"({t['trace_seconds']} s): peak {t['traced_peak_bytes'] / GiB:.2f} GiB traced, "
            f"{t['planned_peak_bytes'] / GiB:.2f} GiB planned (+ {t['planned_nccl_bytes'] / GiB:.2f} GiB NCCL buffers)"]
     for k in t["traced"]:
         plan = t["planned"].get(k)
         out.append(f"  {k:13s} traced {t['traced'][k] / GiB:8.3f} GiB   planned "
                    + (f"{plan / GiB:8.3f} GiB" if plan is not None else "       - (in gradients)"))
+    if t["kernel_ops"]:
+        out.append("  kernel ops traced (calls): " + ", ".join(f"{k.split('::')[-1]} {n}" for k, n in t["kernel_ops"].items()))
     out.append(f"communication per step ({t['traced_collective_calls']} collectives traced in one micro-batch and "
                f"the update; x {t['micro_batches']} micro-batches): {t['traced_comm_bytes'] / 1e9:.1f} GB traced, "
                f"{t['planned_comm_bytes'] / 1e9:.1f} GB planned; {t['traced_comm_s']:.1f} s traced, "

@@ -33,6 +33,11 @@ indexer KL): one fake dispatch each, whose fake implementation offers the loop's
 largest chunk; `MemoryTrace.chunk_workspace` runs that under a nested counter (once per distinct
 shapes) and adds its peak as a transient DSA buffer on top of what is live at the call.
 
+Kernel path: a `device: cuda` recipe is traced on the code a CUDA run executes
+(`dsa_kernels.custom_ops.trace_cuda_path`): the Triton autograd Functions and the library attention,
+their launchers torch custom ops whose fake implementations give the outputs' shapes and offer
+their transient working set like the chunk loops' (`kernel_path_of`; `kernels=` overrides it).
+
 The step's gradients: autograd produces each parameter's gradient in the model dtype; ZeRO's hook
 (`TracedZeroStep._reduce`) copies it into the fp32 bucket and frees it; the trace retags it as a
 gradient (also in the peak's breakdown when it was live at the peak). AdamW's moments exist from
@@ -77,6 +82,7 @@ class MemoryTrace(TorchDispatchMode):
         self.seq = 0  # allocation counter: live[k][2] is a storage's, peak_seq the peak's
         self.peak_seq = 0
         self._workspace_cache: dict[tuple, int] = {}
+        self.kernel_ops: dict[str, int] = defaultdict(int)  # dsa_kernels custom op -> calls
 
     # -------------------------------------------------------------- accounting
     @staticmethod
@@ -165,6 +171,8 @@ class MemoryTrace(TorchDispatchMode):
         if func in (aten.bincount.default,):
             return self._bincount(*args, **kwargs)
         self._transient = 0
+        if func.namespace == "dsa_kernels":
+            self.kernel_ops[func._schema.name] += 1
         out = func(*args, **kwargs)
         category = self._category_of_new(func)
         for t in _tensors(out):
@@ -374,11 +382,26 @@ def close_fake_world() -> None:
         dist.destroy_process_group()
 
 
-def trace_step(cfg, model_cfg, rank: int = 0, world: int | None = None, stage_name: str | None = None):
+def kernel_path_of(cfg, kernels: str | None = None) -> str:
+    """"cuda" (the Triton kernels and library attention, as custom ops with fake implementations:
+    `dsa_kernels.custom_ops`) or "cpu" (the PyTorch paths): the recipe's device's unless given."""
+    if kernels is not None:
+        if kernels not in ("cuda", "cpu"):
+            raise ValueError(f"kernels must be 'cuda' or 'cpu', got {kernels!r}")
+        return kernels
+    return "cpu" if getattr(cfg.device, "value", cfg.device) == "cpu" else "cuda"
+
+
+def trace_step(cfg, model_cfg, rank: int = 0, world: int | None = None, stage_name: str | None = None,
+               kernels: str | None = None):
     """Trace one step of `stage_name` (default: the recipe's last stage) on rank `rank` of the model
     `model_cfg` (a DSAConfig; the planner's `model_config_of(cfg)`); returns the per-category peak
-    in bytes and what was traced."""
+    in bytes and what was traced. `kernels`: the code path traced (`kernel_path_of`; default the
+    recipe device's: a CUDA recipe traces the Triton Functions, not the CPU references)."""
+    import contextlib
+
     from dsa_kernels.chunk_ops import workspace_listener
+    from dsa_kernels.custom_ops import trace_cuda_path
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from dsa_train.checkpoint.skeleton import empty_model
@@ -407,7 +430,9 @@ def trace_step(cfg, model_cfg, rank: int = 0, world: int | None = None, stage_na
         pb = torch.finfo(dtype).bits // 8
         reduce_dtype = torch.float32 if gradient_reduce_bytes(cfg.parallel.zero_stage, pb, cfg.optim.grad_accum_dtype) == 4 \
             else dtype
-        with fake, trace, workspace_listener(trace.chunk_workspace), recorder:
+        path = kernel_path_of(cfg, kernels)
+        on_cuda = trace_cuda_path() if path == "cuda" else contextlib.nullcontext()
+        with fake, trace, workspace_listener(trace.chunk_workspace), recorder, on_cuda:
             materialize(model, torch.device("cpu"), dtype)
             apply_dtype_policy(model, dtype)  # as the loader: model/dtypes.py
             for t in list(model.parameters()) + list(model.buffers()):
@@ -434,7 +459,8 @@ def trace_step(cfg, model_cfg, rank: int = 0, world: int | None = None, stage_na
             "peak": peak, "peak_total": int(trace.peak_total), "peak_at": trace.peak_where,
             "layout": {"tp": sizes.tensor, "cp": sizes.context, "ep": sizes.expert, "dp": sizes.data,
                        "zero": cfg.parallel.zero_stage, "recompute": cfg.parallel.recompute},
-            "seconds": time.perf_counter() - start, "collectives": recorder.calls,
+            "seconds": time.perf_counter() - start, "collectives": recorder.calls, "kernels": path,
+            "kernel_ops": dict(trace.kernel_ops),
         }
     finally:
         close_fake_world()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._triton_common import compute_dtype, kernel_input, row_dot
+from ..._triton_common import compute_dtype, kernel_input
 
 
 class DenseAttentionTritonFunction(torch.autograd.Function):
@@ -14,17 +14,15 @@ class DenseAttentionTritonFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scale, doc_start):
-        from .kernel import doc_ends, plan_fwd
+        from ...custom_ops import dense_attention_fwd
+        from .kernel import doc_ends
 
         B, T, H, _ = q.shape
         # fp32 inputs on the compiled path: computed in bf16 (fp32 dots would be TF32; one warning)
         cdt = compute_dtype("dense_attention", q, k, v)
         q_c, k_c, v_c = (kernel_input(x, cdt) for x in (q, k, v))
         ds = doc_start.to(torch.int32).contiguous()
-        out = torch.empty(B, T, H, v.shape[-1], dtype=q_c.dtype, device=q.device)
-        lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
-        if B * T * H > 0:
-            plan_fwd(q_c, k_c, v_c, ds, out, lse, scale).run()
+        out, lse = dense_attention_fwd(q_c, k_c, v_c, ds, scale)  # a custom op (`dsa_kernels.custom_ops`)
         de = doc_ends(ds).to(torch.int32).contiguous()
         ctx.save_for_backward(q_c, k_c, v_c, out, lse, ds, de)
         ctx.scale = scale
@@ -35,15 +33,12 @@ class DenseAttentionTritonFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, _grad_lse):
-        from .kernel import plan_bwd
+        from ...custom_ops import dense_attention_bwd
 
         q, k, v, out, lse, ds, de = ctx.saved_tensors
         dout = grad_out.to(q.dtype).contiguous()
-        delta = row_dot(dout, out, DELTA_CHUNK_ELEMS)  # [B, T, H] = rowsum(dO * O), fp32
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        if q.numel() > 0:
-            for launch in plan_bwd(q, k, v, dout, lse, delta, ds, de, dq, dk, dv, ctx.scale):
-                launch.run()
+        # rowsum(dO * O) (`row_dot`, DELTA_CHUNK_ELEMS) and the kernels, as one custom op
+        dq, dk, dv = dense_attention_bwd(q, k, v, out, lse, dout, ds, de, ctx.scale)
         return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None
 
 

@@ -32,7 +32,7 @@ import warnings
 import torch
 
 from ...chunk_ops import chunk_loop_op
-from ..._triton_common import kernel_mode
+from ..._triton_common import cuda_path_traced, kernel_mode
 from .reference import dense_attention_fwd_ref
 
 NEG_INF = float("-inf")
@@ -50,7 +50,7 @@ def backend_for(q: torch.Tensor) -> str:
     mode = kernel_mode()
     if mode == "ref" or forced == "reference":
         return "reference"
-    if q.is_cuda:
+    if q.is_cuda or cuda_path_traced():  # or the memory trace of the CUDA path (`dsa_kernels.custom_ops`)
         return forced or "efficient"
     return "triton" if mode == "triton" else "reference"
 
@@ -128,7 +128,9 @@ def attention_lse(q, k, v, scale: float, doc_start):
         if backend_for(q) == "reference" or not triton_supports(q, k, v):
             LAST_BACKEND[0] = "reference"
             return dense_attention_fwd_ref(q, k, v, scale, doc_start)
-        return _library_or_triton(q, k, v, scale, doc_start)
+        from ...custom_ops import attention_lse as attention_lse_op  # `_library_or_triton` as a custom op
+
+        return attention_lse_op(q, k, v, float(scale), doc_start)
 
 
 # ----------------------------------------------------------------------------- context-parallel rows

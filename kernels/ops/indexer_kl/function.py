@@ -9,7 +9,11 @@ import torch
 
 from ..._triton_common import check_indices, compute_dtype, kernel_input
 from ..sparse_mla.kernel import slot_counts
-from .kernel import LOG2E, TARGET_CHUNK_ELEMS, plan_dense_kl, plan_dense_lse, plan_sparse_kl, plan_sparse_kl_target
+from .kernel import LOG2E, TARGET_CHUNK_ELEMS, plan_dense_kl, plan_sparse_kl, plan_sparse_kl_target
+
+# the launchers below (`_dense_run`, `_sparse_run`, the lse pass) as custom ops: fake tensors (plan --trace) get
+# the outputs' shapes; real ones call the launchers directly (`dsa_kernels.custom_ops`)
+from ...custom_ops import dense_kl_grads, dense_kl_lse, dense_kl_stats, sparse_kl_grads, sparse_kl_stats
 
 
 def _grads_out(grads, dkl, dtypes):
@@ -35,7 +39,7 @@ class _SparseKL(torch.autograd.Function):
         qm, kvm = kernel_input(q_main.detach(), cdt), kernel_input(kv_main.detach(), cdt)
         lse = lse_main.detach().float().contiguous()
         n_slots = slot_counts(idx) if B * T > 0 else idx.new_zeros((B, T))
-        kl, klu, _ = _sparse_run(qi, ki, wi, idx, n_slots, qm, kvm, lse, scale, False)
+        kl, klu = sparse_kl_stats(qi, ki, wi, idx, n_slots, qm, kvm, lse, scale)  # `_sparse_run`, a custom op
         ctx.need = any(ctx.needs_input_grad[:3])
         if ctx.need:
             ctx.save_for_backward(qi, ki, wi, idx, n_slots, qm, kvm, lse)
@@ -49,7 +53,7 @@ class _SparseKL(torch.autograd.Function):
     def backward(ctx, dkl, _dklu):
         if not ctx.need:
             return (None,) * 8
-        _, _, grads = _sparse_run(*ctx.saved_tensors, ctx.scale, True)
+        grads = sparse_kl_grads(*ctx.saved_tensors, ctx.scale)
         return (*_grads_out(grads, dkl, ctx.dtypes), None, None, None, None, None)
 
 
@@ -97,9 +101,7 @@ class _DenseKL(torch.autograd.Function):
         qm, km = kernel_input(q_main.detach(), cdt), kernel_input(k_main.detach(), cdt)
         ds = doc_start.contiguous()
         if lse_main is None:
-            lse2 = torch.empty((B, H, T), dtype=torch.float32, device=q_idx.device)
-            if B * T > 0:
-                plan_dense_lse(qm, km, ds, lse2, scale).run()
+            lse2 = dense_kl_lse(qm, km, ds, scale)
         else:  # log2 domain, [B, H, T]; a row without keys -> +inf (p = 0), as the lse kernel writes
             lse2 = (lse_main.detach().float() * LOG2E).transpose(1, 2).contiguous()
             lse2 = lse2.masked_fill_(lse2 == float("-inf"), float("inf"))
@@ -108,9 +110,7 @@ class _DenseKL(torch.autograd.Function):
             kl = torch.zeros((), dtype=torch.float32, device=q_idx.device)
             klu = torch.zeros_like(kl)
         else:
-            row_stats = (torch.empty((B, T), dtype=torch.float32, device=q_idx.device),
-                         torch.empty((B, T), dtype=torch.float32, device=q_idx.device))
-            kl, klu, _ = _dense_run(qi, ki, wi, qm, km, ds, lse2, scale, False, q_offset, row_stats)
+            kl, klu, *row_stats = dense_kl_stats(qi, ki, wi, qm, km, ds, lse2, scale, q_offset)  # `_dense_run`
         ctx.need = any(ctx.needs_input_grad[:3])
         if ctx.need:  # each row's indexer logsumexp and target mass: the backward needs no statistics pass
             ctx.save_for_backward(qi, ki, wi, qm, km, ds, lse2, *row_stats)
@@ -126,7 +126,7 @@ class _DenseKL(torch.autograd.Function):
         if not ctx.need:
             return (None,) * 11
         qi, ki, wi, qm, km, ds, lse2, lse_i, p_sum = ctx.saved_tensors
-        _, _, grads = _dense_run(qi, ki, wi, qm, km, ds, lse2, ctx.scale, True, ctx.q_offset, (lse_i, p_sum))
+        grads = dense_kl_grads(qi, ki, wi, qm, km, ds, lse2, ctx.scale, ctx.q_offset, lse_i, p_sum)
         return (*_grads_out(grads, dkl, ctx.dtypes), None, None, None, None, None, None, None, None)
 
 

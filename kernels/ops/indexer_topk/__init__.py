@@ -49,9 +49,9 @@ def indexer_topk(q, k, w, doc_start, topk, chunk_size=None, query_positions=None
 
 def _indexer_topk(q, k, w, doc_start, topk, chunk_size, query_positions):
     if _use_triton(q, k, w):
-        from .kernel import indexer_topk_triton
+        from ...custom_ops import indexer_topk as indexer_topk_op  # `indexer_topk_triton` as a custom op
 
-        return indexer_topk_triton(q, k, w, doc_start, topk, chunk_size, query_positions=query_positions)
+        return indexer_topk_op(q, k, w, doc_start, topk, chunk_size or 0, query_positions)
     if query_positions is not None:  # the chunked reference as one torch op (`op.py`: one fake
         # dispatch instead of thousands under the memory trace's FakeTensorMode)
         return indexer_topk_at_positions_op(q, k, w, doc_start, topk, query_positions, chunk_size or 0)

@@ -7,7 +7,8 @@ import math
 import torch
 
 from ..._triton_common import check_indices, compute_dtype, kernel_input
-from .kernel import slot_counts, sparse_mla_bwd, sparse_mla_fwd
+from ...custom_ops import sparse_mla_bwd, sparse_mla_fwd  # the launchers as custom ops (fake tensors: plan --trace)
+from .kernel import slot_counts
 
 
 def kernel_inputs(q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
