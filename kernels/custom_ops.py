@@ -163,7 +163,7 @@ def _da_bwd_fake(q, k, v, out, lse, dout, doc_start, doc_end, scale):
 
 
 def _da_bwd_workspace(q, k, v, out, lse, dout, doc_start, doc_end, scale):
-    from .ops.dense_attention.function import DELTA_CHUNK_ELEMS
+    from .ops.dense_attention.kernel import DELTA_CHUNK_ELEMS
 
     B, T, H, Dv = out.shape
     delta = _f32(q, B, T, H)
@@ -178,7 +178,7 @@ def dense_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     """dq, dk, dv in q's / k's / v's shape and dtype (dout contiguous, in q's dtype)."""
     from dsa_kernels._triton_common import row_dot
 
-    from .ops.dense_attention.function import DELTA_CHUNK_ELEMS
+    from .ops.dense_attention.kernel import DELTA_CHUNK_ELEMS
     from .ops.dense_attention.kernel import plan_bwd
 
     delta = row_dot(dout, out, DELTA_CHUNK_ELEMS)  # [B, T, H] = rowsum(dO * O), fp32

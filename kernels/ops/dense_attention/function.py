@@ -42,8 +42,6 @@ class DenseAttentionTritonFunction(torch.autograd.Function):
         return dq.to(ctx.dtypes[0]), dk.to(ctx.dtypes[1]), dv.to(ctx.dtypes[2]), None, None
 
 
-DELTA_CHUNK_ELEMS = 1 << 24  # fp32 elements of the backward's rowsum(dO * O) temporary (64 MB; `row_dot`)
-
 
 def triton_supports(q, k, v) -> bool:
     """The Triton kernels take the MHA form (per-head k / v) with head dims up to 256 (MLA's

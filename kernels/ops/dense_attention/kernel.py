@@ -31,6 +31,9 @@ from ..._triton_common import Launch, interpreted, pow2
 LOG2E = 1.4426950408889634
 
 
+DELTA_CHUNK_ELEMS = 1 << 24  # fp32 elements of the backward's rowsum(dO * O) temporary (64 MB; `row_dot`)
+
+
 @triton.jit
 def _dense_attn_fwd_kernel(
     Q, K, V, DS, O, LSE,
