@@ -204,3 +204,26 @@ def test_recipe_key_is_validated():
         validate(load_recipe("demo", ["stages.warmup.index_scores=fp8"]))
     with pytest.raises(Exception, match="index_scores=fp9"):
         load_recipe("demo", ["stages.sparse.index_scores=fp9"])
+
+
+def test_eval_sparse_fp8_mode_selects_on_fp8_scores(monkeypatch):
+    from dsa_train.eval.run import EvalError, EvalOptions, check_options, mode_logits
+    from dsa_train.model import DSAForCausalLM, tiny_config
+
+    torch.manual_seed(0)
+    model = DSAForCausalLM(tiny_config(vocab_size=64))
+    check_options(EvalOptions(modes=["dense", "sparse_fp8"]))
+    with pytest.raises(EvalError, match="sparse_fp8"):
+        check_options(EvalOptions(modes=["sparse_fp9"]))
+    seen, real = [], K.indexer_topk
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("scoring", "bf16"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(K, "indexer_topk", spy)
+    ids = torch.randint(0, 64, (1, 20), generator=torch.Generator().manual_seed(1))
+    sparse = mode_logits(model, "sparse", 8, ids)
+    fp8 = mode_logits(model, "sparse_fp8", 8, ids, fp8_ue8m0=True)
+    assert seen == ["bf16"] * (len(seen) // 2) + ["fp8_ue8m0"] * (len(seen) // 2) and seen
+    assert fp8.shape == sparse.shape and torch.isfinite(fp8).all()
