@@ -227,3 +227,12 @@ def test_eval_sparse_fp8_mode_selects_on_fp8_scores(monkeypatch):
     fp8 = mode_logits(model, "sparse_fp8", 8, ids, fp8_ue8m0=True)
     assert seen == ["bf16"] * (len(seen) // 2) + ["fp8_ue8m0"] * (len(seen) // 2) and seen
     assert fp8.shape == sparse.shape and torch.isfinite(fp8).all()
+
+
+def test_quantizing_a_slice_of_tokens_at_a_time_is_the_same():
+    from dsa_kernels.ops.indexer_topk.fp8 import quantize_rows
+
+    x = torch.randn(2, 11, 3, 160, generator=torch.Generator().manual_seed(3))
+    whole = quantize_fp8_groups(x, ue8m0=True)
+    parts = quantize_rows(x, ue8m0=True, chunk_elems=2 * 3 * 160 * 4)  # 4 tokens at a time
+    assert all(torch.equal(a.float(), b.float()) for a, b in zip(whole, parts))

@@ -136,7 +136,8 @@ def fp8_topk_overlap(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, visible:
     """Top-k overlap between bf16 and FP8 (e4m3) index scoring of one query chunk -> [B, C]:
     |S_fp8 ∩ S_bf16| / |S_bf16|. q [B, C, H_I, D_I], k [B, T, D_I], w [B, C, H_I], visible [B, C, T]."""
     bf16 = indexer_scores(q.bfloat16().float(), k.bfloat16().float(), w, visible)
-    fp8 = indexer_scores(fp8_rounded(q, ue8m0), fp8_rounded(k, ue8m0), w, visible)
+    # inference quantizes its bf16 q_I / k_I: the FP8 side starts from the same bf16 values
+    fp8 = indexer_scores(fp8_rounded(q.bfloat16(), ue8m0), fp8_rounded(k.bfloat16(), ue8m0), w, visible)
     T = visible.shape[-1]
     return set_overlap(topk_from_scores(fp8, topk)[0], topk_from_scores(bf16, topk)[0], T)[0]
 

@@ -51,10 +51,30 @@ def fp8_emulated(x: torch.Tensor, ue8m0: bool = False) -> torch.Tensor:
     return dequantize_fp8_groups(*quantize_fp8_groups(x, FP8_GROUP, ue8m0))
 
 
-def quantize_index_inputs(q: torch.Tensor, k: torch.Tensor, ue8m0: bool = False):
-    """q_I [B, T, H, D], k_I [B, T, D] -> (q8, qs [B, T, H, G], k8, ks [B, T, G]), G = ceil(D / 128)."""
-    q8, qs = quantize_fp8_groups(q, FP8_GROUP, ue8m0)
-    k8, ks = quantize_fp8_groups(k, FP8_GROUP, ue8m0)
+QUANT_CHUNK_ELEMS = 1 << 26  # elements of x quantized at once (its fp32 temporaries: 256 MB each)
+
+
+def quantize_rows(x: torch.Tensor, ue8m0: bool = False, chunk_elems: int = QUANT_CHUNK_ELEMS):
+    """`quantize_fp8_groups` of x [B, T, ...] a slice of tokens (dim 1) at a time, so the fp32
+    temporaries stay within `chunk_elems` elements (q_I at T = 128K: 1 G elements) -> (x8, scales)."""
+    B, T = x.shape[:2]
+    per_token = max(1, x[:, :1].numel())
+    step = max(1, chunk_elems // per_token)
+    if step >= T:
+        return quantize_fp8_groups(x, FP8_GROUP, ue8m0)
+    G = -(-x.shape[-1] // FP8_GROUP)
+    x8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((*x.shape[:-1], G), dtype=torch.float32, device=x.device)
+    for t0 in range(0, T, step):
+        x8[:, t0 : t0 + step], scale[:, t0 : t0 + step] = quantize_fp8_groups(x[:, t0 : t0 + step], FP8_GROUP, ue8m0)
+    return x8, scale
+
+
+def quantize_index_inputs(q: torch.Tensor, k: torch.Tensor, ue8m0: bool = False, chunk_elems: int = QUANT_CHUNK_ELEMS):
+    """q_I [B, T, H, D], k_I [B, T, D] -> (q8, qs [B, T, H, G], k8, ks [B, T, G]), G = ceil(D / 128);
+    a slice of tokens at a time (`quantize_rows`)."""
+    q8, qs = quantize_rows(q, ue8m0, chunk_elems)
+    k8, ks = quantize_rows(k, ue8m0, chunk_elems)
     return q8, qs, k8, ks
 
 

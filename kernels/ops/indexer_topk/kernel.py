@@ -645,9 +645,10 @@ def indexer_topk_triton(
     doc_start = doc_start.contiguous()
     pos_dev, pos = _query_positions(query_positions, Tq, T, q.device)
     qs = ks = None
-    if fp8:
-        q, qs = quantize_fp8_groups(q, FP8_GROUP, ue8m0)
-        k, ks = quantize_fp8_groups(k, FP8_GROUP, ue8m0)
+    if fp8:  # a slice of tokens at a time: bounded fp32 temporaries at long T
+        from .fp8 import quantize_index_inputs
+
+        q, qs, k, ks = quantize_index_inputs(q, k, ue8m0)
     chunk = chunk_size or max(1, min(Tq, score_budget_elems // max(B * T, 1)))
     ds_cpu = doc_start.min(dim=0).values.cpu()  # key window start per position (min over the batch)
     all_idx, all_val = [], []
