@@ -48,6 +48,7 @@ import triton.language as tl
 from ... import autotune
 from ...analysis import Work
 from ..._triton_common import Launch, compute_dtype, interpreted, kernel_input, pow2, target_capability
+from .fp8 import quantize_index_inputs
 from .reference import FP8_GROUP, quantize_fp8_groups
 
 DEFAULT_SCORE_BUDGET = 1 << 26  # fp32 elements of one query chunk's [B, C, W] score block
@@ -646,8 +647,6 @@ def indexer_topk_triton(
     pos_dev, pos = _query_positions(query_positions, Tq, T, q.device)
     qs = ks = None
     if fp8:  # a slice of tokens at a time: bounded fp32 temporaries at long T
-        from .fp8 import quantize_index_inputs
-
         q, qs, k, ks = quantize_index_inputs(q, k, ue8m0)
     chunk = chunk_size or max(1, min(Tq, score_budget_elems // max(B * T, 1)))
     ds_cpu = doc_start.min(dim=0).values.cpu()  # key window start per position (min over the batch)
