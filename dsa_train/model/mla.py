@@ -56,7 +56,8 @@ class AttentionRequest:
     attention: str = "dense"  # "dense" | "sparse"
     indexer_loss: bool = False
     topk: int = 2048
-    # scores the top-k is selected on: "bf16" | "fp8" | "fp8_ue8m0" (dsa_kernels.ops.indexer_topk.SCORINGS; model/indexer.py)
+    # scores the top-k is selected on: "bf16" | "fp8" | "fp8_ue8m0"
+    # (dsa_kernels.ops.indexer_topk.SCORINGS; model/indexer.py)
     index_scores: str = "bf16"
     mla_form: str = "auto"  # "mha" | "mqa" | "auto" (MHA for dense, MQA for sparse)
     recall_queries: torch.Tensor | None = None  # [n] global query positions to measure top-k recall at

@@ -16,7 +16,8 @@ Scoring (`scoring=`): "bf16" (default; q_I / k_I as given, fp32 products: the re
 or "fp8_ue8m0" (e4m3 q_I / k_I with per-token scales, as DeepSeek-V3.2's FP8 inference scores;
 `fp8.py`). The selection is made on those scores; nothing here has a gradient.
 
-Files: `reference.py` (PyTorch, the specification), `fp8.py` (the FP8 scores' PyTorch forms), `kernel.py` (Triton score and radix-select
+Files: `reference.py` (PyTorch, the specification), `fp8.py` (the FP8 scores' PyTorch forms),
+`kernel.py` (Triton score and radix-select
 kernels, their launch plans and the chunked driver), `op.py` (the reference's top-k at query
 positions registered as one torch op, `dsa_kernels::indexer_topk_at_positions`, with a fake
 implementation for the memory trace), `specs.py` (the launches the compile report compiles at the
@@ -27,7 +28,8 @@ activation recompute). No autograd Function: selection has no gradient.
 
 from ..._triton_common import use_triton as _use_triton
 from . import memo as _memo
-from .fp8 import SCORINGS, fp8_emulated, index_scores_fp8_block, index_scores_fp8_ref, quantize_index_inputs, scoring_mode
+from .fp8 import (SCORINGS, fp8_emulated, index_scores_fp8_block, index_scores_fp8_ref, quantize_index_inputs,
+                  scoring_mode)
 from .memo import TopkMemo
 from .op import indexer_topk_at_positions_op
 from .reference import (
@@ -68,6 +70,7 @@ def _indexer_topk(q, k, w, doc_start, topk, chunk_size, query_positions, fp8=Fal
     return indexer_topk_ref(q, k, w, doc_start, topk, chunk_size)
 
 
-__all__ = ["FP8_GROUP", "SCORINGS", "TopkMemo", "fp8_emulated", "index_scores_fp8_block", "index_scores_fp8_ref",
-           "quantize_index_inputs", "scoring_mode", "gather_index_scores", "index_scores_block", "index_scores_ref", "indexer_topk",
-           "indexer_topk_at_positions_op", "indexer_topk_at_positions_ref", "indexer_topk_ref", "quantize_fp8_groups", "topk_from_scores"]
+__all__ = ["FP8_GROUP", "SCORINGS", "TopkMemo", "fp8_emulated", "gather_index_scores", "index_scores_block",
+           "index_scores_fp8_block", "index_scores_fp8_ref", "index_scores_ref", "indexer_topk",
+           "indexer_topk_at_positions_op", "indexer_topk_at_positions_ref", "indexer_topk_ref", "quantize_fp8_groups",
+           "quantize_index_inputs", "scoring_mode", "topk_from_scores"]
