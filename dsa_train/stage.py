@@ -173,6 +173,15 @@ class Stage:
     def uses_indexer_loss(self) -> bool:
         return self.config.indexer_loss_coef > 0
 
+    @property
+    def index_scores(self) -> str:
+        """The scores the sparse selection is made on: "bf16" (default), "fp8" or "fp8_ue8m0"."""
+        return _value(getattr(self.config, "index_scores", "bf16"))
+
+    def _scoring_kwargs(self) -> dict:
+        """The forward's `index_scores`, only when a recipe chose FP8 (the forward's default is bf16)."""
+        return {} if self.index_scores == "bf16" else {"index_scores": self.index_scores}
+
     def forward_kwargs(self, topk_recall_queries: int = 0) -> dict:
         """Keyword arguments of the model's forward in a training step (labels and positions aside);
         `topk_recall_queries` > 0 samples that many queries per layer for top-k recall."""
@@ -183,6 +192,7 @@ class Stage:
             "topk": self.config.topk,
             "mtp": self.uses_mtp,
             "measure_topk_recall": topk_recall_queries,
+            **self._scoring_kwargs(),
         }
 
     def probe_forward_kwargs(self) -> dict:
@@ -194,6 +204,7 @@ class Stage:
             "compute_logits": True,
             "topk": self.config.topk,
             "measure_topk_recall": self.recall_queries,
+            **self._scoring_kwargs(),
         }
 
     # ------------------------------------------------------------------ the loss

@@ -291,12 +291,12 @@ def sparse_kl_grads(qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, idx: t
 
 
 # ----------------------------------------------------------------------------- indexer top-k
-def _topk_fake(q, k, w, doc_start, topk, chunk_size, query_positions):
+def _topk_fake(q, k, w, doc_start, topk, chunk_size, query_positions, fp8=False, ue8m0=False):
     B, Tq = q.shape[:2]
     return q.new_empty((B, Tq, topk), dtype=torch.int32), _f32(q, B, Tq, topk)
 
 
-def _topk_workspace(q, k, w, doc_start, topk, chunk_size, query_positions):
+def _topk_workspace(q, k, w, doc_start, topk, chunk_size, query_positions, fp8=False, ue8m0=False):
     """One query chunk's [B, C, T] fp32 score block and the select's candidate buffers."""
     from .ops.indexer_topk.kernel import CANDIDATE_CAP, DEFAULT_SCORE_BUDGET
 
@@ -311,11 +311,14 @@ def _topk_workspace(q, k, w, doc_start, topk, chunk_size, query_positions):
 
 @kernel_op("dsa_kernels::indexer_topk", fake=_topk_fake, workspace=_topk_workspace)
 def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, doc_start: torch.Tensor, topk: int,
-                 chunk_size: int, query_positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """indices [B, Tq, topk] int32, scores fp32 (chunk_size 0: the launcher's default)."""
+                 chunk_size: int, query_positions: torch.Tensor | None, fp8: bool = False,
+                 ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """indices [B, Tq, topk] int32, scores fp32 (chunk_size 0: the launcher's default; fp8 / ue8m0:
+    the FP8 index scores of inference, `ops/indexer_topk/fp8.py`)."""
     from .ops.indexer_topk.kernel import indexer_topk_triton
 
-    return indexer_topk_triton(q, k, w, doc_start, topk, chunk_size or None, query_positions=query_positions)
+    return indexer_topk_triton(q, k, w, doc_start, topk, chunk_size or None, query_positions=query_positions,
+                               fp8=fp8, ue8m0=ue8m0)
 
 
 # ----------------------------------------------------------------------------- library attention with lse

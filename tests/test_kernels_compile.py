@@ -353,3 +353,14 @@ def test_gluon_forward_is_in_the_gate_on_hopper_under_both_tritons(gate_reports)
         for r in gluon:
             assert r["error"] is None and r["gate"] == [], (version, r)
             assert r["wgmma"] > 0 and r["spill_bytes"] == 0 and r["registers"] == 168, (version, r)
+
+
+@pytest.mark.integration
+def test_fp8_index_scores_multiply_e4m3_on_the_tensor_cores(gate_reports):
+    """Issue 31 item 5: the FP8 score launch (e4m3 q_I / k_I) runs FP8 wgmma (k32, the e4m3 instruction
+    shape; bf16's is k16) without spilling, under both supported Tritons on sm_90a."""
+    rows = [r for r in _rows_of(gate_reports, "indexer_scores") if r["config"].startswith("fp8")]
+    assert {r["triton"] for r in rows} == {v for v, a in GATE_TARGETS if a == "sm_90a"}
+    for r in rows:
+        assert r["spill_bytes"] == 0 and r["wgmma"] > 0, r
+        assert r["shapes"]["wgmma"] and all(s.endswith("k32") for s in r["shapes"]["wgmma"]), r["shapes"]

@@ -26,6 +26,14 @@ class Attention(str, Enum):
 Trainable = Enum("Trainable", {name: name for name in STAGE_KINDS}, type=str, module=__name__, qualname="Trainable")
 
 
+class IndexScores(str, Enum):
+    """How a sparse stage's indexer scores keys for its top-k (dsa_kernels.ops.indexer_topk.fp8)."""
+
+    bf16 = "bf16"            # q_I / k_I as the model computes them, fp32 products (the reference)
+    fp8 = "fp8"              # e4m3 q_I / k_I, fp32 per-token scales (DeepGEMM's fp8_mqa_logits)
+    fp8_ue8m0 = "fp8_ue8m0"  # e4m3 with power-of-two scales (DeepSeek-V3.2-Exp's inference, scale_fmt ue8m0)
+
+
 class Decay(str, Enum):
     constant = "constant"
     cosine = "cosine"
@@ -86,6 +94,10 @@ class StageConfig:
     mtp_loss_coef: float = 0.0
     # Top-k of the sparse selection; None: the model's `index_topk`.
     topk: int | None = None
+    # Index scores the sparse selection is made on: bf16 (the reference), fp8 or fp8_ue8m0 (e4m3
+    # q_I / k_I as FP8 inference scores them, so the model trains on the keys inference will pick).
+    # Only the selection: the indexer KL's gradient flows through the bf16/fp32 scores (docs/kernels.md).
+    index_scores: IndexScores = IndexScores.bf16
     # Aux-loss-free MoE balancing: e_score_correction_bias += rate * sign(mean load - load)
     # after every optimizer step. 0 disables.
     router_bias_update_rate: float = 0.0

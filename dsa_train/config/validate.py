@@ -390,6 +390,10 @@ def _check_stage_together(key: str, stage) -> None:
              "or remove min_lr_ratio")
     _require(stage.attention != Attention.dense or stage.topk is None, f"{key}.topk",
              f"top-{stage.topk} selection has no effect in a dense stage; set {key}.attention=sparse or remove topk")
+    scoring = getattr(stage.index_scores, "value", stage.index_scores)
+    _require(stage.attention != Attention.dense or scoring == "bf16", f"{key}.index_scores",
+             f"{scoring} scoring selects keys, which a dense stage does not; "
+             f"set {key}.attention=sparse or remove index_scores")
 
 
 def doubtful_values(cfg: TrainConfig) -> list[str]:

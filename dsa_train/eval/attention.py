@@ -18,7 +18,8 @@ eq. 3). From it:
     `indexer_kl_captured` in training (docs/training.md), summed over queries before the ratio;
   * FP8 overlap: the indexer's top-k scored with bf16 q_I / k_I against e4m3 q_I / k_I with one
     scale per 128 channels (per token, and per head for q; power-of-two scales with ue8m0), the
-    quantizer of the FP8 indexer kernel (`dsa_kernels.ops.indexer_topk.quantize_fp8_groups`).
+    quantizer of the FP8 indexer kernel and of a sparse stage's `index_scores: fp8`
+    (`dsa_kernels.ops.indexer_topk.fp8_emulated`, DeepSeek-V3.2's act_quant).
 
 Every [queries, keys] block exists one query chunk at a time (`chunk_queries`): memory is bounded
 by `BLOCK_ELEMS` fp32 elements per block whatever T is.
@@ -37,7 +38,7 @@ from torch import nn
 import dsa_kernels as K
 from dsa_kernels.masking import chunk_valid_mask
 from dsa_kernels.ops.indexer_topk import index_scores_block, topk_from_scores
-from dsa_kernels.ops.indexer_topk import FP8_GROUP, quantize_fp8_groups
+from dsa_kernels.ops.indexer_topk import fp8_emulated
 
 
 BLOCK_ELEMS = 1 << 24  # fp32 elements of one [chunk, heads, keys] logit block (64 MB)
@@ -125,12 +126,9 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, visible: t
 
 
 def fp8_rounded(x: torch.Tensor, ue8m0: bool) -> torch.Tensor:
-    """x [..., D] through e4m3 with one scale per 128 channels (the FP8 indexer's quantizer), as fp32."""
-    q, scale = quantize_fp8_groups(x, FP8_GROUP, ue8m0)
-    D = x.shape[-1]
-    G = scale.shape[-1]
-    padded = torch.nn.functional.pad(q.float(), (0, G * FP8_GROUP - D))
-    return (padded.view(*x.shape[:-1], G, FP8_GROUP) * scale[..., None]).flatten(-2)[..., :D]
+    """x [..., D] through e4m3 with one scale per 128 channels, as fp32: the FP8 indexer's quantizer
+    (`dsa_kernels.ops.indexer_topk.fp8_emulated`, the training switch `index_scores: fp8` uses it too)."""
+    return fp8_emulated(x, ue8m0)
 
 
 def fp8_topk_overlap(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, visible: torch.Tensor, topk: int,
@@ -138,7 +136,8 @@ def fp8_topk_overlap(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, visible:
     """Top-k overlap between bf16 and FP8 (e4m3) index scoring of one query chunk -> [B, C]:
     |S_fp8 ∩ S_bf16| / |S_bf16|. q [B, C, H_I, D_I], k [B, T, D_I], w [B, C, H_I], visible [B, C, T]."""
     bf16 = indexer_scores(q.bfloat16().float(), k.bfloat16().float(), w, visible)
-    fp8 = indexer_scores(fp8_rounded(q, ue8m0), fp8_rounded(k, ue8m0), w, visible)
+    # inference quantizes its bf16 q_I / k_I: the FP8 side starts from the same bf16 values
+    fp8 = indexer_scores(fp8_rounded(q.bfloat16(), ue8m0), fp8_rounded(k.bfloat16(), ue8m0), w, visible)
     T = visible.shape[-1]
     return set_overlap(topk_from_scores(fp8, topk)[0], topk_from_scores(bf16, topk)[0], T)[0]
 

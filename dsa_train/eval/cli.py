@@ -20,7 +20,7 @@ from dsa_train.runtime import require_train_extra
 from .data import DEFAULT_SEED
 from .errors import EvalError
 from .report import print_tables, write_json, write_plots
-from .run import MODES, EvalOptions, evaluate
+from .run import EXTRA_MODES, MODES, EvalOptions, evaluate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -39,7 +39,9 @@ def parser() -> argparse.ArgumentParser:
                         "default: the bundled corpus")
     p.add_argument("--seq-len", nargs="+", type=int, default=[512], metavar="T", help="sequence lengths (default 512)")
     p.add_argument("--topk", type=int, default=None, help="k of the sparse modes (default: the model's index_topk)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma-separated subset of {','.join(MODES + EXTRA_MODES)} (sparse_fp8: the top-k of FP8 "
+                        "index scores, as FP8 inference selects; --ue8m0 for power-of-two scales)")
     p.add_argument("--num-sequences", type=int, default=4, metavar="N",
                    help="held-out sequences per length (default 4)")
     p.add_argument("--buckets", nargs="+", type=int, default=None, metavar="EDGE",
@@ -48,7 +50,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--passkey-per-depth", type=int, default=2, metavar="N",
                    help="passkey examples per depth (depths 0, 0.25, 0.5, 0.75, 1; default 2)")
     p.add_argument("--no-layer-metrics", action="store_true", help="skip the per-layer measurements")
-    p.add_argument("--ue8m0", action="store_true", help="power-of-two scales in the bf16-vs-FP8 index-scoring overlap")
+    p.add_argument("--ue8m0", action="store_true",
+                   help="power-of-two FP8 scales (DeepSeek-V3.2's inference) in the bf16-vs-FP8 overlap and sparse_fp8")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer directory or tokenizer.json (default: the model's, else the bundled one)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED,

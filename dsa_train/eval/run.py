@@ -37,6 +37,10 @@ from .positions import LossByPosition, check_buckets, default_buckets, token_los
 log = logging.getLogger(__name__)
 
 MODES = ("dense", "sparse", "oracle")
+# opt-in (--modes): sparse attention over the top-k of FP8 index scores (e4m3 q_I / k_I, as FP8
+# inference selects; power-of-two scales with --ue8m0), dsa_kernels.ops.indexer_topk.fp8
+EXTRA_MODES = ("sparse_fp8",)
+SPARSE_MODES = {"sparse", "oracle", "sparse_fp8"}
 
 
 @dataclass
@@ -58,10 +62,10 @@ class EvalOptions:
 
 
 def check_options(opts: EvalOptions) -> EvalOptions:
-    unknown = [m for m in opts.modes if m not in MODES]
+    unknown = [m for m in opts.modes if m not in MODES + EXTRA_MODES]
     if unknown or not opts.modes:
         raise EvalError(f"unknown attention mode {', '.join(unknown) or '(none given)'}",
-                        f"--modes takes a comma-separated subset of {','.join(MODES)}")
+                        f"--modes takes a comma-separated subset of {','.join(MODES + EXTRA_MODES)}")
     if not opts.seq_lens or any(t < 2 for t in opts.seq_lens):
         raise EvalError(f"--seq-len {opts.seq_lens} must be lengths of at least 2 tokens", "e.g. --seq-len 512 1024")
     if opts.topk is not None and opts.topk < 1:
@@ -128,7 +132,7 @@ def check_same_tokenizer(models: list[LoadedModel]) -> None:
 
 def check_lengths(seq_lens: list[int], models: list[LoadedModel], modes: list[str]) -> None:
     """Sparse modes compare with dense only where T > k (at T <= k every key is selected)."""
-    if not set(modes) & {"sparse", "oracle"}:
+    if not set(modes) & SPARSE_MODES:
         return
     for m in models:
         short = [t for t in seq_lens if t <= m.topk]
@@ -145,16 +149,18 @@ def check_lengths(seq_lens: list[int], models: list[LoadedModel], modes: list[st
 # ---------------------------------------------------------------------------- forwards
 @torch.no_grad()
 def mode_logits(model: torch.nn.Module, mode: str, topk: int, input_ids: torch.Tensor,
-                position_ids: torch.Tensor | None = None, measure=None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, measure=None, fp8_ue8m0: bool = False) -> torch.Tensor:
     """Logits [B, T, V] of one attention mode. `measure(i, attn, tensors)` (dense mode only) sees
-    every layer's input during the forward (`attention.layer_hooks`)."""
+    every layer's input during the forward (`attention.layer_hooks`). sparse_fp8: the top-k of
+    FP8 index scores (power-of-two scales with fp8_ue8m0)."""
     if mode == "oracle":
         on_layer = lambda i, attn, lt: oracle_attention_output(attn, lt, topk)  # noqa: E731
     else:
         on_layer = measure if mode == "dense" else None
     with layer_hooks(model, on_layer) if on_layer is not None else nullcontext():
-        out = model(input_ids, attention="sparse" if mode == "sparse" else "dense", topk=topk,
-                    position_ids=position_ids)
+        fp8 = {"index_scores": "fp8_ue8m0" if fp8_ue8m0 else "fp8"} if mode == "sparse_fp8" else {}
+        out = model(input_ids, attention="sparse" if mode in ("sparse", "sparse_fp8") else "dense", topk=topk,
+                    position_ids=position_ids, **fp8)
     return out.logits
 
 
@@ -185,7 +191,7 @@ def evaluate_batches(model: torch.nn.Module, topk: int, batches: list[dict[str, 
     for batch in batches:
         ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
         for mode in opts.modes:
-            logits = mode_logits(model, mode, topk, ids, pos, measure)
+            logits = mode_logits(model, mode, topk, ids, pos, measure, opts.fp8_ue8m0)
             results[mode].losses.add(token_losses(logits, labels), labels, pos)
             _advance(progress)
         if measure is not None and "dense" not in opts.modes:  # the measurements' dense forward
@@ -201,7 +207,8 @@ def evaluate_length(m: LoadedModel, seq_len: int, opts: EvalOptions, progress=No
         for mode in opts.modes:
             scored = []
             for ex in examples:
-                scored.append(score_example(lambda ids: mode_logits(m.model, mode, m.topk, ids), ex))
+                scored.append(score_example(lambda ids: mode_logits(m.model, mode, m.topk, ids,
+                                                                    fp8_ue8m0=opts.fp8_ue8m0), ex))
                 _advance(progress)
             results[mode].passkey = summarize(scored)
     from .overlap import overlapping_rows

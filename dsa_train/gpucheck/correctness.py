@@ -39,7 +39,7 @@ TOL = {
     "lse": 2.0**-14,  # fp32 log-sum-exp of fp32-accumulated exact bf16 products
     "grad": 2.0**-5,  # dq, dkv, dk, dv: bf16 dS / P operands and one cancellation (dP - delta)
     "scores": 2.0**-12,  # index scores, bf16 inputs: exact products, fp32 accumulation
-    "scores_fp8_deq": 2.0**-7,  # FP8 scores vs the reference on the dequantized inputs
+    "scores_fp8_deq": 2.0**-7,  # FP8 scores vs the FP8 reference (the same e4m3 inputs, fp32 sums in another order)
     "scores_fp8_exact": 2.0**-3,  # FP8 scores vs the exact bf16 scores (e4m3 has 3 mantissa bits)
     "kl": 2.0**-9,  # the KL value (relative error of the sum)
     "kl_grad": 2.0**-5,  # KL gradients (max, relative to scale)
@@ -266,8 +266,7 @@ def _sparse_mla_gluon_forwards(q, kv, idx, scale, d_v, rows, ref_out, ref_lse, o
 # ----------------------------------------------------------------------------- index scores
 def index_scores_check(T: int, fp8: bool):
     def fn(opts: Options) -> Outcome:
-        from dsa_kernels.ops.indexer_topk import index_scores_ref
-        from dsa_kernels.ops.indexer_topk import quantize_fp8_groups
+        from dsa_kernels.ops.indexer_topk import index_scores_fp8_ref, index_scores_ref
         from dsa_kernels.ops.indexer_topk.kernel import index_scores_triton
 
         d, dev = dims_for(opts.small), _device(opts)
@@ -280,18 +279,14 @@ def index_scores_check(T: int, fp8: bool):
         res = {}
         for name, (q0, q1) in {"last": (T - C, T), "doc": (second, second + C)}.items():
             got, k0 = index_scores_triton(q, k, w, ds, q0, q1, fp8=fp8)
-            if fp8:
-                q8, qs = quantize_fp8_groups(q)
-                k8, ks = quantize_fp8_groups(k)
-                g = 128  # dsa_kernels' FP8 group: one scale per 128 channels
-
-                def deq(x8, s):
-                    return x8.float() * s.repeat_interleave(g, -1)[..., : x8.shape[-1]]
-
-                ref, rk0 = index_scores_ref(deq(q8, qs), deq(k8, ks), w, ds, q0, q1)
+            if fp8:  # against DeepSeek-V3.2's fp8_index order (dsa_kernels.ops.indexer_topk.fp8), both scale formats
+                ref, rk0 = index_scores_fp8_ref(q, k, w, ds, q0, q1)
                 exact, _ = index_scores_ref(q.float(), k.float(), w, ds, q0, q1)
-                res[f"{name}_vs_dequantized"] = compare(got, ref, TOL["scores_fp8_deq"])
+                res[f"{name}_vs_fp8_reference"] = compare(got, ref, TOL["scores_fp8_deq"])
                 res[f"{name}_vs_bf16"] = compare(got, exact, TOL["scores_fp8_exact"])
+                got8, _ = index_scores_triton(q, k, w, ds, q0, q1, fp8=True, ue8m0=True)
+                ref8, _ = index_scores_fp8_ref(q, k, w, ds, q0, q1, ue8m0=True)
+                res[f"{name}_ue8m0_vs_fp8_reference"] = compare(got8, ref8, TOL["scores_fp8_deq"])
             else:
                 ref, rk0 = index_scores_ref(q.float(), k.float(), w, ds, q0, q1)
                 res[name] = compare(got, ref, TOL["scores"])
@@ -655,7 +650,7 @@ def checks(opts: Options) -> list[Check]:
                   sparse_mla_check(T)),
             Check(f"correctness.index_scores_bf16.T{T}", "correctness", f"{ix}; 2 blocks of rows x key window",
                   index_scores_check(T, fp8=False)),
-            Check(f"correctness.index_scores_fp8.T{T}", "correctness", f"{ix}; e4m3 q/k, 128-channel scales",
+            Check(f"correctness.index_scores_fp8.T{T}", "correctness", f"{ix}; e4m3 q/k, 128-channel scales (fp32 and ue8m0)",
                   index_scores_check(T, fp8=True)),
             Check(f"correctness.indexer_topk.T{T}", "correctness", f"{ix} k={d.K}; grid inputs exact (ties to the lower "
                                                                    f"index), random inputs same sets; entry point, "

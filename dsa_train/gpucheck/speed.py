@@ -252,6 +252,19 @@ def indexer_topk_speed(opts: Options) -> Outcome:
     block_pairs = C * (T - C) + C * (C + 1) // 2
     table.add("scores (last rows)", "ours", _time_ms(lambda: index_scores_triton(q, k, w, ds, T - C, T), opts),
               2 * block_pairs * d.H_I * d.D_I)
+    # FP8 scores (issue 31 item 5): the kernel alone on e4m3 q / k quantized beforehand (inference
+    # keeps k quantized in its cache), and the whole selection with quantization (index_scores: fp8)
+    from dsa_kernels.ops.indexer_topk import quantize_index_inputs
+    from dsa_kernels.ops.indexer_topk.kernel import _score_chunk
+
+    q8, qs, k8, ks = quantize_index_inputs(q, k)
+    pos = torch.arange(T, device=dev, dtype=torch.int32)
+    w32 = w.float().contiguous()
+    table.add("scores fp8 (last rows)", "ours",
+              _time_ms(lambda: _score_chunk(q8, k8, w32, ds, pos, T - C, T, k0, T, qs, ks), opts),
+              2 * block_pairs * d.H_I * d.D_I)
+    table.add("scores+select fp8", "ours", _time_ms(lambda: K.indexer_topk(q, k, w, ds, d.K, scoring="fp8"), opts),
+              2 * causal * d.H_I * d.D_I)
     sel = "select (last rows)"
     table.add(sel, "ours", _time_ms(lambda: _select_chunk(scores, k0, d.K), opts))
     for path in ("radix", "composite", "fix-ties"):

@@ -7,6 +7,15 @@
     w = weights_proj(x) in fp32, times H_I^-1/2 * d_I^-1/2
     I[t, s] = sum_j w[t, j] * ReLU(q_I[t, j] . k_I[s])        (kernels.indexer_topk)
 
+FP8 scoring (a sparse stage's `index_scores: fp8 | fp8_ue8m0`, issue 31 item 5): the top-k is
+selected on scores of e4m3 q_I / k_I with per-token scales (one per (token, head) for q_I, one per
+key token for k_I, per 128 channels), as DeepSeek-V3.2's FP8 inference scores them
+(`dsa_kernels.ops.indexer_topk.fp8`), so training attends over the keys inference will pick.
+Only the selection is quantized, as inference quantizes only the scoring: the indexer's KL
+(eq. 4 over the selected keys) is computed on the bf16/fp32 q_I / k_I this module returns, and
+its gradient flows through those (quantization has no useful gradient; a straight-through
+estimator would give the same one). The module's outputs do not change with the setting.
+
 When the model has no q-LoRA (q_lora_rank null, DeepSeek-V2-Lite), `wq_b` reads the layer's
 normalized hidden state x instead of qr.
 

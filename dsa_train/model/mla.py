@@ -56,6 +56,9 @@ class AttentionRequest:
     attention: str = "dense"  # "dense" | "sparse"
     indexer_loss: bool = False
     topk: int = 2048
+    # scores the top-k is selected on: "bf16" | "fp8" | "fp8_ue8m0"
+    # (dsa_kernels.ops.indexer_topk.SCORINGS; model/indexer.py)
+    index_scores: str = "bf16"
     mla_form: str = "auto"  # "mha" | "mqa" | "auto" (MHA for dense, MQA for sparse)
     recall_queries: torch.Tensor | None = None  # [n] global query positions to measure top-k recall at
     return_topk: bool = False
@@ -202,7 +205,8 @@ class MLA(nn.Module):
         q_abs, kv = self.mqa_qkv(q_nope, q_rope, latent, k_rope)
         kv_all = kv if cp is None else cp.gather(kv)  # [B, T, 576]: all attention activations exchanged
         if sparse:
-            topk_indices = select_topk(q_idx.detach(), k_idx_all.detach(), w_idx.detach(), doc_start, request.topk, cp)
+            topk_indices = select_topk(q_idx.detach(), k_idx_all.detach(), w_idx.detach(), doc_start, request.topk, cp,
+                                       request.index_scores)
             out_latent, lse = K.sparse_mla(q_abs, kv_all, topk_indices, self.scale, self.kv_lora_rank)
             if request.indexer_loss:
                 kl, stats = K.sparse_indexer_kl(
@@ -404,11 +408,12 @@ def visible_key_indices(doc_start: torch.Tensor, positions: torch.Tensor) -> tor
 
 
 @torch.no_grad()
-def select_topk(q_idx, k_idx_all, w_idx, doc_start, topk: int, cp=None) -> torch.Tensor:
+def select_topk(q_idx, k_idx_all, w_idx, doc_start, topk: int, cp=None, scoring: str = "bf16") -> torch.Tensor:
     """Eq. 2 for this process's queries over every key of the sequence -> [B, T_loc, topk]
-    int32 (-1 = empty). q_idx [B, T_loc, H_I, d_I], k_idx_all [B, T, d_I], w_idx [B, T_loc, H_I]."""
+    int32 (-1 = empty). q_idx [B, T_loc, H_I, d_I], k_idx_all [B, T, d_I], w_idx [B, T_loc, H_I].
+    scoring: the index scores selected on (model/indexer.py: FP8 scoring is selection only)."""
     positions = None if cp is None else cp.positions
-    return K.indexer_topk(q_idx, k_idx_all, w_idx, doc_start, topk, query_positions=positions)[0]
+    return K.indexer_topk(q_idx, k_idx_all, w_idx, doc_start, topk, query_positions=positions, scoring=scoring)[0]
 
 
 # ---- helpers of MLA.forward (module level: the class stays one screenful of methods)

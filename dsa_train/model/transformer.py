@@ -238,6 +238,7 @@ class DSAForCausalLM(nn.Module):
         mla_form: str = "auto",
         return_topk: bool = False,
         cu_seqlens: torch.Tensor | None = None,
+        index_scores: str = "bf16",
     ) -> DSAOutput:
         """input_ids [B, T]; position_ids [B, T] restart at 0 where a packed document starts (or
         cu_seqlens [n_docs + 1] for a single packed row). labels [B, T] are next-token targets
@@ -273,6 +274,7 @@ class DSAForCausalLM(nn.Module):
             attention=attention,
             indexer_loss=indexer_loss,
             topk=topk or cfg.index_topk,
+            index_scores=index_scores,
             mla_form=mla_form,
             return_topk=return_topk,
             context=cp,
@@ -300,7 +302,8 @@ class DSAForCausalLM(nn.Module):
         if mtp and labels is not None and self.mtp_layers() and T > 1:
             # position t sees h_t and token t+1 (the last position: any token, its target ignored)
             next_ids = torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
-            mtp_request = AttentionRequest(attention=request.attention, topk=request.topk, context=cp)
+            mtp_request = AttentionRequest(attention=request.attention, topk=request.topk, context=cp,
+                                           index_scores=request.index_scores)
             logits = self.mtp_layers()[0].predict(h, local(next_ids), cos, sin, doc_start, mtp_request)
             out.mtp_loss_sum, out.mtp_tokens = cross_entropy_sum(logits, local(mtp_targets(labels)))
             out.stats["mtp_loss"] = (out.mtp_loss_sum.detach(), out.mtp_tokens)

@@ -12,17 +12,24 @@ Entry point `indexer_topk(q, k, w, doc_start, topk, chunk_size=None) -> (indices
   scores    [B, T, topk] fp32, sorted descending, -inf at empty slots. Ties go to the lower
   key index; non-finite scores are never selected. No gradient (selection only).
 
-Files: `reference.py` (PyTorch, the specification), `kernel.py` (Triton score and radix-select
-kernels, their launch plans and the chunked driver), `op.py` (the reference's top-k at query
-positions registered as one torch op, `dsa_kernels::indexer_topk_at_positions`, with a fake
-implementation for the memory trace), `specs.py` (the launches the compile report compiles at the
-671B shapes), `composite.py` (the select as torch.topk on composite int64 keys, the second path
-the autotuner times against the radix select), `memo.py` (record / replay of the selections for
-activation recompute). No autograd Function: selection has no gradient.
+Scoring (`scoring=`): "bf16" (default; q_I / k_I as given, fp32 products: the reference), "fp8"
+or "fp8_ue8m0" (e4m3 q_I / k_I with per-token scales, as DeepSeek-V3.2's FP8 inference scores;
+`fp8.py`). The selection is made on those scores; nothing here has a gradient.
+
+Files: `reference.py` (PyTorch, the specification), `fp8.py` (the FP8 scores' PyTorch forms),
+`kernel.py` (Triton score and radix-select kernels, their launch plans and the chunked driver),
+`op.py` (the reference's top-k at query positions registered as one torch op,
+`dsa_kernels::indexer_topk_at_positions`, with a fake implementation for the memory trace),
+`specs.py` (the launches the compile report compiles at the 671B shapes), `composite.py` (the
+select as torch.topk on composite int64 keys, the second path the autotuner times against the
+radix select), `memo.py` (record / replay of the selections for activation recompute). No autograd
+Function: selection has no gradient.
 """
 
 from ..._triton_common import use_triton as _use_triton
 from . import memo as _memo
+from .fp8 import (SCORINGS, fp8_emulated, index_scores_fp8_block, index_scores_fp8_ref, quantize_index_inputs,
+                  scoring_mode)
 from .memo import TopkMemo
 from .op import indexer_topk_at_positions_op
 from .reference import (
@@ -37,26 +44,32 @@ from .reference import (
 )
 
 
-def indexer_topk(q, k, w, doc_start, topk, chunk_size=None, query_positions=None):
-    """CUDA tensors (or DSA_KERNELS=triton) -> the Triton kernels; otherwise the reference.
+def indexer_topk(q, k, w, doc_start, topk, chunk_size=None, query_positions=None, scoring="bf16"):
+    """CUDA tensors (or DSA_KERNELS=triton) -> the Triton kernels; otherwise the reference
+    (with an FP8 `scoring`: on q / k quantized and dequantized exactly, `fp8.fp8_emulated`).
     query_positions [Tq]: q and w hold only the queries at these global positions of the
     sequence that k and doc_start describe (a context-parallel rank's share); None: all of them.
     Inside a `TopkMemo` context (`memo.py`; activation recompute) the selection is recorded, or
     replayed without computing anything (then the scores are None)."""
-    return _memo.memoized(lambda: _indexer_topk(q, k, w, doc_start, topk, chunk_size, query_positions),
+    fp8, ue8m0 = scoring_mode(scoring)
+    return _memo.memoized(lambda: _indexer_topk(q, k, w, doc_start, topk, chunk_size, query_positions, fp8, ue8m0),
                           q, k, w, doc_start, topk, query_positions)
 
 
-def _indexer_topk(q, k, w, doc_start, topk, chunk_size, query_positions):
+def _indexer_topk(q, k, w, doc_start, topk, chunk_size, query_positions, fp8=False, ue8m0=False):
     if _use_triton(q, k, w):
         from ...custom_ops import indexer_topk as indexer_topk_op  # `indexer_topk_triton` as a custom op
 
-        return indexer_topk_op(q, k, w, doc_start, topk, chunk_size or 0, query_positions)
+        return indexer_topk_op(q, k, w, doc_start, topk, chunk_size or 0, query_positions, fp8, ue8m0)
+    if fp8:  # inference's FP8 scores up to fp32 rounding order (`fp8.py`)
+        q, k = fp8_emulated(q, ue8m0), fp8_emulated(k, ue8m0)
     if query_positions is not None:  # the chunked reference as one torch op (`op.py`: one fake
         # dispatch instead of thousands under the memory trace's FakeTensorMode)
         return indexer_topk_at_positions_op(q, k, w, doc_start, topk, query_positions, chunk_size or 0)
     return indexer_topk_ref(q, k, w, doc_start, topk, chunk_size)
 
 
-__all__ = ["FP8_GROUP", "TopkMemo", "gather_index_scores", "index_scores_block", "index_scores_ref", "indexer_topk",
-           "indexer_topk_at_positions_op", "indexer_topk_at_positions_ref", "indexer_topk_ref", "quantize_fp8_groups", "topk_from_scores"]
+__all__ = ["FP8_GROUP", "SCORINGS", "TopkMemo", "fp8_emulated", "gather_index_scores", "index_scores_block",
+           "index_scores_fp8_block", "index_scores_fp8_ref", "index_scores_ref", "indexer_topk",
+           "indexer_topk_at_positions_op", "indexer_topk_at_positions_ref", "indexer_topk_ref", "quantize_fp8_groups",
+           "quantize_index_inputs", "scoring_mode", "topk_from_scores"]

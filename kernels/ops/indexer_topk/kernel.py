@@ -12,8 +12,10 @@ chunk only a [B, C, W] fp32 (or opt-in bf16) score block exists (W = the chunk's
    exact zeros, times a negative weight -0.0; both must tie). Key tiles outside the rows' live
    range skip the dot. Query rows carry their global position (`positions`), so a
    context-parallel rank's chunks are scored like any others. An FP8 path takes e4m3 q/k with
-   one fp32 scale per token (per head for q) per 128 channels and multiplies the per-group dot
-   products by the two scales.
+   one fp32 scale per token (per head for q) per 128 channels: with one group (d_I <= 128) in
+   DeepSeek-V3.2's `fp8_index` order (q's scale folded into the head weight, k's applied after
+   the head sum: no per-element scaling of the [M, BLOCK_N] logits); with several, each group's
+   dot is multiplied by both scales. Specification: `fp8.index_scores_fp8_block`.
 2. `_radix_topk_kernel` (one program per query row) selects the k largest scores exactly with
    an MSB-first radix select over the order-preserving uint32 image of the scores (fp32 rows:
    three 11-bit digits; bf16 rows: two 8-bit digits), reading the row twice: pass 1 histograms
@@ -46,6 +48,7 @@ import triton.language as tl
 from ... import autotune
 from ...analysis import Work
 from ..._triton_common import Launch, compute_dtype, interpreted, kernel_input, pow2, target_capability
+from .fp8 import quantize_index_inputs
 from .reference import FP8_GROUP, quantize_fp8_groups
 
 DEFAULT_SCORE_BUDGET = 1 << 26  # fp32 elements of one query chunk's [B, C, W] score block
@@ -94,8 +97,9 @@ def _index_scores_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     if ONE_D:
         q_res = tl.load(q_base + offs_d[None, :], mask=mask_r[:, None] & (offs_d[None, :] < DI), other=0.0)
-        if FP8:
+        if FP8:  # one scale group: q's scale joins the head weight (positive, so it commutes with ReLU)
             qs_r = tl.load(QS + b * stride_qsb + row_r * stride_qst + head_r * stride_qsh, mask=mask_r, other=0.0)
+            w_r = w_r * qs_r
 
     # live key columns of this span: [lo, hi) (causal: s <= t_max; documents: s >= ds_min)
     span0 = pid_n * KEY_SPAN
@@ -110,10 +114,7 @@ def _index_scores_kernel(
         k_base = KI + b * stride_kb + offs_s[:, None].to(tl.int64) * stride_kt
         if ONE_D:
             k = tl.load(k_base + offs_d[None, :], mask=mask_n[:, None] & (offs_d[None, :] < DI), other=0.0)
-            logits = tl.dot(q_res, tl.trans(k))  # [M, BLOCK_N]
-            if FP8:
-                ks = tl.load(KS + b * stride_ksb + offs_s.to(tl.int64) * stride_kst, mask=mask_n, other=0.0)
-                logits = logits * qs_r[:, None] * ks[None, :]
+            logits = tl.dot(q_res, tl.trans(k))  # [M, BLOCK_N]; e4m3 x e4m3 -> fp32 on the FP8 path
         else:  # head dim wider than one tile: stream q in D chunks too (one FP8 scale group each)
             logits = tl.zeros([M, BLOCK_N], dtype=tl.float32)
             for d0 in range(0, DI, BLOCK_D):
@@ -131,6 +132,9 @@ def _index_scores_kernel(
         # ReLU keeping NaN (as torch.relu): a non-finite score must stay non-finite to be dropped
         weighted = w_r[:, None] * tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL)  # [M, BLOCK_N]
         acc = tl.sum(tl.reshape(weighted, (BLOCK_Q, BLOCK_HI, BLOCK_N)), axis=1)  # sum over heads
+        if FP8 and ONE_D:  # k's scale after the head sum (DeepSeek-V3.2's fp8_index order)
+            ks = tl.load(KS + b * stride_ksb + offs_s.to(tl.int64) * stride_kst, mask=mask_n, other=0.0)
+            acc = acc * ks[None, :]
         acc = tl.where(acc == 0.0, 0.0, acc)  # -0.0 -> +0.0
         valid = (offs_s[None, :] <= t[:, None]) & (offs_s[None, :] >= ds[:, None])
         acc = tl.where(valid, acc, float("-inf"))
@@ -618,11 +622,13 @@ def indexer_topk_triton(
     key_span: int | None = None,
     score_dtype: torch.dtype = torch.float32,
     select: str | None = None,
+    ue8m0: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `indexer_topk_ref` (with `query_positions`: as
     `indexer_topk_at_positions_ref`: q [B, Tq, H_I, D_I] and w [B, Tq, H_I] hold the queries at
     these global positions [Tq] of the sequence k [B, T, D_I] / doc_start [B, T] describe);
-    `fp8=True` scores with e4m3 q/k (per-token, per-128-channel scales; q's per head too).
+    `fp8=True` scores with e4m3 q/k (per-token, per-128-channel scales; q's per head too;
+    `ue8m0=True`: power-of-two scales), as `fp8.index_scores_fp8_block`.
     score_dtype=torch.bfloat16 keeps the score block in bf16 (half its bytes) and selects on
     those rounded scores in two 8-bit radix passes instead of three 11-bit ones: the selection
     is then `topk_from_scores` of the bf16-rounded scores (same tie and non-finite rules), not
@@ -640,9 +646,8 @@ def indexer_topk_triton(
     doc_start = doc_start.contiguous()
     pos_dev, pos = _query_positions(query_positions, Tq, T, q.device)
     qs = ks = None
-    if fp8:
-        q, qs = quantize_fp8_groups(q)
-        k, ks = quantize_fp8_groups(k)
+    if fp8:  # a slice of tokens at a time: bounded fp32 temporaries at long T
+        q, qs, k, ks = quantize_index_inputs(q, k, ue8m0)
     chunk = chunk_size or max(1, min(Tq, score_budget_elems // max(B * T, 1)))
     ds_cpu = doc_start.min(dim=0).values.cpu()  # key window start per position (min over the batch)
     all_idx, all_val = [], []
@@ -659,14 +664,14 @@ def indexer_topk_triton(
 
 
 def index_scores_triton(q, k, w, doc_start, q0: int, q1: int, fp8: bool = False, key_span: int | None = None,
-                        score_dtype: torch.dtype = torch.float32):
+                        score_dtype: torch.dtype = torch.float32, ue8m0: bool = False):
     """Masked scores of queries [q0, q1) over their key window (testing / benchmarking helper)
     -> ([B, C, W] fp32 with -inf, k0)."""
     q, k = _score_inputs("index_scores", q, k, fp8)
     qs = ks = None
     if fp8:
-        q, qs = quantize_fp8_groups(q)
-        k, ks = quantize_fp8_groups(k)
+        q, qs = quantize_fp8_groups(q, FP8_GROUP, ue8m0)
+        k, ks = quantize_fp8_groups(k, FP8_GROUP, ue8m0)
     k0 = int(doc_start[:, q0:q1].min())
     pos = torch.arange(q.shape[1], device=q.device, dtype=torch.int32)
     return _score_chunk(q, k, w.float().contiguous(), doc_start.contiguous(), pos, q0, q1, k0, q1, qs, ks,

@@ -20,21 +20,33 @@ from ...masking import chunk_key_range, chunk_valid_mask, query_chunk_size
 
 
 FP8_GROUP = 128  # channels per FP8 scale (e4m3 with one fp32 scale per 128 channels)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_AMAX_FLOOR = 1e-4  # DeepSeek-V3.2's act_quant floors each group's amax here (an all-zero group: scale 1e-4 / 448)
+
+
+def ue8m0_scale(scale: torch.Tensor) -> torch.Tensor:
+    """Positive normal fp32 scales -> the next power of two at or above each (V3.2's
+    `fast_round_scale`, from the bits: exponent + 1 unless the mantissa is zero), exactly."""
+    bits = scale.float().contiguous().view(torch.int32)
+    exp = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return torch.ldexp(torch.ones_like(scale, dtype=torch.float32), exp)
 
 
 def quantize_fp8_groups(x: torch.Tensor, group: int = FP8_GROUP, ue8m0: bool = False):
     """x [..., D] -> (e4m3 [..., D], fp32 scales [..., ceil(D / group)]): one scale per `group`
-    channels (the last group may be partial), dequantized = fp8 * scale."""
+    channels (the last group may be partial), dequantized = fp8 * scale. As DeepSeek-V3.2's
+    inference `act_quant` (block 128): scale = max(amax, 1e-4) / 448, with ue8m0 rounded up to a
+    power of two; fp8 = e4m3(clamp(x / scale, +-448)) rounded to nearest even."""
     D = x.shape[-1]
     G = -(-D // group)
     pad = G * group - D
     xf = torch.nn.functional.pad(x.float(), (0, pad)) if pad else x.float()
     xg = xf.view(*x.shape[:-1], G, group)
-    amax = xg.abs().amax(-1).clamp_min(1e-12)
-    scale = amax / 448.0
+    amax = xg.abs().amax(-1).clamp_min(FP8_AMAX_FLOOR)
+    scale = amax / FP8_MAX
     if ue8m0:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    q = (xg / scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        scale = ue8m0_scale(scale)
+    q = (xg / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     q = q.view(*x.shape[:-1], G * group)[..., :D]
     return q.contiguous(), scale.contiguous()
 
