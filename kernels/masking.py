@@ -33,11 +33,6 @@ def doc_starts_from_cu_seqlens(cu_seqlens: torch.Tensor, total_len: int) -> torc
     return torch.repeat_interleave(cu[:-1], lengths).unsqueeze(0)
 
 
-def position_ids_from_doc_starts(doc_start: torch.Tensor) -> torch.Tensor:
-    T = doc_start.shape[-1]
-    return torch.arange(T, device=doc_start.device) - doc_start
-
-
 def chunk_valid_mask(doc_start: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
     """[B, q1-q0, k1-k0] bool: key s in [k0, k1) is visible to query t in [q0, q1)."""
     t = torch.arange(q0, q1, device=doc_start.device)[:, None]

@@ -35,6 +35,13 @@ whole file runs in seconds).
   registry (`_EXPERT_*`), subclasses of DeepSpeed classes, and the attributes of DeepSpeed's engine,
   ZeRO optimizers and partitioned parameters that are no published API (DEEPSPEED_INTERNALS),
   read as attributes or by name.
+- docs/architecture.md's package table is true: its rows name every package (and top-level
+  module) of dsa_train and dsa_kernels once, and each row's "imports (project)" column names
+  exactly the packages its code imports (the import graph above, per package; backticked names
+  that are no package, such as class names, are prose).
+- Fault injection is one seam: no `faults` name in the training loop (engine/trainer.py) and, in
+  the checkpoint writer (engine/checkpoint.py), only the wrapper's factory and type
+  (`checkpoint_faults`, `CheckpointFaults`, `NO_FAULTS`), imported from engine/faults.py.
 - Imports as light as the command: `dsa-train --help`, `import dsa_train` and `import dsa_train.data`
   load neither the model (dsa_train.model) nor the kernels (dsa_kernels, Triton), checked in a fresh
   interpreter; the package's lazy re-exports (PEP 562) still give the public API.
@@ -415,6 +422,126 @@ def test_deepspeed_private_names_only_in_the_adapter():
 def test_the_named_layout_modules_exist(path):
     # the allowances above name files: a rename must move them, not silently widen the checks
     assert (ROOT / path).is_file(), f"{path} is named by tests/test_structure.py but does not exist"
+
+
+# ------------------------------------------------------------------------------ the architecture doc's table
+ARCHITECTURE_DOC = ROOT / "docs" / "architecture.md"
+ROOT_PACKAGE_FILE = "__init__.py"  # the table's row for dsa_train's own __init__
+
+
+def package_of(module: str) -> str:
+    """The unit the table documents a module under: `dsa_kernels` for the kernels, `dsa_train`
+    for dsa_train's own __init__, else dsa_train's subpackage or top-level module (model, loss)."""
+    parts = module.split(".")
+    if parts[0] != "dsa_train":
+        return parts[0]
+    return parts[1] if len(parts) > 1 else "dsa_train"
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """package -> the other packages its modules import."""
+    out: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        mine = package_of(module)
+        out.setdefault(mine, set()).update(package_of(t) for t in targets)
+    return {package: targets - {package} for package, targets in out.items()}
+
+
+def doc_names(cell: str, packages: set[str]) -> set[str]:
+    """The packages a table cell names: backticked `x/`, `x/...`, `x.py`, `x` (a package's name),
+    `kernels/...` for dsa_kernels; other backticked names (classes, functions) are prose."""
+    found = set()
+    for token in cell.split("`")[1::2]:
+        token = token.strip().removeprefix("dsa_train.").removeprefix("dsa_train/")
+        if token == ROOT_PACKAGE_FILE:
+            found.add("dsa_train")
+            continue
+        head = token.split("/")[0].split(".")[0] if "/" in token else token.removesuffix(".py").split(".")[0]
+        head = "dsa_kernels" if head == "kernels" else head
+        if head in packages:
+            found.add(head)
+    return found
+
+
+def package_table(text: str) -> list[tuple[str, str, str]]:
+    """(package cell, imports cell, the row) of the `## Packages` table."""
+    section = text.split("\n## Packages", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) == 3 and not set(cells[0]) <= {"-", " "} and cells[0] != "package":
+            rows.append((cells[0], cells[2], line))
+    return rows
+
+
+def table_problems(text: str, graph: dict[str, set[str]]) -> list[str]:
+    actual = package_graph(graph)
+    packages = set(actual) | {t for ts in actual.values() for t in ts}
+    problems, documented = [], {}
+    for names_cell, imports_cell, line in package_table(text):
+        names = doc_names(names_cell, packages)
+        if not names:
+            problems.append(f"row names no package of the code: {line[:80]}")
+            continue
+        for name in names:
+            if name in documented:
+                problems.append(f"{name}: in two rows")
+            documented[name] = line
+        listed = set() if imports_cell == "none" else doc_names(imports_cell, packages)
+        imported = set().union(*(actual.get(n, set()) for n in names)) - names
+        label = " + ".join(sorted(names))
+        if imported - listed:
+            problems.append(f"{label}: imports {', '.join(sorted(imported - listed))}, not in its row")
+        if listed - imported:
+            problems.append(f"{label}: its row lists {', '.join(sorted(listed - imported))}, which it does not import")
+    problems += [f"{name}: no row" for name in sorted(set(actual) - set(documented))]
+    return problems
+
+
+def test_the_table_check_finds_what_the_doc_gets_wrong():
+    graph = {"dsa_train": {"dsa_train.model"}, "dsa_train.model.a": {"dsa_kernels.ops", "dsa_train.loss"},
+             "dsa_train.loss": set(), "dsa_kernels.ops": set(), "dsa_train.engine.b": {"dsa_train.model.a"}}
+    text = ("# Doc\n\n## Packages\n\n| package | what | imports (project) |\n|---|---|---|\n"
+            "| `kernels/` (`dsa_kernels`) | ops | none |\n"
+            "| `model/` | `MoE` | `dsa_kernels`, `loss` (`micro_batch_loss`) |\n"
+            "| `loss.py` | losses | `model/` |\n"
+            "| `__init__.py` | lazy | `model/` |\n\n## Next\n")
+    assert table_problems(text, graph) == ["loss: its row lists model, which it does not import", "engine: no row"]
+
+
+def test_the_architecture_docs_package_table_matches_the_imports():
+    problems = table_problems(ARCHITECTURE_DOC.read_text(), import_graph(project_modules()))
+    assert not problems, ("docs/architecture.md's package table (## Packages) disagrees with the code's imports "
+                          "(fix the row, or the import):\n" + "\n".join(problems))
+
+
+# ------------------------------------------------------------------------------ the fault seam
+FAULT_SEAM = {"checkpoint_faults", "CheckpointFaults", "NO_FAULTS"}  # what the writer may take from engine/faults.py
+
+
+def fault_uses(tree: ast.AST) -> list[tuple[int, str]]:
+    """Lines naming engine/faults.py or one of its names other than the writer's seam."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("faults"):
+            out += [(node.lineno, f"from {node.module} import {a.name}") for a in node.names if a.name not in FAULT_SEAM]
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out += [(node.lineno, f"import {a.name}") for a in node.names if a.name.split(".")[-1] == "faults"]
+        elif isinstance(node, ast.Name) and node.id == "faults" or isinstance(node, ast.Attribute) and node.attr == "faults":
+            out.append((node.lineno, ast.unparse(node)))
+    return out
+
+
+def test_fault_injection_is_one_seam():
+    modules = {m.path: m for m in in_dir("dsa_train/engine/")}
+    found = []
+    for path in ("dsa_train/engine/trainer.py", "dsa_train/engine/checkpoint.py"):
+        found += [f"{path}:{line} {text}" for line, text in fault_uses(modules[path].tree)]
+    assert not found, ("fault injection outside its seam (the trainer takes engine/hooks.py's fault_hooks, the "
+                       "checkpoint writer faults.checkpoint_faults):\n" + "\n".join(found))
+    assert sorted(fault_uses(ast.parse("import dsa_train.engine.faults as faults\nfaults.at('step', 1)\n"
+                                       "from dsa_train.engine.faults import checkpoint_faults, WriteFaults\n"))) == [
+        (1, "import dsa_train.engine.faults"), (2, "faults"), (3, "from dsa_train.engine.faults import WriteFaults")]
 
 
 # ------------------------------------------------------------------------------ light imports

@@ -59,8 +59,8 @@ from typing import Callable
 
 import torch
 
-import dsa_train.engine.faults as faults
 import dsa_train.engine.sharded_state as sharded
+from dsa_train.engine.faults import NO_FAULTS, CheckpointFaults, checkpoint_faults
 from dsa_train.errors import DSATrainError
 
 log = logging.getLogger(__name__)
@@ -150,9 +150,9 @@ def rank_file(stem: str, rank: int) -> str:
 
 # ---------------------------------------------------------------------------------- writing
 class _HashingWriter:
-    """File-like wrapper: hashes and counts what passes, and gives the fault switch its hook."""
+    """File-like wrapper: hashes and counts what passes, and gives the fault wrapper its hook."""
 
-    def __init__(self, f, write_faults: faults.WriteFaults):
+    def __init__(self, f, write_faults: CheckpointFaults):
         self.f = f
         self.sha = hashlib.sha256()
         self.size = 0
@@ -186,7 +186,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_file(path: Path, write: Callable, write_faults: faults.WriteFaults) -> dict:
+def _write_file(path: Path, write: Callable, write_faults: CheckpointFaults = NO_FAULTS) -> dict:
     with open(path, "wb") as f:
         w = _HashingWriter(f, write_faults)
         try:
@@ -200,7 +200,7 @@ def _write_file(path: Path, write: Callable, write_faults: faults.WriteFaults) -
     return {"size": w.size, "sha256": w.sha.hexdigest()}
 
 
-def _write_json_file(path: Path, obj, write_faults: faults.WriteFaults) -> dict:
+def _write_json_file(path: Path, obj, write_faults: CheckpointFaults = NO_FAULTS) -> dict:
     data = json.dumps(obj, indent=2).encode()
     return _write_file(path, lambda w: w.write(data), write_faults)
 
@@ -359,8 +359,9 @@ def save_checkpoint(
     barrier = barrier or (lambda: None)
     final = directory / f"{PREFIX}{state.global_step:08d}"
     tmp = directory / f"{TMP_PREFIX}{final.name}"
-    # the fault switch's `enospc` models a disk that is full until a checkpoint is pruned
-    write_faults = faults.WriteFaults(state.global_step, disk_freed=bool(_retrying))
+    # DSA_FAULT's wrapper (a no-op without it); its `enospc` models a disk that is full until a
+    # checkpoint is pruned
+    write_faults = checkpoint_faults(state.global_step, disk_freed=bool(_retrying))
 
     def failed(err: BaseException):
         # classified by errno and by free space, whatever type the writer raised (torch's zip writer
@@ -417,7 +418,7 @@ def save_checkpoint(
             if rank == 0:
                 meta = tmp / DCP_METADATA
                 entries[DCP_METADATA] = {"size": meta.stat().st_size, "sha256": _sha256(meta)}
-            _commit(directory, tmp, final, state, entries, keep_last, rank, world_size, barrier)
+            _commit(directory, tmp, final, state, entries, keep_last, rank, world_size, barrier, write_faults)
         except WRITE_ERRORS as err:
             return failed(err)
         except BaseException:
@@ -432,11 +433,11 @@ def save_checkpoint(
 
 
 def _commit(directory: Path, tmp: Path, final: Path, state: TrainerState, entries: dict, keep_last: int, rank: int,
-            world_size: int, barrier: Callable[[], None]) -> None:
+            world_size: int, barrier: Callable[[], None], write_faults: CheckpointFaults = NO_FAULTS) -> None:
     """Merge the ranks' manifest parts, write the manifest, rename the directory into place,
-    point `latest` at it and prune."""
+    point `latest` at it and prune (`write_faults.on_commit` between the rename and `latest`)."""
     if world_size > 1:
-        _write_json_file(tmp / f".manifest.rank{rank:05d}.json", entries, faults.WriteFaults(-1))
+        _write_json_file(tmp / f".manifest.rank{rank:05d}.json", entries)
     barrier()
     if rank == 0:
         for r in range(1, world_size):
@@ -445,7 +446,7 @@ def _commit(directory: Path, tmp: Path, final: Path, state: TrainerState, entrie
             part.unlink()
         manifest = {"version": MANIFEST_VERSION, "global_step": state.global_step,
                     "world_size": world_size, "files": dict(sorted(entries.items()))}
-        _write_json_file(tmp / MANIFEST, manifest, faults.WriteFaults(-1))
+        _write_json_file(tmp / MANIFEST, manifest)
         _fsync_dir(tmp / STATE_DIR)
         _fsync_dir(tmp)
         old = None
@@ -454,7 +455,7 @@ def _commit(directory: Path, tmp: Path, final: Path, state: TrainerState, entrie
             os.replace(final, old)
         os.replace(tmp, final)
         _fsync_dir(directory)
-        faults.at("commit", state.global_step)
+        write_faults.on_commit()
         _write_latest(directory, final.name)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)

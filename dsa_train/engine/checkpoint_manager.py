@@ -31,6 +31,7 @@ from dsa_train.checkpoint.errors import CheckpointError
 from dsa_train.checkpoint.export import ExportOptions
 from dsa_train.checkpoint.streamed_export import export_training_checkpoint
 from dsa_train.config import CheckpointConfig, ConfigError
+from dsa_train.engine.engine import TrainingEngine
 from dsa_train.engine.rng import rng_state
 
 log = logging.getLogger(__name__)
@@ -177,7 +178,7 @@ class CheckpointManager:
         if differ:
             log.warning("resume: %s has a different model config in %s (same tensors)", path, ", ".join(differ))
 
-    def load_optimizer_state(self, engine) -> None:
+    def load_optimizer_state(self, engine: TrainingEngine) -> None:
         """The resumed checkpoint's optimizer state (fp32 masters, AdamW moments, step, schedule)
         into this stage's engine, each rank reading its own ZeRO fragments whatever layout wrote
         them; nothing when the run did not resume or the checkpoint is from a stage boundary. The
@@ -200,7 +201,7 @@ class CheckpointManager:
         sharded_state.load_optimizer_meta(engine, loaded.optimizer)
 
     # ------------------------------------------------------------------ save
-    def save(self, state: ckpt.TrainerState, engine=None, data_state: dict | None = None, rng: dict | None = None) -> None:
+    def save(self, state: ckpt.TrainerState, engine: TrainingEngine | None = None, data_state: dict | None = None, rng: dict | None = None) -> None:
         """Checkpoint `state` with the model, `engine`'s optimizer state (None: at a stage
         boundary, no optimizer state), the data position and the RNG states (now, unless given:
         the non-finite policy saves those from before the step)."""
@@ -208,7 +209,7 @@ class CheckpointManager:
         with self.layout.gathered(self.model):
             self._write(state, engine, data_state, rng)
 
-    def _write(self, state: ckpt.TrainerState, engine, data_state: dict | None, rng: dict | None) -> None:
+    def _write(self, state: ckpt.TrainerState, engine: TrainingEngine | None, data_state: dict | None, rng: dict | None) -> None:
         state.recipe = self.recipe()
         tensors = self.layout.model_pieces(self.model, to_write=True)  # one holder per replicated piece
         if engine is not None:

@@ -1,9 +1,12 @@
 """The seam between the training loop and how parameters are updated.
 
-`Engine` owns the model, the optimizer and the schedule of one stage, and exposes what the loop
-needs: backward, step (clip + update + schedule), zero_grad, and `fragments` (its optimizer state
-per parameter, which checkpoints read and write: engine/sharded_state.py). With N ranks the
-layout (`dsa_train.parallel.layout`) builds `DeepSpeedEngine` instead, with the same methods.
+`TrainingEngine` (a `typing.Protocol`) is what the loop, the step hooks and the checkpoints use of
+an engine: the model, its trainable parameters, optimizer and schedule, forward, backward, step
+(clip + update + schedule), zero_grad, close, the gradients it holds and `fragments` (its
+optimizer state per parameter, which checkpoints read and write: engine/sharded_state.py).
+`Engine` is the single-process one; with N ranks the layout (`dsa_train.parallel.layout`) builds
+`dsa_train.parallel.deepspeed_engine.DeepSpeedEngine`. tests/test_seams.py checks that both
+satisfy the protocol.
 
 Parameters stored in a low-precision dtype (bfloat16) get an fp32 master copy: AdamW updates the
 master and the model parameter is its rounded copy, so small updates are not lost to rounding.
@@ -15,6 +18,7 @@ so accumulation over micro-batches rounds in fp32, not bf16.
 from __future__ import annotations
 
 import math
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -25,7 +29,53 @@ from dsa_train.engine.schedule import build_scheduler
 from dsa_train.engine.sharded_state import Fragment
 
 
+@runtime_checkable
+class TrainingEngine(Protocol):
+    """One stage's parameter updates, as the training loop sees them."""
+
+    model: torch.nn.Module  # the model as built (DeepSpeedEngine keeps DeepSpeed's wrapper as `.ds`)
+    trainable: list[tuple[str, torch.nn.Parameter]]  # (name, parameter) the stage trains
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next `step` applies."""
+        ...
+
+    def forward(self, *args, **kwargs):
+        """The model's forward as training runs it (DeepSpeed: through its engine, which gathers
+        ZeRO-3 partitions in its hooks); returns the model's output (`DSAOutput`)."""
+        ...
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradients of one micro-batch's loss."""
+        ...
+
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        """The gradients this rank holds between backward and step (wherever the engine keeps them)."""
+        ...
+
+    def step(self) -> float:
+        """Clip, update, advance the schedule, clear gradients. Returns the pre-clip grad norm."""
+        ...
+
+    def zero_grad(self) -> None:
+        ...
+
+    def close(self) -> None:
+        """End of the stage: release what the engine attached to the model."""
+        ...
+
+    def fragments(self) -> list[Fragment]:
+        """This rank's optimizer state per trainable parameter (engine/sharded_state.py)."""
+        ...
+
+
 class Engine:
+    """The single-process `TrainingEngine`: AdamW + schedule over the stage's trainable parameters,
+    with fp32 masters of low-precision ones (module docstring)."""
+
     def __init__(self, model: torch.nn.Module, stage: Stage, optim: OptimConfig):
         self.model = model
         self.trainable = stage.select_trainable(model)
@@ -44,6 +94,9 @@ class Engine:
     @property
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

@@ -168,14 +168,38 @@ def inf_gradient_step(step: int) -> bool:
     return any(f.kind == "inf_grad" for f in _matching("mid_step", step))
 
 
-class WriteFaults:
-    """The checkpoint writer's hook: fires `at=checkpoint` faults (and `enospc`) for the
-    checkpoint of `step` on the second chunk written, so part of a file is already on disk."""
+def requested() -> bool:
+    """True when `DSA_FAULT` is set: only then do the trainer and the checkpoint writer take
+    their fault hooks (`engine/hooks.py` InjectedFaults, `checkpoint_faults`)."""
+    return bool(os.environ.get(ENV, "").strip())
+
+
+class CheckpointFaults:
+    """The checkpoint writer's fault wrapper (engine/checkpoint.py), with no fault: `on_write`
+    runs before each chunk a checkpoint file gets, `on_commit` after the checkpoint directory is
+    renamed into place, before `latest` is updated. `checkpoint_faults` gives this one (every
+    hook a no-op) unless `DSA_FAULT` is set."""
+
+    def on_write(self) -> None:
+        pass
+
+    def on_commit(self) -> None:
+        pass
+
+
+NO_FAULTS = CheckpointFaults()
+
+
+class WriteFaults(CheckpointFaults):
+    """`DSA_FAULT`'s faults for the checkpoint of `step`: the `at=checkpoint` ones (and `enospc`)
+    fire on the second chunk written, so part of a file is already on disk; the `at=commit` ones
+    after the rename."""
 
     def __init__(self, step: int, disk_freed: bool = False):
         # `enospc` stands for a full disk: it no longer fires once a checkpoint was pruned for room
         self.faults = [f for f in _matching("checkpoint", step) if not (disk_freed and f.kind == "enospc")]
         self.chunks = 0
+        self.step = step
 
     def on_write(self) -> None:
         if not self.faults:
@@ -185,3 +209,13 @@ class WriteFaults:
             faults, self.faults = self.faults, []
             for fault in faults:
                 fire(fault)
+
+    def on_commit(self) -> None:
+        at("commit", self.step)
+
+
+def checkpoint_faults(step: int, disk_freed: bool = False) -> CheckpointFaults:
+    """The one factory of the checkpoint writer's fault wrapper for the checkpoint of `step`
+    (`disk_freed`: a retry after pruning for room, where `enospc` no longer fires): `NO_FAULTS`
+    unless `DSA_FAULT` is set."""
+    return WriteFaults(step, disk_freed) if requested() else NO_FAULTS

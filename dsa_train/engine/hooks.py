@@ -2,10 +2,13 @@
 
 Called in this order at the points of every training step:
 
+    before_step     InjectedFaults    DSA_FAULT's at=step faults (crash, signals, hang)
     after_backward  InjectedFaults    DSA_FAULT's at=mid_step faults (crash, signals, NaN loss, +inf gradient)
     skip_update     NonFiniteGuard    a non-finite loss or gradient on any rank: skip the update or stop
     after_update    NonFiniteGuard    the skip counters, `nonfinite_skipped` in the metrics
                     RouterBias        the MoE router-bias update (or, without one, the loads cleared)
+
+InjectedFaults is test machinery: `fault_hooks` gives it only when `DSA_FAULT` is set.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from dsa_train.config.schema import FaultToleranceConfig, NonFinitePolicy
 import dsa_train.engine.faults as faults
 from dsa_train.engine.checkpoint import TrainerState
+from dsa_train.engine.engine import TrainingEngine
 from dsa_train.engine.nonfinite import NonFiniteError, check_step, poison, poison_gradient
 from dsa_train.engine.step import StepHooks
 
@@ -27,13 +31,16 @@ log = logging.getLogger(__name__)
 
 
 class InjectedFaults(StepHooks):
-    """The `DSA_FAULT` faults set for after backward, before the update (engine/faults.py) of
-    the step `step_of()` returns (the global step it becomes)."""
+    """The `DSA_FAULT` faults (engine/faults.py) set for the start of the step `step_of()` returns
+    (the global step it becomes) and for after its backward, before the update."""
 
     def __init__(self, step_of: Callable[[], int]):
         self.step_of = step_of
 
-    def after_backward(self, engine, metrics: dict) -> None:
+    def before_step(self) -> None:
+        faults.at("step", self.step_of())
+
+    def after_backward(self, engine: TrainingEngine, metrics: dict) -> None:
         step = self.step_of()
         faults.at("mid_step", step)
         if faults.poison_step(step):
@@ -42,27 +49,33 @@ class InjectedFaults(StepHooks):
             poison_gradient(engine)
 
 
+def fault_hooks(step_of: Callable[[], int]) -> list[StepHooks]:
+    """[InjectedFaults(step_of)] when `DSA_FAULT` is set, else none: fault injection joins a run's
+    hooks only when asked for."""
+    return [InjectedFaults(step_of)] if faults.requested() else []
+
+
 class NonFiniteGuard(StepHooks):
     """`fault_tolerance.nonfinite` (engine/nonfinite.py): a step whose loss or gradients are not
     finite on any rank is skipped (gradients cleared, counted in `state`), or the run stops with
     a checkpoint of the state before the step (`save_step_start(engine)`) and NonFiniteError."""
 
     def __init__(self, policy: FaultToleranceConfig, state: TrainerState, any_rank: Callable[[bool], bool],
-                 save_step_start: Callable[[object], None], checkpoint_dir: str):
+                 save_step_start: Callable[[TrainingEngine], None], checkpoint_dir: str):
         self.policy = policy
         self.state = state
         self.any_rank = any_rank
         self.save_step_start = save_step_start
         self.checkpoint_dir = checkpoint_dir
 
-    def skip_update(self, engine, metrics: dict) -> bool:
+    def skip_update(self, engine: TrainingEngine, metrics: dict) -> bool:
         bad = check_step(metrics, engine)
         if not self.any_rank(bool(bad)):
             return False
         self.skip(engine, bad or ["values on another rank"])
         return True
 
-    def skip(self, engine, bad: list[str]) -> None:
+    def skip(self, engine: TrainingEngine, bad: list[str]) -> None:
         policy, state = self.policy, self.state
         engine.zero_grad()
         step = state.global_step + 1
@@ -86,7 +99,7 @@ class NonFiniteGuard(StepHooks):
         state.nonfinite_consecutive = consecutive
         state.nonfinite_skipped += 1
 
-    def after_update(self, engine, metrics: dict, skipped: bool) -> None:
+    def after_update(self, engine: TrainingEngine, metrics: dict, skipped: bool) -> None:
         if not skipped:
             self.state.nonfinite_consecutive = 0
         metrics["nonfinite_skipped"] = self.state.nonfinite_skipped
@@ -102,7 +115,7 @@ class RouterBias(StepHooks):
         self.model = model
         self.rate = rate
 
-    def after_update(self, engine, metrics: dict, skipped: bool) -> None:
+    def after_update(self, engine: TrainingEngine, metrics: dict, skipped: bool) -> None:
         if self.rate > 0 and not skipped:
             self.model.update_router_bias(self.rate)
         else:

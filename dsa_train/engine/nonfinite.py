@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from dsa_train.engine.engine import TrainingEngine
 from dsa_train.errors import DSATrainError
 
 
@@ -24,23 +25,15 @@ class NonFiniteError(DSATrainError, RuntimeError):
     """Non-finite values under the `stop` policy (one line, exit 2: a restart would hit the same step)."""
 
 
-def gradient_tensors(engine) -> list[torch.Tensor]:
-    """The gradients this rank's engine will apply. An engine that keeps them elsewhere than
-    `p.grad` (DeepSpeed ZeRO-2/3: in its gradient partitions) lists them in `gradient_tensors()`."""
-    own = getattr(engine, "gradient_tensors", None)
-    if callable(own):
-        return list(own())
-    return [p.grad for _, p in engine.trainable if p.grad is not None]
-
-
-def grads_are_finite(engine) -> bool:
-    """True when every gradient this rank holds is finite. Under ZeRO each rank holds only its
-    partition: the trainer combines the ranks' answers (`any_rank`)."""
-    flags = [torch.isfinite(g).all() for g in gradient_tensors(engine) if g.numel()]
+def grads_are_finite(engine: TrainingEngine) -> bool:
+    """True when every gradient this rank holds is finite (`engine.gradient_tensors()`: DeepSpeed
+    ZeRO-2/3 keep them in their gradient partitions, not `p.grad`). Under ZeRO each rank holds only
+    its partition: the trainer combines the ranks' answers (`any_rank`)."""
+    flags = [torch.isfinite(g).all() for g in engine.gradient_tensors() if g.numel()]
     return bool(torch.stack(flags).all()) if flags else True
 
 
-def check_step(metrics: dict[str, float], engine) -> list[str]:
+def check_step(metrics: dict[str, float], engine: TrainingEngine) -> list[str]:
     """Names of the non-finite quantities of a step (empty when all are finite)."""
     bad = [k for k in ("loss", "lm_loss", "indexer_loss", "mtp_loss") if k in metrics and not math.isfinite(metrics[k])]
     if not grads_are_finite(engine):
@@ -48,17 +41,17 @@ def check_step(metrics: dict[str, float], engine) -> list[str]:
     return bad
 
 
-def poison(metrics: dict[str, float], engine) -> None:
+def poison(metrics: dict[str, float], engine: TrainingEngine) -> None:
     """The `kind=nan` fault: make the step's loss and one gradient NaN."""
     metrics["loss"] = math.nan
     poison_gradient(engine, math.nan)
 
 
-def poison_gradient(engine, value: float = math.inf) -> None:
+def poison_gradient(engine: TrainingEngine, value: float = math.inf) -> None:
     """The `kind=inf_grad` fault: one element of one gradient this rank holds (wherever the
     engine keeps it) becomes `value`; the loss stays finite, so only the gradient check sees it."""
     with torch.no_grad():
-        for g in gradient_tensors(engine):
+        for g in engine.gradient_tensors():
             if g.numel():
                 g.view(-1)[0] = value
                 return

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -89,9 +88,6 @@ class GlobalPieces:
 
     def size(self) -> torch.Size:
         return self.shape
-
-    def numel_held(self) -> int:
-        return sum(t.numel() for t in self.pieces.values())
 
     def __create_write_items__(self, fqn: str, obj) -> list:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -287,19 +283,13 @@ class Fragment:
         return {key: self.view(state[key]) for key in MOMENTS if key in state}
 
 
-def fragments(engine) -> list[Fragment]:
-    """The fragments of `engine` on this rank (each engine knows its optimizer's layout:
-    `Engine.fragments`, `DeepSpeedEngine.fragments`)."""
-    return engine.fragments()
-
-
 def optimizer_pieces(engine, tp_size: int = 1, create: bool = False, writer: ReplicaCoordinates | None = None
                      ) -> dict[str, GlobalPieces]:
     """optim/<kind>/<name> -> this rank's fragments of the fp32 masters and AdamW moments.
     `create`: make the optimizer's state (zeros) where it has none yet, to load into. `writer`:
     only the fragments this rank writes (`proposes`)."""
     out: dict[str, GlobalPieces] = {}
-    for f in fragments(engine):
+    for f in engine.fragments():
         if writer is not None and not proposes("optim/" + f.name, replica_slot(f.param, True, writer)):
             continue
         local_shape = f.shape or tuple(f.param.shape)
@@ -319,7 +309,7 @@ def optimizer_pieces(engine, tp_size: int = 1, create: bool = False, writer: Rep
 def optimizer_meta(engine) -> dict:
     """The optimizer's scalars, the same on every rank: AdamW's step count and the schedule's
     position (`optimizer.json`)."""
-    steps = {float(f.optimizer.state[f.opt_param]["step"]) for f in fragments(engine)
+    steps = {float(f.optimizer.state[f.opt_param]["step"]) for f in engine.fragments()
              if "step" in f.optimizer.state[f.opt_param]}
     sched = engine.scheduler
     return {"adam_step": int(max(steps)) if steps else 0, "scheduler_last_epoch": int(sched.last_epoch),
@@ -328,7 +318,7 @@ def optimizer_meta(engine) -> dict:
 
 def load_optimizer_meta(engine, meta: dict) -> None:
     """Set AdamW's step count, the schedule's position and the learning rate it implies."""
-    for f in fragments(engine):
+    for f in engine.fragments():
         state = f.optimizer.state[f.opt_param]
         if "step" in state:
             state["step"].fill_(float(meta["adam_step"]))
@@ -607,21 +597,3 @@ def load_pieces_offline(directory: Path, tensors: dict[str, torch.Tensor], regio
 def dcp_files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if p.is_file()) if directory.is_dir() else []
 
-
-def unique_state_bytes(directory: Path) -> tuple[int, int]:
-    """(bytes of every saved tensor counted once, number of stored chunks) from the metadata."""
-    md = read_metadata(directory).state_dict_metadata
-    total, chunks = 0, 0
-    for v in md.values():
-        if not hasattr(v, "chunks"):
-            continue
-        elt = torch.tensor([], dtype=v.properties.dtype).element_size()
-        total += math.prod(v.size) * elt
-        chunks += len(v.chunks)
-    return total, chunks
-
-
-def fsync_tree(directory: Path) -> None:
-    for p in dcp_files(directory):
-        with open(p, "rb") as f:
-            os.fsync(f.fileno())

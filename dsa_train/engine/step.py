@@ -12,17 +12,21 @@ equals that of one batch holding every micro-batch of every data-parallel rank. 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from dsa_train.loss import IGNORE_INDEX, MetricSums, Reduction, micro_batch_loss, step_counts
 from dsa_train.stage import Stage
 
+if TYPE_CHECKING:
+    from dsa_train.engine.engine import TrainingEngine
+
 __all__ = ["IGNORE_INDEX", "StepHooks", "forward_backward", "train_step"]
 
 
 def forward_backward(
-    engine,
+    engine: TrainingEngine,
     micro_batches: list[dict[str, torch.Tensor]],
     stage: Stage,
     topk_recall_queries: int = 0,
@@ -35,7 +39,7 @@ def forward_backward(
     counts = step_counts(micro_batches, reduction)
     sums = MetricSums()
     for i, mb in enumerate(micro_batches):
-        out = engine.model(
+        out = engine.forward(
             mb["input_ids"],
             labels=mb["labels"] if stage.uses_lm else None,
             position_ids=mb["position_ids"],
@@ -53,27 +57,32 @@ def forward_backward(
 
 
 class StepHooks:
-    """Named points of `train_step` where a caller's policies act (engine/hooks.py holds the
+    """Named points of a training step where a caller's policies act (engine/hooks.py holds the
     trainer's); each is a no-op here, so a hook overrides only the points it uses.
 
+        before_step()                            the step's start, before its data is read (the
+                                                 caller of `train_step` calls it: the trainer)
         after_backward(engine, metrics)          gradients accumulated, before the update
         skip_update(engine, metrics) -> bool     True: drop this step's update (grad_norm NaN)
         after_update(engine, metrics, skipped)   after the update (or its skip); metrics hold
                                                  grad_norm and lr
     """
 
-    def after_backward(self, engine, metrics: dict) -> None:
+    def before_step(self) -> None:
         pass
 
-    def skip_update(self, engine, metrics: dict) -> bool:
+    def after_backward(self, engine: TrainingEngine, metrics: dict) -> None:
+        pass
+
+    def skip_update(self, engine: TrainingEngine, metrics: dict) -> bool:
         return False
 
-    def after_update(self, engine, metrics: dict, skipped: bool) -> None:
+    def after_update(self, engine: TrainingEngine, metrics: dict, skipped: bool) -> None:
         pass
 
 
 def train_step(
-    engine,
+    engine: TrainingEngine,
     micro_batches: list[dict[str, torch.Tensor]],
     stage: Stage,
     topk_recall_queries: int = 0,

@@ -11,8 +11,8 @@ The parts it asks:
     layout        dsa_train.parallel.layout: ranks, process groups, the model's parallelization,
                   the engine, how a step's numbers combine over ranks (one process: trivial)
     checkpoints   engine/checkpoint_manager.py: resume, save, commit, export
-    the step      engine/step.train_step with the hooks of engine/hooks.py (fault injection, the
-                  non-finite policy, the router-bias update)
+    the step      engine/step.train_step with the hooks of engine/hooks.py (the non-finite policy,
+                  the router-bias update; fault injection only with DSA_FAULT set)
 Rank 0 logs (W&B, progress) and writes the shared files.
 """
 
@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-import dsa_train.engine.faults as faults
 import dsa_train.engine.recipe_change as recipe_change
 from dsa_train.checkpoint import from_pretrained
 from dsa_train.checkpoint.export import trained_index_topk
@@ -37,7 +36,8 @@ from dsa_train.config.validate import check_sequence_fits, doubtful_values
 from dsa_train.data import BUNDLED_TOKENIZER_DIR, build_dataloader, check_vocab
 from dsa_train.engine.checkpoint import TrainerState
 from dsa_train.engine.checkpoint_manager import CheckpointManager
-from dsa_train.engine.hooks import InjectedFaults, NonFiniteGuard, RouterBias
+from dsa_train.engine.engine import TrainingEngine
+from dsa_train.engine.hooks import NonFiniteGuard, RouterBias, fault_hooks
 from dsa_train.engine.probe import measure, probe_batches
 from dsa_train.engine.rng import load_rng_state, rng_state, seed_everything, set_deterministic
 from dsa_train.engine.run_lock import lock_run
@@ -148,7 +148,7 @@ class Trainer:
         self.preemption: PreemptionHandler | None = None
         # the stage being run: its type, engine and the hooks of its steps (open_stage)
         self.stage: Stage | None = None
-        self.engine = None
+        self.engine: TrainingEngine | None = None
         self.step_hooks: list[StepHooks] = []
         self.checkpoints = CheckpointManager(cfg.checkpoint, layout, self.model, self.loader, self.config_dict,
                                              self.device)
@@ -208,7 +208,8 @@ class Trainer:
             lambda: self.state.global_step + 1, self.micro_batches_per_step(stage)))
         while self.state.stage_step < stage.config.steps:
             self.check_preemption(self.engine)
-            faults.at("step", self.state.global_step + 1)
+            for hook in self.step_hooks:
+                hook.before_step()
             logged = (self.state.stage_step + 1) % self.cfg.logging.log_every == 0
             start = time.perf_counter()
             self.step_start = (self.loader.state_dict(), rng_state())  # the non-finite policy's checkpoint
@@ -235,7 +236,7 @@ class Trainer:
             load_rng_state(self.resume_rng)
             self.resume_rng = None
         self.step_hooks = [
-            InjectedFaults(lambda: self.state.global_step + 1),
+            *fault_hooks(lambda: self.state.global_step + 1),  # only with DSA_FAULT set
             NonFiniteGuard(self.cfg.fault_tolerance, self.state, lambda flag: self.layout.any_rank(flag, self.device),
                            self.save_step_start, self.cfg.checkpoint.dir),
             RouterBias(self.model, stage.config.router_bias_update_rate),
@@ -243,8 +244,7 @@ class Trainer:
         log.info("%s", stage.describe(len(self.engine.trainable)))
 
     def announce_stage(self, stage: Stage, progress: StageProgress) -> float:
-        """Log what a step of the stage is and how long it may take; start its progress bar.
-        Returns the model FLOPs per token."""
+        """Log what a step of the stage is and how long it may take, start its progress bar; returns FLOPs/token."""
         flops = stage.flops_per_token(self.model.config, self.cfg.data.seq_len)
         data, steps = self.cfg.data, stage.config.steps
         log.info("%s", describe_step(stage.name, stage.config.global_batch_size, data.seq_len, data.micro_batch_size,
@@ -316,13 +316,13 @@ class Trainer:
         else:
             self.checkpoints.commit_pending_save(when_done=True)
 
-    def save_step_start(self, engine) -> None:
+    def save_step_start(self, engine: TrainingEngine) -> None:
         """A committed checkpoint of the state before the current step (the non-finite stop)."""
         data_state, rng = self.step_start
         self.checkpoints.save(self.state, engine, data_state=data_state, rng=rng)
         self.checkpoints.commit_pending_save()
 
-    def check_preemption(self, engine) -> None:
+    def check_preemption(self, engine: TrainingEngine | None) -> None:
         """At a step boundary: after a preemption signal, checkpoint and raise Preempted."""
         received = self.preemption is not None and self.preemption.requested
         if not self.layout.any_rank(received, self.device):

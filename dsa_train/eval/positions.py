@@ -76,10 +76,6 @@ class LossByPosition:
         n = sum(self.tokens)
         return sum(self.loss_sum) / n if n else float("nan")
 
-    def bucket_losses(self) -> dict[str, float | None]:
-        return {bucket_name(lo, hi): (s / n if n else None)
-                for lo, hi, s, n in zip(self.edges, self.edges[1:], self.loss_sum, self.tokens)}
-
     def as_dict(self) -> dict:
         loss = self.loss
         return {

@@ -11,11 +11,24 @@ picks, per dtype and device, grouped GEMMs, grouped GEMMs on zero-padded sizes, 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 
 def _grouped_mm_available() -> bool:
     return hasattr(torch, "_grouped_mm")
+
+
+def per_expert(runs: Sequence[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor, counts: Sequence[int]
+               ) -> torch.Tensor:
+    """The loop over experts: `runs[e]` on expert e's rows of x (sorted by expert, `counts[e]` rows
+    each), the outputs concatenated in that order ([0, h] without experts)."""
+    outs, start = [], 0
+    for run, n in zip(runs, counts):
+        outs.append(run(x[start : start + n]))
+        start += n
+    return torch.cat(outs) if outs else x[:0]
 
 
 def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
@@ -62,13 +75,12 @@ def grouped_expert_mlp(x: torch.Tensor, offs: torch.Tensor, w_gate, w_up, w_down
     h, inter = x.shape[-1], w_gate.shape[1]
     path = path or expert_gemm_path(x.dtype, x.device.type, h, inter)
     if path == "loop":
-        outs, start = [], 0
-        for e, end in enumerate(offs.tolist()):
-            xe = x[start:end]
-            act = torch.nn.functional.silu(xe @ w_gate[e].t()) * (xe @ w_up[e].t())
-            outs.append(act @ w_down[e].t())
-            start = end
-        return torch.cat(outs) if outs else x.new_zeros(0, h)
+        ends = offs.tolist()
+
+        def mlp(e: int) -> Callable[[torch.Tensor], torch.Tensor]:
+            return lambda xe: (torch.nn.functional.silu(xe @ w_gate[e].t()) * (xe @ w_up[e].t())) @ w_down[e].t()
+
+        return per_expert([mlp(e) for e in range(len(ends))], x, [b - a for a, b in zip([0, *ends], ends)])
     if path == "grouped_padded":
         # zero rows/columns: the padded gate/up columns are 0, silu(0) * 0 = 0, so the padded
         # down-projection inputs add nothing; the padded output columns are dropped
@@ -140,11 +152,7 @@ def grouped_experts(experts: list, x_sorted: torch.Tensor, counts: list[int]) ->
     The expert weights keep their per-expert (Hugging Face) parameters; `stacked_weights` groups
     them without a copy where they share one evenly strided storage."""
     if not _grouped_mm_available():
-        outs, start = [], 0
-        for expert, n in zip(experts, counts):
-            outs.append(expert(x_sorted[start : start + n]))
-            start += n
-        return torch.cat(outs)
+        return per_expert(experts, x_sorted, counts)
     offs = expert_offsets(counts, x_sorted.device)
     stack = lambda name: stacked_weights([getattr(e, name).weight for e in experts])  # noqa: E731
     return grouped_expert_mlp(x_sorted, offs, stack("gate_proj"), stack("up_proj"), stack("down_proj"))

@@ -12,13 +12,16 @@ The bias is updated outside the gradient (aux-loss-free balancing): after a step
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.nn import functional as F
 
 from .config import DSAConfig
-from .grouped_experts import grouped_experts
+from .grouped_experts import grouped_experts, per_expert
 
 
 class _RowChunkedMLP(torch.autograd.Function):
@@ -193,11 +196,31 @@ class ExpertSlots:
         return y.new_zeros(self.n_rows, y.shape[-1]).index_add(0, self.row, weighted)
 
 
+@runtime_checkable
+class TokenDispatcher(Protocol):
+    """How an MoE layer moves its tokens to the experts it runs and back: `LocalDispatcher` (every
+    expert on this process) or `dsa_train.parallel.expert.AllToAllDispatcher` (expert parallel).
+    tests/test_seams.py checks that both satisfy it."""
+
+    local_experts: Sequence[int]  # global ids of the experts this process runs, ascending
+
+    def dispatch(self, tokens: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
+                 ) -> tuple[torch.Tensor, list[int], object]:
+        """tokens [N, h], expert_ids / weights [N, top_k], counts [n_experts] (tokens per expert, on
+        the device) -> (x [S, h] sorted by local expert, counts per local expert (host list), state
+        for `combine`)."""
+        ...
+
+    def combine(self, y: torch.Tensor, state) -> torch.Tensor:
+        """Expert outputs y [S, h] (dispatch order) -> [N, h]: weighted and summed per token."""
+        ...
+
+
 class LocalDispatcher:
-    """Token dispatcher with every routed expert on this process: the (token, expert) slots are
-    only sorted by expert. `dsa_train.parallel.expert.AllToAllDispatcher` is the expert-parallel
-    one (same methods; tokens travel to their experts' ranks and back). One host read per forward
-    (the per-expert counts, which size the expert GEMMs), none in the backward."""
+    """The `TokenDispatcher` with every routed expert on this process: the (token, expert) slots
+    are only sorted by expert. `dsa_train.parallel.expert.AllToAllDispatcher` is the
+    expert-parallel one (tokens travel to their experts' ranks and back). One host read per
+    forward (the per-expert counts, which size the expert GEMMs), none in the backward."""
 
     def __init__(self, n_experts: int):
         self.n_experts = n_experts
@@ -262,7 +285,7 @@ class MoE(nn.Module):
             if config.n_shared_experts
             else None
         )
-        self.dispatcher = LocalDispatcher(self.n_experts)
+        self.dispatcher: TokenDispatcher = LocalDispatcher(self.n_experts)
         self.grouped_gemm = False
         # tokens routed to each expert: by the last forward (metrics), and summed over the
         # training-mode forwards since the last bias update (all micro-batches of a step)
@@ -271,11 +294,11 @@ class MoE(nn.Module):
         # sums the loads over the router's replicas before a bias update; None: one process
         self.sum_loads = None
 
-    def set_layout(self, grouped_gemm: bool, sum_loads=None, dispatcher=None) -> None:
+    def set_layout(self, grouped_gemm: bool, sum_loads=None, dispatcher: TokenDispatcher | None = None) -> None:
         """How this layer runs under a parallel layout (`dsa_train.parallel.expert.shard_experts`):
         `grouped_gemm` runs the local experts as grouped GEMMs instead of a loop; `sum_loads`
         sums a load tensor over the router's replicas in place (before a bias update); a
-        `dispatcher` (the interface of `LocalDispatcher`) moves tokens to the experts it names
+        `dispatcher` (a `TokenDispatcher`) moves tokens to the experts it names
         local (`dispatcher.local_experts`), and the layer keeps only those."""
         self.grouped_gemm = grouped_gemm
         self.sum_loads = sum_loads
@@ -310,11 +333,7 @@ class MoE(nn.Module):
         experts = [self.experts[str(e)] for e in self.dispatcher.local_experts]
         if self.grouped_gemm:
             return grouped_experts(experts, x_sorted, counts)
-        outs, start = [], 0
-        for expert, n in zip(experts, counts):
-            outs.append(expert(x_sorted[start : start + n]))
-            start += n
-        return torch.cat(outs) if outs else x_sorted
+        return per_expert(experts, x_sorted, counts)
 
     @torch.no_grad()
     def update_bias(self, rate: float) -> None:

@@ -1,5 +1,7 @@
 """DeepSpeed engine on megatron-core's process groups: the distributed counterpart of
-`dsa_train.engine.Engine` (same methods: backward, step, zero_grad, lr).
+`dsa_train.engine.Engine`, a `TrainingEngine` as it is (dsa_train/engine/engine.py). `.model` is
+the model as built, as in `Engine`; DeepSpeed's engine wrapping it is `.ds` (the forward runs
+through it).
 
 * ZeRO stage 0/1/2/3 from `parallel.zero_stage`; DeepSpeed's data-parallel group is DP x CP
   (the ranks holding replicas of a dense parameter, `MegatronMPU`), tensor-parallel shards are
@@ -28,6 +30,7 @@ import torch
 
 from dsa_train.config import OptimConfig
 from dsa_train.stage import Stage
+from dsa_train.engine.optimizer import weight_decay_groups
 from dsa_train.engine.schedule import build_scheduler
 from dsa_train.engine.sharded_state import Fragment
 from dsa_train.parallel import deepspeed_compat
@@ -44,14 +47,9 @@ def _quiet_deepspeed() -> None:
 
 
 def param_groups(trainable: list[tuple[str, torch.nn.Parameter]], optim: OptimConfig) -> list[dict]:
-    """Matrices decay, vectors do not (as `build_optimizer`); expert parameters in MoE groups."""
-    decay = [p for _, p in trainable if p.ndim >= 2]
-    no_decay = [p for _, p in trainable if p.ndim < 2]
-    groups = [
-        {"name": "decay", "params": decay, "weight_decay": optim.weight_decay},
-        {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
-    ]
-    groups = [g for g in groups if g["params"]]
+    """Matrices decay, vectors do not (`weight_decay_groups`, as `build_optimizer`); expert
+    parameters in MoE groups."""
+    groups = weight_decay_groups(trainable, optim.weight_decay)
     if any(sharding_of(p).expert for _, p in trainable):
         groups = deepspeed_compat.moe_param_groups(groups)
     return groups
@@ -106,7 +104,7 @@ class DeepSpeedEngine:
         _quiet_deepspeed()
         import deepspeed
 
-        self.module = model
+        self.model = model
         self.state = state
         self.trainable = stage.select_trainable(model)
         deepspeed_compat.mark_expert_parameters(model.parameters())  # before the MoE param groups
@@ -145,11 +143,14 @@ class DeepSpeedEngine:
             )
         if self.own_norm:
             deepspeed_compat.disable_backward_allreduce(self.ds)  # `reduce_gradients` does it in `step`
-        self.model = self.ds  # forward through DeepSpeed (ZeRO-3 gathers parameters in its hooks)
 
     @property
     def lr(self) -> float:
         return self.ds.get_lr()[0]
+
+    def forward(self, *args, **kwargs):
+        """Forward through DeepSpeed's engine (ZeRO-3 gathers parameters in its hooks)."""
+        return self.ds(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.ds.backward(loss, scale_wrt_gas=False)
@@ -224,7 +225,7 @@ class DeepSpeedEngine:
             if p.grad is None:
                 continue
             total += p.grad.detach().double().pow(2).sum().cpu() / copies_in_world(p, sizes)
-        total = total.to(next(iter(self.module.parameters())).device)
+        total = total.to(next(iter(self.model.parameters())).device)
         if sizes.world > 1:
             dist.all_reduce(total)
         return float(total.sqrt())
@@ -241,7 +242,7 @@ class DeepSpeedEngine:
 
         self.zero_grad()
         self.ds.destroy()
-        self.ds = self.model = self.optimizer = self.scheduler = None
+        self.ds = self.optimizer = self.scheduler = None
         gc.collect()
 
     def fragments(self) -> list[Fragment]:

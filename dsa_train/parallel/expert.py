@@ -50,7 +50,7 @@ def destination_pairs(dest: torch.Tensor, ranks: int) -> tuple[torch.Tensor, tor
 
 
 class AllToAllDispatcher:
-    """The expert-parallel token dispatcher (the interface of `dsa_train.model.moe.LocalDispatcher`).
+    """The expert-parallel `TokenDispatcher` (dsa_train/model/moe.py; the other is `LocalDispatcher`).
 
     Each token goes once to each EP rank holding at least one of its experts (de-duplicated per
     rank), with its routing weights for that rank's experts; the rank runs its experts, weights

@@ -75,10 +75,6 @@ def torchrun_command(
     return [*cmd, "-m", TRAIN_MODULE, "--config-name", recipe, *overrides]
 
 
-def _sbatch_value(v) -> str:
-    return str(v)
-
-
 def render_sbatch(recipe: str, overrides: list[str], python: str | None = None, workdir: str | None = None) -> tuple[str, Path]:
     """The sbatch script for the recipe (+ overrides) and where it is written."""
     from dsa_train.config import ConfigError, load_recipe, resolve_sizes

@@ -27,7 +27,7 @@ from dsa_train.config import ConfigError, TrainConfig, WandbMode
 from dsa_train.config.validate import check_global_batches
 from dsa_train.stage import Stage
 from dsa_train.engine.sharded_state import GlobalPieces, ReplicaCoordinates, model_pieces, optimizer_pieces
-from dsa_train.engine.engine import Engine
+from dsa_train.engine.engine import Engine, TrainingEngine
 from dsa_train.parallel import deepspeed_compat
 from dsa_train.parallel.deepspeed_engine import DeepSpeedEngine
 from dsa_train.parallel.groups import ParallelState, cpu_group, init_parallel
@@ -62,7 +62,7 @@ class Layout:
         """The model laid out for this rank (here: as built)."""
         return model
 
-    def make_engine(self, model: torch.nn.Module, stage: Stage, cfg: TrainConfig):
+    def make_engine(self, model: torch.nn.Module, stage: Stage, cfg: TrainConfig) -> TrainingEngine:
         """The engine of one stage: AdamW + schedule over the stage's trainable parameters."""
         return Engine(model, stage, cfg.optim)
 
@@ -77,7 +77,7 @@ class Layout:
         (`to_write`: only those this rank writes, one holder per replica)."""
         return model_pieces(model, self.tp_size, self.replicas if to_write else None)
 
-    def optimizer_pieces(self, engine, create: bool = False, to_write: bool = False) -> dict[str, GlobalPieces]:
+    def optimizer_pieces(self, engine: TrainingEngine, create: bool = False, to_write: bool = False) -> dict[str, GlobalPieces]:
         """optim/<kind>/<name> -> this rank's fragments of the optimizer state (`create`: zeros
         where the optimizer has no state yet, to load into; `to_write`: as model_pieces)."""
         writer = None
@@ -140,7 +140,7 @@ class DistributedLayout(Layout):
                 log.info("%s", line)
         return model
 
-    def make_engine(self, model: torch.nn.Module, stage: Stage, cfg: TrainConfig):
+    def make_engine(self, model: torch.nn.Module, stage: Stage, cfg: TrainConfig) -> TrainingEngine:
         return DeepSpeedEngine(model, stage, cfg.optim, self.parallel_state, zero_stage=self.zero_stage,
                                micro_batch_size=self.micro_batch_size)
 

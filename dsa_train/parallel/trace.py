@@ -337,16 +337,15 @@ class TracedZeroStep:
                 dist.all_gather_into_tensor(flat, flat.narrow(0, 0, n), group=group)
                 del flat
 
-    def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for st in self.optimizer.state.values() for t in st.values()
-                   if isinstance(t, torch.Tensor))
-
 
 class _TraceEngine:
-    """What `forward_backward` needs of an engine: the model and a backward."""
+    """What `forward_backward` needs of an engine (`TrainingEngine`): a forward and a backward."""
 
     def __init__(self, model):
         self.model = model
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
