@@ -6,7 +6,7 @@
 Rank RANK (default 0) of the recipe's layout at its full world size is built as `dsa-train plan
 --trace` builds it: torch's fake process group, megatron-core's groups, the 671B model
 (`DSAConfig()`, 61 layers + MTP) on the meta device, parallelized. Its checkpoint pieces are the
-real `model_pieces` / `optimizer_pieces` (engine/sharded_state.py) over that model and over the
+real `model_pieces` / `optimizer_pieces` (checkpoint/sharded_state.py) over that model and over the
 stage's ZeRO partitions (the optimizer stand-in below cuts the trainable parameters into even
 flat partitions over DP x CP, experts over expert-DP, as the planner's traced ZeRO step does), and
 DCP's own save planner makes the rank's local plan from them: metadata only, no tensor. Prints
@@ -31,8 +31,8 @@ import torch
 
 def zero_fragments(trainable, state, zero_stage: int) -> list:
     """This rank's fragments of an even flat ZeRO partition of the trainable parameters."""
-    from dsa_train.engine.sharded_state import Fragment
-    from dsa_train.parallel.sharding import sharding_of
+    from dsa_train.checkpoint.sharded_state import Fragment
+    from dsa_train.sharding import sharding_of
 
     ps = state.ps
     groups = [([(n, p) for n, p in trainable if not sharding_of(p).expert],
@@ -58,7 +58,7 @@ def zero_fragments(trainable, state, zero_stage: int) -> list:
 
 
 def local_plan(pieces: dict):
-    from dsa_train.engine.sharded_state import _save_planner
+    from dsa_train.checkpoint.sharded_state import _save_planner
 
     planner = _save_planner()
     planner.set_up_planner(pieces, is_coordinator=False)
@@ -70,11 +70,11 @@ def measure(recipe: str, rank: int = 0) -> dict:
     from omegaconf import OmegaConf
 
     from dsa_train.config import compose_recipe
-    from dsa_train.engine.sharded_state import model_pieces, optimizer_pieces
+    from dsa_train.checkpoint.sharded_state import model_pieces, optimizer_pieces
     from dsa_train.model.config import DSAConfig
     from dsa_train.parallel.layout import replica_coordinates
     from dsa_train.parallel.model import parallelize_model
-    from dsa_train.parallel.trace import close_fake_world, init_fake_world
+    from dsa_train.plan.trace import close_fake_world, init_fake_world
     from dsa_train.stage import Stage
 
     composed = compose_recipe(recipe, [])  # as `dsa-train plan`: no data sources or checkpoint needed

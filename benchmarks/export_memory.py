@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 2 benchmarks/export_memory.py export DIR OUT   # the export, 2 gloo ranks
     python benchmarks/export_memory.py full DIR                       # every model tensor in memory at once
 
-`make` writes a sharded training checkpoint (engine/checkpoint.py, as a run's end writes it) of
+`make` writes a sharded training checkpoint (checkpoint/training.py, as a run's end writes it) of
 the ~100 M-parameter model of benchmarks/checkpoint_load_memory.py. `export` runs
 `export_training_checkpoint` on every rank (world from torchrun, gloo), as `CheckpointManager.export`
 does at the end of a run, with 40 MB shards so that both ranks write several; each rank prints one
@@ -45,8 +45,8 @@ def reset_peak() -> None:
 
 def make(path: Path) -> None:
     import dsa_train
-    from dsa_train.engine import checkpoint as ckpt
-    from dsa_train.engine.sharded_state import model_pieces
+    from dsa_train.checkpoint import training as ckpt
+    from dsa_train.checkpoint.sharded_state import model_pieces
 
     torch.manual_seed(0)
     model = dsa_train.DSAForCausalLM(dsa_train.tiny_config(**CONFIG))
@@ -93,7 +93,7 @@ def full(src: Path) -> dict:
     from dsa_train.runtime import limit_heap_fragmentation
 
     limit_heap_fragmentation()
-    from dsa_train.engine.checkpoint import read_tensors
+    from dsa_train.checkpoint.training import read_tensors
 
     reset_peak()
     before = rss_bytes()

@@ -65,11 +65,11 @@ def stage() -> Stage:
 def deepspeed_main(micro_batches: int) -> dict:
     import torch.distributed as dist
 
-    from dsa_train.engine.step import forward_backward
+    from dsa_train.trainer.step import forward_backward
     from dsa_train.parallel import deepspeed_compat
-    from dsa_train.parallel.deepspeed_engine import DeepSpeedEngine
+    from dsa_train.trainer.deepspeed_engine import DeepSpeedEngine
     from dsa_train.parallel.groups import destroy_parallel, init_parallel
-    from dsa_train.parallel.step import parallel_reduction
+    from dsa_train.parallel.reduction import parallel_reduction
 
     state = init_parallel(ParallelConfig(zero_stage=2, data_parallel=-1))
     vocab = make_model().config.vocab_size

@@ -50,8 +50,8 @@ def run_stage(stage_name: str, seq_len: int, topk: int | None) -> dict:
 
     from dsa_train.config.recipes import load_recipe
     from dsa_train.data.tokenizer import load_tokenizer
-    from dsa_train.engine import Engine, forward_backward
-    from dsa_train.engine.trainer import build_model
+    from dsa_train.trainer import Engine, forward_backward
+    from dsa_train.trainer.trainer import build_model
     from dsa_train.stage import Stage
 
     overrides = [

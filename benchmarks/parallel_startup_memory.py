@@ -15,7 +15,7 @@ across machines). `single` measures the single-process load (`dsa_train.from_pre
 fresh process: its peak growth, the whole model's size and the logits of one batch.
 
 `load` runs on every rank, in fresh processes, the start-up the distributed trainer runs
-(`dsa_train.parallel.startup.load_parallel_pretrained`) for one layout (ep2: EP 2 x DP 2;
+(`dsa_train.trainer.startup.load_parallel_pretrained`) for one layout (ep2: EP 2 x DP 2;
 tp2: TP 2), measuring the growth of the rank's peak resident set (VmHWM, reset through
 /proc/self/clear_refs) over its resident set before the load, and appends one JSON line to OUT:
 peak growth, the bytes it holds, the shard files it opened, the whole model's size and the largest
@@ -64,7 +64,7 @@ def reset_peak() -> int:
 
 
 def tensor_bytes(model: torch.nn.Module) -> int:
-    from dsa_train.parallel.startup import held_tensors
+    from dsa_train.trainer.startup import held_tensors
 
     return sum(t.numel() * t.element_size() for t in held_tensors(model).values())
 
@@ -109,7 +109,7 @@ def load(ckpt: Path, out: Path, layout: str) -> None:
 
     from dsa_train.config import ParallelConfig, resolve_sizes
     from dsa_train.parallel.groups import ParallelState, init_distributed
-    from dsa_train.parallel.startup import load_parallel_pretrained
+    from dsa_train.trainer.startup import load_parallel_pretrained
     from dsa_train.runtime import limit_heap_fragmentation
 
     limit_heap_fragmentation()

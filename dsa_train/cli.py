@@ -24,8 +24,8 @@ SUBCOMMANDS = {
     "export": "dsa_train.checkpoint.cli",
     "inspect": "dsa_train.checkpoint.cli",
     "make-tiny-checkpoint": "dsa_train.checkpoint.cli",
-    "launch": "dsa_train.parallel.launch",  # torchrun / Slurm (sbatch from the recipe's cluster group)
-    "plan": "dsa_train.parallel.plan",  # per-GPU memory and step-time estimate of a recipe
+    "launch": "dsa_train.launch.launcher",  # torchrun / Slurm (sbatch from the recipe's cluster group)
+    "plan": "dsa_train.plan.estimate",  # per-GPU memory and step-time estimate of a recipe
     "kernels": "dsa_kernels.compile_report",  # `kernels report --arch sm_90a`: compile gate without a GPU
     "report": "dsa_train.logging.report",  # per-stage summary and PNG plots of a run
     "gpu-check": "dsa_train.gpucheck.runner",  # one GPU: kernels vs references, speed, end to end, NCCL
@@ -159,7 +159,7 @@ def run_hydra(argv: list[str], train) -> int:
     """Compose the recipe from `argv` as a Hydra app, check it, and call `train(TrainConfig)`.
     A bad recipe or any project error (`dsa_train.errors.DSATrainError`) raised by the trainer
     exits with its one line and code 2, no traceback (Preempted, a SystemExit, exits 75).
-    (`dsa-train` and the per-rank `python -m dsa_train.parallel.train` both run through here.)"""
+    (`dsa-train` and the per-rank `python -m dsa_train.launch.rank` both run through here.)"""
     import hydra
     from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import MissingMandatoryValue
@@ -206,7 +206,7 @@ def run_hydra(argv: list[str], train) -> int:
 
     from dsa_train.config.hydra_errors import precompose
     from dsa_train.config.overrides import check_overrides
-    from dsa_train.engine.signals import startup_signals
+    from dsa_train.signals import startup_signals
 
     argv = hydra_argv(argv)
     try:  # unknown keys with suggestions, before Hydra's bare "not in StageConfig"; then Hydra's own
@@ -227,7 +227,7 @@ def run_hydra(argv: list[str], train) -> int:
 def _train(cfg):
     # imported once run_hydra has checked the `train` extra: the trainer's data loader imports
     # `datasets`, which a core install (docs/install.md) lacks -- that gets one line, not a traceback
-    from dsa_train.engine.trainer import train
+    from dsa_train.trainer.trainer import train
 
     return train(cfg)
 

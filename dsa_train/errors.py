@@ -9,7 +9,7 @@ Its message names the problem and the fix; the command line prints it as one lin
 and exits with `EXIT_USER_ERROR` (2), never with a traceback. Anything else that escapes is a bug
 and keeps its traceback (exit 1). Preemption is not an error: `engine.signals.Preempted` exits 75.
 
-Exit codes of `dsa-train` and of the per-rank `python -m dsa_train.parallel.train`:
+Exit codes of `dsa-train` and of the per-rank `python -m dsa_train.launch.rank`:
     0  finished            1  a bug (traceback)          2  an error the user can fix (one line)
     75 preempted or interrupted after a checkpoint: run the same command again to resume
 
@@ -62,7 +62,7 @@ EXIT_PREEMPTED = 75
 
 
 class SignalOutsideTraining(BaseException):
-    """SIGTERM / SIGUSR1 outside the training loop (engine/signals.py `startup_signals`): a
+    """SIGTERM / SIGUSR1 outside the training loop (signals.py `startup_signals`): a
     BaseException, so that no `except Exception` on the way keeps it; exits 75 with one line."""
 
     def __init__(self, signum: int):
@@ -80,7 +80,7 @@ class SignalOutsideTraining(BaseException):
 
 def run_reporting(func: Callable[[], int | None], prefix: str = "dsa-train") -> int:
     """Call `func`; a DSATrainError becomes its one line and exit code (the one place that does).
-    Ctrl-C outside the training loop (which checkpoints first: engine/signals.py) exits 130."""
+    Ctrl-C outside the training loop (which checkpoints first: signals.py) exits 130."""
     try:
         return int(func() or 0)
     except DSATrainError as err:

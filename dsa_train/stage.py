@@ -15,7 +15,7 @@ kind's own config rules. Adding a kind is one entry here plus the recipe (docs/s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from dsa_train.errors import DSATrainError
 
@@ -241,3 +241,14 @@ class Stage:
         c = self.config
         return (f"stage {self.name}: {self.attention} attention, trains {self.kind.name} ({trainable_tensors} tensors), "
                 f"{c.steps} steps x {c.global_batch_size} sequences")
+
+
+def trained_index_topk(stages: Iterable[tuple[str, int | None]], default: int) -> int:
+    """The top-k the model was last trained with: that of the last sparse stage among
+    `(attention, topk)` of the stages that ran, in order (topk None: the model's `default`).
+    Written as `index_topk` of the export, so that the exported model selects as it was trained."""
+    topk = default
+    for attention, k in stages:
+        if str(attention) == "sparse":
+            topk = int(k) if k else default
+    return topk

@@ -2,7 +2,7 @@
 
 The PyTorch paths of the DSA ops walk the query axis in chunks so that no [T, T] (or T x K x D)
 block ever exists. Run for real that costs nothing extra; under FakeTensorMode
-(`dsa-train plan --trace`, dsa_train/parallel/trace.py) every op of every chunk is one fake
+(`dsa-train plan --trace`, dsa_train/plan/trace.py) every op of every chunk is one fake
 dispatch (~0.6 ms on a 2-core CPU), and at the 671B shapes under context parallelism the top-k
 alone is ~2000 chunks per layer (> 200 s per layer). A loop registered here is one op:
 

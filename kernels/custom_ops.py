@@ -1,7 +1,7 @@
 """The Triton kernels' entry points as torch custom ops with fake implementations: the memory trace
 follows the code that runs on CUDA.
 
-`dsa-train plan --trace` (dsa_train/parallel/trace.py) runs one training step under FakeTensorMode
+`dsa-train plan --trace` (dsa_train/plan/trace.py) runs one training step under FakeTensorMode
 on the CPU. Inside `trace_cuda_path()` the dispatchers take the path a CUDA run takes, whatever the
 fake tensors' device: `use_triton` is true, the frozen warm-up's attention picks torch's
 memory-efficient attention (`dense_attention.library.backend_for`), and the input policies are the

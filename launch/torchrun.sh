@@ -38,4 +38,4 @@ exec "$PYTHON" -m torch.distributed.run \
   --nnodes="$NNODES" --nproc_per_node="$NPROC_PER_NODE" \
   --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv_id="$RUN_ID" \
   --max_restarts="$MAX_RESTARTS" \
-  -m dsa_train.parallel.train "$@"
+  -m dsa_train.launch.rank "$@"

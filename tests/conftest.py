@@ -57,7 +57,7 @@ SLOWEST = 25
 PROCESS_NAMES = re.compile(r"^(python[0-9.]*|pypy[0-9.]*|bash|sh|dash|zsh|torchrun|dsa-train|pip[0-9.]*|"
                            r"srun|sbatch|salloc|slurmd|slurmctld|slurmdbd|munged|scontrol|squeue|wandb-core)$")
 # the trainer: constructing its `Trainer` makes a test an integration test
-TRAINER_MODULE = "dsa_train.engine.trainer"
+TRAINER_MODULE = "dsa_train.trainer.trainer"
 
 pytest_plugins = ["pytester"]  # tests/test_suite_tiers.py runs this file's hooks on a small suite
 
@@ -65,7 +65,7 @@ pytest_plugins = ["pytester"]  # tests/test_suite_tiers.py runs this file's hook
 @pytest.fixture(autouse=True)
 def _restore_deterministic_mode():
     """A test that trains in-process with `deterministic: true` switches on
-    torch.use_deterministic_algorithms for the whole process (dsa_train/engine/rng.py); restore the
+    torch.use_deterministic_algorithms for the whole process (dsa_train/trainer/rng.py); restore the
     mode after every test so that later tests see the default (one did: the sparse-MLA backward
     then took its deterministic path). Torch is not imported here: before its first import the mode
     is the default."""

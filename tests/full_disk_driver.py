@@ -78,7 +78,7 @@ def used_bytes(mnt: Path) -> int:
 def shrink_after_step(step: int, mnt: Path, ckpts: Path, info: dict):
     """After the checkpoint of global step `step` is written, shrink the file system to what it
     holds and half a checkpoint (a disk filling up during the run)."""
-    from dsa_train.engine.checkpoint_manager import CheckpointManager
+    from dsa_train.trainer.checkpoint_manager import CheckpointManager
 
     original = CheckpointManager.save
 

@@ -14,8 +14,8 @@ import sys
 def main(argv: list[str]) -> int:
     out, recipe, *overrides = argv
     from dsa_train.config import load_recipe
-    from dsa_train.engine.trainer import train
-    from dsa_train.engine.signals import Preempted
+    from dsa_train.trainer.trainer import train
+    from dsa_train.signals import Preempted
 
     def dump(result, code):
         with open(out, "w") as f:

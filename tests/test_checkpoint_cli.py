@@ -62,8 +62,8 @@ def test_export_reports_a_bad_source_and_bad_sizes(tmp_path, capsys):
 
 def test_inspect_a_training_checkpoint(tmp_path, capsys):
     import dsa_train
-    from dsa_train.engine.checkpoint import TrainerState, save_checkpoint
-    from dsa_train.engine.sharded_state import model_pieces
+    from dsa_train.checkpoint.training import TrainerState, save_checkpoint
+    from dsa_train.checkpoint.sharded_state import model_pieces
 
     model = dsa_train.DSAForCausalLM(dsa_train.tiny_config(num_hidden_layers=1))
     save_checkpoint(tmp_path / "ckpts", TrainerState(global_step=5), model_pieces(model), {}, {}, keep_last=1,

@@ -43,8 +43,8 @@ def probe_ids(vocab):
 def trained(tmp_path_factory):
     """The tiny FP8 Terminus checkpoint (dims not multiples of 128), loaded, trained 3 steps, and
     saved as a dsa_train training checkpoint."""
-    from dsa_train.engine.checkpoint import TrainerState, save_checkpoint
-    from dsa_train.engine.sharded_state import model_pieces
+    from dsa_train.checkpoint.training import TrainerState, save_checkpoint
+    from dsa_train.checkpoint.sharded_state import model_pieces
 
     root = tmp_path_factory.mktemp("pipeline")
     make_tiny_checkpoint(root / "terminus", seed=1)

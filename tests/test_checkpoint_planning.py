@@ -1,4 +1,4 @@
-"""Checkpoint planning at scale (engine/sharded_state.py):
+"""Checkpoint planning at scale (checkpoint/sharded_state.py):
   * one holder of every replicated piece proposes it, decided by each rank from its coordinates in
     megatron-core's dense and expert grids, no communication (checked over every rank of a
     16-rank TP 2 x CP 2 x DP 4, EP 4 grid built by megatron-core's own rank generator);
@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsa_train.engine import sharded_state
-from dsa_train.engine.sharded_state import GlobalPieces, ReplicaCoordinates, proposes, replica_slot
-from dsa_train.parallel.sharding import Sharding, set_sharding
+from dsa_train.checkpoint import sharded_state
+from dsa_train.checkpoint.sharded_state import GlobalPieces, ReplicaCoordinates, proposes, replica_slot
+from dsa_train.sharding import Sharding, set_sharding
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -71,7 +71,7 @@ TINY = ["data.seq_len=64", "data.micro_batch_size=1", "logging.wandb_mode=disabl
 def test_end_of_run_export_is_save_pretrained_of_the_trained_model(tmp_path):
     from dsa_train.checkpoint import save_pretrained
     from dsa_train.config import load_recipe
-    from dsa_train.engine.trainer import Trainer
+    from dsa_train.trainer.trainer import Trainer
 
     trainer = Trainer(load_recipe("demo", [*TINY, f"run_dir={tmp_path / 'run'}"]))
     result = trainer.run()
@@ -89,7 +89,7 @@ def _torchrun(run_dir, extra):
            "OMP_NUM_THREADS": "1"}
     env.pop("DSA_FAULT", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "dsa_train.parallel.train", "--config-name", "demo", *TINY, *extra, f"run_dir={run_dir}"]
+           "-m", "dsa_train.launch.rank", "--config-name", "demo", *TINY, *extra, f"run_dir={run_dir}"]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -107,7 +107,7 @@ def test_two_rank_expert_parallel_export_equals_the_offline_export(tmp_path):
     assert json.loads(ours.pop("config.json")) == json.loads(theirs.pop("config.json"))
     assert all(ours[n] == theirs[n] for n in theirs), [n for n in theirs if ours[n] != theirs[n]]
     # every expert of every MoE layer, with the values of the checkpoint the run committed last
-    from dsa_train.engine.checkpoint import latest_checkpoint, read_tensors
+    from dsa_train.checkpoint.training import latest_checkpoint, read_tensors
 
     exported = raw_tensors(run / "export")
     saved = read_tensors(latest_checkpoint(run / "checkpoints"))

@@ -67,7 +67,7 @@ def test_traced_functions_save_what_the_kernel_functions_save():
     dtypes (bf16 q / kv; the interpreter upcasts to fp32); the traced forward/backward go through
     the custom ops."""
     from dsa_kernels import sparse_indexer_kl, sparse_mla
-    from dsa_train.parallel.trace import MemoryTrace
+    from dsa_train.plan.trace import MemoryTrace
 
     torch.manual_seed(0)
     q, kv = torch.randn(B, T, H, D, device=DEV), torch.randn(B, T, D, device=DEV)
@@ -105,8 +105,8 @@ def _trace_demo(stage: str, kernels: str):
     from omegaconf import OmegaConf
 
     from dsa_train.config import compose_recipe
-    from dsa_train.parallel.plan import model_config_of
-    from dsa_train.parallel.trace import trace_step
+    from dsa_train.plan.estimate import model_config_of
+    from dsa_train.plan.trace import trace_step
 
     cfg = OmegaConf.to_object(compose_recipe("demo", ["data.seq_len=64", "data.micro_batch_size=1",
                                                       "model.dtype=bfloat16"]))

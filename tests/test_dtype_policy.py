@@ -31,7 +31,7 @@ def _assert_policy(model):
 
 def test_from_scratch_in_the_trainer_keeps_the_policy():
     from dsa_train.config.recipes import compose_recipe, to_train_config
-    from dsa_train.engine.trainer import build_model
+    from dsa_train.trainer.trainer import build_model
 
     cfg = to_train_config(compose_recipe("demo", ["model.dtype=bfloat16"]))
     model = build_model(cfg, vocab_size=512)

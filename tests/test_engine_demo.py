@@ -3,7 +3,7 @@
 import pytest
 
 from dsa_train.config import load_recipe
-from dsa_train.engine.trainer import train
+from dsa_train.trainer.trainer import train
 
 pytestmark = pytest.mark.integration
 

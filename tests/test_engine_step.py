@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsa_train.config import Attention, Decay, OptimConfig, StageConfig, Trainable
-from dsa_train.engine import Engine, StepHooks, forward_backward, lr_multiplier, train_step
+from dsa_train.trainer import Engine, StepHooks, forward_backward, lr_multiplier, train_step
 from dsa_train.model import DSAForCausalLM, tiny_config
 from dsa_train.stage import STAGE_KINDS, Stage
 

@@ -10,8 +10,8 @@ import torch
 import dsa_train
 from dsa_train.config import load_recipe
 from dsa_train.data import DataConfig, build_dataloader
-from dsa_train.engine.trainer import Trainer, train
-from dsa_train.engine.checkpoint import list_checkpoints, load_checkpoint, read_tensors
+from dsa_train.trainer.trainer import Trainer, train
+from dsa_train.checkpoint.training import list_checkpoints, load_checkpoint, read_tensors
 from dsa_train.stage import STAGE_KINDS
 
 pytestmark = pytest.mark.integration

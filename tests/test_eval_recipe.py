@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from dsa_train.config import ConfigError, load_recipe
-from dsa_train.engine.trainer import Trainer
+from dsa_train.trainer.trainer import Trainer
 
 SHRUNK = [  # the demo's three stages, a few steps each on 64-token sequences
     "data.seq_len=64", "data.micro_batch_size=1", "probe_batches=0", "checkpoint.every_n_steps=0",
@@ -116,7 +116,7 @@ def test_eval_group_under_two_ranks_expert_parallel_matches_one_process(tmp_path
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "DSA_STRICT_DEVICES": "1"}
     env.pop("DSA_FAULT", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "dsa_train.parallel.train", "--config-name", "demo", *common, "parallel=zero2",
+           "-m", "dsa_train.launch.rank", "--config-name", "demo", *common, "parallel=zero2",
            "parallel.expert_parallel=2", "stages.pretrain.global_batch_size=2", "stages.warmup.global_batch_size=2",
            "stages.sparse.global_batch_size=2", f"run_dir={tmp_path}/two"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)

@@ -62,7 +62,7 @@ def test_the_gpu_runs_are_valid_recipes_that_fit_the_gpu(tmp_path):
     """The CUDA variants' overrides, composed and checked here on the CPU as the trainer will
     (everything but the CUDA device), and planned for their layouts."""
     from dsa_train.config import load_recipe
-    from dsa_train.parallel.plan import make_plan, parse_opts
+    from dsa_train.plan.estimate import make_plan, parse_opts
 
     opts = Options(device="cuda", out=tmp_path)
     for layout, world, steps in ((e2e.single_layout(opts), 1, (3, 4, 2)), (e2e.nccl_layout(opts), 2, (1, 2, 0))):

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dsa_train.parallel.launch import render_sbatch, split_recipe_args
+from dsa_train.config.overrides import split_recipe_args
+from dsa_train.launch.launcher import render_sbatch
 from tests.helpers import free_port
 
 

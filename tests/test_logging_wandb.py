@@ -5,8 +5,8 @@ import shutil
 import pytest
 
 from dsa_train.config import LoggingConfig, WandbMode, load_recipe
-from dsa_train.engine.trainer import train
-from dsa_train.engine.checkpoint import list_checkpoints
+from dsa_train.trainer.trainer import train
+from dsa_train.checkpoint.training import list_checkpoints
 from dsa_train.logging import WandbRun, find_run_file, read_config, read_history, resolve_mode
 
 

@@ -67,7 +67,7 @@ def test_launcher_side_config_error_exits_once_without_starting_workers(tmp_path
 
 
 def test_sbatch_of_the_warmup_recipe_asks_for_cpus_and_memory_and_warns_of_node_local_paths(tmp_path, capsys):
-    from dsa_train.parallel.launch import render_sbatch
+    from dsa_train.launch.launcher import render_sbatch
 
     script, _ = render_sbatch("v3.2_warmup", ["model.pretrained=/tmp/V3.1-Terminus", "data.sources=[/data/a.jsonl]"],
                               workdir="/shared/project")

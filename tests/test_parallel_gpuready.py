@@ -67,7 +67,7 @@ def run_demo(run_dir, extra, fault=None, base=TINY_DEMO, nproc=2):
     if fault:
         env["DSA_FAULT"] = fault
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-           "-m", "dsa_train.parallel.train", "--config-name", "demo", *base, *extra, f"run_dir={run_dir}"]
+           "-m", "dsa_train.launch.rank", "--config-name", "demo", *base, *extra, f"run_dir={run_dir}"]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
 
 
@@ -136,7 +136,7 @@ def test_bf16_zero2_resume_keeps_exact_fp32_masters(tmp_path):
     # step 3 (the first after the resume, mid-stage: optimizer state saved): the fp32 masters,
     # AdamW moments and bf16 weights (global tensors, gathered from both ranks' pieces) equal the
     # uninterrupted run's bit for bit
-    from dsa_train.engine.checkpoint import read_tensors
+    from dsa_train.checkpoint.training import read_tensors
 
     a = read_tensors(tmp_path / "ref/checkpoints/step_00000003", prefix="")
     b = read_tensors(tmp_path / "run/checkpoints/step_00000003", prefix="")
@@ -216,7 +216,7 @@ def test_bf16_gradients_accumulate_in_fp32_by_default():
     step's gradient is the fp32 sum of the micro-batches' bf16 gradients; with bfloat16 it is
     their bf16 sum (rounded at the addition)."""
     from dsa_train.config import Attention, DType, OptimConfig, StageConfig, Trainable
-    from dsa_train.engine import Engine, forward_backward
+    from dsa_train.trainer import Engine, forward_backward
     from dsa_train.model import DSAForCausalLM, tiny_config
     from dsa_train.stage import Stage
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dsa_train.parallel.plan import count_params, main as plan_main
+from dsa_train.plan.estimate import count_params, main as plan_main
 from tests.helpers import free_port
 
 
@@ -138,8 +138,8 @@ def test_group_spans_match_megatron_groups():
     import torch.distributed as dist
 
     from dsa_train.config import ParallelConfig
-    from dsa_train.parallel.plan_comm import group_spans, span_of
-    from dsa_train.parallel.trace import close_fake_world, init_fake_world
+    from dsa_train.plan.comm import group_spans, span_of
+    from dsa_train.plan.trace import close_fake_world, init_fake_world
 
     parallel = ParallelConfig(tensor_parallel=2, context_parallel=4, expert_parallel=8, data_parallel=4)
     for rank in (0, 13, 31):
@@ -156,7 +156,7 @@ def test_group_spans_match_megatron_groups():
 
 def test_collective_seconds_intra_and_inter_node():
     from dsa_train.config.schema import NetworkConfig
-    from dsa_train.parallel.plan_comm import GroupSpan, collective_seconds
+    from dsa_train.plan.comm import GroupSpan, collective_seconds
 
     net = NetworkConfig(intra_node_gbps=100, inter_node_gbps=10, all_to_all_inter_node_gbps=5,
                         intra_node_latency_us=0, inter_node_latency_us=0)

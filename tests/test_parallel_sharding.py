@@ -6,10 +6,10 @@ import torch
 
 from dsa_train.config import ConfigError, TrainConfig
 from dsa_train.config import ParallelSizes
-from dsa_train.engine import sharded_state
+from dsa_train.checkpoint import sharded_state
 from dsa_train.parallel import deepspeed_compat
 from dsa_train.parallel.layout import Layout, init_layout
-from dsa_train.parallel.sharding import (
+from dsa_train.sharding import (
     REPLICATED,
     Sharding,
     copies_in_world,

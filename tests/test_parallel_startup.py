@@ -1,4 +1,4 @@
-"""Meta-device start-up (dsa_train.parallel.startup): tiny V3.1-Terminus-layout FP8 checkpoints
+"""Meta-device start-up (dsa_train.trainer.startup): tiny V3.1-Terminus-layout FP8 checkpoints
 loaded under EP 2 (routed experts dominate) and under TP 2 (wide dense MLPs dominate) (torchrun, 2 CPU ranks, fresh processes): each rank holds its
 share plus the replicated part, its measured peak resident growth (VmHWM) is that share plus
 tensors in flight -- not the whole model -- and its logits equal the single-process load's (fresh indexers included).

@@ -1,5 +1,5 @@
 """The distributed trainer end to end on the tiny demo recipe (2 ranks, CPU, gloo), with the
-sharded, layout-independent checkpoints (engine/sharded_state.py):
+sharded, layout-independent checkpoints (checkpoint/sharded_state.py):
   * a run under the 2-rank demo layout (ZeRO-2 + expert parallel 2) that crashes mid-stage resumes
     to the same losses as an uninterrupted run;
   * its mid-stage checkpoint resumes under DP2 x ZeRO-1 (2 ranks) and in one process;
@@ -46,7 +46,7 @@ def _run(run_dir, extra, fault=None):
     if fault:
         env["DSA_FAULT"] = fault
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "dsa_train.parallel.train", "--config-name", "demo", *TINY, *extra, f"run_dir={run_dir}"]
+           "-m", "dsa_train.launch.rank", "--config-name", "demo", *TINY, *extra, f"run_dir={run_dir}"]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -143,7 +143,7 @@ def test_checkpoint_resumes_under_other_layouts_and_exports_offline(tmp_path, ep
     accumulated) — fp32 rounding (measured 6e-8 relative with eval=none), which may flip a
     near-tied top-k selection."""
     from dsa_train.config import load_recipe
-    from dsa_train.engine.trainer import Trainer
+    from dsa_train.trainer.trainer import Trainer
 
     ref_dir, _ = ep2_zero2_run
     want = _metrics(ref_dir)
@@ -184,8 +184,8 @@ def test_two_rank_checkpoint_bytes_are_its_unique_state(ep2_zero2_run):
     import json
     import math
 
-    from dsa_train.engine import sharded_state
-    from dsa_train.engine.checkpoint import read_manifest
+    from dsa_train.checkpoint import sharded_state
+    from dsa_train.checkpoint.training import read_manifest
     from dsa_train.model import DSAConfig, DSAForCausalLM
 
     ref_dir, _ = ep2_zero2_run
@@ -266,8 +266,8 @@ def test_zero3_tensor_parallel_trains_and_exports(tmp_path):
     # changes the forward's sums (row-parallel partial products): step 6 rel 1e-6 (measured 5.9e-8),
     # step 7 NEXT_STEP_REL
     from dsa_train.config import load_recipe
-    from dsa_train.engine.trainer import Trainer
-    from dsa_train.engine.checkpoint import read_tensors
+    from dsa_train.trainer.trainer import Trainer
+    from dsa_train.checkpoint.training import read_tensors
 
     step5 = tmp_path / "run/checkpoints/step_00000005"
     moments = read_tensors(step5, prefix="optim/exp_avg_sq/")

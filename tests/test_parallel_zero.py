@@ -55,7 +55,7 @@ def test_gradient_reduction_config_per_zero_stage():
     """ZeRO-0/1 reduce once per step (in step(), the caller's boundary): no overlap. ZeRO-2 reduces
     every micro-batch into its partition, overlapped with the backward; bf16 gradients go over the
     wire in fp32 unless asked otherwise (the measured choice: docs/distributed.md, "Gradient reduction")."""
-    from dsa_train.parallel.deepspeed_engine import deepspeed_config
+    from dsa_train.trainer.deepspeed_engine import deepspeed_config
 
     def cfg(zero, **kw):
         return deepspeed_config(zero, micro_batch_size=1, dp_size=2, bf16=True, grad_clip=1.0, **kw)

@@ -1,4 +1,4 @@
-"""`dsa-train plan`'s warm-up step time comes from the code that runs (dsa_train/parallel/plan_warmup.py):
+"""`dsa-train plan`'s warm-up step time comes from the code that runs (dsa_train/plan/warmup.py):
 the frozen main model's forward once, library attention in the MHA form (CP: the gathered latent
 up-projected per run), the indexer's forward and weight gradients, the checkpoint's recompute, and
 the dense KL kernel's statistics and gradient passes (the compile report's FLOPs / bytes of the same
@@ -9,8 +9,8 @@ import json
 import pytest
 
 from dsa_train.model.config import DSAConfig
-from dsa_train.parallel.plan import main as plan_main
-from dsa_train.parallel.plan_warmup import warmup_compute_seconds, warmup_step_work
+from dsa_train.plan.estimate import main as plan_main
+from dsa_train.plan.warmup import warmup_compute_seconds, warmup_step_work
 
 
 def _plan(capsys, *args):

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from dsa_train.config import ConfigError, load_recipe
-from dsa_train.engine import faults
-from dsa_train.engine.trainer import Trainer, train
+from dsa_train import faults
+from dsa_train.trainer.trainer import Trainer, train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ def tiny(run_dir, *extra):
 def test_topk_not_below_the_sequence_length_warns_and_trains_as_dense(tmp_path):
     """Sparse with k >= T selects every key: a warning that names the fix, and the run goes on
     (the top-k slots past the causal prefix are -1, the loss stays finite)."""
-    from dsa_train.engine.trainer import TopkCoversSequence
+    from dsa_train.trainer.trainer import TopkCoversSequence
 
     with pytest.warns(TopkCoversSequence, match=r"stages.sparse.topk: top-64 selection on 64-token sequences "
                                                 r"selects every key, so sparse attention equals dense .* raise data.seq_len"):
@@ -68,7 +68,7 @@ def test_resuming_a_checkpoint_of_another_model(tmp_path):
                                           r"\(.*hidden_size.*\); resume with the recipe that wrote it"):
         Trainer(tiny(tmp_path / "run", "stages.sparse.steps=3", "+model.arch.hidden_size=96"))
     # nothing lost: the checkpoints are still there and verify
-    from dsa_train.engine.checkpoint import list_checkpoints, verify_checkpoint
+    from dsa_train.checkpoint.training import list_checkpoints, verify_checkpoint
 
     assert [p.name for p in list_checkpoints(tmp_path / "run/checkpoints")] == ["step_00000002", "step_00000003"]
     for p in list_checkpoints(tmp_path / "run/checkpoints"):

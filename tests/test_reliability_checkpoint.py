@@ -1,5 +1,5 @@
 """Crash-safe training checkpoints: manifest, `latest` pointer, verification, fallback, pruning,
-full disk, byte-range checksums, the old format refused (engine/checkpoint.py). Several ranks and
+full disk, byte-range checksums, the old format refused (checkpoint/training.py). Several ranks and
 layouts: tests/test_checkpoint_sharded.py."""
 
 import json
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dsa_train.config import load_recipe
-from dsa_train.engine import faults
-from dsa_train.engine.trainer import train
-from dsa_train.engine.checkpoint import (
+from dsa_train import faults
+from dsa_train.trainer.trainer import train
+from dsa_train.checkpoint.training import (
     CheckpointSaveError,
     CorruptCheckpoint,
     OldFormatCheckpoint,
@@ -26,7 +26,7 @@ from dsa_train.engine.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from dsa_train.engine.sharded_state import GlobalPieces, model_pieces
+from dsa_train.checkpoint.sharded_state import GlobalPieces, model_pieces
 from dsa_train.model import DSAForCausalLM, tiny_config
 
 
@@ -175,7 +175,7 @@ def test_trainer_falls_back_past_a_corrupt_checkpoint_and_says_so(tmp_path, capl
     data = (newest / "state/__0_0.distcp").read_bytes()
     (newest / "state/__0_0.distcp").write_bytes(data[:-100])  # truncated
     (ckpts / "step_00000003" / "trainer_state.json").write_text("{}")  # and the one before corrupt too
-    with caplog.at_level(logging.WARNING, logger="dsa_train.engine.checkpoint_manager"):
+    with caplog.at_level(logging.WARNING, logger="dsa_train.trainer.checkpoint_manager"):
         resumed = train(tiny_run(tmp_path / "run"))  # checkpoint.resume: auto (the default)
     log = caplog.text
     assert "rejecting" in log and "step_00000004" in log and "truncated" in log
@@ -190,7 +190,7 @@ def test_trainer_falls_back_past_a_corrupt_checkpoint_and_says_so(tmp_path, capl
 @pytest.mark.integration
 def test_resume_false_refuses_to_overwrite_existing_checkpoints(tmp_path):
     from dsa_train.config import ConfigError
-    from dsa_train.engine.trainer import Trainer
+    from dsa_train.trainer.trainer import Trainer
 
     cfg = tiny_run(tmp_path / "run", "stages.sparse.steps=1", "stages.warmup.steps=1")
     train(cfg)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dsa_train.config import load_recipe
-from dsa_train.engine.checkpoint import read_latest, verify_checkpoint
+from dsa_train.checkpoint.training import read_latest, verify_checkpoint
 from tests.reliability_helpers import REPO, TINY
 from tests.reliability_helpers import run as dsa_train
 
@@ -63,7 +63,7 @@ def test_only_project_errors_lose_their_traceback():
     """A DSATrainError becomes its line and exit 2; any other exception is a bug and propagates."""
     from dsa_train.config import ConfigError
     from dsa_train.data import DataSourceError
-    from dsa_train.engine.checkpoint import CheckpointSaveError, CorruptCheckpoint
+    from dsa_train.checkpoint.training import CheckpointSaveError, CorruptCheckpoint
     from dsa_train.checkpoint.errors import CheckpointError
     from dsa_train.errors import DSATrainError, run_reporting
 
@@ -136,7 +136,7 @@ def test_second_ctrl_c_stops_at_once(tmp_path, capsys, monkeypatch):
 
 # ------------------------------------------------------------------ 6. one run per run_dir
 def _write_lock(run_dir: Path, **holder) -> Path:
-    from dsa_train.engine.run_lock import LOCK_NAME
+    from dsa_train.trainer.run_lock import LOCK_NAME
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / LOCK_NAME).write_text(json.dumps(holder))
@@ -145,8 +145,8 @@ def _write_lock(run_dir: Path, **holder) -> Path:
 
 @pytest.mark.integration
 def test_a_second_run_on_a_run_dir_is_refused_naming_the_holder(tmp_path):
-    from dsa_train.engine.trainer import Trainer
-    from dsa_train.engine.run_lock import RunDirLocked
+    from dsa_train.trainer.trainer import Trainer
+    from dsa_train.trainer.run_lock import RunDirLocked
 
     holder = subprocess.Popen(["sleep", "60"])  # a live process on this host holds the run
     try:
@@ -166,8 +166,8 @@ def test_a_second_run_on_a_run_dir_is_refused_naming_the_holder(tmp_path):
 
 @pytest.mark.integration
 def test_a_stale_lock_is_recovered(tmp_path, monkeypatch, caplog):
-    from dsa_train.engine.trainer import train
-    from dsa_train.engine.run_lock import LOCK_NAME
+    from dsa_train.trainer.trainer import train
+    from dsa_train.trainer.run_lock import LOCK_NAME
 
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -239,7 +239,7 @@ def test_hf_config_values_of_the_wrong_type_name_the_field(tmp_path, capsys):
 
 # ------------------------------------------------------------------ 3. integrity
 def _trained_run(tmp_path):
-    from dsa_train.engine.trainer import train
+    from dsa_train.trainer.trainer import train
 
     run_dir = tmp_path / "run"
     train(tiny(run_dir, "stages.sparse.steps=1", "stages.warmup.steps=1"))
@@ -250,8 +250,8 @@ def _trained_run(tmp_path):
 def test_a_checkpoint_without_manifest_is_not_resumed_or_exported(tmp_path, capsys):
     """Corrupt weights and no manifest: resume and export refuse (nothing moved), saying how to
     proceed; with checkpoint.verify_checksums=false the user takes the risk explicitly."""
-    from dsa_train.engine.trainer import Trainer
-    from dsa_train.engine.checkpoint import UnverifiedCheckpoint
+    from dsa_train.trainer.trainer import Trainer
+    from dsa_train.checkpoint.training import UnverifiedCheckpoint
 
     run_dir, last = _trained_run(tmp_path)
     (last / "manifest.json").unlink()
@@ -345,7 +345,7 @@ def test_values_that_make_no_sense_together_are_refused_at_start_up(tmp_path, ov
 def test_doubtful_values_are_reported_at_start_up(tmp_path, caplog):
     """Allowed, but said in the log before training: a warm-up longer than its stage (the demo
     recipe's 5-step sparse warm-up in a 2-step smoke run), a log interval longer than a stage."""
-    from dsa_train.engine.trainer import Trainer
+    from dsa_train.trainer.trainer import Trainer
 
     with caplog.at_level("WARNING"):
         Trainer(tiny(tmp_path / "run", "stages.sparse.warmup_steps=5", "logging.log_every=3"))
@@ -359,9 +359,9 @@ def test_doubtful_values_are_reported_at_start_up(tmp_path, caplog):
 def test_full_disk_prunes_what_keep_last_allows_and_saves(tmp_path, monkeypatch, caplog):
     """Out of space while saving step 4 with keep_last=2 (steps 2 and 3 on disk): the save prunes
     what it would have pruned after committing (step 2, never the newest, step 3) and tries again."""
-    from dsa_train.engine import faults
-    from dsa_train.engine.trainer import train
-    from dsa_train.engine.checkpoint import list_checkpoints
+    from dsa_train import faults
+    from dsa_train.trainer.trainer import train
+    from dsa_train.checkpoint.training import list_checkpoints
 
     run_dir = tmp_path / "run"
     monkeypatch.setenv(faults.ENV, "step=4,kind=enospc")
@@ -376,7 +376,7 @@ def test_full_disk_prunes_what_keep_last_allows_and_saves(tmp_path, monkeypatch,
 
 @pytest.mark.integration
 def test_read_only_checkpoint_dir_is_a_permission_problem(tmp_path, monkeypatch, capsys):
-    from dsa_train.engine import faults
+    from dsa_train import faults
 
     monkeypatch.setenv(faults.ENV, "step=2,kind=erofs")
     proc = dsa_train(capsys, f"run_dir={tmp_path / 'run'}", *TINY)
@@ -390,8 +390,8 @@ def test_read_only_checkpoint_dir_is_a_permission_problem(tmp_path, monkeypatch,
 def stopped_in_sparse_once(tmp_path_factory):
     """A run stopped by a crash at global step 4: its newest checkpoint is step 3, one step into
     the sparse stage (warm-up 2 steps, sparse 2). Trained once for the module."""
-    from dsa_train.engine import faults
-    from dsa_train.engine.trainer import train
+    from dsa_train import faults
+    from dsa_train.trainer.trainer import train
 
     run_dir = tmp_path_factory.mktemp("stopped") / "run"
     os.environ[faults.ENV] = "step=4,kind=crash"
@@ -418,7 +418,7 @@ def stopped_in_sparse(stopped_in_sparse_once, tmp_path):
 
 @pytest.mark.integration
 def test_resume_applies_a_longer_stage_and_says_so(stopped_in_sparse, caplog):
-    from dsa_train.engine.trainer import train
+    from dsa_train.trainer.trainer import train
 
     with caplog.at_level("WARNING"):
         result = train(tiny(stopped_in_sparse, "stages.sparse.steps=3", "logging.log_every=2"))
@@ -437,8 +437,8 @@ def test_resume_applies_a_longer_stage_and_says_so(stopped_in_sparse, caplog):
 ])
 @pytest.mark.integration
 def test_resume_refuses_other_recipe_changes_naming_the_key(stopped_in_sparse, override, message):
-    from dsa_train.engine.trainer import Trainer
-    from dsa_train.engine.recipe_change import RecipeChanged
+    from dsa_train.trainer.trainer import Trainer
+    from dsa_train.trainer.recipe_change import RecipeChanged
 
     with pytest.raises(RecipeChanged, match=message + r".* start a new run under another run_dir"):
         Trainer(tiny(stopped_in_sparse, override))

@@ -280,7 +280,7 @@ def test_a_mistyped_key_inside_a_recipe_file_names_it_with_a_suggestion(tmp_path
 def test_a_nan_stop_gives_fixes_that_work(tmp_path, capsys, monkeypatch):
     """fault_tolerance.nonfinite=stop at a NaN step: one line, exit 2; the fixes it names work:
     resuming with nonfinite=skip (a resume applies it), and the export its lr fix starts from."""
-    from dsa_train.engine import faults
+    from dsa_train import faults
 
     run_dir = tmp_path / "run"
     monkeypatch.setenv(faults.ENV, "step=3,kind=nan")

@@ -1,6 +1,6 @@
 """Killed, preempted and NaN runs resume onto the uninterrupted run's loss curve, bitwise
 (deterministic mode). Runs are subprocesses of tests/reliability_driver.py; faults come from the
-DSA_FAULT switch (dsa_train/engine/faults.py)."""
+DSA_FAULT switch (dsa_train/faults.py)."""
 
 import json
 import os
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsa_train.engine.checkpoint import list_checkpoints, read_latest, verify_checkpoint
+from dsa_train.checkpoint.training import list_checkpoints, read_latest, verify_checkpoint
 
 DRIVER = Path(__file__).with_name("reliability_driver.py")
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def run(run_dir: Path, fault: str | None = None, *extra: str, timeout=300):
 
 
 def final_model(run_dir: Path) -> dict:
-    from dsa_train.engine.checkpoint import read_tensors
+    from dsa_train.checkpoint.training import read_tensors
 
     return read_tensors(run_dir / "checkpoints" / "step_00000006")
 
@@ -158,7 +158,7 @@ def test_nan_skip_policy_skips_and_counts(reference, tmp_path):
     assert [m["train/nonfinite_skipped"] for m in history] == [0, 1, 1, 1, 1, 1]
     assert history[0]["train/loss"] == reference[0][0]["train/loss"]
     assert history[1]["optim/grad_norm"] != history[1]["optim/grad_norm"]  # NaN: no update
-    from dsa_train.engine.checkpoint import read_tensors
+    from dsa_train.checkpoint.training import read_tensors
 
     one = read_tensors(run_dir / "checkpoints/step_00000001")
     two = read_tensors(run_dir / "checkpoints/step_00000002")
@@ -194,7 +194,7 @@ def test_torchrun_restart_after_a_preemption_exits_75_at_once(tmp_path, monkeypa
     """Slurm preemption with torchrun --max-restarts: the preempted ranks (exit 75) leave a marker
     for the allocation; torchrun's restart of the workers finds it and exits 75 before any work,
     so the job ends and the batch script requeues it. A requeued job is a new allocation."""
-    from dsa_train.engine.signals import Preempted, exit_if_preempted_earlier, mark_preempted
+    from dsa_train.signals import Preempted, exit_if_preempted_earlier, mark_preempted
 
     for var in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
         monkeypatch.delenv(var, raising=False)

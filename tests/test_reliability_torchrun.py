@@ -1,7 +1,7 @@
 """Rank failure under torchrun: the fault switch crashes rank 1 mid-run, torchrun (--max-restarts 1)
 restarts the job, which resumes from the last checkpoint on its own (checkpoint.resume=auto)
 and ends with the same final loss as a run without the fault. Distributed path:
-`python -m dsa_train.parallel.train` (DeepSpeed data parallel on megatron-core groups, gloo, 2 ranks)."""
+`python -m dsa_train.launch.rank` (DeepSpeed data parallel on megatron-core groups, gloo, 2 ranks)."""
 
 import os
 import subprocess
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from dsa_train.engine.checkpoint import list_checkpoints, read_latest, read_manifest, verify_checkpoint
+from dsa_train.checkpoint.training import list_checkpoints, read_latest, read_manifest, verify_checkpoint
 
 
-from dsa_train.parallel.launch import RESTART_ENV  # noqa: E402
+from dsa_train.launch.launcher import RESTART_ENV  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -41,7 +41,7 @@ def torchrun(run_dir: Path, fault: str | None):
     # failure shows the rank that caused it, not only rank 0's side of a broken connection
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
            "--log-dir", str(run_dir.parent / "logs"), "--redirects", "3", "--tee", "3", "--max-restarts", "1", "--rdzv-backend", "c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-           "-m", "dsa_train.parallel.train", "--config-name", "demo", *TINY, f"run_dir={run_dir}"]
+           "-m", "dsa_train.launch.rank", "--config-name", "demo", *TINY, f"run_dir={run_dir}"]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540, cwd=run_dir.parent)
 
 

@@ -1,6 +1,6 @@
 """The typed seams and the fault seam (issue 33, items 4 and 5), without starting a process.
 
-- `TrainingEngine` (dsa_train/engine/engine.py) is what `Engine` and `DeepSpeedEngine` share,
+- `TrainingEngine` (dsa_train/trainer/trainer.py) is what `Engine` and `DeepSpeedEngine` share,
   `TokenDispatcher` (dsa_train/model/moe.py) what the two MoE dispatchers share: both
   `runtime_checkable` Protocols. Each class has every member (a method or property of the class,
   or an attribute its `__init__` sets) with the Protocol's parameters; the classes that build
@@ -21,11 +21,12 @@ import textwrap
 import pytest
 import torch
 
-from dsa_train.engine import faults
-from dsa_train.engine.engine import Engine, TrainingEngine
-from dsa_train.engine.hooks import InjectedFaults, fault_hooks
+from dsa_train import faults
+from dsa_train.trainer.engine import Engine
+from dsa_train.training_engine import TrainingEngine
+from dsa_train.trainer.hooks import InjectedFaults, fault_hooks
 from dsa_train.model.moe import LocalDispatcher, TokenDispatcher
-from dsa_train.parallel.deepspeed_engine import DeepSpeedEngine
+from dsa_train.trainer.deepspeed_engine import DeepSpeedEngine
 from dsa_train.parallel.expert import AllToAllDispatcher
 
 ENGINE_MEMBERS = {"model", "trainable", "optimizer", "scheduler", "lr", "forward", "backward", "gradient_tensors",
@@ -134,8 +135,8 @@ def test_fault_injection_joins_only_with_dsa_fault_set(monkeypatch):
 
 
 def test_no_fault_code_runs_in_a_checkpoint_write_without_dsa_fault(tmp_path, monkeypatch):
-    from dsa_train.engine.checkpoint import TrainerState, save_checkpoint, verify_checkpoint
-    from dsa_train.engine.sharded_state import GlobalPieces
+    from dsa_train.checkpoint.training import TrainerState, save_checkpoint, verify_checkpoint
+    from dsa_train.checkpoint.sharded_state import GlobalPieces
 
     monkeypatch.delenv(faults.ENV, raising=False)
 

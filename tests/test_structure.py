@@ -40,8 +40,8 @@ whole file runs in seconds).
   exactly the packages its code imports (the import graph above, per package; backticked names
   that are no package, such as class names, are prose).
 - Fault injection is one seam: no `faults` name in the training loop (engine/trainer.py) and, in
-  the checkpoint writer (engine/checkpoint.py), only the wrapper's factory and type
-  (`checkpoint_faults`, `CheckpointFaults`, `NO_FAULTS`), imported from engine/faults.py.
+  the checkpoint writer (checkpoint/training.py), only the wrapper's factory and type
+  (`checkpoint_faults`, `CheckpointFaults`, `NO_FAULTS`), imported from faults.py.
 - Imports as light as the command: `dsa-train --help`, `import dsa_train` and `import dsa_train.data`
   load neither the model (dsa_train.model) nor the kernels (dsa_kernels, Triton), checked in a fresh
   interpreter; the package's lazy re-exports (PEP 562) still give the public API.
@@ -67,7 +67,7 @@ PACKAGES = {"dsa_train": ROOT / "dsa_train", "dsa_kernels": ROOT / "kernels"}
 MAX_CLASS_LINES = 300
 
 LAYOUT_PROTOCOL = {"allreduce", "dsa_shard", "group_name", "dsa_parallel_state"}
-LAYOUT_MODULES = {"dsa_train/parallel/layout.py", "dsa_train/parallel/sharding.py", "dsa_train/parallel/deepspeed_compat.py"}
+LAYOUT_MODULES = {"dsa_train/parallel/layout.py", "dsa_train/sharding.py", "dsa_train/parallel/deepspeed_compat.py"}
 
 DEEPSPEED_ADAPTER = "dsa_train/parallel/deepspeed_compat.py"
 # attributes of DeepSpeed objects that are not its published API: the engine's reduction switch and
@@ -500,13 +500,13 @@ def table_problems(text: str, graph: dict[str, set[str]]) -> list[str]:
 
 def test_the_table_check_finds_what_the_doc_gets_wrong():
     graph = {"dsa_train": {"dsa_train.model"}, "dsa_train.model.a": {"dsa_kernels.ops", "dsa_train.loss"},
-             "dsa_train.loss": set(), "dsa_kernels.ops": set(), "dsa_train.engine.b": {"dsa_train.model.a"}}
+             "dsa_train.loss": set(), "dsa_kernels.ops": set(), "dsa_train.trainer.b": {"dsa_train.model.a"}}
     text = ("# Doc\n\n## Packages\n\n| package | what | imports (project) |\n|---|---|---|\n"
             "| `kernels/` (`dsa_kernels`) | ops | none |\n"
             "| `model/` | `MoE` | `dsa_kernels`, `loss` (`micro_batch_loss`) |\n"
             "| `loss.py` | losses | `model/` |\n"
             "| `__init__.py` | lazy | `model/` |\n\n## Next\n")
-    assert table_problems(text, graph) == ["loss: its row lists model, which it does not import", "engine: no row"]
+    assert table_problems(text, graph) == ["loss: its row lists model, which it does not import", "trainer: no row"]
 
 
 def test_the_architecture_docs_package_table_matches_the_imports():
@@ -516,11 +516,11 @@ def test_the_architecture_docs_package_table_matches_the_imports():
 
 
 # ------------------------------------------------------------------------------ the fault seam
-FAULT_SEAM = {"checkpoint_faults", "CheckpointFaults", "NO_FAULTS"}  # what the writer may take from engine/faults.py
+FAULT_SEAM = {"checkpoint_faults", "CheckpointFaults", "NO_FAULTS"}  # what the writer may take from faults.py
 
 
 def fault_uses(tree: ast.AST) -> list[tuple[int, str]]:
-    """Lines naming engine/faults.py or one of its names other than the writer's seam."""
+    """Lines naming faults.py or one of its names other than the writer's seam."""
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("faults"):
@@ -533,20 +533,20 @@ def fault_uses(tree: ast.AST) -> list[tuple[int, str]]:
 
 
 def test_fault_injection_is_one_seam():
-    modules = {m.path: m for m in in_dir("dsa_train/engine/")}
+    modules = {m.path: m for m in project_modules().values()}
     found = []
-    for path in ("dsa_train/engine/trainer.py", "dsa_train/engine/checkpoint.py"):
+    for path in ("dsa_train/trainer/trainer.py", "dsa_train/checkpoint/training.py"):
         found += [f"{path}:{line} {text}" for line, text in fault_uses(modules[path].tree)]
     assert not found, ("fault injection outside its seam (the trainer takes engine/hooks.py's fault_hooks, the "
                        "checkpoint writer faults.checkpoint_faults):\n" + "\n".join(found))
-    assert sorted(fault_uses(ast.parse("import dsa_train.engine.faults as faults\nfaults.at('step', 1)\n"
-                                       "from dsa_train.engine.faults import checkpoint_faults, WriteFaults\n"))) == [
-        (1, "import dsa_train.engine.faults"), (2, "faults"), (3, "from dsa_train.engine.faults import WriteFaults")]
+    assert sorted(fault_uses(ast.parse("import dsa_train.faults as faults\nfaults.at('step', 1)\n"
+                                       "from dsa_train.faults import checkpoint_faults, WriteFaults\n"))) == [
+        (1, "import dsa_train.faults"), (2, "faults"), (3, "from dsa_train.faults import WriteFaults")]
 
 
 # ------------------------------------------------------------------------------ light imports
 # modules a light import must not load: the model, the kernels and the frameworks only they need
-HEAVY_MODULES = ("dsa_train.model", "dsa_kernels", "triton", "dsa_train.checkpoint", "dsa_train.engine")
+HEAVY_MODULES = ("dsa_train.model", "dsa_kernels", "triton", "dsa_train.checkpoint", "dsa_train.trainer")
 
 LIGHT_IMPORT_PROBE = """
 import contextlib, io, json, sys
@@ -597,3 +597,83 @@ def test_the_lazy_reexports_give_every_public_name():
 
     # `validate` is also a submodule's name: the package gives the function, whatever was imported first
     assert validate is the_function
+
+
+# ------------------------------------------------------------------------------ package order
+# The floors of the project, top first: a module may import (at module level, in a function or
+# under TYPE_CHECKING alike) only from its own floor or the floors after it. A floor is a package
+# of dsa_train (dsa_train/<name>/), a top-level module (dsa_train/<name>.py) or the kernels
+# (dsa_kernels). The root package `dsa_train/__init__` is the facade (lazy re-exports) and on no
+# floor. docs/architecture.md draws the same order.
+PACKAGE_ORDER = [
+    "launch",      # `dsa-train launch torchrun|slurm`, the per-rank entry
+    "cli",         # `dsa-train`: Hydra training run, subcommand dispatch
+    "testing",     # product checks outside the unit tests (selftest, memcheck)
+    "gpucheck",    # `dsa-train gpu-check`
+    "plan",        # `dsa-train plan`: memory / step-time estimate, the fake-rank trace
+    "trainer",     # Trainer, engines, one optimizer step, checkpoint manager, start-up
+    "logging",     # metrics, W&B, progress, report
+    "eval",        # `dsa-train eval` and the in-training evaluation
+    "parallel",    # layout, groups, parallelize_model, collectives, DeepSpeed adapter
+    "training_engine",  # the engine Protocol (the layout annotates with it)
+    "checkpoint",  # every checkpoint format: Hugging Face, export, training checkpoints
+    "data",        # sources, tokenizer, packing, loaders
+    "config",      # structured configs, recipes, validation
+    "stage",       # what a stage trains
+    "model",       # the plain model
+    "loss",        # the LM and indexer losses
+    "dsa_kernels", # Triton / Gluon kernels and their references
+    "faults", "signals", "sharding", "runtime", "tempdirs", "lazy", "errors",  # the ground floor
+]
+
+
+def floor_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] == "dsa_kernels":
+        return "dsa_kernels"
+    return parts[1] if len(parts) > 1 else None  # the root package: the facade
+
+
+def upward_imports(graph: dict[str, set[str]], order: list[str]) -> list[str]:
+    rank = {name: i for i, name in enumerate(order)}
+    bad = []
+    for module, targets in sorted(graph.items()):
+        low = floor_of(module)
+        for target in sorted(targets):
+            high = floor_of(target)
+            if low is None or high is None or low == high:
+                continue
+            if rank[high] < rank[low]:
+                bad.append(f"{module} ({low}) imports {target} ({high}), a floor above it")
+    return bad
+
+
+def test_every_module_has_a_floor():
+    floors = {floor_of(m) for m in project_modules()} - {None}
+    assert floors <= set(PACKAGE_ORDER), (
+        f"not on a floor: {sorted(floors - set(PACKAGE_ORDER))} (add it to PACKAGE_ORDER in tests/test_structure.py)")
+    assert floors == set(PACKAGE_ORDER), f"floors without code: {sorted(set(PACKAGE_ORDER) - floors)}"
+
+
+def test_imports_run_down_the_floors():
+    bad = upward_imports(import_graph(project_modules()), PACKAGE_ORDER)
+    assert not bad, "imports up the package order:\n" + "\n".join(bad)
+
+
+def test_the_order_check_sees_a_function_level_import_upward():
+    modules = load_modules({
+        "dsa_train": ("dsa_train/__init__.py", "", True),
+        "dsa_train.model": ("dsa_train/model/__init__.py", "", True),
+        "dsa_train.model.mla": ("dsa_train/model/mla.py", "def f():\n    from dsa_train.trainer.step import x\n", False),
+        "dsa_train.trainer": ("dsa_train/trainer/__init__.py", "", True),
+        "dsa_train.trainer.step": ("dsa_train/trainer/step.py", "from dsa_train.model.mla import f\nx = 1\n", False),
+    })
+    bad = upward_imports(import_graph(modules), ["trainer", "model"])
+    assert bad == ["dsa_train.model.mla (model) imports dsa_train.trainer (trainer), a floor above it",
+                   "dsa_train.model.mla (model) imports dsa_train.trainer.step (trainer), a floor above it"]
+
+
+def test_every_package_says_what_it_holds():
+    missing = [m.path for m in project_modules().values()
+               if m.is_package and m.name.startswith("dsa_train") and len(ast.get_docstring(m.tree) or "") < 40]
+    assert not missing, f"packages without a docstring saying what they hold: {missing}"

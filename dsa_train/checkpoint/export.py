@@ -76,17 +76,6 @@ def quantization_config(options: ExportOptions) -> dict:
     return qc
 
 
-def trained_index_topk(stages: Iterable[tuple[str, int | None]], default: int) -> int:
-    """The top-k the model was last trained with: that of the last sparse stage among
-    `(attention, topk)` of the stages that ran, in order (topk None: the model's `default`).
-    Written as `index_topk` of the export, so that the exported model selects as it was trained."""
-    topk = default
-    for attention, k in stages:
-        if str(attention) == "sparse":
-            topk = int(k) if k else default
-    return topk
-
-
 def v32_config_json(config: DSAConfig, options: ExportOptions, fallback_dtype: torch.dtype = torch.bfloat16) -> dict:
     cfg = config.to_hf_dict()
     cfg["torch_dtype"] = str(options.dtype or fallback_dtype).replace("torch.", "")

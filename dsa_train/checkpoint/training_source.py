@@ -1,8 +1,8 @@
-"""The model inside a training checkpoint written by `dsa_train.engine` (the export source).
+"""The model inside a training checkpoint written by `dsa_train.trainer` (the export source).
 
-A training checkpoint is `<run_dir>/checkpoints/step_XXXXXXXX/` (engine/checkpoint.py). Its
+A training checkpoint is `<run_dir>/checkpoints/step_XXXXXXXX/` (checkpoint/training.py). Its
 tensors are a torch.distributed.checkpoint directory `state/` of global tensors
-(engine/sharded_state.py); the model is `model/<name>`, written in pieces by however many ranks
+(checkpoint/sharded_state.py); the model is `model/<name>`, written in pieces by however many ranks
 and layouts. It is read here offline, in this one process (DCP's `no_dist` reader, no process
 group), one full tensor at a time as the export asks for it (`ShardedModelState`), each byte
 range checked against the manifest's sha256 as it is read.
@@ -50,7 +50,7 @@ class ShardedModelState(Mapping):
     name -> a meta-device tensor of the saved shape and dtype (read from the metadata only)."""
 
     def __init__(self, step_dir: Path, regions: dict | None):
-        from dsa_train.engine import sharded_state
+        from dsa_train.checkpoint import sharded_state
 
         self.directory = step_dir / "state"
         self.regions = regions
@@ -60,7 +60,7 @@ class ShardedModelState(Mapping):
                      for k, v in self.metadata.state_dict_metadata.items() if k.startswith(prefix) and hasattr(v, "size")}
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        from dsa_train.engine import sharded_state
+        from dsa_train.checkpoint import sharded_state
 
         if name not in self.meta:
             raise KeyError(name)
@@ -107,7 +107,7 @@ def find_step_dir(path: str | os.PathLike) -> Path | None:
 
 
 def _layout_file(model_file: Path) -> Path:
-    """layout.json for model.pt, layout.rank<r>.json for model.rank<r>.pt (engine/checkpoint.py)."""
+    """layout.json for model.pt, layout.rank<r>.json for model.rank<r>.pt (checkpoint/training.py)."""
     rank_part = model_file.name[len("model"):-len(".pt")]  # "" or ".rank00003"
     return model_file.with_name(f"layout{rank_part}.json")
 
@@ -117,8 +117,8 @@ VERIFY_CHECKSUMS = True  # `dsa-train export --no-verify-checksums` turns the sh
 
 def verify_model_files(step_dir: Path, checksums: bool | None = None) -> None:
     """Check the model files, layouts and config.json of a training checkpoint against its
-    manifest (engine/checkpoint.py) before exporting them: a corrupt checkpoint is never exported."""
-    from dsa_train.engine.checkpoint import CorruptCheckpoint, UnverifiedCheckpoint, verify_checkpoint
+    manifest (checkpoint/training.py) before exporting them: a corrupt checkpoint is never exported."""
+    from dsa_train.checkpoint.training import CorruptCheckpoint, UnverifiedCheckpoint, verify_checkpoint
 
     checksums = VERIFY_CHECKSUMS if checksums is None else checksums
     if is_sharded(step_dir):  # every tensor file (its size), the metadata (sha256); byte ranges: as read
@@ -341,7 +341,7 @@ def _run_tokenizer(run: RunConfig | None, step_dir: Path) -> Path:
 
 def _trained_topk(run: RunConfig | None, step_dir: Path, default: int) -> int:
     """index_topk for the export: the top-k of the last sparse stage this checkpoint trained."""
-    from .export import trained_index_topk
+    from ..stage import trained_index_topk
 
     stages = list(((run.values if run else {}).get("stages") or {}).values())
     state_file = step_dir / "trainer_state.json"

@@ -126,3 +126,21 @@ def check_overrides(argv: list[str], recipes: Path) -> None:
             problems.append(problem)
     if problems:
         raise ConfigError.of(problems)
+
+
+def split_recipe_args(args: list[str]) -> tuple[str, list[str]]:
+    """-> (recipe name, Hydra overrides) from `--config-name R` / `recipe=R` / `key=value ...`."""
+    from dsa_train.config import DEFAULT_RECIPE
+
+    recipe, overrides = DEFAULT_RECIPE, []
+    it = iter(args)
+    for arg in it:
+        if arg in ("--config-name", "-cn"):
+            recipe = next(it)
+        elif arg.startswith("--config-name="):
+            recipe = arg.split("=", 1)[1]
+        elif arg.startswith("recipe="):
+            recipe = arg.split("=", 1)[1]
+        else:
+            overrides.append(arg)
+    return recipe, overrides

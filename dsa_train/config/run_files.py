@@ -8,7 +8,7 @@ refused for. `dsa-train` therefore turns Hydra's output off (`hydra.output_subdi
 console-only `hydra/job_logging`, `hydra.run.dir=.`; dsa_train/cli.py) and the trainer calls
 `record_run_start(run_dir)` on rank 0 once it holds the run lock and the resume checks passed.
 Nothing reads `.hydra/` back to learn what was trained: readers take the recipe from the
-checkpoint's `trainer_state.json` (engine/checkpoint.py).
+checkpoint's `trainer_state.json` (checkpoint/training.py).
 """
 
 from __future__ import annotations

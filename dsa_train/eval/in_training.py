@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsa_train.checkpoint.export import trained_index_topk
+from dsa_train.stage import trained_index_topk
 from dsa_train.config.schema import EvalConfig
 from dsa_train.model import DSAForCausalLM
 

@@ -37,7 +37,7 @@ class RunTraining:
 
 def training_of(model_path: str | Path) -> RunTraining | None:
     """The training the model at `model_path` (a run directory or its export/) went through."""
-    from dsa_train.engine.checkpoint import list_checkpoints
+    from dsa_train.checkpoint.training import list_checkpoints
 
     p = Path(model_path).expanduser()
     for run_dir in (p, p.parent):

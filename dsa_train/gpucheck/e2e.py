@@ -1,7 +1,7 @@
 """`dsa-train gpu-check`'s end-to-end and NCCL steps (sections "end-to-end" and "nccl").
 
 end-to-end.train_kill_resume
-    The real trainer (`python -m dsa_train.parallel.train`: the recipe loader, the DeepSpeed ZeRO-2
+    The real trainer (`python -m dsa_train.launch.rank`: the recipe loader, the DeepSpeed ZeRO-2
     engine on megatron-core groups, one rank) runs both stages of `small_32k` (dense warm-up, then
     sparse) with its depth cut to 2 layers (one dense, one MoE), at its T = 32768, bf16, the
     Triton kernels (DSA_KERNELS=triton: a missing Triton path fails instead of falling back):
@@ -232,7 +232,7 @@ def _train_kill_resume(opts: Options) -> Outcome:
     if killed != -signal.SIGKILL:
         raise StepFailed(f"the run with DSA_FAULT={fault} exited {killed}, not by SIGKILL: "
                          f"{last_error(work / 'killed.log')} (log: {work / 'killed.log'})")
-    from dsa_train.engine.checkpoint import read_latest
+    from dsa_train.checkpoint.training import read_latest
 
     resumed_from = read_latest(resumed_dir / "checkpoints")
     if resumed_from != f"step_{RESUME_STEP:08d}":
@@ -284,7 +284,7 @@ def _throughput(opts: Options) -> Outcome:
     plan = plan_estimate(layout, work / "plan-run")
     run_dir = work / "run"
     warmup, sparse, skipped, profiled = throughput_steps(opts.small)
-    cmd = [sys.executable, "-m", "dsa_train.parallel.train", "--config-name", RECIPE,
+    cmd = [sys.executable, "-m", "dsa_train.launch.rank", "--config-name", RECIPE,
            *layout.overrides(run_dir, warmup, sparse, 0, deterministic=False),
            f"logging.profile_steps=[{','.join(map(str, profiled))}]", *peak_flops_overrides(layout)]
     log = work / "run.log"
@@ -569,7 +569,7 @@ def plan_estimate(layout: Layout, run_dir: Path) -> dict:
 
     from dsa_train.config import ConfigError, load_recipe
     from dsa_train.logging.perf import CPU_PEAK_FLOPS_PER_THREAD
-    from dsa_train.parallel.plan import make_plan, parse_opts
+    from dsa_train.plan.estimate import make_plan, parse_opts
 
     overrides = layout.overrides(run_dir, WARMUP_STEPS, SPARSE_STEPS, CHECKPOINT_EVERY)
     args, peak_known = [], True
@@ -594,7 +594,7 @@ def plan_estimate(layout: Layout, run_dir: Path) -> dict:
 def trainer_command(layout: Layout, run_dir: Path, extra: list[str]) -> list[str]:
     """One rank of the distributed trainer, as torchrun would start it (its environment comes
     from `run_logged`)."""
-    return [sys.executable, "-m", "dsa_train.parallel.train", "--config-name", RECIPE,
+    return [sys.executable, "-m", "dsa_train.launch.rank", "--config-name", RECIPE,
             *layout.overrides(run_dir, WARMUP_STEPS, SPARSE_STEPS, CHECKPOINT_EVERY), *extra]
 
 

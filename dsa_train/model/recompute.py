@@ -48,7 +48,7 @@ def topk_reuse_contexts():
     replays them instead of scoring and selecting again (the same inputs give the same indices).
     The indices ([B, T_loc, k] int32 per layer) live until the layer's backward has run, beside the
     layer input the checkpoint keeps, within the memo's budget (`memo.DEFAULT_BUDGET_BYTES` for all
-    layers together; a layer over it selects again in its recompute); `parallel/plan.py` counts
+    layers together; a layer over it selects again in its recompute); `plan/estimate.py` counts
     the same bound."""
     from dsa_kernels.ops.indexer_topk import TopkMemo
 

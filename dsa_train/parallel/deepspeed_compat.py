@@ -31,9 +31,9 @@ import torch.distributed as dist
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from dsa_train.engine.sharded_state import Fragment
+from dsa_train.checkpoint.sharded_state import Fragment
 from dsa_train.errors import DSATrainError
-from dsa_train.parallel.sharding import sharding_of
+from dsa_train.sharding import sharding_of
 
 WRITTEN_FOR = ">=0.19.8,<0.20"  # the DeepSpeed versions this module was written and checked for
 

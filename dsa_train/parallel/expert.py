@@ -33,7 +33,7 @@ from torch.distributed.nn.functional import all_to_all_single
 
 from dsa_train.model.moe import ExpertSlots, HostCopy, MoE, routing_table
 from dsa_train.parallel.groups import ParallelState
-from dsa_train.parallel.sharding import Sharding, set_sharding
+from dsa_train.sharding import Sharding, set_sharding
 
 
 def destination_pairs(dest: torch.Tensor, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,7 @@ everything that follows from it for the trainer.
 single-process `Engine`, whole tensors). `DistributedLayout` is N ranks on megatron-core's groups
 (`dsa_train.parallel.groups`): the model parallelized (`parallelize_model`), the DeepSpeed engine,
 the step's numbers combined over ranks (`parallel_reduction`), checkpoint pieces placed in the
-global tensors (`dsa_train.engine.sharded_state`). The export streams from the checkpoint
+global tensors (`dsa_train.checkpoint.sharded_state`). The export streams from the checkpoint
 (`dsa_train.checkpoint.streamed_export`): the layout gathers the model only for the in-training
 evaluation of small models (`full_state_dict`).
 The trainer asks the layout and never tests which one it has.
@@ -26,14 +26,13 @@ import torch.distributed as dist
 from dsa_train.config import ConfigError, TrainConfig, WandbMode
 from dsa_train.config.validate import check_global_batches
 from dsa_train.stage import Stage
-from dsa_train.engine.sharded_state import GlobalPieces, ReplicaCoordinates, model_pieces, optimizer_pieces
-from dsa_train.engine.engine import Engine, TrainingEngine
+from dsa_train.checkpoint.sharded_state import GlobalPieces, ReplicaCoordinates, model_pieces, optimizer_pieces
+from dsa_train.training_engine import TrainingEngine
 from dsa_train.parallel import deepspeed_compat
-from dsa_train.parallel.deepspeed_engine import DeepSpeedEngine
 from dsa_train.parallel.groups import ParallelState, cpu_group, init_parallel
 from dsa_train.parallel.model import parallelize_model
-from dsa_train.parallel.sharding import parallelized_state, sharding_of
-from dsa_train.parallel.step import parallel_reduction
+from dsa_train.sharding import parallelized_state, sharding_of
+from dsa_train.parallel.reduction import parallel_reduction
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +60,6 @@ class Layout:
     def prepare_model(self, model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
         """The model laid out for this rank (here: as built)."""
         return model
-
-    def make_engine(self, model: torch.nn.Module, stage: Stage, cfg: TrainConfig) -> TrainingEngine:
-        """The engine of one stage: AdamW + schedule over the stage's trainable parameters."""
-        return Engine(model, stage, cfg.optim)
 
     def gathered(self, model: torch.nn.Module):
         """A context in which every parameter of `model` holds its values (ZeRO-3 partitions them)."""
@@ -139,10 +134,6 @@ class DistributedLayout(Layout):
             for line in layouts:
                 log.info("%s", line)
         return model
-
-    def make_engine(self, model: torch.nn.Module, stage: Stage, cfg: TrainConfig) -> TrainingEngine:
-        return DeepSpeedEngine(model, stage, cfg.optim, self.parallel_state, zero_stage=self.zero_stage,
-                               micro_batch_size=self.micro_batch_size)
 
     def gathered(self, model: torch.nn.Module):
         if self.zero_stage == 3:

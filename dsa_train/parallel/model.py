@@ -5,7 +5,7 @@ parameter names.
 The model is built whole (same seed on every rank, or loaded) and each rank keeps its slices:
 TP shards of MLA heads and MLPs (megatron-core Column/RowParallelLinear), its EP share of the
 routed experts, and its context-parallel share of every sequence. Each sharded parameter carries a
-`dsa_train.parallel.sharding.Sharding` record of where it sits in the full tensor (read by
+`dsa_train.sharding.Sharding` record of where it sits in the full tensor (read by
 checkpoints, the full-state gather, the gradient norm and DeepSpeed's MoE groups).
 """
 
@@ -17,7 +17,7 @@ from dsa_train.config import ConfigError
 from dsa_train.parallel.context import ContextParallel
 from dsa_train.parallel.expert import shard_experts
 from dsa_train.parallel.groups import ParallelState, check_model_divisibility
-from dsa_train.parallel.sharding import mark_parallelized, sharding_of
+from dsa_train.sharding import mark_parallelized, sharding_of
 from dsa_train.parallel.tensor import shard_tensor_parallel
 
 

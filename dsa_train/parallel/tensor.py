@@ -19,7 +19,7 @@ from torch import nn
 from dsa_train.model.moe import MLP, MoE
 from dsa_train.parallel.comm import all_gather_nograd, copy_to_group
 from dsa_train.parallel.groups import ParallelState
-from dsa_train.parallel.sharding import Sharding, set_sharding
+from dsa_train.sharding import Sharding, set_sharding
 
 
 def _parallel_config(dtype: torch.dtype, tp: int):
@@ -72,7 +72,7 @@ def _mark_tp(param: torch.Tensor, dim: int) -> None:
 
 def _copy_in(shard: torch.Tensor, source: torch.Tensor) -> None:
     """Copy the full layer's slice into the new shard; nothing to copy from a meta-device model
-    (meta-device start-up, parallel/startup.py: the shard is loaded from the checkpoint later)."""
+    (meta-device start-up, trainer/startup.py: the shard is loaded from the checkpoint later)."""
     if not source.is_meta:
         shard.copy_(source)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from dsa_train.parallel.sharding import sharding_of
+from dsa_train.sharding import sharding_of
 
 
 @dataclass

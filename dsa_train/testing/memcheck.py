@@ -71,12 +71,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from dsa_train.config import compose_recipe
     from dsa_train.model import DSAForCausalLM, tiny_config
-    from dsa_train.parallel.deepspeed_engine import DeepSpeedEngine
+    from dsa_train.trainer.deepspeed_engine import DeepSpeedEngine
     from dsa_train.parallel.groups import destroy_parallel, init_parallel
     from dsa_train.parallel.model import parallelize_model
-    from dsa_train.parallel.plan import make_plan, parse_opts
-    from dsa_train.engine.step import train_step
-    from dsa_train.parallel.step import parallel_reduction
+    from dsa_train.plan.estimate import make_plan, parse_opts
+    from dsa_train.trainer.step import train_step
+    from dsa_train.parallel.reduction import parallel_reduction
     from dsa_train.stage import Stage
 
     torch.set_num_threads(1)

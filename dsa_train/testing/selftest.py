@@ -11,7 +11,7 @@ The Triton kernels (interpreted on the CPU) against a single process on the PyTo
         --cp 2 --seq-len 64 --reference-kernels ref --indexer-loss-atol 2e-6      (one command line)
 
 Every rank builds the same tiny model and the same global batches, trains a single-process copy
-with `dsa_train.engine.Engine` (the reference), then the distributed model (`parallelize_model`
+with `dsa_train.trainer.Engine` (the reference), then the distributed model (`parallelize_model`
 + `DeepSpeedEngine`, data sharded by DP rank) for the same steps, and compares per step the LM
 loss, indexer loss and gradient norm, the gradients of the last step and the final parameters.
 Prints one JSON line per rank and ZeRO stage (rank 0 also appends them to --out) and exits 1 on a mismatch.
@@ -31,13 +31,13 @@ import torch
 import torch.distributed as dist
 
 from dsa_train.config import Attention, DType, OptimConfig, ParallelConfig, StageConfig, Trainable
-from dsa_train.engine.engine import Engine
-from dsa_train.engine.step import StepHooks, train_step
+from dsa_train.trainer.engine import Engine
+from dsa_train.trainer.step import StepHooks, train_step
 from dsa_train.model import DSAForCausalLM, tiny_config
-from dsa_train.parallel.deepspeed_engine import DeepSpeedEngine
+from dsa_train.trainer.deepspeed_engine import DeepSpeedEngine
 from dsa_train.parallel.groups import destroy_parallel, init_parallel
 from dsa_train.parallel.model import full_tensor_slice, parallelize_model
-from dsa_train.parallel.step import parallel_reduction
+from dsa_train.parallel.reduction import parallel_reduction
 from dsa_train.stage import STAGE_KINDS, Stage, stage_kind
 from dsa_train.testing import gradients
 

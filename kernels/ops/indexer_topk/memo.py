@@ -10,7 +10,7 @@ nothing. The contexts are reusable (a second backward through a retained graph r
 
 Memory budget: the recorded indices of every memo alive at once (one per checkpointed layer, freed
 with that layer's autograd graph) stay within `budget_bytes` (default `DEFAULT_BUDGET_BYTES`; the
-planner counts the same bound, `dsa_train.parallel.plan`). A selection that would exceed it is not
+planner counts the same bound, `dsa_train.plan.estimate`). A selection that would exceed it is not
 kept: the recompute computes that one again. Layers run in the same order every step, so the same
 layers reuse every step.
 

@@ -12,7 +12,7 @@ Each rank contributes only the pieces it holds (`GlobalPieces`: boxes of the glo
 their global offsets):
   * model values: its tensor-parallel slice or the whole tensor (replicas and this
     expert-parallel rank's experts, which keep their global names), placed by the parameter's
-    `Sharding` record (`dsa_train.parallel.sharding`);
+    `Sharding` record (`dsa_train.sharding`);
   * optimizer state: its ZeRO partition, as the engine's `fragments()` (`Fragment`) describe it.
     DeepSpeed's ZeRO-1/2 (and its BF16 optimizer) keep one flat fp32 partition per parameter
     group; the part of a parameter in this rank's partition is a contiguous range of the
@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-from dsa_train.parallel.sharding import sharding_of
+from dsa_train.sharding import sharding_of
 
 MODEL = "model/"
 MASTER = "optim/master/"

@@ -1,11 +1,11 @@
 """The seam between the training loop and how parameters are updated.
 
-`TrainingEngine` (a `typing.Protocol`) is what the loop, the step hooks and the checkpoints use of
+`TrainingEngine` (a `typing.Protocol`, dsa_train/training_engine.py) is what the loop, the step hooks and the checkpoints use of
 an engine: the model, its trainable parameters, optimizer and schedule, forward, backward, step
 (clip + update + schedule), zero_grad, close, the gradients it holds and `fragments` (its
-optimizer state per parameter, which checkpoints read and write: engine/sharded_state.py).
+optimizer state per parameter, which checkpoints read and write: checkpoint/sharded_state.py).
 `Engine` is the single-process one; with N ranks the layout (`dsa_train.parallel.layout`) builds
-`dsa_train.parallel.deepspeed_engine.DeepSpeedEngine`. tests/test_seams.py checks that both
+`dsa_train.trainer.deepspeed_engine.DeepSpeedEngine`. tests/test_seams.py checks that both
 satisfy the protocol.
 
 Parameters stored in a low-precision dtype (bfloat16) get an fp32 master copy: AdamW updates the
@@ -18,58 +18,15 @@ so accumulation over micro-batches rounds in fp32, not bf16.
 from __future__ import annotations
 
 import math
-from typing import Protocol, runtime_checkable
 
 import torch
 
 from dsa_train.config import OptimConfig
 from dsa_train.stage import Stage
-from dsa_train.engine.optimizer import build_optimizer
-from dsa_train.engine.schedule import build_scheduler
-from dsa_train.engine.sharded_state import Fragment
-
-
-@runtime_checkable
-class TrainingEngine(Protocol):
-    """One stage's parameter updates, as the training loop sees them."""
-
-    model: torch.nn.Module  # the model as built (DeepSpeedEngine keeps DeepSpeed's wrapper as `.ds`)
-    trainable: list[tuple[str, torch.nn.Parameter]]  # (name, parameter) the stage trains
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-
-    @property
-    def lr(self) -> float:
-        """The learning rate the next `step` applies."""
-        ...
-
-    def forward(self, *args, **kwargs):
-        """The model's forward as training runs it (DeepSpeed: through its engine, which gathers
-        ZeRO-3 partitions in its hooks); returns the model's output (`DSAOutput`)."""
-        ...
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Accumulate the gradients of one micro-batch's loss."""
-        ...
-
-    def gradient_tensors(self) -> list[torch.Tensor]:
-        """The gradients this rank holds between backward and step (wherever the engine keeps them)."""
-        ...
-
-    def step(self) -> float:
-        """Clip, update, advance the schedule, clear gradients. Returns the pre-clip grad norm."""
-        ...
-
-    def zero_grad(self) -> None:
-        ...
-
-    def close(self) -> None:
-        """End of the stage: release what the engine attached to the model."""
-        ...
-
-    def fragments(self) -> list[Fragment]:
-        """This rank's optimizer state per trainable parameter (engine/sharded_state.py)."""
-        ...
+from dsa_train.trainer.optimizer import build_optimizer
+from dsa_train.trainer.schedule import build_scheduler
+from dsa_train.checkpoint.sharded_state import Fragment
+from dsa_train.training_engine import TrainingEngine
 
 
 class Engine:
@@ -144,6 +101,20 @@ class Engine:
 
     def fragments(self) -> list[Fragment]:
         """Whole trainable parameters, stepped as their fp32 masters (bf16 ones) or themselves:
-        the optimizer state engine/sharded_state.py reads and writes for checkpoints."""
+        the optimizer state checkpoint/sharded_state.py reads and writes for checkpoints."""
         return [Fragment(name, param, 0, param.numel(), self.optimizer, self.masters.get(name, param), 0)
                 for name, param in self.trainable]
+
+
+def make_engine(layout, model: torch.nn.Module, stage: Stage, cfg) -> TrainingEngine:
+    """The engine of one stage on `layout`: AdamW + schedule over the stage's trainable parameters,
+    in this process (`Engine`, a single-process layout) or through DeepSpeed over the layout's groups
+    (`DeepSpeedEngine`, a `DistributedLayout`)."""
+    from dsa_train.parallel.layout import DistributedLayout
+
+    if not isinstance(layout, DistributedLayout):
+        return Engine(model, stage, cfg.optim)
+    from dsa_train.trainer.deepspeed_engine import DeepSpeedEngine
+
+    return DeepSpeedEngine(model, stage, cfg.optim, layout.parallel_state, zero_stage=layout.zero_stage,
+                           micro_batch_size=layout.micro_batch_size)

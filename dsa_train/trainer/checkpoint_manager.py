@@ -9,7 +9,7 @@
     rng                this rank's Python / NumPy / torch RNG states     (engine/rng.py)
     trainer            the TrainerState: stage, steps, tokens, probes, the recipe
 
-written by `engine/checkpoint.py` (atomic directories, manifests, DCP tensor files) so that a
+written by `checkpoint/training.py` (atomic directories, manifests, DCP tensor files) so that a
 checkpoint resumes under any layout. The layout (`dsa_train.parallel.layout`) answers everything
 that depends on the number of ranks; with one process its collectives are no-ops.
 """
@@ -24,15 +24,15 @@ from pathlib import Path
 
 import torch
 
-import dsa_train.engine.checkpoint as ckpt
-import dsa_train.engine.recipe_change as recipe_change
-import dsa_train.engine.sharded_state as sharded_state
+import dsa_train.checkpoint.training as ckpt
+import dsa_train.trainer.recipe_change as recipe_change
+import dsa_train.checkpoint.sharded_state as sharded_state
 from dsa_train.checkpoint.errors import CheckpointError
 from dsa_train.checkpoint.export import ExportOptions
 from dsa_train.checkpoint.streamed_export import export_training_checkpoint
 from dsa_train.config import CheckpointConfig, ConfigError
-from dsa_train.engine.engine import TrainingEngine
-from dsa_train.engine.rng import rng_state
+from dsa_train.training_engine import TrainingEngine
+from dsa_train.trainer.rng import rng_state
 
 log = logging.getLogger(__name__)
 

@@ -58,7 +58,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsa_train.model.dtypes import apply as apply_dtype_policy
 from dsa_train.parallel.buckets import REDUCE_BUCKET
-from dsa_train.parallel.sharding import sharding_of
+from dsa_train.sharding import sharding_of
 from dsa_train.stage import Stage
 
 GiB = 2**30
@@ -213,7 +213,7 @@ def _where() -> str:
     f = sys._getframe(2)
     while f is not None:
         name = f.f_code.co_filename
-        if ("dsa_train" in name or "/kernels/" in name) and not name.endswith("parallel/trace.py"):
+        if ("dsa_train" in name or "/kernels/" in name) and not name.endswith("plan/trace.py"):
             return f"{name.rsplit('/', 2)[-2]}/{name.rsplit('/', 1)[-1]}:{f.f_lineno} ({f.f_code.co_name})"
         f = f.f_back
     return "?"
@@ -404,12 +404,12 @@ def trace_step(cfg, model_cfg, rank: int = 0, world: int | None = None, stage_na
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from dsa_train.checkpoint.skeleton import empty_model
-    from dsa_train.engine.step import forward_backward
+    from dsa_train.trainer.step import forward_backward
     from dsa_train.parallel.model import parallelize_model
-    from dsa_train.parallel.plan_comm import gradient_reduce_bytes, ranks_per_node
-    from dsa_train.parallel.startup import materialize
-    from dsa_train.parallel.step import parallel_reduction
-    from dsa_train.parallel.trace_comm import CollectiveRecorder
+    from dsa_train.plan.comm import gradient_reduce_bytes, ranks_per_node
+    from dsa_train.trainer.startup import materialize
+    from dsa_train.parallel.reduction import parallel_reduction
+    from dsa_train.plan.trace_comm import CollectiveRecorder
 
     cl = cfg.cluster
     world = world or cl.nodes * (cl.procs_per_node or cl.gpus_per_node)

@@ -25,13 +25,13 @@ Per rank and per stage (the largest stage decides whether it fits):
                communicator the step uses and per all-to-all peer (`cluster.network.nccl_*`);
                none for a `device: cpu` recipe (gloo).
 `--trace` also builds rank R of the layout at the full world size under a fake process group and
-traces one training step of the largest stage under FakeTensorMode (dsa_train.parallel.trace):
+traces one training step of the largest stage under FakeTensorMode (dsa_train.plan.trace):
 the per-category peak beside these figures, and every collective of the step beside the plan's
-communication (dsa_train.parallel.trace_comm); `--json` prints it as one JSON object on the last
+communication (dsa_train.plan.trace_comm); `--json` prints it as one JSON object on the last
 line.
 Step time: training FLOPs of the stage (`Stage.flops_per_token`, indexer included) at the given
 MFU -- for the dense warm-up, what its frozen path runs (`plan_warmup`: the KL kernel at
-max(FLOPs at the MFU, bytes at --hbm-tbps)) --, plus every kind of communication of the step (dsa_train.parallel.plan_comm: MoE all-to-all
+max(FLOPs at the MFU, bytes at --hbm-tbps)) --, plus every kind of communication of the step (dsa_train.plan.comm: MoE all-to-all
 in the forward, the recompute and the backward; CP gathers; TP; the data-parallel gradient
 reduction, per micro-batch under ZeRO-2; ZeRO's parameter all-gather; the step's small
 all-reduces) at the EFFECTIVE bandwidths and latencies of the recipe's `cluster.network` (not
@@ -47,7 +47,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from dsa_train.parallel.buckets import REDUCE_BUCKET
-from dsa_train.parallel.plan_comm import (
+from dsa_train.plan.comm import (
     check_network, group_spans, nccl_buffer_bytes, price, ranks_per_node, step_collectives, step_shape,
 )
 from dsa_train.stage import Stage
@@ -251,13 +251,13 @@ def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
     step_phase = g["parameters"] + g["gradients"] + g["optimizer"] + step_temporaries
     p.step_detail_gib = {"optimizer_step_temporaries": step_temporaries, "optimizer_step_phase": step_phase}
     # step time: compute at the MFU, plus every kind of communication at the cluster's effective
-    # bandwidths (parallel/plan_comm.py), added without overlap
+    # bandwidths (plan/comm.py), added without overlap
     tokens = stage.config.global_batch_size * cfg.data.seq_len
     fpt = stage.flops_per_token(c, cfg.data.seq_len)
     compute = tokens * fpt / (sizes.world * opts.peak_tflops * 1e12 * opts.mfu)
     warmup = None
     if not main_trains and stage.attention == "dense":  # the frozen warm-up: what `MLA._forward_frozen` runs
-        from dsa_train.parallel.plan_warmup import warmup_compute_seconds, warmup_step_work
+        from dsa_train.plan.warmup import warmup_compute_seconds, warmup_step_work
 
         work = warmup_step_work(c, cfg.data.seq_len, sizes.context, cfg.parallel.recompute)
         warmup = warmup_compute_seconds(work, tokens / sizes.world, opts.peak_tflops * 1e12, opts.mfu,
@@ -375,7 +375,7 @@ def parse_opts(argv):
     p.add_argument("--world", type=int, default=None, help="ranks (default: cluster.nodes x procs/GPUs per node)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--trace", action="store_true",
-                   help="also trace one training step of rank --rank at the full world size (dsa_train.parallel.trace)")
+                   help="also trace one training step of rank --rank at the full world size (dsa_train.plan.trace)")
     p.add_argument("--rank", type=int, default=0, help="the rank --trace builds (default 0)")
     return p.parse_known_args(argv)
 
@@ -384,8 +384,8 @@ def traced_plan(cfg, opts, plan: dict) -> dict:
     """`--trace`: the traced peak of the plan's largest stage beside the plan's figures (bytes; the
     plan's without NCCL's buffers, which are outside PyTorch's storages), and the traced step's
     collectives beside the plan's communication, per (op, group, phase)."""
-    from dsa_train.parallel.trace import trace_step
-    from dsa_train.parallel.trace_comm import compare_communication, traced_communication
+    from dsa_train.plan.trace import trace_step
+    from dsa_train.plan.trace_comm import compare_communication, traced_communication
 
     stage = max(plan["stages"], key=lambda s: s["total_gib"])
     model_cfg, _ = model_config_of(cfg)
@@ -432,7 +432,7 @@ def main(argv: list[str]) -> int:
     from omegaconf import OmegaConf
 
     from dsa_train.config import ConfigError, compose_recipe
-    from dsa_train.parallel.launch import split_recipe_args
+    from dsa_train.config.overrides import split_recipe_args
 
     opts, rest = parse_opts(argv)
     if opts.net_gbps is not None:

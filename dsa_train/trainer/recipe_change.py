@@ -6,7 +6,7 @@ Applied (each logged as `resume: ...`):
   * any key of logging, checkpoint, fault_tolerance, cluster, run_name, run_dir, probe_batches,
     device: they do not change what is trained;
   * the parallel layout (parallel.*: world size, TP, CP, EP, DP, ZeRO stage, recompute): sharded
-    checkpoints hold global tensors and each rank reads its own pieces (engine/sharded_state.py);
+    checkpoints hold global tensors and each rank reads its own pieces (checkpoint/sharded_state.py);
     the data position carries over when the global batch stays (data/loader.py);
   * the steps of the stage in progress (more, or fewer but still more than it has done): the
     stage's LR schedule is recomputed for the new length;

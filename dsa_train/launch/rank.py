@@ -1,6 +1,6 @@
 """Distributed training entry point, one process per rank (what the torchrun and Slurm launchers run):
 
-    torchrun --nproc_per_node 2 -m dsa_train.parallel.train --config-name demo parallel.zero_stage=2
+    torchrun --nproc_per_node 2 -m dsa_train.launch.rank --config-name demo parallel.zero_stage=2
 
 The same Hydra recipes and overrides as `dsa-train`; the recipe's `parallel` group is checked
 against the world size at start-up. Hydra's output directory is the run directory (the same
@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(cfg) -> None:
-    from dsa_train.engine.signals import exit_if_preempted_earlier
+    from dsa_train.signals import exit_if_preempted_earlier
     from dsa_train.parallel.groups import destroy_parallel
-    from dsa_train.engine.trainer import train
+    from dsa_train.trainer.trainer import train
 
     exit_if_preempted_earlier(cfg.run_dir)
     try:

@@ -3,7 +3,7 @@
     dsa-train launch torchrun [--nproc-per-node N] [--nnodes N --master-addr IP --master-port P] [--max-restarts K]
                               [--config-name R | recipe=R] [overrides ...]
         torchrun with c10d rendezvous (127.0.0.1 for one node; the first node's IP address for
-        several: start the same command on every node). Runs `dsa_train.parallel.train`.
+        several: start the same command on every node). Runs `dsa_train.launch.rank`.
     dsa-train launch slurm [--dry-run] [--output FILE] [recipe=R] [overrides ...]
         writes an sbatch script from the recipe's `cluster` group to <run_dir>/launch/<run>.sbatch,
         prints it with --dry-run, else submits it with sbatch.
@@ -19,11 +19,12 @@ warning signal (`--signal=B:USR1@180`, sent to the batch shell) forwarded as SIG
 process of the step (torchrun ignores it, the ranks catch it), so the trainer checkpoints and exits 75; with `requeue` the script then
 requeues the job, which resumes (`checkpoint.resume` auto). A crashed rank instead makes torchrun
 restart the workers in place (`cluster.max_restarts`); a restart after a preemption exits 75 at once
-(`dsa_train.engine.signals.exit_if_preempted_earlier`), so the job still ends and is requeued.
+(`dsa_train.signals.exit_if_preempted_earlier`), so the job still ends and is requeued.
 """
 
 from __future__ import annotations
 
+from dsa_train.config.overrides import split_recipe_args
 import argparse
 import os
 import shlex
@@ -32,25 +33,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-TRAIN_MODULE = "dsa_train.parallel.train"
-
-
-def split_recipe_args(args: list[str]) -> tuple[str, list[str]]:
-    """-> (recipe name, Hydra overrides) from `--config-name R` / `recipe=R` / `key=value ...`."""
-    from dsa_train.config import DEFAULT_RECIPE
-
-    recipe, overrides = DEFAULT_RECIPE, []
-    it = iter(args)
-    for arg in it:
-        if arg in ("--config-name", "-cn"):
-            recipe = next(it)
-        elif arg.startswith("--config-name="):
-            recipe = arg.split("=", 1)[1]
-        elif arg.startswith("recipe="):
-            recipe = arg.split("=", 1)[1]
-        else:
-            overrides.append(arg)
-    return recipe, overrides
+TRAIN_MODULE = "dsa_train.launch.rank"
 
 
 # torch's c10d rendezvous shares the agent's TCPStore with the workers by default; after a
@@ -283,7 +266,7 @@ def run_torchrun(cmd: list[str], env: dict[str, str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import parse_args, run
 
-    from dsa_train.engine.signals import EXIT_PREEMPTED
+    from dsa_train.signals import EXIT_PREEMPTED
     from dsa_train.errors import EXIT_USER_ERROR
 
     assert cmd[1:3] == ["-m", "torch.distributed.run"], cmd

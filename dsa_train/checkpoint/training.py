@@ -9,7 +9,7 @@ Layout of `<checkpoint.dir>/`:
 
 One checkpoint:
     state/             the tensors, a torch.distributed.checkpoint (DCP) directory
-                       (engine/sharded_state.py): `model/<name>` (model values), `optim/master/<name>`
+                       (checkpoint/sharded_state.py): `model/<name>` (model values), `optim/master/<name>`
                        (fp32 masters of bf16 parameters), `optim/exp_avg|exp_avg_sq/<name>` (AdamW
                        moments), each a *global* tensor of the single-process shape; every rank
                        writes only its pieces (`__<rank>_0.distcp`), a replica once; `.metadata`
@@ -59,8 +59,8 @@ from typing import Callable
 
 import torch
 
-import dsa_train.engine.sharded_state as sharded
-from dsa_train.engine.faults import NO_FAULTS, CheckpointFaults, checkpoint_faults
+import dsa_train.checkpoint.sharded_state as sharded
+from dsa_train.faults import NO_FAULTS, CheckpointFaults, checkpoint_faults
 from dsa_train.errors import DSATrainError
 
 log = logging.getLogger(__name__)
@@ -350,7 +350,7 @@ def save_checkpoint(
     """Write a checkpoint atomically (see the module docstring) and prune to `keep_last`.
 
     Every rank calls this with the pieces of the global tensors it holds (`tensors`, see
-    engine/sharded_state.py: `model_pieces` + `optimizer_pieces`) and its RNG state; rank 0 also
+    checkpoint/sharded_state.py: `model_pieces` + `optimizer_pieces`) and its RNG state; rank 0 also
     writes the shared small files (`config_json`, `optimizer`, `data_state`, the trainer state).
     `barrier` synchronizes the ranks, `process_group` is the group DCP plans over. With
     `async_save` the tensors are written in the background: the returned PendingSave commits

@@ -1,5 +1,5 @@
 """The trainer, one for one process (`dsa-train`) and for N ranks (torchrun / Slurm:
-`dsa_train.parallel.train`): runs a recipe's stages in order.
+`dsa_train.launch.rank`): runs a recipe's stages in order.
 
 Per stage: a fresh engine (the stage's trainable parameters, AdamW + schedule; DeepSpeed with N
 ranks), probe, `steps` optimizer steps of `global_batch_size` sequences (gradient accumulation
@@ -10,7 +10,7 @@ in the V3.2 Hugging Face layout and print the summary.
 The parts it asks:
     layout        dsa_train.parallel.layout: ranks, process groups, the model's parallelization,
                   the engine, how a step's numbers combine over ranks (one process: trivial)
-    checkpoints   engine/checkpoint_manager.py: resume, save, commit, export
+    checkpoints   trainer/checkpoint_manager.py: resume, save, commit, export
     the step      engine/step.train_step with the hooks of engine/hooks.py (the non-finite policy,
                   the router-bias update; fault injection only with DSA_FAULT set)
 Rank 0 logs (W&B, progress) and writes the shared files.
@@ -27,23 +27,24 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-import dsa_train.engine.recipe_change as recipe_change
+from dsa_train.trainer.engine import make_engine
+import dsa_train.trainer.recipe_change as recipe_change
 from dsa_train.checkpoint import from_pretrained
-from dsa_train.checkpoint.export import trained_index_topk
+from dsa_train.stage import trained_index_topk
 from dsa_train.config import ConfigError, Device, TrainConfig, validate
 from dsa_train.config.run_files import record_run_start
 from dsa_train.config.validate import check_sequence_fits, doubtful_values
 from dsa_train.data import BUNDLED_TOKENIZER_DIR, build_dataloader, check_vocab
-from dsa_train.engine.checkpoint import TrainerState
-from dsa_train.engine.checkpoint_manager import CheckpointManager
-from dsa_train.engine.engine import TrainingEngine
-from dsa_train.engine.hooks import NonFiniteGuard, RouterBias, fault_hooks
-from dsa_train.engine.probe import measure, probe_batches
-from dsa_train.engine.rng import load_rng_state, rng_state, seed_everything, set_deterministic
-from dsa_train.engine.run_lock import lock_run
-from dsa_train.engine.signals import EXIT_PREEMPTED, PreemptionHandler, Preempted, mark_preempted
-from dsa_train.engine.step import StepHooks, train_step
-from dsa_train.engine.summary import format_summary, summary_metrics
+from dsa_train.checkpoint.training import TrainerState
+from dsa_train.trainer.checkpoint_manager import CheckpointManager
+from dsa_train.training_engine import TrainingEngine
+from dsa_train.trainer.hooks import NonFiniteGuard, RouterBias, fault_hooks
+from dsa_train.trainer.probe import measure, probe_batches
+from dsa_train.trainer.rng import load_rng_state, rng_state, seed_everything, set_deterministic
+from dsa_train.trainer.run_lock import lock_run
+from dsa_train.signals import EXIT_PREEMPTED, PreemptionHandler, Preempted, mark_preempted
+from dsa_train.trainer.step import StepHooks, train_step
+from dsa_train.trainer.summary import format_summary, summary_metrics
 from dsa_train.eval.in_training import TrainingEval
 from dsa_train.logging.perf import memory_metrics, peak_flops_per_device, throughput_metrics
 from dsa_train.logging.progress import StageProgress, describe_step
@@ -51,7 +52,7 @@ from dsa_train.logging.profile import profiled
 from dsa_train.logging.wandb_run import METRICS_FILE, WandbRun
 from dsa_train.model import DSAForCausalLM, tiny_config
 from dsa_train.parallel.layout import init_layout
-from dsa_train.parallel.startup import load_parallel_pretrained
+from dsa_train.trainer.startup import load_parallel_pretrained
 from dsa_train.stage import Stage
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ def resolve_device(device: Device) -> torch.device:
 
 def build_model(cfg: TrainConfig, vocab_size: int, parallel_state=None) -> torch.nn.Module:
     """The model of the recipe. With a parallel layout and a pretrained checkpoint, this rank's
-    part only, already parallelized (meta-device start-up: dsa_train.parallel.startup)."""
+    part only, already parallelized (meta-device start-up: dsa_train.trainer.startup)."""
     dtype = getattr(torch, cfg.model.dtype.value)
     if cfg.model.pretrained is not None and parallel_state is not None and parallel_state.sizes.world > 1:
         model = load_parallel_pretrained(cfg.model.pretrained, parallel_state, dtype, recompute=cfg.parallel.recompute,
@@ -230,7 +231,7 @@ class Trainer:
     def open_stage(self, stage: Stage) -> None:
         """The stage's engine (with the resumed optimizer state) and step hooks."""
         self.stage = stage
-        self.engine = self.layout.make_engine(self.model, stage, self.cfg)
+        self.engine = make_engine(self.layout, self.model, stage, self.cfg)
         self.checkpoints.load_optimizer_state(self.engine)
         if self.resume_rng is not None:
             load_rng_state(self.resume_rng)

@@ -20,7 +20,7 @@ from dsa_train.loss import IGNORE_INDEX, MetricSums, Reduction, micro_batch_loss
 from dsa_train.stage import Stage
 
 if TYPE_CHECKING:
-    from dsa_train.engine.engine import TrainingEngine
+    from dsa_train.training_engine import TrainingEngine
 
 __all__ = ["IGNORE_INDEX", "StepHooks", "forward_backward", "train_step"]
 

@@ -1,5 +1,5 @@
 """DeepSpeed engine on megatron-core's process groups: the distributed counterpart of
-`dsa_train.engine.Engine`, a `TrainingEngine` as it is (dsa_train/engine/engine.py). `.model` is
+`dsa_train.trainer.Engine`, a `TrainingEngine` as it is (dsa_train/trainer/trainer.py). `.model` is
 the model as built, as in `Engine`; DeepSpeed's engine wrapping it is `.ds` (the forward runs
 through it).
 
@@ -11,7 +11,7 @@ through it).
   `backward` only accumulates, `step` is the boundary (reduce, clip, update, schedule). ZeRO-0/1
   reduce once per step there; ZeRO-2 reduce-scatters each micro-batch into its partition, overlapped
   with the backward (`overlap_comm`), in fp32 by default (docs/distributed.md, "Gradient reduction").
-  Losses arrive already scaled for accumulation (see `dsa_train.parallel.step`), so DeepSpeed
+  Losses arrive already scaled for accumulation (see `dsa_train.parallel.reduction`), so DeepSpeed
   does not divide by the accumulation steps.
 * MoE parameter groups: routed-expert parameters (their `Sharding` record names an expert group,
   set by `dsa_train.parallel.expert.shard_experts`) go into DeepSpeed MoE param groups whose
@@ -30,13 +30,13 @@ import torch
 
 from dsa_train.config import OptimConfig
 from dsa_train.stage import Stage
-from dsa_train.engine.optimizer import weight_decay_groups
-from dsa_train.engine.schedule import build_scheduler
-from dsa_train.engine.sharded_state import Fragment
+from dsa_train.trainer.optimizer import weight_decay_groups
+from dsa_train.trainer.schedule import build_scheduler
+from dsa_train.checkpoint.sharded_state import Fragment
 from dsa_train.parallel import deepspeed_compat
 from dsa_train.parallel.buckets import REDUCE_BUCKET
 from dsa_train.parallel.groups import MegatronMPU, ParallelState
-from dsa_train.parallel.sharding import copies_in_world, sharding_of
+from dsa_train.sharding import copies_in_world, sharding_of
 
 log = logging.getLogger(__name__)
 
@@ -247,6 +247,6 @@ class DeepSpeedEngine:
 
     def fragments(self) -> list[Fragment]:
         """This rank's ZeRO fragments of the trainable parameters (fp32 master, AdamW moments),
-        which engine/sharded_state.py reads and writes as pieces of global tensors, so a
+        which checkpoint/sharded_state.py reads and writes as pieces of global tensors, so a
         checkpoint resumes under any layout."""
         return deepspeed_compat.zero_fragments(self.ds.optimizer, self.trainable)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dsa_train.parallel.plan_comm import collective_seconds, span_of
+from dsa_train.plan.comm import collective_seconds, span_of
 
 # dispatcher op name -> (op, index of the argument whose tensors are the payload, x group size)
 _C10D = {
@@ -120,7 +120,7 @@ def traced_communication(calls: list[dict], micro_batches: int, net) -> dict:
     """Per (op, group, phase) over one step: calls, payload bytes and seconds (the traced
     micro-batch's collectives counted `micro_batches` times, the step's once)."""
     out: dict = defaultdict(lambda: {"calls": 0.0, "payload_bytes": 0.0, "seconds": 0.0})
-    from dsa_train.parallel.plan_comm import GroupSpan
+    from dsa_train.plan.comm import GroupSpan
 
     for c in calls:
         repeat = 1 if c["phase"] == "step" else micro_batches

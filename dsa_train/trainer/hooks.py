@@ -21,17 +21,17 @@ from pathlib import Path
 import torch
 
 from dsa_train.config.schema import FaultToleranceConfig, NonFinitePolicy
-import dsa_train.engine.faults as faults
-from dsa_train.engine.checkpoint import TrainerState
-from dsa_train.engine.engine import TrainingEngine
-from dsa_train.engine.nonfinite import NonFiniteError, check_step, poison, poison_gradient
-from dsa_train.engine.step import StepHooks
+import dsa_train.faults as faults
+from dsa_train.checkpoint.training import TrainerState
+from dsa_train.training_engine import TrainingEngine
+from dsa_train.trainer.nonfinite import NonFiniteError, check_step, poison, poison_gradient
+from dsa_train.trainer.step import StepHooks
 
 log = logging.getLogger(__name__)
 
 
 class InjectedFaults(StepHooks):
-    """The `DSA_FAULT` faults (engine/faults.py) set for the start of the step `step_of()` returns
+    """The `DSA_FAULT` faults (faults.py) set for the start of the step `step_of()` returns
     (the global step it becomes) and for after its backward, before the update."""
 
     def __init__(self, step_of: Callable[[], int]):

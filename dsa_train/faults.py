@@ -175,7 +175,7 @@ def requested() -> bool:
 
 
 class CheckpointFaults:
-    """The checkpoint writer's fault wrapper (engine/checkpoint.py), with no fault: `on_write`
+    """The checkpoint writer's fault wrapper (checkpoint/training.py), with no fault: `on_write`
     runs before each chunk a checkpoint file gets, `on_commit` after the checkpoint directory is
     renamed into place, before `latest` is updated. `checkpoint_faults` gives this one (every
     hook a no-op) unless `DSA_FAULT` is set."""

@@ -155,7 +155,7 @@ def step_shape(cfg, stage, sizes, trainable: tuple[float, float], reduced: tuple
 
 
 def gradient_reduce_bytes(zero_stage: int, dtype_bytes: int, grad_accum_dtype) -> int:
-    """Bytes per element DeepSpeed reduces gradients in (`parallel/deepspeed_engine.py`: bf16
+    """Bytes per element DeepSpeed reduces gradients in (`trainer/deepspeed_engine.py`: bf16
     models reduce in fp32 only under ZeRO-2 with `optim.grad_accum_dtype: float32`)."""
     accum = getattr(grad_accum_dtype, "value", grad_accum_dtype)
     if dtype_bytes == 2 and not (zero_stage == 2 and accum == "float32"):
@@ -304,7 +304,7 @@ def parameter_all_gather(sizes, s: StepShape, bucket: int) -> list[Collective]:
 
 def step_scalars(c, sizes, s: StepShape) -> list[Collective]:
     """Small all-reduces of a step: token counts over DP and metric sums over DP x CP
-    (`parallel/step.py`), and with the router's bias update two fp32 [experts] load vectors per
+    (`parallel/reduction.py`), and with the router's bias update two fp32 [experts] load vectors per
     MoE layer over DP x CP (`MoE.update_bias`)."""
     rows = []
     if sizes.data > 1:

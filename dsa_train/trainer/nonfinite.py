@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from dsa_train.engine.engine import TrainingEngine
+from dsa_train.training_engine import TrainingEngine
 from dsa_train.errors import DSATrainError
 
 

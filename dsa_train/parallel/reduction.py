@@ -1,5 +1,5 @@
 """How a step's numbers combine over the ranks of a parallel layout (`dsa_train.loss.Reduction`).
-The step itself is `dsa_train.engine.step` for one process and for N ranks.
+The step itself is `dsa_train.trainer.step` for one process and for N ranks.
 
 * token counts are summed over data-parallel ranks (every context-parallel rank holds the whole
   micro-batch, so its counts are not added again);
