@@ -170,7 +170,7 @@ def inf_gradient_step(step: int) -> bool:
 
 def requested() -> bool:
     """True when `DSA_FAULT` is set: only then do the trainer and the checkpoint writer take
-    their fault hooks (`engine/hooks.py` InjectedFaults, `checkpoint_faults`)."""
+    their fault hooks (`trainer/hooks.py` InjectedFaults, `checkpoint_faults`)."""
     return bool(os.environ.get(ENV, "").strip())
 
 

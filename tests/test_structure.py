@@ -18,7 +18,7 @@ whole file runs in seconds).
   cycle by itself; it is one when a submodule reads a name back from the package
   (`from a.b import name`, the name set by a/b/__init__), or when a module outside the package
   imports one of its submodules while the package's `__init__` imports, directly or not, that
-  module (e.g. parallel/x -> engine/schedule runs engine/__init__ -> engine/trainer -> parallel/x:
+  module (e.g. parallel/x -> trainer/schedule runs trainer/__init__ -> trainer/trainer -> parallel/x:
   importing parallel/x first fails on a partially initialized module).
   Every strongly connected component of more than one module is reported with one of its cycles.
 - No class in dsa_train/ longer than MAX_CLASS_LINES lines (`class` line to its last line).
@@ -39,7 +39,7 @@ whole file runs in seconds).
   module) of dsa_train and dsa_kernels once, and each row's "imports (project)" column names
   exactly the packages its code imports (the import graph above, per package; backticked names
   that are no package, such as class names, are prose).
-- Fault injection is one seam: no `faults` name in the training loop (engine/trainer.py) and, in
+- Fault injection is one seam: no `faults` name in the training loop (trainer/trainer.py) and, in
   the checkpoint writer (checkpoint/training.py), only the wrapper's factory and type
   (`checkpoint_faults`, `CheckpointFaults`, `NO_FAULTS`), imported from faults.py.
 - Imports as light as the command: `dsa-train --help`, `import dsa_train` and `import dsa_train.data`
@@ -537,7 +537,7 @@ def test_fault_injection_is_one_seam():
     found = []
     for path in ("dsa_train/trainer/trainer.py", "dsa_train/checkpoint/training.py"):
         found += [f"{path}:{line} {text}" for line, text in fault_uses(modules[path].tree)]
-    assert not found, ("fault injection outside its seam (the trainer takes engine/hooks.py's fault_hooks, the "
+    assert not found, ("fault injection outside its seam (the trainer takes trainer/hooks.py's fault_hooks, the "
                        "checkpoint writer faults.checkpoint_faults):\n" + "\n".join(found))
     assert sorted(fault_uses(ast.parse("import dsa_train.faults as faults\nfaults.at('step', 1)\n"
                                        "from dsa_train.faults import checkpoint_faults, WriteFaults\n"))) == [

@@ -111,7 +111,7 @@ class TrainerState:
     nonfinite_skipped: int = 0
     nonfinite_consecutive: int = 0
     # the recipe (resolved TrainConfig as a dict) the checkpoint was written under: a resume
-    # compares it with the recipe it is given (engine/recipe_change.py); None in older checkpoints
+    # compares it with the recipe it is given (trainer/recipe_change.py); None in older checkpoints
     recipe: dict | None = None
 
 

@@ -6,7 +6,7 @@
     optimizer pieces   this rank's fp32 masters / AdamW moments         (layout.optimizer_pieces)
                        and the optimizer's step / schedule             (sharded_state.optimizer_meta)
     data               the data loader's position                       (loader.state_dict)
-    rng                this rank's Python / NumPy / torch RNG states     (engine/rng.py)
+    rng                this rank's Python / NumPy / torch RNG states     (trainer/rng.py)
     trainer            the TrainerState: stage, steps, tokens, probes, the recipe
 
 written by `checkpoint/training.py` (atomic directories, manifests, DCP tensor files) so that a
@@ -117,7 +117,7 @@ class CheckpointManager:
 
     def check_recipe(self, path: Path, state: ckpt.TrainerState) -> None:
         """Apply the safe recipe changes since the checkpoint (logged), refuse the rest
-        (engine/recipe_change.py)."""
+        (trainer/recipe_change.py)."""
         if state.recipe is None:
             log.warning("resume: %s was written before checkpoints recorded their recipe: recipe changes not checked", path)
         else:

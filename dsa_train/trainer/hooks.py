@@ -1,4 +1,4 @@
-"""The trainer's policies around one optimizer step, as `StepHooks` of `engine/step.train_step`.
+"""The trainer's policies around one optimizer step, as `StepHooks` of `trainer/step.train_step`.
 
 Called in this order at the points of every training step:
 
@@ -56,7 +56,7 @@ def fault_hooks(step_of: Callable[[], int]) -> list[StepHooks]:
 
 
 class NonFiniteGuard(StepHooks):
-    """`fault_tolerance.nonfinite` (engine/nonfinite.py): a step whose loss or gradients are not
+    """`fault_tolerance.nonfinite` (trainer/nonfinite.py): a step whose loss or gradients are not
     finite on any rank is skipped (gradients cleared, counted in `state`), or the run stops with
     a checkpoint of the state before the step (`save_step_start(engine)`) and NonFiniteError."""
 

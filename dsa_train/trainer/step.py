@@ -57,7 +57,7 @@ def forward_backward(
 
 
 class StepHooks:
-    """Named points of a training step where a caller's policies act (engine/hooks.py holds the
+    """Named points of a training step where a caller's policies act (trainer/hooks.py holds the
     trainer's); each is a no-op here, so a hook overrides only the points it uses.
 
         before_step()                            the step's start, before its data is read (the

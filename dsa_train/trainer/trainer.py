@@ -11,7 +11,7 @@ The parts it asks:
     layout        dsa_train.parallel.layout: ranks, process groups, the model's parallelization,
                   the engine, how a step's numbers combine over ranks (one process: trivial)
     checkpoints   trainer/checkpoint_manager.py: resume, save, commit, export
-    the step      engine/step.train_step with the hooks of engine/hooks.py (the non-finite policy,
+    the step      trainer/step.train_step with the hooks of trainer/hooks.py (the non-finite policy,
                   the router-bias update; fault injection only with DSA_FAULT set)
 Rank 0 logs (W&B, progress) and writes the shared files.
 """
