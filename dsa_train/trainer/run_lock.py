@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from dsa_train.errors import DSATrainError
+from dsa_train.tempdirs import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +54,6 @@ def job_identity() -> str | None:
     return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, another user's
-        return True
-    return True
-
-
 class RunLock:
     def __init__(self, directory: str | os.PathLike):
         self.path = Path(directory) / LOCK_NAME
@@ -83,7 +74,7 @@ class RunLock:
         if holder.get("host") == self.info["host"] and isinstance(holder.get("pid"), int):
             if holder["pid"] == os.getpid():
                 return "held by this process"
-            if not _pid_alive(holder["pid"]):
+            if not pid_alive(holder["pid"]):
                 return f"its process {holder['pid']} on this host is gone"
         if holder.get("job") and holder.get("job") == self.info["job"]:
             return f"it belongs to an earlier attempt of this job ({holder['job']})"
