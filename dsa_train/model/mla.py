@@ -203,11 +203,15 @@ class MLA(nn.Module):
         kv_all = kv if cp is None else cp.gather(kv)  # [B, T, 576]: all attention activations exchanged
         if sparse:
             topk_indices = select_topk(q_idx.detach(), k_idx_all.detach(), w_idx.detach(), doc_start, request.topk, cp)
-            out_latent, lse = K.sparse_mla(q_abs, kv_all, topk_indices, self.scale, self.kv_lora_rank)
+            # eq. 4's target Sigma_h P from the attention's own forward (every head here: not under
+            # tensor parallelism, whose local heads would need a sum over the group)
+            want = request.indexer_loss and isinstance(self.heads, AllHeads)
+            res = K.sparse_mla(q_abs, kv_all, topk_indices, self.scale, self.kv_lora_rank, return_target=want)
+            out_latent, lse, p_sum = res if want else (*res, None)
             if request.indexer_loss:
                 kl, stats = K.sparse_indexer_kl(
                     q_idx, k_idx_all, w_idx, topk_indices, self.heads.gather(q_abs.detach()), kv_all.detach(),
-                    self.heads.gather(lse.detach()), self.scale,
+                    self.heads.gather(lse.detach()), self.scale, target=p_sum,
                 )
                 record_kl(aux, kl, stats["kl_uniform"], B * T_loc)
             if request.recall_queries is not None:

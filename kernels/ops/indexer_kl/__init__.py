@@ -33,13 +33,16 @@ def dense_indexer_kl(q_idx, k_idx, w_idx, q_main, k_main, scale, doc_start, chun
     return dense_indexer_kl_ref(q_idx, k_idx, w_idx, q_main, k_main, scale, doc_start, chunk_size, lse_main)
 
 
-def sparse_indexer_kl(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale, chunk_size=None):
+def sparse_indexer_kl(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale, chunk_size=None, target=None):
     """CUDA tensors (or DSA_KERNELS=triton) -> the Triton kernels; otherwise the chunked PyTorch
-    Function (`chunked.py`, the reference's computation, gradients formed chunk by chunk)."""
+    Function (`chunked.py`, the reference's computation, gradients formed chunk by chunk).
+    target: Sigma_h P per slot from `sparse_mla(..., return_target=True)` (Triton path: the KL reads
+    it instead of gathering KV rows; the chunked path ignores it and forms its own)."""
     if _use_triton(q_idx, k_idx, w_idx, q_main, kv_main):
         from .function import sparse_indexer_kl_triton
 
-        return sparse_indexer_kl_triton(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale)
+        return sparse_indexer_kl_triton(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale,
+                                        target=target)
     return sparse_indexer_kl_chunked(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale, chunk_size)
 
 

@@ -1,0 +1,179 @@
+"""The sparse indexer KL's target from the sparse MLA forward (issue 31 item 4): the Triton forward's
+`TARGET` pass emits Sigma_h P per slot ([B, T, K] fp32), the sparse KL reads it instead of gathering
+KV rows and recomputing the main logits. Interpreter (TRITON_INTERPRET=1), smallest shapes: the
+emitted target against the PyTorch reference (`indexer_kl.reference.sparse_target`) at odd shapes,
+masked heads, two head blocks, -1 slots and empty rows, packed documents and CP's shape; the KL's
+value and gradients with the emitted target against the separate-gather path; the dispatch (Gluon
+configs and deterministic runs take the target kernel after the forward) on the meta device."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from dsa_kernels import doc_starts_from_position_ids, sparse_mla_ref  # noqa: E402
+from dsa_kernels._triton_common import planning_for  # noqa: E402
+from dsa_kernels.ops.indexer_kl.function import sparse_indexer_kl_triton  # noqa: E402
+from dsa_kernels.ops.indexer_kl.kernel import _sparse_kl_target_kernel  # noqa: E402
+from dsa_kernels.ops.indexer_kl.reference import sparse_target  # noqa: E402
+from dsa_kernels.ops.sparse_mla import kernel as SM  # noqa: E402
+from dsa_kernels.ops.sparse_mla.function import sparse_mla_triton  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _indices(ds, positions, K, n_keys, seed):
+    """[B, Tq, K] int32: random visible keys (doc_start <= s <= position) of each query, dropped
+    slots (-1 inside a row), -1 tails where fewer than K keys are visible, one row with none."""
+    g = torch.Generator().manual_seed(seed)
+    B = ds.shape[0]
+    idx = torch.full((B, len(positions), K), -1, dtype=torch.int32)
+    for b in range(B):
+        for r, t in enumerate(positions):
+            lo = int(ds[b, t])
+            keys = lo + torch.randperm(t + 1 - lo, generator=g)[:K]
+            slots = torch.randperm(K, generator=g)[: len(keys)] if t % 3 == 0 else torch.arange(len(keys))
+            idx[b, r, slots] = keys.to(torch.int32)
+    idx[-1, 0] = -1
+    assert n_keys == ds.shape[1]
+    return idx.to(DEV)
+
+
+def _case(B, lengths, positions, H, d_v, d_r, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.cat([torch.arange(n) for n in ls]) for ls in lengths]
+    ds = doc_starts_from_position_ids(torch.stack(rows)).to(DEV)
+    N, D = ds.shape[1], d_v + d_r
+    q = torch.randn(B, len(positions), H, D, generator=g).to(DEV)
+    kv = torch.randn(B, N, D, generator=g).to(DEV)
+    return q, kv, _indices(ds, positions, K, N, seed), D**-0.5, d_v
+
+
+CASES = {
+    # odd dims, H = 3 (a 4-row head block: one head masked), packed documents, -1 slots and tails
+    "odd": (2, [[5, 6], [11]], list(range(11)), 3, 20, 8, 5),
+    # CP's shape: 6 query rows (a rank's pair of chunks) over the 16 gathered key rows
+    "cp": (1, [[9, 7]], [0, 1, 2, 13, 14, 15], 5, 16, 8, 7),
+    # 70 heads: two head blocks of 64, the second partly masked (their sums meet in P_SUM)
+    "two_head_blocks": (1, [[6]], list(range(6)), 70, 16, 8, 4),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_target_equals_the_reference(name):
+    q, kv, idx, scale, d_v = _case(*CASES[name], seed=len(name))
+    out, lse, p_sum = sparse_mla_triton(q, kv, idx, scale, d_v, return_target=True)
+    ref_out, ref_lse = sparse_mla_ref(q, kv, idx, scale, d_v)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    H = q.shape[2]
+    expect = sparse_target(q, kv, ref_lse, idx, scale) * H  # Sigma_h P, before the KL's 1/H
+    assert p_sum.shape == idx.shape and p_sum.dtype == torch.float32 and not p_sum.requires_grad
+    torch.testing.assert_close(p_sum, expect, rtol=1e-5, atol=1e-6)
+    assert (p_sum[idx < 0] == 0).all()  # empty slots carry nothing
+    has = (idx >= 0).any(-1)
+    torch.testing.assert_close(p_sum.sum(-1)[has], torch.full_like(p_sum.sum(-1)[has], float(H)))
+    assert (p_sum[~has] == 0).all()  # a row without a key: no NaN, no mass
+
+
+def test_without_the_target_the_forward_is_unchanged():
+    q, kv, idx, scale, d_v = _case(*CASES["odd"], seed=1)
+    out, lse = sparse_mla_triton(q, kv, idx, scale, d_v)
+    out_t, lse_t, _ = sparse_mla_triton(q, kv, idx, scale, d_v, return_target=True)
+    assert torch.equal(out, out_t) and torch.equal(lse, lse_t)
+
+
+@pytest.mark.parametrize("name", ["odd", "cp"])
+def test_kl_with_the_forward_target_equals_the_separate_gather(name):
+    q, kv, idx, scale, d_v = _case(*CASES[name], seed=7)
+    B, T, H, _ = q.shape
+    g = torch.Generator().manual_seed(3)
+    HI, DI = 3, 16
+    leaves = [torch.randn(B, T, HI, DI, generator=g), torch.randn(B, kv.shape[1], DI, generator=g),
+              torch.randn(B, T, HI, generator=g)]
+    _, lse, p_sum = sparse_mla_triton(q, kv, idx, scale, d_v, return_target=True)
+
+    def run(target):
+        qi, ki, wi = (x.to(DEV).requires_grad_() for x in leaves)
+        kl, st = sparse_indexer_kl_triton(qi, ki, wi, idx, q, kv, lse, scale, target=target)
+        return kl, st["kl_uniform"], torch.autograd.grad(kl * 0.7, (qi, ki, wi))
+
+    kl_new, klu_new, g_new = run(p_sum)
+    kl_old, klu_old, g_old = run(None)
+    torch.testing.assert_close(kl_new, kl_old, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(klu_new, klu_old, rtol=1e-6, atol=1e-6)
+    for a, b in zip(g_new, g_old):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_kl_with_the_target_gathers_no_kv(monkeypatch):
+    # the KV rows and main logits are not touched: the target kernel never launches, and kv_main /
+    # lse_main full of NaN change nothing
+    q, kv, idx, scale, d_v = _case(*CASES["cp"], seed=2)
+    B, T = q.shape[:2]
+    _, lse, p_sum = sparse_mla_triton(q, kv, idx, scale, d_v, return_target=True)
+    qi, ki, wi = torch.randn(B, T, 2, 16, device=DEV), torch.randn(B, kv.shape[1], 16, device=DEV), torch.rand(B, T, 2, device=DEV)
+    launched = []
+    import dsa_kernels._triton_common as C
+
+    real_run = C.Launch.run
+    monkeypatch.setattr(C.Launch, "run", lambda self: (launched.append(self.kernel), real_run(self))[1])
+    kl, _ = sparse_indexer_kl_triton(qi, ki, wi, idx, q, torch.full_like(kv, float("nan")),
+                                     torch.full_like(lse, float("nan")), scale, target=p_sum)
+    assert torch.isfinite(kl) and _sparse_kl_target_kernel not in launched and launched
+    with pytest.raises(ValueError, match="target .* must be the indices' shape"):
+        sparse_indexer_kl_triton(qi, ki, wi, idx, q, kv, lse, scale, target=p_sum[:, :-1])
+
+
+# ----------------------------------------------------------------------------- dispatch (meta device)
+def _meta(H):
+    q = torch.empty(1, 64, H, 576, dtype=torch.bfloat16, device="meta")
+    kv = torch.empty(1, 64, 576, dtype=torch.bfloat16, device="meta")
+    idx = torch.empty(1, 64, 32, dtype=torch.int32, device="meta")
+    ns = torch.empty(1, 64, dtype=torch.int32, device="meta")
+    p_sum = torch.empty(1, 64, 32, dtype=torch.float32, device="meta")
+    return q, kv, idx, ns, p_sum
+
+
+def _meta_fwd(monkeypatch, H=128, config=None):
+    q, kv, idx, ns, p_sum = _meta(H)
+    ran = []
+    monkeypatch.setattr(SM, "_launch", lambda launch: ran.append(launch))
+    with planning_for(90), SM.force_fwd_config(config):
+        SM.sparse_mla_fwd(q, kv, idx, ns, 0.04, 512, p_sum)
+    return ran
+
+
+def test_a_triton_config_forms_the_target_in_its_forward(monkeypatch):
+    (launch,) = _meta_fwd(monkeypatch)
+    assert launch.kernel is SM._sparse_mla_fwd_kernel and launch.args["TARGET"] is True
+
+
+def test_a_gluon_config_runs_the_target_kernel_after_its_forward(monkeypatch):
+    fwd, target = _meta_fwd(monkeypatch, config="gluon")
+    assert fwd.kernel is not SM._sparse_mla_fwd_kernel and "TARGET" not in fwd.args
+    assert target.kernel is _sparse_kl_target_kernel
+    q, kv, idx, ns, p_sum = _meta(128)
+    out, lse = torch.empty(*q.shape[:3], 512, dtype=q.dtype, device="meta"), p_sum[..., :1].expand(1, 64, 128)
+    with planning_for(90), pytest.raises(ValueError, match="does not emit the KL target"):
+        SM.plan_fwd(q, kv, idx, ns, out, lse, 0.04, 512, ("gluon", 64, 2), p_sum=p_sum)
+
+
+class _Deterministic:
+    def __enter__(self):
+        self.was = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+
+    def __exit__(self, *exc):
+        torch.use_deterministic_algorithms(self.was)
+
+
+def test_deterministic_runs_with_more_than_two_head_blocks_take_the_target_kernel(monkeypatch):
+    assert SM.fwd_target(("k16-s2", 16, 2), 192)
+    with _Deterministic():
+        assert SM.fwd_target(("k16-s2", 16, 2), 128)  # two head blocks: order-independent sums
+        assert not SM.fwd_target(("k16-s2", 16, 2), 192)
+        fwd, target = _meta_fwd(monkeypatch, H=192)
+    assert fwd.args["TARGET"] is False and target.kernel is _sparse_kl_target_kernel
