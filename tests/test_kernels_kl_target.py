@@ -62,8 +62,15 @@ CASES = {
 }
 
 
+@pytest.fixture(params=SM.TARGET_CONFIGS)
+def how(request, monkeypatch):
+    """Each way of forming the target (`kernel.TARGET_CONFIGS`), forced (off a GPU the default runs)."""
+    monkeypatch.setenv("DSA_SPARSE_MLA_TARGET", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_forward_target_equals_the_reference(name):
+def test_forward_target_equals_the_reference(name, how):
     q, kv, idx, scale, d_v = _case(*CASES[name], seed=len(name))
     out, lse, p_sum = sparse_mla_triton(q, kv, idx, scale, d_v, return_target=True)
     ref_out, ref_lse = sparse_mla_ref(q, kv, idx, scale, d_v)
@@ -78,7 +85,7 @@ def test_forward_target_equals_the_reference(name):
     assert (p_sum[~has] == 0).all()  # a row without a key: no NaN, no mass
 
 
-def test_without_the_target_the_forward_is_unchanged():
+def test_without_the_target_the_forward_is_unchanged(how):
     q, kv, idx, scale, d_v = _case(*CASES["odd"], seed=1)
     out, lse = sparse_mla_triton(q, kv, idx, scale, d_v)
     out_t, lse_t, _ = sparse_mla_triton(q, kv, idx, scale, d_v, return_target=True)
@@ -86,7 +93,7 @@ def test_without_the_target_the_forward_is_unchanged():
 
 
 @pytest.mark.parametrize("name", ["odd", "cp"])
-def test_kl_with_the_forward_target_equals_the_separate_gather(name):
+def test_kl_with_the_forward_target_equals_the_separate_gather(name, how):
     q, kv, idx, scale, d_v = _case(*CASES[name], seed=7)
     B, T, H, _ = q.shape
     g = torch.Generator().manual_seed(3)
@@ -108,7 +115,7 @@ def test_kl_with_the_forward_target_equals_the_separate_gather(name):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_kl_with_the_target_gathers_no_kv(monkeypatch):
+def test_kl_with_the_target_gathers_no_kv(monkeypatch, how):
     # the KV rows and main logits are not touched: the target kernel never launches, and kv_main /
     # lse_main full of NaN change nothing
     q, kv, idx, scale, d_v = _case(*CASES["cp"], seed=2)
@@ -146,13 +153,66 @@ def _meta_fwd(monkeypatch, H=128, config=None):
     return ran
 
 
-def test_a_triton_config_forms_the_target_in_its_forward(monkeypatch):
-    (launch,) = _meta_fwd(monkeypatch)
-    assert launch.kernel is SM._sparse_mla_fwd_kernel and launch.args["TARGET"] is True
+def test_a_triton_config_forms_the_target_by_either_way(monkeypatch):
+    (seq,) = _meta_fwd(monkeypatch)  # off a GPU: the default, the forward then the target kernel
+    assert [x.kernel for x in seq.launches] == [SM._sparse_mla_fwd_kernel, _sparse_kl_target_kernel]
+    assert seq.launches[0].args["TARGET"] is False
+    monkeypatch.setenv("DSA_SPARSE_MLA_TARGET", "forward-pass")
+    (seq,) = _meta_fwd(monkeypatch)
+    assert [x.kernel for x in seq.launches] == [SM._sparse_mla_fwd_kernel] and seq.launches[0].args["TARGET"] is True
+    monkeypatch.setenv("DSA_SPARSE_MLA_TARGET", "bogus")
+    with pytest.raises(ValueError, match="DSA_SPARSE_MLA_TARGET='bogus' is not available"):
+        _meta_fwd(monkeypatch)
+
+
+def test_on_a_gpu_both_ways_are_verified_then_timed(monkeypatch):
+    from dsa_kernels import autotune
+
+    seen = {}
+
+    def pick(kernel, key, names, build, on_gpu, device_id="", bench=None, verify=None):
+        if kernel == "sparse_mla_target":
+            seen["names"], seen["verified"] = names, [verify(n) for n in names[1:]]
+        return names[0], build(names[0])
+
+    monkeypatch.setattr(autotune, "pick", pick)
+    monkeypatch.setattr(SM, "target_verify", lambda *a: a[-1] == "forward-pass")
+    _meta_fwd(monkeypatch)
+    assert seen == {"names": list(SM.TARGET_CONFIGS), "verified": [True]}
+
+
+def test_target_verify_compares_the_targets(how):
+    q, kv, idx, scale, d_v = _case(*CASES["odd"], seed=4)
+    from dsa_kernels.ops.sparse_mla.function import kernel_inputs
+
+    qc, kvc = kernel_inputs(q, kv)
+    ns = SM.slot_counts(idx, kv.shape[1])
+    assert SM.target_verify(qc, kvc, idx, ns, scale, d_v, SM.fwd_config_space(90)[0], "forward-pass")
+    # a target off by one part in 1e3 is refused
+    real = SM.plan_with_target
+
+    class Off(SM.LaunchSequence):
+        def run(self):
+            super().run()
+            self.zero.mul_(1.001)
+
+    def off(*a):
+        seq = real(*a)
+        return Off(seq.launches, seq.zero) if a[-1] == "forward-pass" else seq
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(SM, "plan_with_target", off):
+        assert not SM.target_verify(qc, kvc, idx, ns, scale, d_v, SM.fwd_config_space(90)[0], "forward-pass")
 
 
 def test_a_gluon_config_runs_the_target_kernel_after_its_forward(monkeypatch):
-    fwd, target = _meta_fwd(monkeypatch, config="gluon")
+    monkeypatch.setenv("DSA_SPARSE_MLA_TARGET", "forward-pass")
+    with pytest.raises(ValueError, match="not available with forward config 'gluon'"):
+        _meta_fwd(monkeypatch, config="gluon")
+    monkeypatch.delenv("DSA_SPARSE_MLA_TARGET")
+    (seq,) = _meta_fwd(monkeypatch, config="gluon")
+    fwd, target = seq.launches
     assert fwd.kernel is not SM._sparse_mla_fwd_kernel and "TARGET" not in fwd.args
     assert target.kernel is _sparse_kl_target_kernel
     q, kv, idx, ns, p_sum = _meta(128)
@@ -170,10 +230,54 @@ class _Deterministic:
         torch.use_deterministic_algorithms(self.was)
 
 
-def test_deterministic_runs_with_more_than_two_head_blocks_take_the_target_kernel(monkeypatch):
-    assert SM.fwd_target(("k16-s2", 16, 2), 192)
+def test_deterministic_runs_with_more_than_two_head_blocks_take_the_target_kernel():
+    cfg = ("k16-s2", 16, 2)
+    assert SM.fwd_target(cfg, 192) and SM.target_space(cfg, 192) == SM.TARGET_CONFIGS
     with _Deterministic():
-        assert SM.fwd_target(("k16-s2", 16, 2), 128)  # two head blocks: order-independent sums
-        assert not SM.fwd_target(("k16-s2", 16, 2), 192)
-        fwd, target = _meta_fwd(monkeypatch, H=192)
-    assert fwd.args["TARGET"] is False and target.kernel is _sparse_kl_target_kernel
+        assert SM.fwd_target(cfg, 128)  # two head blocks: order-independent sums
+        assert not SM.fwd_target(cfg, 192) and SM.target_space(cfg, 192) == ("target-kernel",)
+
+
+# ----------------------------------------------------------------------------- the model's sparse stage
+def _sparse_step(monkeypatch, old_path: bool, recompute: str):
+    """One sparse-stage step of a tiny model on the Triton path (interpreter): loss and gradients.
+    old_path: the attention's forward returns no target, so the KL forms its own (the separate gather)."""
+    import dsa_kernels as K
+    import dsa_train
+
+    monkeypatch.setenv("DSA_KERNELS", "triton")
+    real = K.sparse_mla
+    if old_path:
+        def no_target(*a, return_target=False, **kw):
+            out = real(*a, **kw)
+            return (*out, None) if return_target else out
+
+        monkeypatch.setattr(K, "sparse_mla", no_target)
+    calls = []
+    real_kl = K.sparse_indexer_kl
+    monkeypatch.setattr(K, "sparse_indexer_kl", lambda *a, **kw: (calls.append(kw.get("target")), real_kl(*a, **kw))[1])
+    torch.manual_seed(0)
+    cfg = dsa_train.tiny_config(index_topk=6, index_n_heads=4, num_hidden_layers=2, first_k_dense_replace=2)
+    model = dsa_train.DSAForCausalLM(cfg)
+    for layer in model.model.layers:
+        layer.recompute = recompute
+    x = torch.randint(0, 4096, (1, 14), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(9), torch.arange(5)])[None]  # two packed documents
+    out = model(x, attention="sparse", labels=x, indexer_loss=True, position_ids=pos)
+    (out.lm_loss + out.indexer_loss).backward()
+    monkeypatch.setattr(K, "sparse_mla", real)
+    assert calls and all((t is None) == old_path for t in calls)
+    return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.slow
+def test_sparse_stage_loss_and_gradients_equal_the_separate_gather(monkeypatch, how):
+    # with activation recompute: the recompute forward forms the target again (the KL keeps it only
+    # through save_for_backward) and reuses the forward's top-k
+    out_new, g_new = _sparse_step(monkeypatch, False, "full")
+    out_old, g_old = _sparse_step(monkeypatch, True, "none")
+    torch.testing.assert_close(out_new.lm_loss, out_old.lm_loss, rtol=0, atol=0)
+    torch.testing.assert_close(out_new.indexer_loss, out_old.indexer_loss, rtol=1e-6, atol=1e-6)
+    assert g_new.keys() == g_old.keys() and any("indexer" in n for n in g_new)
+    for n in g_old:
+        torch.testing.assert_close(g_new[n], g_old[n], rtol=1e-5, atol=1e-7, msg=n)

@@ -770,21 +770,93 @@ def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, n_s
                                 verify=lambda name: fwd_verify(q, kv, indices, n_slots, scale, d_v, space, name))
     if p_sum is None:
         _launch(build(name))
-    elif fwd_target(space[name], H):
-        _launch(plan_fwd(q, kv, indices, n_slots, out, lse, scale, d_v, space[name], p_sum))
-    else:  # a Gluon config (or > 2 head blocks under deterministic algorithms): its forward, then the target kernel
-        _launch(build(name))
-        from ..indexer_kl.kernel import plan_sparse_kl_target
-
-        _launch(plan_sparse_kl_target(q, kv, indices, n_slots, lse, p_sum, 0, scale))
+        return out, lse
+    # the KL target: the chosen forward, then indexer_kl's target kernel (the default), or the Triton
+    # forward's own TARGET pass where `fwd_target` allows it; a GPU times both once per shape
+    tspace = target_space(space[name], H)
+    tkey = (name, H, D, d_v, pow2(indices.shape[-1]))
+    forced_t = os.environ.get("DSA_SPARSE_MLA_TARGET") or None
+    if forced_t is not None:  # this way, untimed (tests run both on the interpreter)
+        if forced_t not in tspace:
+            raise ValueError(f"sparse_mla forward: DSA_SPARSE_MLA_TARGET={forced_t!r} is not available with forward "
+                             f"config {name!r} (choices: {list(tspace)}); unset it or pick one of those")
+        _launch(plan_with_target(q, kv, indices, n_slots, out, lse, p_sum, scale, d_v, space[name], forced_t))
+        return out, lse
+    _, launch = autotune.pick(
+        "sparse_mla_target", tkey, list(tspace), lambda n: plan_with_target(q, kv, indices, n_slots, out, lse, p_sum,
+                                                                          scale, d_v, space[name], n),
+        on_gpu, autotune.device_id(q) if on_gpu else "",
+        verify=lambda n: target_verify(q, kv, indices, n_slots, scale, d_v, space[name], n))
+    _launch(launch)
     return out, lse
 
 
+# How the sparse MLA forward forms the sparse KL's target when asked (`sparse_mla_fwd(p_sum=...)`):
+# "target-kernel" (the default): the chosen forward config, then indexer_kl's `_sparse_kl_target_kernel`
+# (all 128 heads of the 671B model in one block: each selected row gathered once more per token);
+# "forward-pass": the Triton forward's TARGET pass (no second launch, q still resident, but each row
+# gathered again per 64-head block: x2 the target kernel's gathered bytes at H = 128). Which is faster
+# is a GPU measurement (the report's roofline estimate favours the target kernel); the autotuner times
+# both once per shape after checking that the forward pass's target agrees with the kernel's.
+TARGET_CONFIGS = ("target-kernel", "forward-pass")
+TARGET_VERIFY_TOL = 1e-4  # max |a - b| <= this x max |b| (fp32 sums of the same exps, other dot tilings)
+
+
+def target_space(config: tuple, H: int) -> tuple:
+    return TARGET_CONFIGS if fwd_target(config, H) else TARGET_CONFIGS[:1]
+
+
+class LaunchSequence:
+    """Launches run in order after zeroing `zero` (the target's buffer: the forward pass adds into it
+    with atomics), one unit for the autotuner's timing (`run`)."""
+
+    def __init__(self, launches: list, zero: torch.Tensor):
+        self.launches, self.zero = launches, zero
+
+    def run(self) -> None:
+        self.zero.zero_()
+        for launch in self.launches:
+            launch.run()
+
+
+def plan_with_target(q, kv, indices, n_slots, out, lse, p_sum, scale: float, d_v: int, config: tuple,
+                     how: str) -> LaunchSequence:
+    """The forward of `config` forming out, lse and the target p_sum [B, T, K] fp32 (`TARGET_CONFIGS`)."""
+    if how == "forward-pass":
+        return LaunchSequence([plan_fwd(q, kv, indices, n_slots, out, lse, scale, d_v, config, p_sum)], p_sum)
+    from ..indexer_kl.kernel import plan_sparse_kl_target
+
+    return LaunchSequence([plan_fwd(q, kv, indices, n_slots, out, lse, scale, d_v, config),
+                           plan_sparse_kl_target(q, kv, indices, n_slots, lse, p_sum, 0, scale)], p_sum)
+
+
+def target_verify(q, kv, indices, n_slots, scale: float, d_v: int, config: tuple, how: str) -> bool:
+    """Whether `how`'s target agrees with the target kernel's (`TARGET_VERIFY_TOL`, no NaN) on the
+    forward verification's probe tokens (`FWD_VERIFY_TOKENS`, the last and the first)."""
+    B, T, H, _ = q.shape
+    K = indices.shape[-1]
+    probes = [slice(max(0, T - FWD_VERIFY_TOKENS), T)] + ([slice(0, FWD_VERIFY_TOKENS)] if T > FWD_VERIFY_TOKENS else [])
+    for sl in probes:
+        qs, ids, ns = q[:, sl], indices[:, sl], n_slots[:, sl]
+        got = {}
+        for n in (TARGET_CONFIGS[0], how):
+            o = torch.empty((B, qs.shape[1], H, d_v), dtype=q.dtype, device=q.device)
+            ls = torch.empty((B, qs.shape[1], H), dtype=torch.float32, device=q.device)
+            ps = torch.empty((B, qs.shape[1], K), dtype=torch.float32, device=q.device)
+            _launch(plan_with_target(qs, kv, ids, ns, o, ls, ps, scale, d_v, config, n))
+            got[n] = ps
+        ref, cand = got[TARGET_CONFIGS[0]], got[how]
+        if bool(torch.isnan(cand).any()) or not bool(
+                (cand - ref).abs().max() <= TARGET_VERIFY_TOL * ref.abs().max().clamp_min(1e-30)):
+            return False
+    return True
+
+
 def fwd_target(config: tuple, H: int) -> bool:
-    """Whether the forward launch of `config` forms the sparse KL's target itself (the Triton
-    kernel's `TARGET` pass): not a Gluon config (that kernel has no target pass: its forward runs,
-    then indexer_kl's target kernel), and under torch.use_deterministic_algorithms at most two head
-    blocks (the per-slot atomic adds onto zero are order-independent only for two addends)."""
+    """Whether the forward launch of `config` can form the sparse KL's target itself (the Triton
+    kernel's `TARGET` pass): not a Gluon config (that kernel has no target pass), and under
+    torch.use_deterministic_algorithms at most two head blocks (the per-slot atomic adds onto zero
+    are order-independent only for two addends)."""
     if is_gluon_config(config):
         return False
     n_hb = triton.cdiv(H, fwd_blocks(H, 64, 64)["BLOCK_H"])
