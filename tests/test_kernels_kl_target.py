@@ -281,3 +281,30 @@ def test_sparse_stage_loss_and_gradients_equal_the_separate_gather(monkeypatch, 
     assert g_new.keys() == g_old.keys() and any("indexer" in n for n in g_new)
     for n in g_old:
         torch.testing.assert_close(g_new[n], g_old[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_analysis_of_the_two_ways_at_the_671b_shapes():
+    """The analysis column's account (docs/kernels.md): at H = 128, K = 2048 the forward's TARGET pass
+    issues the target kernel's FLOPs but gathers each row once per 64-head block (x2 its bytes)."""
+    from dsa_kernels.ops.indexer_kl.kernel import plan_sparse_kl_target
+    from dsa_kernels.ops.indexer_kl.specs import sparse_target_work
+    from dsa_kernels.ops.sparse_mla.specs import fwd_work
+    from dsa_kernels.registry import SHAPES_671B as S
+
+    B, T, H, D, d_v, K = 1, 256, S["H"], S["D"], S["D_V"], S["K"]
+    q = torch.empty(B, T, H, D, dtype=torch.bfloat16, device="meta")
+    kv = torch.empty(B, T, D, dtype=torch.bfloat16, device="meta")
+    idx = torch.empty(B, T, K, dtype=torch.int32, device="meta")
+    ns = torch.empty(B, T, dtype=torch.int32, device="meta")
+    out = torch.empty(B, T, H, d_v, dtype=torch.bfloat16, device="meta")
+    lse = torch.empty(B, T, H, dtype=torch.float32, device="meta")
+    p_sum = torch.empty(B, T, K, dtype=torch.float32, device="meta")
+    with planning_for(90):
+        cfg = SM.fwd_config_space(90)[0]
+        plain = fwd_work(SM.plan_fwd(q, kv, idx, ns, out, lse, D**-0.5, d_v, cfg))
+        fused = fwd_work(SM.plan_fwd(q, kv, idx, ns, out, lse, D**-0.5, d_v, cfg, p_sum))
+    kernel = sparse_target_work(plan_sparse_kl_target(q, kv, idx, ns, lse, p_sum, 0, D**-0.5))
+    assert fused.useful_flops - plain.useful_flops == kernel.useful_flops == 2.0 * H * K * D
+    assert fused.issued_flops - plain.issued_flops == kernel.issued_flops
+    assert fused.gather_bytes - plain.gather_bytes == 2 * kernel.gather_bytes  # two 64-head blocks
+    assert fused.read_bytes - plain.read_bytes > kernel.read_bytes

@@ -2,7 +2,9 @@
 
     o[t, h] = sum_{i: idx[t,i] >= 0} softmax_i(scale * q[t,h] . kv[idx[t,i]]) * kv[idx[t,i], :d_v]
 
-Entry point `sparse_mla(q, kv, indices, scale, d_v, chunk_size=None) -> (out, lse)`:
+Entry point `sparse_mla(q, kv, indices, scale, d_v, chunk_size=None, return_target=False) -> (out, lse)`
+(with return_target: `(out, lse, p_sum)`, p_sum [B, T, K] fp32 the sparse indexer KL's target Sigma_h P
+per slot on the Triton path, None on the chunked one; docs/kernels.md "The sparse KL's target"):
   q       [B, T, H, D]   D = kv_lora_rank + qk_rope_head_dim (576 = 512 + 64 in the 671B model),
                          the nope part already multiplied by W_UK
   kv      [B, N, D]      the shared key [latent | k_rope]; its first d_v columns are the value

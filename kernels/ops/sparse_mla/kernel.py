@@ -30,6 +30,11 @@ warps on M, so the [64, 16] logits tile is computed by both warp groups (the rep
 `replication` column: x1.53 of the useful FLOPs on the tensor cores); FlashMLA avoids that with
 one producer and two consumer warp groups, which Triton proper does not express.
 
+KL target (`TARGET`, issue 31 item 4; docs/kernels.md "The sparse KL's target"): with a target
+buffer the forward walks the slots a second time once each head's lse is final, recomputes the
+logits and adds Sigma_h P of its head block per slot into P_SUM (`sparse_mla_fwd(p_sum=...)`, the
+"forward-pass" way; the default "target-kernel" way runs indexer_kl's target kernel after it).
+
 Backward (one program per (head block of 64, column half, token), 16-key tiles): delta =
 rowsum(dO * O) - dlse is computed in PyTorch in bounded token chunks (`bwd_delta`); per key
 tile the logits and dP = dO V^T are formed over all dims in 64-channel pieces (q and dO pieces
