@@ -115,7 +115,8 @@ def _trace_demo(stage: str, kernels: str):
 
 
 @pytest.mark.parametrize("stage, ops", [
-    ("sparse", {"indexer_topk", "sparse_mla_fwd", "sparse_mla_bwd", "sparse_kl_stats", "sparse_kl_grads"}),
+    # one process holds every head: the KL takes its target from the attention's forward (`*_target`)
+    ("sparse", {"indexer_topk", "sparse_mla_fwd", "sparse_mla_bwd", "sparse_kl_stats_target", "sparse_kl_grads_target"}),
     ("warmup", {"attention_lse", "dense_kl_stats", "dense_kl_grads"}),
 ])
 def test_traced_step_runs_the_cuda_path(stage, ops):

@@ -133,6 +133,26 @@ def test_sparse_indexer_kl_frees_its_inputs_under_checkpoint():
     _check(region, inputs)
 
 
+def test_sparse_stage_with_the_forward_target_frees_its_inputs_under_checkpoint():
+    # the sparse stage's pair (issue 31): the KL keeps the target the attention's forward emitted
+    # (through save_for_backward), so the recompute forms it again and nothing outlives the forward
+    torch.manual_seed(5)
+    B, T, N, HI, DI, H, D, Dv, K = 1, 5, 8, 2, 8, 3, 24, 16, 6
+    idx = _causal_indices(B, T, K, N, seed=2)
+    inputs = [torch.randn(B, T, HI, DI, device=DEV, requires_grad=True), torch.randn(B, N, DI, device=DEV, requires_grad=True),
+              torch.rand(B, T, HI, device=DEV, requires_grad=True), idx,
+              torch.randn(B, T, H, D, device=DEV, requires_grad=True), torch.randn(B, N, D, device=DEV, requires_grad=True)]
+
+    def region(probe, qi, ki, wi, ix, q, kv):
+        qi, ki, wi, ix, q, kv = _copies(probe, qi, ki, wi, ix, q, kv)
+        out, lse, p_sum = sparse_mla_triton(q, kv, ix, D**-0.5, Dv, return_target=True)
+        probe.append(StorageWeakRef(p_sum.untyped_storage()))
+        kl, _ = sparse_indexer_kl_triton(qi, ki, wi, ix, q.detach(), kv.detach(), lse.detach(), D**-0.5, target=p_sum)
+        return (out * out).sum() + kl
+
+    _check(region, inputs)
+
+
 def test_dense_attention_frees_its_inputs_under_checkpoint():
     torch.manual_seed(3)
     B, T, H, D, Dv = 1, 9, 2, 16, 8

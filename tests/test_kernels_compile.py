@@ -263,7 +263,7 @@ def test_sparse_mla_forward_issues_the_useful_flops_and_reads_like_flashmla(gate
     (the logits once per head block, not once per value half) and the gathered bytes per token are
     at most FlashMLA's (each selected row gathered once per 64-head block); all reads within 0.1%
     of FlashMLA's (ours add the per-row slot count)."""
-    rows = [r for r in _rows_of(gate_reports, "sparse_mla_fwd") if "autotune" not in r["config"]]
+    rows = [r for r in _rows_of(gate_reports, "sparse_mla_fwd") if "autotune" not in r["config"] and "KL target" not in r["config"]]
     assert {r["triton"] for r in rows} == {v for v, a in GATE_TARGETS if a == "sm_90a"}
     for r in rows:
         a = r["analysis"]

@@ -466,9 +466,45 @@ def sparse_kl_check(T: int, cp: bool = False):
         ref_ins = [x.float().requires_grad_() for x in (qi, ki, wi)]
         rkl, rstats = sparse_indexer_kl_ref(*ref_ins, idx, qm, kvm, lse, scale, chunk_size=_ref_chunk(opts, 128))
         rgrads = torch.autograd.grad(rkl, ref_ins)
-        return _outcome(_kl_results(kl, stats, grads, rkl, rstats, rgrads), {"queries": Tq, "keys": T})
+        results = _kl_results(kl, stats, grads, rkl, rstats, rgrads)
+        if opts.device == "cuda":  # on the CPU tests/test_kernels_kl_target.py covers both ways (interpreter)
+            results.update(_kl_with_attention_target(ins, idx, qm, kvm, scale, d.D_V, rkl, rstats, rgrads))
+        return _outcome(results, {"queries": Tq, "keys": T})
 
     return _budget(T, 3.0, 0.3)(fn)
+
+
+def _kl_with_attention_target(ins, idx, qm, kvm, scale: float, d_v: int, rkl, rstats, rgrads) -> dict:
+    """Issue 31: the sparse stage's KL with its target from the attention's forward
+    (`sparse_mla(..., return_target=True)`), each way of forming it forced in turn (kernel.TARGET_CONFIGS;
+    a way the chosen forward config lacks is left out), against the same reference. Outputs
+    "<name> (<way>)". Nothing on the chunked CPU path (it returns no target)."""
+    import os
+
+    import dsa_kernels as K
+    from dsa_kernels.ops.sparse_mla.kernel import TARGET_CONFIGS
+
+    out = {}
+    for how in TARGET_CONFIGS:
+        before = os.environ.get("DSA_SPARSE_MLA_TARGET")
+        os.environ["DSA_SPARSE_MLA_TARGET"] = how
+        try:
+            with torch.no_grad():
+                _, lse, p_sum = K.sparse_mla(qm, kvm, idx, scale, d_v, return_target=True)
+        except ValueError:  # e.g. "forward-pass" with a Gluon forward config
+            continue
+        finally:
+            if before is None:
+                os.environ.pop("DSA_SPARSE_MLA_TARGET", None)
+            else:
+                os.environ["DSA_SPARSE_MLA_TARGET"] = before
+        if p_sum is None:
+            break
+        leaves = [x.detach().clone().requires_grad_() for x in ins]
+        kl, stats = K.sparse_indexer_kl(*leaves, idx, qm, kvm, lse, scale, target=p_sum)
+        grads = torch.autograd.grad(kl, leaves)
+        out.update({f"{k} ({how})": v for k, v in _kl_results(kl, stats, grads, rkl, rstats, rgrads).items()})
+    return out
 
 
 def dense_kl_check(T: int):

@@ -36,7 +36,8 @@ def op_cases(dev: str, dtype: torch.dtype = torch.float32) -> dict:
     n_slots = slot_counts(idx, T)
     scale = D**-0.5
     with torch.no_grad():
-        out, lse = C.sparse_mla_fwd(q, kv, idx, n_slots, scale, DV)
+        out, lse, _ = C.sparse_mla_fwd(q, kv, idx, n_slots, scale, DV)
+        _, _, target = C.sparse_mla_fwd(q, kv, idx, n_slots, scale, DV, True)  # the KL's target
         ds32, de = ds.to(torch.int32).contiguous(), doc_ends(ds.to(torch.int32)).to(torch.int32).contiguous()
         qa, ka, va = r(B, T, H, 16), r(B, T, H, 16), r(B, T, H, 16)
         oa, la = C.dense_attention_fwd(qa, ka, va, ds32, 0.25)
@@ -47,6 +48,7 @@ def op_cases(dev: str, dtype: torch.dtype = torch.float32) -> dict:
     pos = torch.tensor([1, 2, 7, 8], device=dev)
     return {
         "sparse_mla_fwd": (q, kv, idx, n_slots, scale, DV),
+        "sparse_mla_fwd@target": (q, kv, idx, n_slots, scale, DV, True),
         "sparse_mla_bwd": (q, kv, idx, n_slots, out, lse, r(B, T, H, DV), None, scale, DV),
         "dense_attention_fwd": (qa, ka, va, ds32, 0.25),
         "dense_attention_bwd": (qa, ka, va, oa, la, r(B, T, H, 16), ds32, de, 0.25),
@@ -55,6 +57,8 @@ def op_cases(dev: str, dtype: torch.dtype = torch.float32) -> dict:
         "dense_kl_grads": (qi, ki, wi, qm, km, ds, lse2, 0.25, 0, lse_i, p_sum),
         "sparse_kl_stats": (qi, ki, wi, idx, n_slots, q, kv, lse, scale),
         "sparse_kl_grads": (qi, ki, wi, idx, n_slots, q, kv, lse, scale),
+        "sparse_kl_stats_target": (qi, ki, wi, idx, n_slots, target, H, scale),
+        "sparse_kl_grads_target": (qi, ki, wi, idx, n_slots, target, H, scale),
         "indexer_topk": (qi, ki, wi, ds, 3, 0, None),
         "indexer_topk@positions": (qi[:, :4].contiguous(), ki, wi[:, :4].contiguous(), ds, 5, 0, pos),
         "attention_lse": (qa, ka, va, 0.25, ds),

@@ -304,6 +304,17 @@ def sparse_kl_speed(opts: Options) -> Outcome:
                    torch.ones_like, opts)
     flops["fwd+bwd"] = flops["fwd"] + flops["bwd"]
     table.add_passes("ours", {**ours, "fwd+bwd": ours["fwd"] + ours["bwd"]}, flops)
+    # issue 31: the sparse stage's KL reading the target the attention's forward formed (no KV
+    # gather, no main logits; the target's own cost is in the attention forward's time)
+    with torch.no_grad():
+        p_sum = K.sparse_mla(qm, kvm, idx, d.D**-0.5, d.D_V, return_target=True)[2]
+    if p_sum is not None:
+        t_flops = {"fwd": 2 * pairs * d.H_I * d.D_I, "bwd": 2 * pairs * 3 * d.H_I * d.D_I}
+        t_flops["fwd+bwd"] = t_flops["fwd"] + t_flops["bwd"]
+        given = _passes(lambda: K.sparse_indexer_kl(qi, ki, wi, idx, qm, kvm, lse, d.D**-0.5, target=p_sum)[0],
+                        (qi, ki, wi), torch.ones_like, opts)
+        table.add_passes("ours, target from the attention", {**given, "fwd+bwd": given["fwd"] + given["bwd"]}, t_flops)
+        del p_sum
     chunk = BASELINE_CHUNK if opts.device == "cuda" else None
     # the chunked path computes its gradients inside the forward (its backward only scales them:
     # timed alone it read 1.3 ms, "10,000 TFLOPS", on the first GPU run): compared as one

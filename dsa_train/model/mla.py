@@ -40,6 +40,8 @@ class AllHeads:
     """Head placement of an MLA layer that holds every attention head (one process). Tensor
     parallelism replaces it from outside (`dsa_train.parallel.tensor.TensorParallelHeads`)."""
 
+    local_sums_all_heads = True  # a sum over this process's heads is the layer's (the sparse KL's target)
+
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         """A tensor read by every local head (latent KV): its gradient sums over head shards."""
         return x
@@ -207,11 +209,14 @@ class MLA(nn.Module):
         if sparse:
             topk_indices = select_topk(q_idx.detach(), k_idx_all.detach(), w_idx.detach(), doc_start, request.topk, cp,
                                        request.index_scores)
-            out_latent, lse = K.sparse_mla(q_abs, kv_all, topk_indices, self.scale, self.kv_lora_rank)
+            # eq. 4's target Sigma_h P from the attention's own forward (not under tensor parallelism)
+            want = request.indexer_loss and self.heads.local_sums_all_heads
+            out_latent, lse, *p_sum = K.sparse_mla(q_abs, kv_all, topk_indices, self.scale, self.kv_lora_rank,
+                                                   return_target=want)
             if request.indexer_loss:
                 kl, stats = K.sparse_indexer_kl(
                     q_idx, k_idx_all, w_idx, topk_indices, self.heads.gather(q_abs.detach()), kv_all.detach(),
-                    self.heads.gather(lse.detach()), self.scale,
+                    self.heads.gather(lse.detach()), self.scale, target=p_sum[0] if p_sum else None,
                 )
                 record_kl(aux, kl, stats["kl_uniform"], B * T_loc)
             if request.recall_queries is not None:
@@ -227,9 +232,8 @@ class MLA(nn.Module):
                 )
                 record_kl(aux, kl, stats["kl_uniform"], B * T_loc)
         else:
-            out_latent = self._dense_at_positions(aux, request, q_abs, kv_all, q_idx if request.indexer_loss else None,
-                                                  k_idx_all if request.indexer_loss else None,
-                                                  w_idx if request.indexer_loss else None, doc_start, cp.positions)
+            idx = (q_idx, k_idx_all, w_idx) if request.indexer_loss else (None, None, None)
+            out_latent = self._dense_at_positions(aux, request, q_abs, kv_all, *idx, doc_start, cp.positions)
         out = self.mqa_output(out_latent)  # [B, T_loc, H, v_dim]
         return self.o_proj(out.reshape(B, T_loc, -1)), aux
 

@@ -137,6 +137,8 @@ def average_over_group(param: torch.Tensor, group, size: int) -> None:
 class TensorParallelHeads:
     """Head placement of an MLA layer whose heads are split over the TP group (`MLA.heads`)."""
 
+    local_sums_all_heads = False  # a sum over local heads is one shard's: the KL forms its own target
+
     def __init__(self, state: ParallelState):
         self.group = state.tp_group
 

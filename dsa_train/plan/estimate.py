@@ -153,6 +153,8 @@ def activation_bytes_per_token(c, sizes, stage: Stage, recompute: str, dtype_byt
     # indexer (detached input): inputs of wq_b / wk / weights_proj for their weight gradients, the
     # k LayerNorm input, and the KL op's inputs q_I, k_I (fp32 weights); score chunks are recomputed
     indexer = b * ((ql or h) + h + HI * dI + 2 * dI) + 4 * HI
+    if sparse:  # the sparse KL keeps its target, Sigma_h P per selected slot (fp32), for its backward
+        indexer += 4 * topk
     if main_trains:
         attn = b * (2 * h + 2 * ql + H * qk + (r + rope) + r + rope + H * rope)  # norms, q_a, q_b, kv_a, rope
         if sparse or sizes.context > 1:  # absorbed (MQA) form

@@ -14,7 +14,7 @@ class DenseAttentionTritonFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scale, doc_start):
-        from ...custom_ops import dense_attention_fwd
+        from .custom import dense_attention_fwd
         from .kernel import doc_ends
 
         B, T, H, _ = q.shape
@@ -33,7 +33,7 @@ class DenseAttentionTritonFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, _grad_lse):
-        from ...custom_ops import dense_attention_bwd
+        from .custom import dense_attention_bwd
 
         q, k, v, out, lse, ds, de = ctx.saved_tensors
         dout = grad_out.to(q.dtype).contiguous()

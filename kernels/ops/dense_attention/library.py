@@ -32,6 +32,7 @@ import warnings
 import torch
 
 from ...chunk_ops import chunk_loop_op
+from ...op_registry import f32_empty, kernel_op
 from ..._triton_common import cuda_path_traced, kernel_mode
 from .reference import dense_attention_fwd_ref
 
@@ -119,6 +120,28 @@ def _library_or_triton(q, k, v, scale, doc_start):
     return dense_attention_triton(q, k, v, scale, doc_start)
 
 
+def _attn_lse_fake(q, k, v, scale, doc_start):
+    B, T, H, _ = q.shape
+    return q.new_empty((B, T, H, v.shape[-1])), f32_empty(q, B, T, H)
+
+
+def _attn_lse_workspace(q, k, v, scale, doc_start):
+    """The packed (flattened, contiguous) copy of v -- a view of kv_b_proj's output -- and the
+    op's own output and lse before they are reshaped."""
+    B, T, H, Dv = v.shape
+    flat_v = v.new_empty((1, B * T, H, Dv))
+    out = q.new_empty((1, B * T, H, Dv))
+    lse = f32_empty(q, B, H, T)
+    del flat_v, out, lse
+
+
+@kernel_op("dsa_kernels::attention_lse", fake=_attn_lse_fake, workspace=_attn_lse_workspace)
+def attention_lse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, doc_start: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA: torch's memory-efficient attention over the packed documents (Triton if it raises)."""
+    return _library_or_triton(q, k, v, scale, doc_start)
+
+
 def attention_lse(q, k, v, scale: float, doc_start):
     """Causal packed-document attention forward, MHA form (see the module doc) -> (out [B, T, H, Dv]
     in q's dtype, lse [B, T, H] fp32). No gradient."""
@@ -128,9 +151,7 @@ def attention_lse(q, k, v, scale: float, doc_start):
         if backend_for(q) == "reference" or not triton_supports(q, k, v):
             LAST_BACKEND[0] = "reference"
             return dense_attention_fwd_ref(q, k, v, scale, doc_start)
-        from ...custom_ops import attention_lse as attention_lse_op  # `_library_or_triton` as a custom op
-
-        return attention_lse_op(q, k, v, float(scale), doc_start)
+        return attention_lse_op(q, k, v, float(scale), doc_start)  # `_library_or_triton` as a custom op
 
 
 # ----------------------------------------------------------------------------- context-parallel rows

@@ -13,7 +13,7 @@ from .kernel import LOG2E, TARGET_CHUNK_ELEMS, plan_dense_kl, plan_sparse_kl, pl
 
 # the launchers below (`_dense_run`, `_sparse_run`, the lse pass) as custom ops: fake tensors (plan --trace) get
 # the outputs' shapes; real ones call the launchers directly (`dsa_kernels.custom_ops`)
-from ...custom_ops import dense_kl_grads, dense_kl_lse, dense_kl_stats, sparse_kl_grads, sparse_kl_stats
+from ...op_registry import f32_empty, kernel_op
 
 
 def _grads_out(grads, dkl, dtypes):
@@ -22,28 +22,41 @@ def _grads_out(grads, dkl, dtypes):
 
 class _SparseKL(torch.autograd.Function):
     """Eq. 4 on the Triton kernels. Forward returns (kl_sum, kl_uniform_sum) from the kernel's
-    statistics pass only; backward runs the kernels again with their gradient pass (statistics,
+    statistics pass only; backward runs the KL kernel again with its gradient pass (statistics,
     then dq_I / dk_I / dw) and scales the result by grad_output. No gradient tensor lives between
     forward and backward; the price is a second statistics pass. Every tensor the backward reads
     is kept through `save_for_backward` (none on `ctx` attributes or in closures), so non-reentrant
-    activation checkpointing drops them after the forward and recomputes them for the backward."""
+    activation checkpointing drops them after the forward and recomputes them for the backward.
+
+    The target Sigma_h P [B, T, K] fp32: given (`target`, from the sparse MLA forward: issue 31),
+    the KL kernel reads it in both passes and it is what the backward keeps (8 KB per token at
+    k = 2048) instead of the main q / kv / lse: no KV row is gathered and no main logit formed here.
+    None (the separate-gather path): the target kernel forms it per token chunk, in the forward and
+    again in the backward (`_sparse_run`)."""
 
     @staticmethod
-    def forward(ctx, q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale):
+    def forward(ctx, q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale, target=None):
         B, T = q_idx.shape[:2]
         # fp32 q/k on the compiled path -> bf16 (the target's dots would be TF32; `compute_dtype`)
         cdt = compute_dtype("sparse_indexer_kl", q_idx, k_idx, q_main, kv_main)
         qi, ki = kernel_input(q_idx.detach(), cdt), kernel_input(k_idx.detach(), cdt)
         wi = w_idx.detach().float().contiguous()
         idx = indices.to(torch.int32).contiguous()
-        qm, kvm = kernel_input(q_main.detach(), cdt), kernel_input(kv_main.detach(), cdt)
-        lse = lse_main.detach().float().contiguous()
         n_slots = slot_counts(idx) if B * T > 0 else idx.new_zeros((B, T))
-        kl, klu = sparse_kl_stats(qi, ki, wi, idx, n_slots, qm, kvm, lse, scale)  # `_sparse_run`, a custom op
+        if target is not None:
+            main = (target.detach().float().contiguous(),)
+        else:
+            main = (kernel_input(q_main.detach(), cdt), kernel_input(kv_main.detach(), cdt),
+                    lse_main.detach().float().contiguous())
+        H = q_main.shape[2]
+        if target is not None:  # `_sparse_run` as a custom op
+            kl, klu = sparse_kl_stats_target(qi, ki, wi, idx, n_slots, main[0], H, scale)
+        else:
+            kl, klu = sparse_kl_stats(qi, ki, wi, idx, n_slots, *main, scale)
         ctx.need = any(ctx.needs_input_grad[:3])
         if ctx.need:
-            ctx.save_for_backward(qi, ki, wi, idx, n_slots, qm, kvm, lse)
-        ctx.scale = scale
+            ctx.save_for_backward(qi, ki, wi, idx, n_slots, *main)
+        ctx.scale, ctx.H = scale, H
         ctx.dtypes = (q_idx.dtype, k_idx.dtype, w_idx.dtype)
         ctx.mark_non_differentiable(klu)
         return kl, klu
@@ -52,14 +65,19 @@ class _SparseKL(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dkl, _dklu):
         if not ctx.need:
-            return (None,) * 8
-        grads = sparse_kl_grads(*ctx.saved_tensors, ctx.scale)
-        return (*_grads_out(grads, dkl, ctx.dtypes), None, None, None, None, None)
+            return (None,) * 9
+        qi, ki, wi, idx, n_slots, *main = ctx.saved_tensors
+        if len(main) == 1:  # the attention's target
+            grads = sparse_kl_grads_target(qi, ki, wi, idx, n_slots, main[0], ctx.H, ctx.scale)
+        else:
+            grads = sparse_kl_grads(qi, ki, wi, idx, n_slots, *main, ctx.scale)
+        return (*_grads_out(grads, dkl, ctx.dtypes), None, None, None, None, None, None)
 
 
-def _sparse_run(qi, ki, wi, idx, n_slots, qm, kvm, lse, scale, need: bool):
+def _sparse_run(qi, ki, wi, idx, n_slots, main: tuple, H: int, scale, need: bool):
+    """main: (p_sum,) the target [B, T, K] fp32 (Sigma_h P), or (qm, kvm, lse) to form it per chunk."""
     B, T, HI, DI = qi.shape
-    K, n_keys, H, dev = idx.shape[-1], ki.shape[1], qm.shape[2], qi.device
+    K, n_keys, dev = idx.shape[-1], ki.shape[1], qi.device
     # tokens per launch pair: the [B, C, K] fp32 head-summed target scratch stays <= 256 MB
     chunk = max(1, min(T, TARGET_CHUNK_ELEMS // max(B * K, 1)))
     kl = torch.empty((B, T), dtype=torch.float32, device=dev)
@@ -70,6 +88,11 @@ def _sparse_run(qi, ki, wi, idx, n_slots, qm, kvm, lse, scale, need: bool):
         dw = torch.empty((B, T, HI), dtype=torch.float32, device=dev)
     else:
         dq = dk = dw = kl
+    if len(main) == 1:  # the target given: one KL launch over every token
+        if B * T > 0:
+            plan_sparse_kl(qi, ki, wi, idx, n_slots, main[0], 0, H, kl, klu, dq, dk, dw, need).run()
+        return kl.sum(), klu.sum(), ((dq, dk, dw) if need else ())
+    qm, kvm, lse = main
     p_sum = torch.empty((B, chunk, K), dtype=torch.float32, device=dev) if B * T > 0 else None
     for t0 in range(0, T if B > 0 else 0, chunk):
         c = min(chunk, T - t0)
@@ -154,20 +177,26 @@ def _stats(kl, klu, B, T):
 
 
 def sparse_indexer_kl_triton(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale: float,
-                             chunk_size: int | None = None):
+                             chunk_size: int | None = None, target=None):
     """Same contract as `sparse_indexer_kl_ref` (chunk_size accepted and ignored). The query
     rows (q_idx, w_idx, indices, q_main, lse_main: T of them) may be fewer than the key rows
     (k_idx, kv_main: N), as under context parallelism: a rank's queries over the gathered
-    sequence; indices are key rows in [0, N). The gradient of k_idx has k_idx's shape."""
+    sequence; indices are key rows in [0, N). The gradient of k_idx has k_idx's shape.
+    target [B, T, K] fp32: Sigma_h P per slot over all H = q_main.shape[2] heads, from the sparse
+    MLA forward (`sparse_mla(..., return_target=True)`); then q_main is read only for H, and kv_main
+    / lse_main not at all (no KV gather, no main logits). None: formed here (the separate gather)."""
     B, T = q_idx.shape[:2]
     n_keys = k_idx.shape[1]
+    if target is not None and tuple(target.shape) != tuple(indices.shape):
+        raise ValueError(f"sparse_indexer_kl: target {tuple(target.shape)} must be the indices' shape "
+                         f"{tuple(indices.shape)} (Sigma_h P per slot, from sparse_mla(..., return_target=True))")
     if kv_main.shape[1] != n_keys or indices.shape[:2] != (B, T) or q_main.shape[:2] != (B, T):
         raise ValueError(f"sparse_indexer_kl: k_idx {tuple(k_idx.shape)} and kv_main {tuple(kv_main.shape)} must "
                          f"hold the same key rows, and indices {tuple(indices.shape)} / q_main "
                          f"{tuple(q_main.shape)} the query rows of q_idx {tuple(q_idx.shape)}; pass the "
                          f"gathered k_idx and kv_main together")
     check_indices(indices, n_keys, "sparse_indexer_kl")
-    kl_sum, klu_sum = _SparseKL.apply(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, float(scale))
+    kl_sum, klu_sum = _SparseKL.apply(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, float(scale), target)
     return kl_sum, _stats(kl_sum, klu_sum, B, T)
 
 
@@ -200,3 +229,126 @@ def dense_indexer_kl_triton(q_idx, k_idx, w_idx, q_main, k_main, scale: float, d
     kl_sum, klu_sum, lse_i, p_sum = _DenseKL.apply(q_idx, k_idx, w_idx, q_main, k_main, doc_start, lse_main,
                                                    float(scale), int(q_offset), lse_i, p_sum)
     return kl_sum, {**_stats(kl_sum, klu_sum, B, T), "row_stats": (lse_i, p_sum)}
+
+
+# ----------------------------------------------------------------------------- indexer KL
+def _lse_fake(qm, km, ds, scale):
+    B, T, H = qm.shape[:3]
+    return f32_empty(qm, B, H, T)
+
+
+@kernel_op("dsa_kernels::dense_kl_lse", fake=_lse_fake)
+def dense_kl_lse(qm: torch.Tensor, km: torch.Tensor, ds: torch.Tensor, scale: float) -> torch.Tensor:
+    """The dense KL's main-attention log-sum-exp pass -> [B, H, T] fp32 (log2 domain)."""
+    from .kernel import plan_dense_lse
+
+    B, T, H = qm.shape[:3]
+    lse2 = torch.empty((B, H, T), dtype=torch.float32, device=qm.device)
+    if B * T > 0:
+        plan_dense_lse(qm, km, ds, lse2, scale).run()
+    return lse2
+
+
+def _dkl_stats_fake(qi, ki, wi, qm, km, ds, lse2, scale, q_offset):
+    B, T = qi.shape[:2]
+    return f32_empty(qi), f32_empty(qi), f32_empty(qi, B, T), f32_empty(qi, B, T)
+
+
+def _dkl_stats_workspace(qi, ki, wi, qm, km, ds, lse2, scale, q_offset):
+    B, T = qi.shape[:2]
+    kl, klu = f32_empty(qi, B, T), f32_empty(qi, B, T)
+    del kl, klu
+
+
+@kernel_op("dsa_kernels::dense_kl_stats", fake=_dkl_stats_fake, workspace=_dkl_stats_workspace)
+def dense_kl_stats(qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, qm: torch.Tensor, km: torch.Tensor,
+                   ds: torch.Tensor, lse2: torch.Tensor, scale: float, q_offset: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The dense KL's statistics pass -> kl_sum, kl_uniform_sum (0-d fp32) and each row's indexer
+    logsumexp and target mass (lse_i, p_sum [B, T] fp32)."""
+    B, T = qi.shape[:2]
+    row_stats = (torch.empty((B, T), dtype=torch.float32, device=qi.device),
+                 torch.empty((B, T), dtype=torch.float32, device=qi.device))
+    kl, klu, _ = _dense_run(qi, ki, wi, qm, km, ds, lse2, scale, False, q_offset, row_stats)
+    return kl, klu, *row_stats
+
+
+def _grads_fake(qi, ki, wi, *rest):
+    return f32_empty(qi, *qi.shape), f32_empty(ki, *ki.shape), f32_empty(wi, *wi.shape)
+
+
+def _dkl_grads_workspace(qi, ki, wi, qm, km, ds, lse2, scale, q_offset, lse_i, p_sum):
+    B, T = qi.shape[:2]
+    kl, klu = f32_empty(qi, B, T), f32_empty(qi, B, T)
+    del kl, klu
+
+
+@kernel_op("dsa_kernels::dense_kl_grads", fake=_grads_fake, workspace=_dkl_grads_workspace)
+def dense_kl_grads(qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, qm: torch.Tensor, km: torch.Tensor,
+                   ds: torch.Tensor, lse2: torch.Tensor, scale: float, q_offset: int, lse_i: torch.Tensor,
+                   p_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The dense KL's gradient pass -> dq_I, dk_I, dw (fp32, shapes of qi, ki, wi)."""
+    return _dense_run(qi, ki, wi, qm, km, ds, lse2, scale, True, q_offset, (lse_i, p_sum))[2]
+
+
+def _skl_stats_fake(qi, ki, wi, idx, n_slots, qm, kvm, lse, scale):
+    return f32_empty(qi), f32_empty(qi)
+
+
+def _skl_workspace(qi, ki, wi, idx, n_slots, qm, kvm, lse, scale, *rest):
+    from .kernel import TARGET_CHUNK_ELEMS
+
+    B, T = qi.shape[:2]
+    K = idx.shape[-1]
+    kl, klu = f32_empty(qi, B, T), f32_empty(qi, B, T)
+    if B * T > 0:
+        p_sum = f32_empty(qi, B, max(1, min(T, TARGET_CHUNK_ELEMS // max(B * K, 1))), K)  # head-summed target
+        del p_sum
+    del kl, klu
+
+
+@kernel_op("dsa_kernels::sparse_kl_stats", fake=_skl_stats_fake, workspace=_skl_workspace)
+def sparse_kl_stats(qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, idx: torch.Tensor, n_slots: torch.Tensor,
+                    qm: torch.Tensor, kvm: torch.Tensor, lse: torch.Tensor, scale: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sparse KL's statistics pass -> kl_sum, kl_uniform_sum (0-d fp32)."""
+    kl, klu, _ = _sparse_run(qi, ki, wi, idx, n_slots, (qm, kvm, lse), qm.shape[2], scale, False)
+    return kl, klu
+
+
+@kernel_op("dsa_kernels::sparse_kl_grads", fake=_grads_fake, workspace=_skl_workspace)
+def sparse_kl_grads(qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, idx: torch.Tensor, n_slots: torch.Tensor,
+                    qm: torch.Tensor, kvm: torch.Tensor, lse: torch.Tensor, scale: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sparse KL's statistics and gradient passes -> dq_I, dk_I, dw (fp32, shapes of qi, ki, wi)."""
+    return _sparse_run(qi, ki, wi, idx, n_slots, (qm, kvm, lse), qm.shape[2], scale, True)[2]
+
+
+
+
+def _skl_target_stats_fake(qi, ki, wi, idx, n_slots, p_sum, H, scale):
+    return f32_empty(qi), f32_empty(qi)
+
+
+def _skl_target_workspace(qi, ki, wi, idx, n_slots, p_sum, H, scale):
+    B, T = qi.shape[:2]
+    kl, klu = f32_empty(qi, B, T), f32_empty(qi, B, T)
+    del kl, klu
+
+
+@kernel_op("dsa_kernels::sparse_kl_stats_target", fake=_skl_target_stats_fake, workspace=_skl_target_workspace)
+def sparse_kl_stats_target(qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, idx: torch.Tensor,
+                           n_slots: torch.Tensor, p_sum: torch.Tensor, H: int, scale: float
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sparse KL's statistics pass on the attention's target p_sum (Sigma_h P per slot, from the
+    sparse MLA forward) -> kl_sum, kl_uniform_sum (0-d fp32)."""
+    kl, klu, _ = _sparse_run(qi, ki, wi, idx, n_slots, (p_sum,), H, scale, False)
+    return kl, klu
+
+
+@kernel_op("dsa_kernels::sparse_kl_grads_target", fake=_grads_fake, workspace=_skl_target_workspace)
+def sparse_kl_grads_target(qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, idx: torch.Tensor,
+                           n_slots: torch.Tensor, p_sum: torch.Tensor, H: int, scale: float
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sparse KL's gradient pass on the attention's target -> dq_I, dk_I, dw (fp32)."""
+    return _sparse_run(qi, ki, wi, idx, n_slots, (p_sum,), H, scale, True)[2]

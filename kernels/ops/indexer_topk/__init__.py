@@ -58,7 +58,7 @@ def indexer_topk(q, k, w, doc_start, topk, chunk_size=None, query_positions=None
 
 def _indexer_topk(q, k, w, doc_start, topk, chunk_size, query_positions, fp8=False, ue8m0=False):
     if _use_triton(q, k, w):
-        from ...custom_ops import indexer_topk as indexer_topk_op  # `indexer_topk_triton` as a custom op
+        from .custom import indexer_topk as indexer_topk_op  # `indexer_topk_triton` as a custom op
 
         return indexer_topk_op(q, k, w, doc_start, topk, chunk_size or 0, query_positions, fp8, ue8m0)
     if fp8:  # inference's FP8 scores up to fp32 rounding order (`fp8.py`)

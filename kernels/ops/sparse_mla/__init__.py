@@ -2,7 +2,9 @@
 
     o[t, h] = sum_{i: idx[t,i] >= 0} softmax_i(scale * q[t,h] . kv[idx[t,i]]) * kv[idx[t,i], :d_v]
 
-Entry point `sparse_mla(q, kv, indices, scale, d_v, chunk_size=None) -> (out, lse)`:
+Entry point `sparse_mla(q, kv, indices, scale, d_v, chunk_size=None, return_target=False) -> (out, lse)`
+(with return_target: `(out, lse, p_sum)`, p_sum [B, T, K] fp32 the sparse indexer KL's target Sigma_h P
+per slot on the Triton path, None on the chunked one; docs/kernels.md "The sparse KL's target"):
   q       [B, T, H, D]   D = kv_lora_rank + qk_rope_head_dim (576 = 512 + 64 in the 671B model),
                          the nope part already multiplied by W_UK
   kv      [B, N, D]      the shared key [latent | k_rope]; its first d_v columns are the value
@@ -26,14 +28,18 @@ from .chunked import sparse_mla_chunked
 from .reference import gather_kv, safe_softmax, sparse_attention_scores, sparse_mla_ref
 
 
-def sparse_mla(q, kv, indices, scale, d_v, chunk_size=None):
+def sparse_mla(q, kv, indices, scale, d_v, chunk_size=None, return_target=False):
     """CUDA tensors (or DSA_KERNELS=triton) -> the Triton kernels; otherwise the chunked PyTorch
-    Function (`chunked.py`, the reference's computation with a memory-bounded backward)."""
+    Function (`chunked.py`, the reference's computation with a memory-bounded backward).
+    return_target: -> (out, lse, p_sum): on the Triton path p_sum [B, T, K] fp32 is the sparse
+    indexer KL's target Sigma_h P per slot from the forward (pass it as `sparse_indexer_kl`'s
+    `target`); on the chunked path None (the KL then forms its target itself)."""
     if _use_triton(q, kv, indices):
         from .function import sparse_mla_triton
 
-        return sparse_mla_triton(q, kv, indices, scale, d_v)
-    return sparse_mla_chunked(q, kv, indices, scale, d_v, chunk_size)
+        return sparse_mla_triton(q, kv, indices, scale, d_v, return_target=return_target)
+    out = sparse_mla_chunked(q, kv, indices, scale, d_v, chunk_size)
+    return (*out, None) if return_target else out
 
 
 __all__ = ["gather_kv", "safe_softmax", "sparse_attention_scores", "sparse_mla", "sparse_mla_chunked", "sparse_mla_ref"]

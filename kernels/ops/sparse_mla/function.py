@@ -7,7 +7,7 @@ import math
 import torch
 
 from ..._triton_common import check_indices, compute_dtype, kernel_input
-from ...custom_ops import sparse_mla_bwd, sparse_mla_fwd  # the launchers as custom ops (fake tensors: plan --trace)
+from .custom import sparse_mla_bwd, sparse_mla_fwd  # the launchers as custom ops (fake tensors: plan --trace)
 from .kernel import slot_counts
 
 
@@ -23,30 +23,39 @@ def kernel_inputs(q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 class SparseMLAFunction(torch.autograd.Function):
+    """Outputs out, lse and, with `target`, the sparse indexer KL's target p_sum [B, T, K] fp32
+    (Sigma_h P per slot, formed by the forward launch: `kernel.sparse_mla_fwd`; no gradient);
+    without it the third output is None."""
+
     @staticmethod
-    def forward(ctx, q, kv, indices, scale, d_v):
+    def forward(ctx, q, kv, indices, scale, d_v, target=False):
         q_c, kv_c = kernel_inputs(q, kv)
         idx = indices.to(torch.int32).contiguous()
         n_slots = slot_counts(idx, kv.shape[1])  # [B, T]; same valid-slot rule as the kernels
-        out, lse = sparse_mla_fwd(q_c, kv_c, idx, n_slots, scale, d_v)
+        out, lse, p_sum = sparse_mla_fwd(q_c, kv_c, idx, n_slots, scale, d_v, bool(target))
+        p_sum = p_sum if target else None
         ctx.save_for_backward(q_c, kv_c, idx, n_slots, out, lse)
         ctx.scale, ctx.d_v = scale, d_v
         ctx.dtypes = (q.dtype, kv.dtype)  # the caller's: the gradients are returned in these
-        return out.to(q.dtype), lse
+        if p_sum is not None:
+            ctx.mark_non_differentiable(p_sum)
+        return out.to(q.dtype), lse, p_sum
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def backward(ctx, dout, dlse, _dtarget=None):
         q, kv, idx, n_slots, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.to(q.dtype)  # the compute dtype
         dq, dkv = sparse_mla_bwd(q, kv, idx, n_slots, out, lse, dout, dlse, ctx.scale, ctx.d_v)
-        return dq.to(ctx.dtypes[0]), dkv.to(ctx.dtypes[1]), None, None, None
+        return dq.to(ctx.dtypes[0]), dkv.to(ctx.dtypes[1]), None, None, None, None
 
 
 def sparse_mla_triton(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, d_v: int,
-                      chunk_size: int | None = None):
+                      chunk_size: int | None = None, return_target: bool = False):
     """Same contract as `sparse_mla_ref` (chunk_size is accepted and ignored: nothing is chunked).
     kv may hold more rows than q has tokens (context parallelism: indices point into the whole
-    kv). Indices outside [0, kv rows) are empty slots; DSA_KERNELS_CHECK=1 raises on them instead."""
+    kv). Indices outside [0, kv rows) are empty slots; DSA_KERNELS_CHECK=1 raises on them instead.
+    return_target: -> (out, lse, p_sum), p_sum [B, T, K] fp32 = Sigma_h softmax_h at each slot (the
+    sparse indexer KL's target before its 1/H; no gradient), for `sparse_indexer_kl(target=...)`."""
     if q.dim() != 4 or kv.dim() != 3 or indices.dim() != 3:
         raise ValueError(f"sparse_mla: expected q [B, T, H, D], kv [B, N, D], indices [B, T, K]; got "
                          f"q {tuple(q.shape)}, kv {tuple(kv.shape)}, indices {tuple(indices.shape)}")
@@ -58,4 +67,5 @@ def sparse_mla_triton(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, 
     if not math.isfinite(scale):
         raise ValueError("scale must be finite")
     check_indices(indices, kv.shape[1], "sparse_mla")
-    return SparseMLAFunction.apply(q, kv, indices, float(scale), int(d_v))
+    out, lse, p_sum = SparseMLAFunction.apply(q, kv, indices, float(scale), int(d_v), bool(return_target))
+    return (out, lse, p_sum) if return_target else (out, lse)

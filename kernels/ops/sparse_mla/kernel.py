@@ -30,6 +30,11 @@ warps on M, so the [64, 16] logits tile is computed by both warp groups (the rep
 `replication` column: x1.53 of the useful FLOPs on the tensor cores); FlashMLA avoids that with
 one producer and two consumer warp groups, which Triton proper does not express.
 
+KL target (`TARGET`, issue 31 item 4; docs/kernels.md "The sparse KL's target"): with a target
+buffer the forward walks the slots a second time once each head's lse is final, recomputes the
+logits and adds Sigma_h P of its head block per slot into P_SUM (`sparse_mla_fwd(p_sum=...)`, the
+"forward-pass" way; the default "target-kernel" way runs indexer_kl's target kernel after it).
+
 Backward (one program per (head block of 64, column half, token), 16-key tiles): delta =
 rowsum(dO * O) - dlse is computed in PyTorch in bounded token chunks (`bwd_delta`); per key
 tile the logits and dP = dO V^T are formed over all dims in 64-channel pieces (q and dO pieces
@@ -70,17 +75,18 @@ GRID_X_MAX, GRID_YZ_MAX = 2**31 - 1, 65535  # CUDA's grid limits (x; y and z)
 
 @triton.jit
 def _sparse_mla_fwd_kernel(
-    Q, KV, IDX, NSLOT, O, LSE,
+    Q, KV, IDX, NSLOT, O, LSE, P_SUM,
     stride_qb, stride_qt, stride_qh,
     stride_kvb, stride_kvt,
     stride_ib, stride_it,
     stride_nb,
     stride_ob, stride_ot, stride_oh,
     stride_lb, stride_lt,
+    stride_pb, stride_pt,
     H, N_KV, N_HB, scale_log2,
     D_V: tl.constexpr, D_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
-    EVEN_H: tl.constexpr, VALUE_SPLIT: tl.constexpr,
+    EVEN_H: tl.constexpr, VALUE_SPLIT: tl.constexpr, TARGET: tl.constexpr = False,
 ):
     # program (x, y) -> (token, head block, value part), the part fastest, then the head block; y = b.
     # VALUE_SPLIT = 1 (sm_90): one program owns the four value quarters. VALUE_SPLIT = 2 (sm_100,
@@ -171,6 +177,35 @@ def _sparse_mla_fwd_kernel(
     if part == 0:
         lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
         tl.store(LSE + b * stride_lb + t * stride_lt + offs_h, lse, mask=mask_h)
+        if TARGET:
+            # the sparse indexer KL's target (eq. 4): Sigma_h P[t, slot] = sum_h exp2(s_h - lse2_h) over
+            # this block's heads, a second walk over the slots now that each head's lse is final (an
+            # online softmax cannot sum heads earlier: each head's rescaling differs). The rows are
+            # gathered again (the block's other head blocks gather the same rows at the same time:
+            # L2), the logits recomputed with q still resident; the head sum stays in registers and
+            # one fp32 value per slot is added to P_SUM [B, T, K] (zeroed; with <= 2 head blocks the
+            # two addends onto 0 give the same bits in either order).
+            lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("inf"))
+            p_base = P_SUM + b * stride_pb + t * stride_pt
+            for k0 in tl.range(0, n_slots, BLOCK_K, num_stages=1):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                idx = tl.load(idx_base + offs_k, mask=offs_k < n_slots, other=-1)
+                valid = (idx >= 0) & (idx < N_KV)
+                rows = kv_base + (tl.where(valid, idx, 0) * stride_kvt)[:, None]
+                vk = valid[:, None]
+                kv0 = tl.load(rows + c0 + offs_c[None, :], mask=vk & m0[None, :], other=0.0)
+                kv1 = tl.load(rows + c1 + offs_c[None, :], mask=vk & m1[None, :], other=0.0)
+                kv2 = tl.load(rows + c2 + offs_c[None, :], mask=vk & m2[None, :], other=0.0)
+                kv3 = tl.load(rows + c3 + offs_c[None, :], mask=vk & m3[None, :], other=0.0)
+                kvr = tl.load(rows + D_V + offs_r[None, :], mask=vk & mr[None, :], other=0.0)
+                s = tl.dot(q0, tl.trans(kv0))
+                s += tl.dot(q1, tl.trans(kv1))
+                s += tl.dot(q2, tl.trans(kv2))
+                s += tl.dot(q3, tl.trans(kv3))
+                s += tl.dot(qr, tl.trans(kvr))
+                s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+                p = tl.where(mh, tl.exp2(s - lse2[:, None]), 0.0)
+                tl.atomic_add(p_base + offs_k, tl.sum(p, 0), mask=offs_k < n_slots, sem="relaxed")
 
 
 @triton.jit
@@ -586,13 +621,18 @@ def _int32_rows(kv, what: str) -> None:
                          f"beyond 2^31 elements are not supported: split the batch or the sequence")
 
 
-def plan_fwd(q, kv, indices, n_slots, out, lse, scale: float, d_v: int, config: tuple | None = None) -> Launch:
+def plan_fwd(q, kv, indices, n_slots, out, lse, scale: float, d_v: int, config: tuple | None = None,
+             p_sum: torch.Tensor | None = None) -> Launch:
     """The forward launch for q [B, T, H, D], kv [B, N, D], indices [B, T, K] int32, n_slots
     [B, T] int32 (`slot_counts`), out [B, T, H, d_v], lse [B, T, H] fp32; `config`: one of
-    `fwd_config_space` (default: its first)."""
+    `fwd_config_space` (default: its first). p_sum [B, T, K] fp32, zeroed (Triton configs only):
+    also the sparse KL's target Sigma_h P per slot (`TARGET`, a second walk over the slots)."""
     B, T, H, D = q.shape
     cap = target_capability(q)
     if config is not None and is_gluon_config(config):
+        if p_sum is not None:
+            raise ValueError(f"sparse_mla forward: config {config[0]} (Gluon) does not emit the KL target; "
+                             f"plan a Triton config, or form the target with indexer_kl's target kernel")
         from .gluon_fwd import BLOCK_H as GLUON_BLOCK_H, plan_fwd_gluon
 
         _int32_rows(kv, "forward (Gluon)")
@@ -605,15 +645,16 @@ def plan_fwd(q, kv, indices, n_slots, out, lse, scale: float, d_v: int, config: 
     return Launch(
         _sparse_mla_fwd_kernel, _grid(n_hb * blocks["VALUE_SPLIT"] * T, B, "forward"),
         dict(
-            Q=q, KV=kv, IDX=indices, NSLOT=n_slots, O=out, LSE=lse,
+            Q=q, KV=kv, IDX=indices, NSLOT=n_slots, O=out, LSE=lse, P_SUM=lse if p_sum is None else p_sum,
             stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
             stride_kvb=kv.stride(0), stride_kvt=kv.stride(1),
             stride_ib=indices.stride(0), stride_it=indices.stride(1),
             stride_nb=n_slots.stride(0),
             stride_ob=out.stride(0), stride_ot=out.stride(1), stride_oh=out.stride(2),
             stride_lb=lse.stride(0), stride_lt=lse.stride(1),
+            stride_pb=0 if p_sum is None else p_sum.stride(0), stride_pt=0 if p_sum is None else p_sum.stride(1),
             H=H, N_KV=kv.shape[1], N_HB=n_hb, scale_log2=scale * LOG2E,
-            D_V=d_v, D_R=D - d_v, **blocks,
+            D_V=d_v, D_R=D - d_v, **blocks, TARGET=p_sum is not None,
         ),
         # two stages: the 16-key tile of 576 dims (18 KB) double-buffered beside q (72 KB): 110 KB
         # (32 keys: 147 KB; three stages of 32: 184 KB, within Hopper's 227 KB)
@@ -707,7 +748,10 @@ def _launch(launch: Launch) -> None:
 
 
 def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, n_slots: torch.Tensor,
-                   scale: float, d_v: int):
+                   scale: float, d_v: int, p_sum: torch.Tensor | None = None):
+    """-> out, lse. p_sum [B, T, K] fp32, zeroed: also fills it with the sparse KL's target, Sigma_h P
+    per slot (by the forward launch itself where `fwd_target` says so, else by indexer_kl's target
+    kernel after the forward)."""
     B, T, H, D = q.shape
     out = torch.empty((B, T, H, d_v), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, T, H), dtype=torch.float32, device=q.device)
@@ -724,13 +768,104 @@ def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, n_s
         if forced not in space:
             raise ValueError(f"sparse_mla forward: config {forced!r} (DSA_SPARSE_MLA_FWD_CONFIG) is not in this "
                              f"call's space {list(space)}; unset it or pick one of those")
-        _launch(build(forced))
+        name = forced
+    else:  # chosen (and timed) on the plain forward: the target pass does not change the ranking's inputs
+        name, _ = autotune.pick("sparse_mla_fwd", (H, D, d_v, pow2(indices.shape[-1])), list(space), build,
+                                on_gpu, autotune.device_id(q) if on_gpu else "",
+                                verify=lambda name: fwd_verify(q, kv, indices, n_slots, scale, d_v, space, name))
+    if p_sum is None:
+        _launch(build(name))
         return out, lse
-    _, launch = autotune.pick("sparse_mla_fwd", (H, D, d_v, pow2(indices.shape[-1])), list(space), build,
-                              on_gpu, autotune.device_id(q) if on_gpu else "",
-                              verify=lambda name: fwd_verify(q, kv, indices, n_slots, scale, d_v, space, name))
+    # the KL target: the chosen forward, then indexer_kl's target kernel (the default), or the Triton
+    # forward's own TARGET pass where `fwd_target` allows it; a GPU times both once per shape
+    tspace = target_space(space[name], H)
+    tkey = (name, H, D, d_v, pow2(indices.shape[-1]))
+    forced_t = os.environ.get("DSA_SPARSE_MLA_TARGET") or None
+    if forced_t is not None:  # this way, untimed (tests run both on the interpreter)
+        if forced_t not in tspace:
+            raise ValueError(f"sparse_mla forward: DSA_SPARSE_MLA_TARGET={forced_t!r} is not available with forward "
+                             f"config {name!r} (choices: {list(tspace)}); unset it or pick one of those")
+        _launch(plan_with_target(q, kv, indices, n_slots, out, lse, p_sum, scale, d_v, space[name], forced_t))
+        return out, lse
+    _, launch = autotune.pick(
+        "sparse_mla_target", tkey, list(tspace), lambda n: plan_with_target(q, kv, indices, n_slots, out, lse, p_sum,
+                                                                          scale, d_v, space[name], n),
+        on_gpu, autotune.device_id(q) if on_gpu else "",
+        verify=lambda n: target_verify(q, kv, indices, n_slots, scale, d_v, space[name], n))
     _launch(launch)
     return out, lse
+
+
+# How the sparse MLA forward forms the sparse KL's target when asked (`sparse_mla_fwd(p_sum=...)`):
+# "target-kernel" (the default): the chosen forward config, then indexer_kl's `_sparse_kl_target_kernel`
+# (all 128 heads of the 671B model in one block: each selected row gathered once more per token);
+# "forward-pass": the Triton forward's TARGET pass (no second launch, q still resident, but each row
+# gathered again per 64-head block: x2 the target kernel's gathered bytes at H = 128). Which is faster
+# is a GPU measurement (the report's roofline estimate favours the target kernel); the autotuner times
+# both once per shape after checking that the forward pass's target agrees with the kernel's.
+TARGET_CONFIGS = ("target-kernel", "forward-pass")
+TARGET_VERIFY_TOL = 1e-4  # max |a - b| <= this x max |b| (fp32 sums of the same exps, other dot tilings)
+
+
+def target_space(config: tuple, H: int) -> tuple:
+    return TARGET_CONFIGS if fwd_target(config, H) else TARGET_CONFIGS[:1]
+
+
+class LaunchSequence:
+    """Launches run in order after zeroing `zero` (the target's buffer: the forward pass adds into it
+    with atomics), one unit for the autotuner's timing (`run`)."""
+
+    def __init__(self, launches: list, zero: torch.Tensor):
+        self.launches, self.zero = launches, zero
+
+    def run(self) -> None:
+        self.zero.zero_()
+        for launch in self.launches:
+            launch.run()
+
+
+def plan_with_target(q, kv, indices, n_slots, out, lse, p_sum, scale: float, d_v: int, config: tuple,
+                     how: str) -> LaunchSequence:
+    """The forward of `config` forming out, lse and the target p_sum [B, T, K] fp32 (`TARGET_CONFIGS`)."""
+    if how == "forward-pass":
+        return LaunchSequence([plan_fwd(q, kv, indices, n_slots, out, lse, scale, d_v, config, p_sum)], p_sum)
+    from .target import plan_sparse_kl_target
+
+    return LaunchSequence([plan_fwd(q, kv, indices, n_slots, out, lse, scale, d_v, config),
+                           plan_sparse_kl_target(q, kv, indices, n_slots, lse, p_sum, 0, scale)], p_sum)
+
+
+def target_verify(q, kv, indices, n_slots, scale: float, d_v: int, config: tuple, how: str) -> bool:
+    """Whether `how`'s target agrees with the target kernel's (`TARGET_VERIFY_TOL`, no NaN) on the
+    forward verification's probe tokens (`FWD_VERIFY_TOKENS`, the last and the first)."""
+    B, T, H, _ = q.shape
+    K = indices.shape[-1]
+    probes = [slice(max(0, T - FWD_VERIFY_TOKENS), T)] + ([slice(0, FWD_VERIFY_TOKENS)] if T > FWD_VERIFY_TOKENS else [])
+    for sl in probes:
+        qs, ids, ns = q[:, sl], indices[:, sl], n_slots[:, sl]
+        got = {}
+        for n in (TARGET_CONFIGS[0], how):
+            o = torch.empty((B, qs.shape[1], H, d_v), dtype=q.dtype, device=q.device)
+            ls = torch.empty((B, qs.shape[1], H), dtype=torch.float32, device=q.device)
+            ps = torch.empty((B, qs.shape[1], K), dtype=torch.float32, device=q.device)
+            _launch(plan_with_target(qs, kv, ids, ns, o, ls, ps, scale, d_v, config, n))
+            got[n] = ps
+        ref, cand = got[TARGET_CONFIGS[0]], got[how]
+        if bool(torch.isnan(cand).any()) or not bool(
+                (cand - ref).abs().max() <= TARGET_VERIFY_TOL * ref.abs().max().clamp_min(1e-30)):
+            return False
+    return True
+
+
+def fwd_target(config: tuple, H: int) -> bool:
+    """Whether the forward launch of `config` can form the sparse KL's target itself (the Triton
+    kernel's `TARGET` pass): not a Gluon config (that kernel has no target pass), and under
+    torch.use_deterministic_algorithms at most two head blocks (the per-slot atomic adds onto zero
+    are order-independent only for two addends)."""
+    if is_gluon_config(config):
+        return False
+    n_hb = triton.cdiv(H, fwd_blocks(H, 64, 64)["BLOCK_H"])
+    return n_hb <= 2 or not torch.are_deterministic_algorithms_enabled()
 
 
 def fwd_space_for(q, kv, d_v: int) -> dict:

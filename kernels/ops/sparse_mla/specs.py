@@ -9,7 +9,7 @@ from ...analysis import Work
 from ...registry import SHAPES_671B, KernelCase, register
 from ..._triton_common import target_capability
 from .kernel import (_sparse_mla_bwd_interleaved_kernel, _sparse_mla_bwd_kernel, bwd_config_space,
-                     deterministic_layout, fwd_config_space, plan_bwd, plan_bwd_config, plan_fwd)
+                     deterministic_layout, fwd_config_space, is_gluon_config, plan_bwd, plan_bwd_config, plan_fwd)
 
 # CP's dense-at-positions calls (model/mla.py `_dense_at_positions`): a chunk of queries over
 # every key of the 128K sequence, index lists as wide as the sequence
@@ -31,7 +31,8 @@ def _tensors(T: int | None = None, K: int | None = None):
 
 def _config(launch) -> str:
     a = launch.args
-    keys = [k for k in a if k.startswith("BLOCK_") or k in ("EVEN_H", "VALUE_SPLIT", "SPLIT", "DETERMINISTIC")]
+    keys = [k for k in a if k.startswith("BLOCK_") or k in ("EVEN_H", "VALUE_SPLIT", "SPLIT", "DETERMINISTIC")
+            or (k == "TARGET" and a[k])]
     stages = f" stages={launch.num_stages}" if launch.num_stages else ""
     return " ".join(f"{k}={a[k]}" for k in keys) + f" warps={launch.num_warps}{stages} grid={launch.grid}"
 
@@ -52,6 +53,14 @@ def _fwd():
     dense = plan_fwd(q, kv, idx, n_slots, out, lse, scale, d_v)
     extra = [KernelCase(f"autotune config {cfg[0]} " + _config(t), t, work=fwd_work(t))
              for cfg, t in zip(space[1:], tuned[1:])]
+    # the sparse stage with the indexer loss: every Triton config also forms the KL's target (TARGET)
+    q, kv, idx, lse, scale, d_v = _tensors()
+    out = torch.empty(*q.shape[:3], d_v, dtype=q.dtype, device="meta")
+    n_slots = torch.empty(idx.shape[:2], dtype=torch.int32, device="meta")
+    p_sum = torch.empty(idx.shape, dtype=torch.float32, device="meta")
+    targets = [(cfg, plan_fwd(q, kv, idx, n_slots, out, lse, scale, d_v, cfg, p_sum)) for cfg in space
+               if not is_gluon_config(cfg)]
+    extra += [KernelCase(f"with the KL target, config {cfg[0]} " + _config(t), t, work=fwd_work(t)) for cfg, t in targets]
     return [KernelCase(_config(launch), launch, work=fwd_work(launch)), *extra,
             KernelCase("CP dense-at-positions " + _config(dense), dense, work=fwd_work(dense))]
 
@@ -153,8 +162,17 @@ def fwd_work(launch) -> Work:
     reads = n_hb * split * (K * row_bytes + 4) + split * H * (d_v + d_r) * e
     writes = H * d_v * e + H * 4
     gathered = n_hb * split * K * (d_v + d_r) * e
-    return Work(useful_fwd_flops(H, K, d_v + d_r, d_v), issued, reads, writes,
-                flashmla_fwd_anchor(H, K, d_v + d_r, d_v, e), gathered)
+    useful = useful_fwd_flops(H, K, d_v + d_r, d_v)
+    if a.get("TARGET"):
+        # the KL target's pass (part 0 of each head block): the rows gathered again and their logits
+        # recomputed with the final lse (useful: the target's q_h . kv[s], 2 H D per slot, as
+        # indexer_kl's `sparse_target_work` counts it), one fp32 atomic add per slot and head block
+        issued += n_hb * 2.0 * bh * _pad(K, bk) * (bdv + bdr)
+        reads += n_hb * K * row_bytes
+        gathered += n_hb * K * (d_v + d_r) * e
+        writes += n_hb * K * a["P_SUM"].element_size()
+        useful += 2.0 * H * K * (d_v + d_r)
+    return Work(useful, issued, reads, writes, flashmla_fwd_anchor(H, K, d_v + d_r, d_v, e), gathered)
 
 
 def _bwd_work_of(launch) -> Work:
