@@ -26,7 +26,8 @@ from dsa_kernels.ops.indexer_kl import fused_specs  # noqa: E402
 from dsa_kernels.ops.indexer_kl.fused import dense_indexer_kl_fused  # noqa: E402
 from dsa_kernels.ops.indexer_kl.function import dense_indexer_kl_triton  # noqa: E402
 from dsa_kernels.ops.indexer_kl.reference import _dense_kl_chunk  # noqa: E402
-from tests.test_kernels_analysis import BIG, Tally, assert_work, causal_valid, count, with_blocks  # noqa: E402
+from tests.test_kernels_analysis import (Tally, assert_work, causal_valid, count, query_blocks,  # noqa: E402
+                                         walk_dense_tiles, walk_indexer_tile, with_blocks)
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 
@@ -256,63 +257,40 @@ def _launches(D, key_heads, grad):
 
 def walk_indexer_lse(launch) -> Tally:
     a, t = launch.args, Tally()
-    T, bm, bn = a["T"], a["BLOCK_M"], a["BLOCK_N"]
-    di = count(0, a["BLOCK_DI"], a["DI"])
+    T, bn = a["T"], a["BLOCK_N"]
     ds = [0] * T
-    for pid_m in range(-(-T // bm)):
-        for _b in range(B_W):
-            offs_m = range(pid_m * bm, pid_m * bm + bm)
-            rows = count(pid_m * bm, bm, T)
-            t.load(rows, a["DS"])
-            lo = min(ds[m] if m < T else BIG for m in offs_m)
-            for n0 in range((lo // bn) * bn, min(pid_m * bm + bm, T), bn):
-                t.load(count(n0, bn, T) * di, a["KI"])
-                for _j in range(a["HI"]):
-                    t.load(rows * di, a["QI"]), t.load(rows, a["WI"])
-                    t.dot(bm, bn, a["BLOCK_DI"])
-                t.useful += causal_valid(offs_m, range(n0, n0 + bn), T, ds) * 2 * a["HI"] * a["DI"]
-            t.store(rows, a["LSEI"])
+    for offs_m, rows, key_tiles in query_blocks(a, B_W, ds):
+        t.load(rows, a["DS"])
+        for n0 in key_tiles:
+            walk_indexer_tile(a, t, rows, count(n0, bn, T))
+            t.useful += causal_valid(offs_m, range(n0, n0 + bn), T, ds) * 2 * a["HI"] * a["DI"]
+        t.store(rows, a["LSEI"])
     return t
 
 
 def walk_fused(launch) -> Tally:
     a, t = launch.args, Tally()
-    T, H, D, bm, bn, bd = a["T"], a["H"], a["D"], a["BLOCK_M"], a["BLOCK_N"], a["BLOCK_D"]
+    T, H, D, bm, bn = a["T"], a["H"], a["D"], a["BLOCK_M"], a["BLOCK_N"]
     di = count(0, a["BLOCK_DI"], a["DI"])
     ds = [0] * T
-    for pid_m in range(-(-T // bm)):
-        for _b in range(B_W):
-            offs_m = range(pid_m * bm, pid_m * bm + bm)
-            rows = count(pid_m * bm, bm, T)
-            t.load(rows, a["DS"]), t.load(rows, a["LSEI"])
-            for _h in range(H):
-                t.load(rows, a["LSE2"])  # each row's target mass: 1 where some head has keys
-            lo = min(ds[m] if m < T else BIG for m in offs_m)
-            for n0 in range((lo // bn) * bn, min(pid_m * bm + bm, T), bn):
-                keys = count(n0, bn, T)
-                for _h in range(H):
-                    for d0 in range(0, D, bd):
-                        cols = count(d0, bd, D)
-                        t.load(rows * cols, a["QM"]), t.load(keys * cols, a["KM"])
-                        t.dot(bm, bn, bd)
-                    t.load(rows, a["LSE2"])
-                t.load(keys * di, a["KI"])
-                for _j in range(a["HI"]):
-                    t.load(rows * di, a["QI"]), t.load(rows, a["WI"])
-                    t.dot(bm, bn, a["BLOCK_DI"])
-                    if a["GRAD"]:
-                        t.store(bm * bn, a["SCR"])
-                pairs = causal_valid(offs_m, range(n0, n0 + bn), T, ds)
-                t.useful += pairs * 2 * (H * D + a["HI"] * a["DI"] * (3 if a["GRAD"] else 1))
-                if not a["GRAD"]:
-                    continue
-                for _j in range(a["HI"]):
-                    t.load(rows * di, a["QI"]), t.load(rows, a["WI"]), t.load(bm * bn, a["SCR"])
-                    t.load(rows, a["DWI"]), t.store(rows, a["DWI"])
-                    t.dot(bm, a["BLOCK_DI"], bn), t.store(rows * di, a["DQI"])  # da k_I, atomic add
-                    t.dot(a["BLOCK_DI"], bn, bm)  # q_I^T da
-                t.store(keys * di, a["DKI"])
-            t.store(rows, a["KL"]), t.store(rows, a["KLU"]), t.store(rows, a["PSUM"])
+    for offs_m, rows, key_tiles in query_blocks(a, B_W, ds):
+        t.load(rows, a["DS"]), t.load(rows, a["LSEI"])
+        for _h in range(H):
+            t.load(rows, a["LSE2"])  # each row's target mass: 1 where some head has keys
+        for n0 in key_tiles:
+            keys = count(n0, bn, T)
+            walk_dense_tiles(a, t, rows, keys, scratch=a["GRAD"])  # the a_j tiles kept with GRAD
+            pairs = causal_valid(offs_m, range(n0, n0 + bn), T, ds)
+            t.useful += pairs * 2 * (H * D + a["HI"] * a["DI"] * (3 if a["GRAD"] else 1))
+            if not a["GRAD"]:
+                continue
+            for _j in range(a["HI"]):
+                t.load(rows * di, a["QI"]), t.load(rows, a["WI"]), t.load(bm * bn, a["SCR"])
+                t.load(rows, a["DWI"]), t.store(rows, a["DWI"])
+                t.dot(bm, a["BLOCK_DI"], bn), t.store(rows * di, a["DQI"])  # da k_I, atomic add
+                t.dot(a["BLOCK_DI"], bn, bm)  # q_I^T da
+            t.store(keys * di, a["DKI"])
+        t.store(rows, a["KL"]), t.store(rows, a["KLU"]), t.store(rows, a["PSUM"])
     return t
 
 

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._triton_common import Launch, compute_dtype, kernel_input, pow2, target_capability
+from ..._triton_common import Launch, pow2, target_capability
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -554,6 +554,8 @@ def dense_kl_inputs(q_idx, k_idx, w_idx, q_main, k_main, doc_start, lse_main):
     w fp32, the doc starts contiguous and, given lse_main [B, T, H] (natural log), its log2-domain
     [B, H, T] table with a row without keys at +inf (p = 0), as the lse kernel writes it (None
     without it) -> (qi, ki, wi, qm, km, ds, lse2)."""
+    from ..._triton_common import compute_dtype, kernel_input
+
     cdt = compute_dtype("dense_indexer_kl", q_idx, k_idx, q_main, k_main)
     qi, ki = kernel_input(q_idx.detach(), cdt), kernel_input(k_idx.detach(), cdt)
     wi = w_idx.detach().float().contiguous()
