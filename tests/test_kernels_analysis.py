@@ -228,20 +228,26 @@ def test_dense_attention_bwd_dq_formula(blocks_mode):
 H_I, D_I = 3, 20  # d_I padded to 32
 
 
+def dense_kl_tensors(D: int, key_heads: int) -> dict:
+    """The dense KL launches' operands on the meta device at these shapes (B, T, H, H_I, D_I; main
+    head dim D, key_heads 1: the shared MQA key): qm, km, qi, ki, wi, ds, lse2, rows ([B, T] fp32:
+    kl, klu, lse_i, p_sum), dq, dk, dw. Shared with the fused kernels' walks."""
+    bf16, f32 = dict(dtype=torch.bfloat16, **META), dict(dtype=torch.float32, **META)
+    return dict(
+        qm=torch.empty(B, T, H, D, **bf16), km=torch.empty(B, T, key_heads, D, **bf16),
+        qi=torch.empty(B, T, H_I, D_I, **bf16), ki=torch.empty(B, T, D_I, **bf16), wi=torch.empty(B, T, H_I, **f32),
+        ds=torch.empty(B, T, dtype=torch.int64, **META), lse2=torch.empty(B, H, T, **f32),
+        rows=torch.empty(B, T, **f32),
+        dq=torch.empty(B, T, H_I, D_I, **f32), dk=torch.empty(B, T, D_I, **f32), dw=torch.empty(B, T, H_I, **f32),
+    )
+
+
 def _dense_kl_launches(D: int, key_heads: int, grad: bool):
-    qm = torch.empty(B, T, H, D, dtype=torch.bfloat16, **META)
-    km = torch.empty(B, T, key_heads, D, dtype=torch.bfloat16, **META)
-    qi = torch.empty(B, T, H_I, D_I, dtype=torch.bfloat16, **META)
-    ki = torch.empty(B, T, D_I, dtype=torch.bfloat16, **META)
-    wi = torch.empty(B, T, H_I, dtype=torch.float32, **META)
-    ds = torch.empty(B, T, dtype=torch.int64, **META)
-    lse2 = torch.empty(B, H, T, dtype=torch.float32, **META)
-    kl = torch.empty(B, T, dtype=torch.float32, **META)
-    dq = torch.empty(B, T, H_I, D_I, dtype=torch.float32, **META)
-    dk = torch.empty(B, T, D_I, dtype=torch.float32, **META)
-    dw = torch.empty(B, T, H_I, dtype=torch.float32, **META)
+    x = dense_kl_tensors(D, key_heads)
+    qm, km, ds, lse2, kl = x["qm"], x["km"], x["ds"], x["lse2"], x["rows"]
     lse = kl_kernel.plan_dense_lse(qm, km, ds, lse2, D**-0.5)
-    main = kl_kernel.plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, kl, dq, dk, dw, D**-0.5, grad, stats=not grad)
+    main = kl_kernel.plan_dense_kl(qm, km, x["qi"], x["ki"], x["wi"], ds, lse2, kl, kl, x["dq"], x["dk"], x["dw"],
+                                   D**-0.5, grad, stats=not grad)
     return lse, main
 
 
