@@ -228,58 +228,82 @@ def test_dense_attention_bwd_dq_formula(blocks_mode):
 H_I, D_I = 3, 20  # d_I padded to 32
 
 
+def dense_kl_tensors(D: int, key_heads: int) -> dict:
+    """The dense KL launches' operands on the meta device at these shapes (B, T, H, H_I, D_I; main
+    head dim D, key_heads 1: the shared MQA key): qm, km, qi, ki, wi, ds, lse2, rows ([B, T] fp32:
+    kl, klu, lse_i, p_sum), dq, dk, dw. Shared with the fused kernels' walks."""
+    bf16, f32 = dict(dtype=torch.bfloat16, **META), dict(dtype=torch.float32, **META)
+    return dict(
+        qm=torch.empty(B, T, H, D, **bf16), km=torch.empty(B, T, key_heads, D, **bf16),
+        qi=torch.empty(B, T, H_I, D_I, **bf16), ki=torch.empty(B, T, D_I, **bf16), wi=torch.empty(B, T, H_I, **f32),
+        ds=torch.empty(B, T, dtype=torch.int64, **META), lse2=torch.empty(B, H, T, **f32),
+        rows=torch.empty(B, T, **f32),
+        dq=torch.empty(B, T, H_I, D_I, **f32), dk=torch.empty(B, T, D_I, **f32), dw=torch.empty(B, T, H_I, **f32),
+    )
+
+
 def _dense_kl_launches(D: int, key_heads: int, grad: bool):
-    qm = torch.empty(B, T, H, D, dtype=torch.bfloat16, **META)
-    km = torch.empty(B, T, key_heads, D, dtype=torch.bfloat16, **META)
-    qi = torch.empty(B, T, H_I, D_I, dtype=torch.bfloat16, **META)
-    ki = torch.empty(B, T, D_I, dtype=torch.bfloat16, **META)
-    wi = torch.empty(B, T, H_I, dtype=torch.float32, **META)
-    ds = torch.empty(B, T, dtype=torch.int64, **META)
-    lse2 = torch.empty(B, H, T, dtype=torch.float32, **META)
-    kl = torch.empty(B, T, dtype=torch.float32, **META)
-    dq = torch.empty(B, T, H_I, D_I, dtype=torch.float32, **META)
-    dk = torch.empty(B, T, D_I, dtype=torch.float32, **META)
-    dw = torch.empty(B, T, H_I, dtype=torch.float32, **META)
+    x = dense_kl_tensors(D, key_heads)
+    qm, km, ds, lse2, kl = x["qm"], x["km"], x["ds"], x["lse2"], x["rows"]
     lse = kl_kernel.plan_dense_lse(qm, km, ds, lse2, D**-0.5)
-    main = kl_kernel.plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, kl, dq, dk, dw, D**-0.5, grad, stats=not grad)
+    main = kl_kernel.plan_dense_kl(qm, km, x["qi"], x["ki"], x["wi"], ds, lse2, kl, kl, x["dq"], x["dk"], x["dw"],
+                                   D**-0.5, grad, stats=not grad)
     return lse, main
+
+
+def query_blocks(a, batch: int, ds):
+    """`kernel._query_block` over the grid: per query block (of the launch's T rows) and batch row
+    -> (offs_m, rows, key_tiles): the block's row positions, how many are below T, and the starts
+    of the key tiles it walks (from its first doc start, rounded down to a tile, to its causal end).
+    Shared by the dense KL walks here and the fused kernels' (tests/test_kernels_dense_kl_fused.py)."""
+    T, bm, bn = a["T"], a["BLOCK_M"], a["BLOCK_N"]
+    for pid_m in range(-(-T // bm)):
+        offs_m = range(pid_m * bm, pid_m * bm + bm)
+        rows = count(pid_m * bm, bm, T)
+        lo = min(ds[m] if m < T else BIG for m in offs_m)
+        for _ in range(batch):
+            yield offs_m, rows, range((lo // bn) * bn, min(pid_m * bm + bm, T), bn)
 
 
 def walk_dense_lse(launch) -> Tally:
     a, t = launch.args, Tally()
     T, H, ds = _programs(launch)
     bm, bn, bd, D = a["BLOCK_M"], a["BLOCK_N"], a["BLOCK_D"], a["D"]
-    for pid_m in range(-(-T // bm)):
-        for _bh in range(B * H):
-            offs_m = range(pid_m * bm, pid_m * bm + bm)
-            rows = count(pid_m * bm, bm, T)
-            t.load(rows, a["DS"])
-            lo = min(ds[m] if m < T else BIG for m in offs_m)
-            for n0 in range((lo // bn) * bn, min(pid_m * bm + bm, T), bn):
-                keys = count(n0, bn, T)
-                for d0 in range(0, D, bd):
-                    cols = count(d0, bd, D)
-                    t.load(rows * cols, a["QM"]), t.load(keys * cols, a["KM"])
-                    t.dot(bm, bn, bd)
-                t.useful += causal_valid(offs_m, range(n0, n0 + bn), T, ds) * 2 * D
-            t.store(rows, a["LSE2"])
+    for offs_m, rows, key_tiles in query_blocks(a, B * H, ds):
+        t.load(rows, a["DS"])
+        for n0 in key_tiles:
+            keys = count(n0, bn, T)
+            for d0 in range(0, D, bd):
+                cols = count(d0, bd, D)
+                t.load(rows * cols, a["QM"]), t.load(keys * cols, a["KM"])
+                t.dot(bm, bn, bd)
+            t.useful += causal_valid(offs_m, range(n0, n0 + bn), T, ds) * 2 * D
+        t.store(rows, a["LSE2"])
     return t
 
 
-def _walk_dense_tiles(a, t: Tally, rows: int, keys: int):
-    """`_dense_tiles`: every main head's q k^T by D slices and lse2, k_I, every indexer head's q_I k_I^T."""
-    bm, bn, bd, D = a["BLOCK_M"], a["BLOCK_N"], a["BLOCK_D"], a["D"]
+def walk_indexer_tile(a, t: Tally, rows: int, keys: int, scratch: bool = False):
+    """k_I of the key tile, every indexer head's q_I k_I^T (with scratch: its tile stored, `fused.py`)."""
     di = count(0, a["BLOCK_DI"], a["DI"])
+    t.load(keys * di, a["KI"])
+    for _j in range(a["HI"]):
+        t.load(rows * di, a["QI"]), t.load(rows, a["WI"])
+        t.dot(a["BLOCK_M"], a["BLOCK_N"], a["BLOCK_DI"])
+        if scratch:
+            t.store(a["BLOCK_M"] * a["BLOCK_N"], a["SCR"])
+
+
+def walk_dense_tiles(a, t: Tally, rows: int, keys: int, scratch: bool = False):
+    """`_dense_tiles` (and the fused kernel's tile, with scratch): every main head's q k^T by D
+    slices and lse2 (`_target_tile`), then `walk_indexer_tile`."""
+    bm, bn, bd, D = a["BLOCK_M"], a["BLOCK_N"], a["BLOCK_D"], a["D"]
     for _h in range(a["H"]):
         for d0 in range(0, D, bd):
             cols = count(d0, bd, D)
             t.load(rows * cols, a["QM"]), t.load(keys * cols, a["KM"])
             t.dot(bm, bn, bd)
         t.load(rows, a["LSE2"])
-    t.load(keys * di, a["KI"])
-    for _j in range(a["HI"]):
-        t.load(rows * di, a["QI"]), t.load(rows, a["WI"])
-        t.dot(bm, bn, a["BLOCK_DI"])
+    walk_indexer_tile(a, t, rows, keys, scratch)
 
 
 def walk_dense_kl(launch) -> Tally:
@@ -287,35 +311,30 @@ def walk_dense_kl(launch) -> Tally:
     T, H, ds = _programs(launch)
     bm, bn = a["BLOCK_M"], a["BLOCK_N"]
     di = count(0, a["BLOCK_DI"], a["DI"])
-    for pid_m in range(-(-T // bm)):
-        for _b in range(B):
-            offs_m = range(pid_m * bm, pid_m * bm + bm)
-            rows = count(pid_m * bm, bm, T)
-            t.load(rows, a["DS"])
-            lo = min(ds[m] if m < T else BIG for m in offs_m)
-            key_tiles = range((lo // bn) * bn, min(pid_m * bm + bm, T), bn)
-            for n0 in key_tiles:
-                if a["STATS"]:
-                    _walk_dense_tiles(a, t, rows, count(n0, bn, T))
-                pairs = causal_valid(offs_m, range(n0, n0 + bn), T, ds)
-                t.useful += pairs * 2 * (H * a["D"] + a["HI"] * a["DI"] * (3 if a["GRAD"] else 1))
-            if a["STATS"]:  # KL, KL to uniform, and the row's lse_I and target mass for the backward
-                t.store(rows, a["KL"]), t.store(rows, a["KLU"]), t.store(rows, a["LSEI"]), t.store(rows, a["PSUM"])
-            else:  # the gradient-only launch reads the forward's lse_I and target mass
-                t.load(rows, a["LSEI"]), t.load(rows, a["PSUM"])
-            if not a["GRAD"]:
-                continue
-            for n0 in key_tiles:
-                keys = count(n0, bn, T)
-                _walk_dense_tiles(a, t, rows, keys)
-                for _j in range(a["HI"]):
-                    t.load(rows * di, a["QI"]), t.load(rows, a["WI"])
-                    t.dot(bm, bn, a["BLOCK_DI"])  # a = q_I k_I^T
-                    t.load(rows, a["DWI"]), t.store(rows, a["DWI"])  # dw read-modify-write
-                    t.dot(bm, a["BLOCK_DI"], bn)  # da k_I
-                    t.store(rows * di, a["DQI"])  # dq_I atomic add
-                    t.dot(a["BLOCK_DI"], bn, bm)  # q_I^T da
-                t.store(keys * di, a["DKI"])  # dk_I atomic add
+    for offs_m, rows, key_tiles in query_blocks(a, B, ds):
+        t.load(rows, a["DS"])
+        for n0 in key_tiles:
+            if a["STATS"]:
+                walk_dense_tiles(a, t, rows, count(n0, bn, T))
+            pairs = causal_valid(offs_m, range(n0, n0 + bn), T, ds)
+            t.useful += pairs * 2 * (H * a["D"] + a["HI"] * a["DI"] * (3 if a["GRAD"] else 1))
+        if a["STATS"]:  # KL, KL to uniform, and the row's lse_I and target mass for the backward
+            t.store(rows, a["KL"]), t.store(rows, a["KLU"]), t.store(rows, a["LSEI"]), t.store(rows, a["PSUM"])
+        else:  # the gradient-only launch reads the forward's lse_I and target mass
+            t.load(rows, a["LSEI"]), t.load(rows, a["PSUM"])
+        if not a["GRAD"]:
+            continue
+        for n0 in key_tiles:
+            keys = count(n0, bn, T)
+            walk_dense_tiles(a, t, rows, keys)
+            for _j in range(a["HI"]):
+                t.load(rows * di, a["QI"]), t.load(rows, a["WI"])
+                t.dot(bm, bn, a["BLOCK_DI"])  # a = q_I k_I^T
+                t.load(rows, a["DWI"]), t.store(rows, a["DWI"])  # dw read-modify-write
+                t.dot(bm, a["BLOCK_DI"], bn)  # da k_I
+                t.store(rows * di, a["DQI"])  # dq_I atomic add
+                t.dot(a["BLOCK_DI"], bn, bm)  # q_I^T da
+            t.store(keys * di, a["DKI"])  # dk_I atomic add
     return t
 
 

@@ -26,7 +26,10 @@ from dsa_kernels.ops.indexer_kl import fused_specs  # noqa: E402
 from dsa_kernels.ops.indexer_kl.fused import dense_indexer_kl_fused  # noqa: E402
 from dsa_kernels.ops.indexer_kl.function import dense_indexer_kl_triton  # noqa: E402
 from dsa_kernels.ops.indexer_kl.reference import _dense_kl_chunk  # noqa: E402
-from tests.test_kernels_analysis import BIG, Tally, assert_work, causal_valid, count, with_blocks  # noqa: E402
+# the analysis column's walks, their tools and shapes (B_W, T_W, H_W) are test_kernels_analysis.py's
+from tests.test_kernels_analysis import B as B_W, H as H_W, T as T_W  # noqa: E402
+from tests.test_kernels_analysis import (Tally, assert_work, causal_valid, count, dense_kl_tensors,  # noqa: E402
+                                         query_blocks, walk_dense_tiles, walk_indexer_tile, with_blocks)
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 
@@ -229,90 +232,55 @@ def test_warmup_check_fails_when_the_fused_pass_disagrees(monkeypatch):
 
 
 # ---------------------------------------------------------------- analysis column
-META = dict(device="meta")
-B_W, T_W, H_W, HI_W, DI_W = 2, 75, 3, 3, 20  # d_I padded to 32
-
-
 def _launches(D, key_heads, grad):
-    qm = torch.empty(B_W, T_W, H_W, D, dtype=torch.bfloat16, **META)
-    km = torch.empty(B_W, T_W, key_heads, D, dtype=torch.bfloat16, **META)
-    qi = torch.empty(B_W, T_W, HI_W, DI_W, dtype=torch.bfloat16, **META)
-    ki = torch.empty(B_W, T_W, DI_W, dtype=torch.bfloat16, **META)
-    wi = torch.empty(B_W, T_W, HI_W, dtype=torch.float32, **META)
-    ds = torch.empty(B_W, T_W, dtype=torch.int64, **META)
-    rows = torch.empty(B_W, T_W, dtype=torch.float32, **META)
-    lse2 = torch.empty(B_W, H_W, T_W, dtype=torch.float32, **META)
-    dq = torch.empty(B_W, T_W, HI_W, DI_W, dtype=torch.float32, **META)
-    dk = torch.empty(B_W, T_W, DI_W, dtype=torch.float32, **META)
-    dw = torch.empty(B_W, T_W, HI_W, dtype=torch.float32, **META)
+    x = dense_kl_tensors(D, key_heads)  # the dense KL walks' shapes: B_W, T_W
+    qi, ki, wi, ds, rows = x["qi"], x["ki"], x["wi"], x["ds"], x["rows"]
     blocks = fused.fused_blocks(T_W, D)
     n = -(-T_W // blocks["BLOCK_M"])
-    scratch = torch.empty(B_W, n, HI_W, blocks["BLOCK_M"], blocks["BLOCK_N"], dtype=torch.bfloat16, **META)
+    scratch = torch.empty(B_W, n, qi.shape[2], blocks["BLOCK_M"], blocks["BLOCK_N"], dtype=torch.bfloat16,
+                          device="meta")
     pre = fused.plan_indexer_lse(qi, ki, wi, ds, rows)
-    main = fused.plan_fused_dense_kl(qm, km, qi, ki, wi, ds, lse2, rows, scratch, rows, rows, rows, dq, dk, dw,
-                                     D**-0.5, grad)
+    main = fused.plan_fused_dense_kl(x["qm"], x["km"], qi, ki, wi, ds, x["lse2"], rows, scratch, rows, rows, rows,
+                                     x["dq"], x["dk"], x["dw"], D**-0.5, grad)
     return pre, main
 
 
 def walk_indexer_lse(launch) -> Tally:
     a, t = launch.args, Tally()
-    T, bm, bn = a["T"], a["BLOCK_M"], a["BLOCK_N"]
-    di = count(0, a["BLOCK_DI"], a["DI"])
+    T, bn = a["T"], a["BLOCK_N"]
     ds = [0] * T
-    for pid_m in range(-(-T // bm)):
-        for _b in range(B_W):
-            offs_m = range(pid_m * bm, pid_m * bm + bm)
-            rows = count(pid_m * bm, bm, T)
-            t.load(rows, a["DS"])
-            lo = min(ds[m] if m < T else BIG for m in offs_m)
-            for n0 in range((lo // bn) * bn, min(pid_m * bm + bm, T), bn):
-                t.load(count(n0, bn, T) * di, a["KI"])
-                for _j in range(a["HI"]):
-                    t.load(rows * di, a["QI"]), t.load(rows, a["WI"])
-                    t.dot(bm, bn, a["BLOCK_DI"])
-                t.useful += causal_valid(offs_m, range(n0, n0 + bn), T, ds) * 2 * a["HI"] * a["DI"]
-            t.store(rows, a["LSEI"])
+    for offs_m, rows, key_tiles in query_blocks(a, B_W, ds):
+        t.load(rows, a["DS"])
+        for n0 in key_tiles:
+            walk_indexer_tile(a, t, rows, count(n0, bn, T))
+            t.useful += causal_valid(offs_m, range(n0, n0 + bn), T, ds) * 2 * a["HI"] * a["DI"]
+        t.store(rows, a["LSEI"])
     return t
 
 
 def walk_fused(launch) -> Tally:
     a, t = launch.args, Tally()
-    T, H, D, bm, bn, bd = a["T"], a["H"], a["D"], a["BLOCK_M"], a["BLOCK_N"], a["BLOCK_D"]
+    T, H, D, bm, bn = a["T"], a["H"], a["D"], a["BLOCK_M"], a["BLOCK_N"]
     di = count(0, a["BLOCK_DI"], a["DI"])
     ds = [0] * T
-    for pid_m in range(-(-T // bm)):
-        for _b in range(B_W):
-            offs_m = range(pid_m * bm, pid_m * bm + bm)
-            rows = count(pid_m * bm, bm, T)
-            t.load(rows, a["DS"]), t.load(rows, a["LSEI"])
-            for _h in range(H):
-                t.load(rows, a["LSE2"])  # each row's target mass: 1 where some head has keys
-            lo = min(ds[m] if m < T else BIG for m in offs_m)
-            for n0 in range((lo // bn) * bn, min(pid_m * bm + bm, T), bn):
-                keys = count(n0, bn, T)
-                for _h in range(H):
-                    for d0 in range(0, D, bd):
-                        cols = count(d0, bd, D)
-                        t.load(rows * cols, a["QM"]), t.load(keys * cols, a["KM"])
-                        t.dot(bm, bn, bd)
-                    t.load(rows, a["LSE2"])
-                t.load(keys * di, a["KI"])
-                for _j in range(a["HI"]):
-                    t.load(rows * di, a["QI"]), t.load(rows, a["WI"])
-                    t.dot(bm, bn, a["BLOCK_DI"])
-                    if a["GRAD"]:
-                        t.store(bm * bn, a["SCR"])
-                pairs = causal_valid(offs_m, range(n0, n0 + bn), T, ds)
-                t.useful += pairs * 2 * (H * D + a["HI"] * a["DI"] * (3 if a["GRAD"] else 1))
-                if not a["GRAD"]:
-                    continue
-                for _j in range(a["HI"]):
-                    t.load(rows * di, a["QI"]), t.load(rows, a["WI"]), t.load(bm * bn, a["SCR"])
-                    t.load(rows, a["DWI"]), t.store(rows, a["DWI"])
-                    t.dot(bm, a["BLOCK_DI"], bn), t.store(rows * di, a["DQI"])  # da k_I, atomic add
-                    t.dot(a["BLOCK_DI"], bn, bm)  # q_I^T da
-                t.store(keys * di, a["DKI"])
-            t.store(rows, a["KL"]), t.store(rows, a["KLU"]), t.store(rows, a["PSUM"])
+    for offs_m, rows, key_tiles in query_blocks(a, B_W, ds):
+        t.load(rows, a["DS"]), t.load(rows, a["LSEI"])
+        for _h in range(H):
+            t.load(rows, a["LSE2"])  # each row's target mass: 1 where some head has keys
+        for n0 in key_tiles:
+            keys = count(n0, bn, T)
+            walk_dense_tiles(a, t, rows, keys, scratch=a["GRAD"])  # the a_j tiles kept with GRAD
+            pairs = causal_valid(offs_m, range(n0, n0 + bn), T, ds)
+            t.useful += pairs * 2 * (H * D + a["HI"] * a["DI"] * (3 if a["GRAD"] else 1))
+            if not a["GRAD"]:
+                continue
+            for _j in range(a["HI"]):
+                t.load(rows * di, a["QI"]), t.load(rows, a["WI"]), t.load(bm * bn, a["SCR"])
+                t.load(rows, a["DWI"]), t.store(rows, a["DWI"])
+                t.dot(bm, a["BLOCK_DI"], bn), t.store(rows * di, a["DQI"])  # da k_I, atomic add
+                t.dot(a["BLOCK_DI"], bn, bm)  # q_I^T da
+            t.store(keys * di, a["DKI"])
+        t.store(rows, a["KL"]), t.store(rows, a["KLU"]), t.store(rows, a["PSUM"])
     return t
 
 
@@ -349,17 +317,33 @@ def test_the_fused_step_issues_at_most_1_3x_one_pass_at_the_671b_shapes():
 
 
 # ---------------------------------------------------------------- the model's warm-up step
+def _split_step(monkeypatch):
+    """The tiny model (Triton kernels) and its dense warm-up step on the split path, no recompute
+    -> (model, its layers, (loss, KL to uniform, indexer gradients))."""
+    from tests.test_model_warmup_step import _step, _tiny
+
+    monkeypatch.setenv("DSA_KERNELS", "triton")
+    model = _tiny()
+    return model, len(model.main_layers()), _step(model, "none", frozen=True)
+
+
+def _assert_same_step(got, want):
+    (loss_f, klu_f, grads_f), (loss_s, klu_s, grads_s) = got, want
+    torch.testing.assert_close(loss_f, loss_s, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(klu_f, klu_s, rtol=1e-5, atol=1e-6)
+    assert grads_f.keys() == grads_s.keys() and grads_s
+    for name in grads_s:
+        torch.testing.assert_close(grads_f[name], grads_s[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_model_warmup_step_on_the_fused_pass_equals_the_split_path(monkeypatch):
     """The tiny model's dense warm-up step (main model frozen, eq. 3 on the Triton path under the
     interpreter) with DSA_DENSE_KL=fused: loss, KL to uniform and every indexer gradient equal the
     split path's, without recompute and under `recompute: full` (where the checkpoint's re-run
     reuses the forward's lse_I: one pre-pass per layer, two fused passes)."""
-    from tests.test_model_warmup_step import _step, _tiny
+    from tests.test_model_warmup_step import _step
 
-    monkeypatch.setenv("DSA_KERNELS", "triton")
-    model = _tiny()
-    n = len(model.main_layers())
-    loss_s, klu_s, grads_s = _step(model, "none", frozen=True)
+    model, n, split = _split_step(monkeypatch)
     monkeypatch.setenv("DSA_DENSE_KL", "fused")
     launches = []
     for name in ("plan_indexer_lse", "plan_fused_dense_kl"):
@@ -368,33 +352,22 @@ def test_model_warmup_step_on_the_fused_pass_equals_the_split_path(monkeypatch):
     for recompute, want in (("none", {"plan_indexer_lse": n, "plan_fused_dense_kl": n}),
                             ("full", {"plan_indexer_lse": n, "plan_fused_dense_kl": 2 * n})):
         launches.clear()
-        loss_f, klu_f, grads_f = _step(model, recompute, frozen=True)
+        got = _step(model, recompute, frozen=True)
         assert {k: launches.count(k) for k in want} == want, (recompute, launches)
-        torch.testing.assert_close(loss_f, loss_s, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(klu_f, klu_s, rtol=1e-5, atol=1e-6)
-        assert grads_f.keys() == grads_s.keys() and grads_s
-        for name in grads_s:
-            torch.testing.assert_close(grads_f[name], grads_s[name], rtol=1e-4, atol=1e-6, msg=name)
+        _assert_same_step(got, split)
 
 
 def test_fused_keep_runs_one_fused_pass_per_layer_under_recompute(monkeypatch):
     """DSA_DENSE_KL=fused-keep: the checkpoint's recompute takes the forward's gradients from
     `row_stats` and launches nothing, so `recompute: full` runs one pre-pass and one fused pass per
     layer, with the split path's loss and gradients."""
-    from tests.test_model_warmup_step import _step, _tiny
+    from tests.test_model_warmup_step import _step
 
-    monkeypatch.setenv("DSA_KERNELS", "triton")
-    model = _tiny()
-    n = len(model.main_layers())
-    loss_s, klu_s, grads_s = _step(model, "none", frozen=True)
+    model, n, split = _split_step(monkeypatch)
     monkeypatch.setenv("DSA_DENSE_KL", "fused-keep")
     launches = []
     real = fused.plan_fused_dense_kl
     monkeypatch.setattr(fused, "plan_fused_dense_kl", lambda *a, **k: launches.append(1) or real(*a, **k))
-    loss_f, klu_f, grads_f = _step(model, "full", frozen=True)
+    got = _step(model, "full", frozen=True)
     assert len(launches) == n, launches
-    torch.testing.assert_close(loss_f, loss_s, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(klu_f, klu_s, rtol=1e-5, atol=1e-6)
-    assert grads_f.keys() == grads_s.keys() and grads_s
-    for name in grads_s:
-        torch.testing.assert_close(grads_f[name], grads_s[name], rtol=1e-4, atol=1e-6, msg=name)
+    _assert_same_step(got, split)

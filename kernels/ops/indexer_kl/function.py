@@ -9,7 +9,8 @@ import torch
 
 from ..._triton_common import check_indices, compute_dtype, kernel_input
 from ..sparse_mla.kernel import slot_counts
-from .kernel import LOG2E, TARGET_CHUNK_ELEMS, plan_dense_kl, plan_sparse_kl, plan_sparse_kl_target
+from .kernel import (TARGET_CHUNK_ELEMS, dense_kl_buffers, dense_kl_inputs, plan_dense_kl, plan_sparse_kl,
+                     plan_sparse_kl_target)
 
 # the launchers below (`_dense_run`, `_sparse_run`, the lse pass) as custom ops: fake tensors (plan --trace) get
 # the outputs' shapes; real ones call the launchers directly (`dsa_kernels.custom_ops`)
@@ -117,17 +118,10 @@ class _DenseKL(torch.autograd.Function):
                 lse_i_in=None, p_sum_in=None):
         B, T = q_idx.shape[:2]
         H = q_main.shape[2]
-        # fp32 q/k on the compiled path -> bf16 (fp32 dots would be TF32; `compute_dtype`)
-        cdt = compute_dtype("dense_indexer_kl", q_idx, k_idx, q_main, k_main)
-        qi, ki = kernel_input(q_idx.detach(), cdt), kernel_input(k_idx.detach(), cdt)
-        wi = w_idx.detach().float().contiguous()
-        qm, km = kernel_input(q_main.detach(), cdt), kernel_input(k_main.detach(), cdt)
-        ds = doc_start.contiguous()
-        if lse_main is None:
+        # fp32 q/k on the compiled path -> bf16; lse_main -> its log2-domain [B, H, T] table (`dense_kl_inputs`)
+        qi, ki, wi, qm, km, ds, lse2 = dense_kl_inputs(q_idx, k_idx, w_idx, q_main, k_main, doc_start, lse_main)
+        if lse2 is None:
             lse2 = dense_kl_lse(qm, km, ds, scale)
-        else:  # log2 domain, [B, H, T]; a row without keys -> +inf (p = 0), as the lse kernel writes
-            lse2 = (lse_main.detach().float() * LOG2E).transpose(1, 2).contiguous()
-            lse2 = lse2.masked_fill_(lse2 == float("-inf"), float("inf"))
         if lse_i_in is not None:  # recomputed: the row statistics are known, the sums are not needed
             row_stats = (lse_i_in.detach(), p_sum_in.detach())
             kl = torch.zeros((), dtype=torch.float32, device=q_idx.device)
@@ -156,16 +150,8 @@ class _DenseKL(torch.autograd.Function):
 def _dense_run(qi, ki, wi, qm, km, ds, lse2, scale, need: bool, q_offset: int, row_stats):
     """need=False: the statistics pass (KL values; writes row_stats); need=True: the gradient pass
     alone, reading row_stats (the KL values it returns are then not computed: zeros)."""
-    B, T, HI, DI = qi.shape
-    n_keys, dev = ki.shape[1], qi.device
-    kl = (torch.zeros if need else torch.empty)((B, T), dtype=torch.float32, device=dev)
-    klu = torch.zeros_like(kl) if need else torch.empty_like(kl)
-    if need:
-        dq = torch.zeros((B, T, HI, DI), dtype=torch.float32, device=dev)
-        dk = torch.zeros((B, n_keys, DI), dtype=torch.float32, device=dev)
-        dw = torch.zeros((B, T, HI), dtype=torch.float32, device=dev)
-    else:
-        dq = dk = dw = kl
+    B, T = qi.shape[:2]
+    kl, klu, (dq, dk, dw) = dense_kl_buffers(qi, ki.shape[1], need, zero=need)
     if B * T > 0:
         plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, klu, dq, dk, dw, scale, need, q_offset, row_stats,
                       stats=not need).run()

@@ -45,8 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._triton_common import Launch, compute_dtype, kernel_input, pow2
-from .kernel import LOG2E, plan_dense_lse
+from ..._triton_common import Launch, pow2
+from .kernel import (LOG2E, _query_block, _target_tile, dense_kl_buffers, dense_kl_inputs, dense_kl_strides,
+                     plan_dense_lse)
 
 SCRATCH_ELEMS = 1 << 26  # elements of the per-program a_j scratch per launch (128 MB in bf16)
 
@@ -82,12 +83,7 @@ def _indexer_lse_kernel(
     <= Q0 + t (natural log; 0 for a row without keys) for BLOCK_M query rows."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < T
-    ds = tl.load(DS + b * stride_db + Q0 + offs_m, mask=mask_m, other=2147483647).to(tl.int32)
-    lo = tl.min(ds, 0)
-    hi = Q0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, T)
-    start = (lo // BLOCK_N) * BLOCK_N
+    offs_m, mask_m, ds, start, hi = _query_block(DS, b, pid_m, stride_db, T, Q0, BLOCK_M, BLOCK_N)
     offs_di = tl.arange(0, BLOCK_DI)
     mask_di = offs_di < DI
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -134,12 +130,7 @@ def _dense_kl_fused_kernel(
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pid_m = BLK0 + pid
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < T
-    ds = tl.load(DS + b * stride_db + Q0 + offs_m, mask=mask_m, other=2147483647).to(tl.int32)
-    lo = tl.min(ds, 0)
-    hi = Q0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, T)
-    start = (lo // BLOCK_N) * BLOCK_N
+    offs_m, mask_m, ds, start, hi = _query_block(DS, b, pid_m, stride_db, T, Q0, BLOCK_M, BLOCK_N)
     offs_di = tl.arange(0, BLOCK_DI)
     mask_di = offs_di < DI
     rows_mask = mask_m[:, None] & mask_di[None, :]
@@ -161,20 +152,9 @@ def _dense_kl_fused_kernel(
         mask_n = offs_n < N_KEYS
         valid = (offs_n[None, :] <= (Q0 + offs_m)[:, None]) & (offs_n[None, :] >= ds[:, None]) & mask_m[:, None]
         # the target tile: every main head's scores against this key tile, once
-        p = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for h in range(H):
-            s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for d0 in range(0, D, BLOCK_D):
-                offs_d = d0 + tl.arange(0, BLOCK_D)
-                mask_d = offs_d < D
-                q = tl.load(QM + b * stride_qb + offs_m[:, None].to(tl.int64) * stride_qt + h * stride_qh
-                            + offs_d[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-                k = tl.load(KM + b * stride_kb + offs_n[:, None].to(tl.int64) * stride_kt + h * stride_kh
-                            + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-                s += tl.dot(q, tl.trans(k))
-            lse2 = tl.load(LSE2 + (b * H + h) * T + offs_m, mask=mask_m, other=float("inf"))
-            p += tl.exp2(s * scale_log2 - lse2[:, None])
-        p = tl.where(valid, p * inv_h, 0.0)
+        p = _target_tile(QM, KM, LSE2, b, offs_m, mask_m, offs_n, mask_n, valid,
+                         stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                         T, H, scale_log2, inv_h, D, BLOCK_M, BLOCK_N, BLOCK_D)
         # the indexer score tile; each head's pre-ReLU tile kept for the gradient
         ki = tl.load(KI + b * stride_kib + offs_n[:, None].to(tl.int64) * stride_kit + offs_di[None, :],
                      mask=mask_n[:, None] & mask_di[None, :], other=0.0)
@@ -270,12 +250,7 @@ def plan_fused_dense_kl(qm, km, qi, ki, wi, ds, lse2, lse_i, scratch, kl, klu, p
         dict(
             QM=qm, KM=km, QI=qi, KI=ki, WI=wi, DS=ds, LSE2=lse2, LSEI=lse_i, SCR=scratch,
             KL=kl, KLU=klu, PSUM=p_sum, DQI=dq, DKI=dk, DWI=dw,
-            stride_qb=qm.stride(0), stride_qt=qm.stride(1), stride_qh=qm.stride(2),
-            stride_kb=km.stride(0), stride_kt=km.stride(1), stride_kh=0 if km.shape[2] == 1 else km.stride(2),
-            stride_qib=qi.stride(0), stride_qit=qi.stride(1), stride_qih=qi.stride(2),
-            stride_kib=ki.stride(0), stride_kit=ki.stride(1),
-            stride_wib=wi.stride(0), stride_wit=wi.stride(1),
-            stride_db=ds.stride(0),
+            **dense_kl_strides(qm, km, qi, ki, wi, ds),
             BLK0=blk0, T=T, Q0=q0, N_KEYS=km.shape[1], H=H, HI=HI, scale_log2=scale * LOG2E, inv_h=1.0 / H,
             D=D, DI=DI, GRAD=grad,
             BLOCK_DI=pow2(DI), **blocks,
@@ -287,23 +262,16 @@ def plan_fused_dense_kl(qm, km, qi, ki, wi, ds, lse2, lse_i, scratch, kl, klu, p
 # ----------------------------------------------------------------------------- autograd
 def _fused_run(qi, ki, wi, qm, km, ds, lse2, lse_i, scale, need: bool, q_offset: int):
     """-> kl [B, T], klu [B, T], p_sum [B, T] and, with need, (dq, dk, dw) fp32."""
-    B, T, HI, DI = qi.shape
-    N, dev = ki.shape[1], qi.device
-    kl = torch.zeros((B, T), dtype=torch.float32, device=dev)
-    klu, p_sum = torch.zeros_like(kl), torch.zeros_like(kl)
-    if need:
-        dq = torch.zeros((B, T, HI, DI), dtype=torch.float32, device=dev)
-        dk = torch.zeros((B, N, DI), dtype=torch.float32, device=dev)
-        dw = torch.zeros((B, T, HI), dtype=torch.float32, device=dev)
-    else:
-        dq = dk = dw = kl
+    B, T, HI = qi.shape[:3]
+    kl, klu, (dq, dk, dw) = dense_kl_buffers(qi, ki.shape[1], need)
+    p_sum = torch.zeros_like(kl)
     if B * T == 0:
         return kl, klu, p_sum, ((dq, dk, dw) if need else ())
     blocks = fused_blocks(T, qm.shape[3])
     total = triton.cdiv(T, blocks["BLOCK_M"])
     chunk = fused_chunk_blocks(B, HI, blocks) if need else total
     scratch = (torch.empty((B, min(chunk, total), HI, blocks["BLOCK_M"], blocks["BLOCK_N"]), dtype=qi.dtype,
-                           device=dev) if need else kl)
+                           device=qi.device) if need else kl)
     for blk0 in range(0, total, chunk):
         n = min(chunk, total - blk0)
         plan_fused_dense_kl(qm, km, qi, ki, wi, ds, lse2, lse_i, scratch, kl, klu, p_sum, dq, dk, dw, scale, need,
@@ -335,19 +303,12 @@ class _FusedDenseKL(torch.autograd.Function):
             lse_i, p_sum = lse_i_in.detach().clone(), torch.full_like(lse_i_in, float("nan"))  # p: not formed here
             ctx.mark_non_differentiable(klu, lse_i, p_sum, *kept)
             return kl, klu, lse_i, p_sum, *(kept or (None, None, None))
-        cdt = compute_dtype("dense_indexer_kl", q_idx, k_idx, q_main, k_main)
-        qi, ki = kernel_input(q_idx.detach(), cdt), kernel_input(k_idx.detach(), cdt)
-        wi = w_idx.detach().float().contiguous()
-        qm, km = kernel_input(q_main.detach(), cdt), kernel_input(k_main.detach(), cdt)
-        ds = doc_start.contiguous()
+        qi, ki, wi, qm, km, ds, lse2 = dense_kl_inputs(q_idx, k_idx, w_idx, q_main, k_main, doc_start, lse_main)
         dev = q_idx.device
-        if lse_main is None:  # no attention lse given: the dense-lse pass (the main scores once more)
+        if lse2 is None:  # no attention lse given: the dense-lse pass (the main scores once more)
             lse2 = torch.empty((B, H, T), dtype=torch.float32, device=dev)
             if B * T > 0:
                 plan_dense_lse(qm, km, ds, lse2, scale).run()
-        else:  # log2 domain, [B, H, T]; a row without keys -> +inf (p = 0)
-            lse2 = (lse_main.detach().float() * LOG2E).transpose(1, 2).contiguous()
-            lse2 = lse2.masked_fill_(lse2 == float("-inf"), float("inf"))
         if lse_i_in is not None:
             lse_i = lse_i_in.detach().float().contiguous()
         else:

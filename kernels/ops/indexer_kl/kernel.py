@@ -153,6 +153,22 @@ def _sparse_kl_kernel(
 
 # ----------------------------------------------------------------------------- dense (eq. 3)
 @triton.jit
+def _query_block(DS, b, pid_m, stride_db, T, Q0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The prologue of the dense kernels (`_dense_lse_kernel`, `_dense_kl_kernel` and `fused.py`'s):
+    query block pid_m of batch row b, its rows at positions Q0 + offs_m (masked past T) ->
+    (offs_m, mask_m, ds, start, hi): the rows' doc starts (DS [B, N]; a masked row reads int32 max)
+    and the key tiles they see, [start, hi) in steps of BLOCK_N, from the block's first doc start
+    (rounded down to a tile) to its last row's causal end."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < T
+    ds = tl.load(DS + b * stride_db + Q0 + offs_m, mask=mask_m, other=2147483647).to(tl.int32)
+    lo = tl.min(ds, 0)
+    hi = Q0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, T)
+    start = (lo // BLOCK_N) * BLOCK_N
+    return offs_m, mask_m, ds, start, hi
+
+
+@triton.jit
 def _dense_lse_kernel(
     QM, KM, DS, LSE2,
     stride_qb, stride_qt, stride_qh,
@@ -167,12 +183,7 @@ def _dense_lse_kernel(
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < T
-    ds = tl.load(DS + b * stride_db + offs_m, mask=mask_m, other=2147483647).to(tl.int32)
-    lo = tl.min(ds, 0)
-    hi = tl.minimum(pid_m * BLOCK_M + BLOCK_M, T)
-    start = (lo // BLOCK_N) * BLOCK_N
+    offs_m, mask_m, ds, start, hi = _query_block(DS, b, pid_m, stride_db, T, 0, BLOCK_M, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     q_base = QM + b * stride_qb + h * stride_qh
@@ -199,6 +210,31 @@ def _dense_lse_kernel(
 
 
 @triton.jit
+def _target_tile(
+    QM, KM, LSE2, b, offs_m, mask_m, offs_n, mask_n, valid,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+    T, H, scale_log2, inv_h,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The head-averaged target tile p [M, N] (0 where not valid): every main head's q k^T (D in
+    BLOCK_D slices) against the key tile offs_n, exp2'd against the head's lse (LSE2, log2 domain)."""
+    p = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for h in range(H):
+        s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            mask_d = offs_d < D
+            q = tl.load(QM + b * stride_qb + offs_m[:, None].to(tl.int64) * stride_qt + h * stride_qh + offs_d[None, :],
+                        mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+            k = tl.load(KM + b * stride_kb + offs_n[:, None].to(tl.int64) * stride_kt + h * stride_kh + offs_d[None, :],
+                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+            s += tl.dot(q, tl.trans(k))
+        lse2 = tl.load(LSE2 + (b * H + h) * T + offs_m, mask=mask_m, other=float("inf"))
+        p += tl.exp2(s * scale_log2 - lse2[:, None])
+    return tl.where(valid, p * inv_h, 0.0)
+
+
+@triton.jit
 def _dense_tiles(
     QM, KM, QI, KI, WI, LSE2,
     b, offs_m, mask_m, offs_n, ds,
@@ -215,20 +251,9 @@ def _dense_tiles(
     Query row m is at position Q0 + m; key rows are positions [0, N_KEYS)."""
     valid = (offs_n[None, :] <= (Q0 + offs_m)[:, None]) & (offs_n[None, :] >= ds[:, None]) & mask_m[:, None]
     mask_n = offs_n < N_KEYS
-    p = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for h in range(H):
-        s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            mask_d = offs_d < D
-            q = tl.load(QM + b * stride_qb + offs_m[:, None].to(tl.int64) * stride_qt + h * stride_qh + offs_d[None, :],
-                        mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-            k = tl.load(KM + b * stride_kb + offs_n[:, None].to(tl.int64) * stride_kt + h * stride_kh + offs_d[None, :],
-                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-            s += tl.dot(q, tl.trans(k))
-        lse2 = tl.load(LSE2 + (b * H + h) * T + offs_m, mask=mask_m, other=float("inf"))
-        p += tl.exp2(s * scale_log2 - lse2[:, None])
-    p = tl.where(valid, p * inv_h, 0.0)
+    p = _target_tile(QM, KM, LSE2, b, offs_m, mask_m, offs_n, mask_n, valid,
+                     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                     T, H, scale_log2, inv_h, D, BLOCK_M, BLOCK_N, BLOCK_D)
     offs_di = tl.arange(0, BLOCK_DI)
     mask_di = offs_di < DI
     ki = tl.load(KI + b * stride_kib + offs_n[:, None].to(tl.int64) * stride_kit + offs_di[None, :],
@@ -310,12 +335,7 @@ def _dense_kl_kernel(
     alone forms the main scores once more."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < T
-    ds = tl.load(DS + b * stride_db + Q0 + offs_m, mask=mask_m, other=2147483647).to(tl.int32)
-    lo = tl.min(ds, 0)
-    hi = Q0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, T)
-    start = (lo // BLOCK_N) * BLOCK_N
+    offs_m, mask_m, ds, start, hi = _query_block(DS, b, pid_m, stride_db, T, Q0, BLOCK_M, BLOCK_N)
 
     if STATS:
         lse_i, p_sum = _dense_kl_stats(
@@ -432,6 +452,53 @@ def plan_dense_lse(qm, km, ds, lse2, scale: float) -> Launch:
     )
 
 
+def dense_kl_inputs(q_idx, k_idx, w_idx, q_main, k_main, doc_start, lse_main):
+    """The dense KL launches' operands from an entry point's tensors (detached): q_I, k_I, q, k in
+    the compute dtype (fp32 on the compiled path -> bf16: fp32 dots would be TF32; `compute_dtype`),
+    w fp32, the doc starts contiguous and, given lse_main [B, T, H] (natural log), its log2-domain
+    [B, H, T] table with a row without keys at +inf (p = 0), as the lse kernel writes it (None
+    without it) -> (qi, ki, wi, qm, km, ds, lse2)."""
+    from ..._triton_common import compute_dtype, kernel_input
+
+    cdt = compute_dtype("dense_indexer_kl", q_idx, k_idx, q_main, k_main)
+    qi, ki = kernel_input(q_idx.detach(), cdt), kernel_input(k_idx.detach(), cdt)
+    wi = w_idx.detach().float().contiguous()
+    qm, km = kernel_input(q_main.detach(), cdt), kernel_input(k_main.detach(), cdt)
+    lse2 = None
+    if lse_main is not None:
+        lse2 = (lse_main.detach().float() * LOG2E).transpose(1, 2).contiguous()
+        lse2 = lse2.masked_fill_(lse2 == float("-inf"), float("inf"))
+    return qi, ki, wi, qm, km, doc_start.contiguous(), lse2
+
+
+def dense_kl_buffers(qi, n_keys: int, need: bool, zero: bool = True):
+    """The dense KL launches' fp32 outputs for the query rows of qi [B, T, H_I, D_I] over n_keys key
+    rows: kl, klu [B, T] (zeroed; left empty with zero=False) and, with need, the zeroed gradients
+    (dq [B, T, H_I, D_I], dk [B, n_keys, D_I], dw [B, T, H_I]); without need kl stands in for them
+    (the launch does not write them) -> (kl, klu, (dq, dk, dw))."""
+    B, T, HI, DI = qi.shape
+    new, dev = torch.zeros if zero else torch.empty, qi.device
+    kl, klu = (new((B, T), dtype=torch.float32, device=dev) for _ in range(2))
+    if not need:
+        return kl, klu, (kl, kl, kl)
+    return kl, klu, tuple(torch.zeros(shape, dtype=torch.float32, device=dev)
+                          for shape in ((B, T, HI, DI), (B, n_keys, DI), (B, T, HI)))
+
+
+def dense_kl_strides(qm, km, qi, ki, wi, ds) -> dict:
+    """The strides `_dense_kl_kernel` and `fused.py`'s kernel take: qm [B, T, H, D], km [B, N, H or
+    1, D] (the shared MQA key: head stride 0), qi [B, T, H_I, D_I], ki [B, N, D_I], wi [B, T, H_I],
+    ds [B, N]."""
+    return dict(
+        stride_qb=qm.stride(0), stride_qt=qm.stride(1), stride_qh=qm.stride(2),
+        stride_kb=km.stride(0), stride_kt=km.stride(1), stride_kh=0 if km.shape[2] == 1 else km.stride(2),
+        stride_qib=qi.stride(0), stride_qit=qi.stride(1), stride_qih=qi.stride(2),
+        stride_kib=ki.stride(0), stride_kit=ki.stride(1),
+        stride_wib=wi.stride(0), stride_wit=wi.stride(1),
+        stride_db=ds.stride(0),
+    )
+
+
 def plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, klu, dq, dk, dw, scale: float, grad: bool, q0: int = 0,
                   row_stats=None, stats: bool = True) -> Launch:
     """Eq. 3 per query row from the lse table: -> kl, klu [B, T] and, with grad, dq [B, T, H_I, D_I]
@@ -451,12 +518,7 @@ def plan_dense_kl(qm, km, qi, ki, wi, ds, lse2, kl, klu, dq, dk, dw, scale: floa
         dict(
             QM=qm, KM=km, QI=qi, KI=ki, WI=wi, DS=ds, LSE2=lse2,
             KL=kl, KLU=klu, LSEI=row_stats[0], PSUM=row_stats[1], DQI=dq, DKI=dk, DWI=dw,
-            stride_qb=qm.stride(0), stride_qt=qm.stride(1), stride_qh=qm.stride(2),
-            stride_kb=km.stride(0), stride_kt=km.stride(1), stride_kh=0 if km.shape[2] == 1 else km.stride(2),
-            stride_qib=qi.stride(0), stride_qit=qi.stride(1), stride_qih=qi.stride(2),
-            stride_kib=ki.stride(0), stride_kit=ki.stride(1),
-            stride_wib=wi.stride(0), stride_wit=wi.stride(1),
-            stride_db=ds.stride(0),
+            **dense_kl_strides(qm, km, qi, ki, wi, ds),
             T=T, Q0=q0, N_KEYS=km.shape[1], H=H, HI=HI, scale_log2=scale * LOG2E, inv_h=1.0 / H,
             D=D, DI=DI, GRAD=grad, STATS=stats,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
