@@ -33,7 +33,7 @@ buffer on top of what is live at the call.
 As in `chunk_ops`, real tensors call the launcher directly (not through torch's custom-op
 dispatcher, which failed now and then in the full suite with a C++ `vector::reserve` error): what
 runs on real CPU / CUDA tensors is unchanged; the op is entered only when an argument is a fake
-tensor. `tests/test_custom_ops.py` checks each fake against the launcher's real outputs (Triton
+tensor. `tests/custom_ops_cases.py` checks each fake against the launcher's real outputs (Triton
 interpreter, small shapes) and that a traced step saves what the kernel Functions save.
 """
 
