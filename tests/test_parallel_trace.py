@@ -71,7 +71,9 @@ def test_trace_of_671b_recipe_agrees_with_plan(recipe, tmp_path):
     assert t["world_size"] == {"v3.2_warmup": 128, "v3.2_sparse": 1024}[recipe]
     # a CUDA recipe traces the Triton Functions through their custom ops (dsa_kernels/custom_ops.py)
     ops = {"v3.2_warmup": {"mla_attention_rows", "dense_kl_stats", "dense_kl_grads"},
-           "v3.2_sparse": {"indexer_topk", "sparse_mla_fwd", "sparse_mla_bwd", "sparse_kl_stats", "sparse_kl_grads"}}
+           # TP 1: the KL takes its target from the attention's forward (the `*_target` ops)
+           "v3.2_sparse": {"indexer_topk", "sparse_mla_fwd", "sparse_mla_bwd", "sparse_kl_stats_target",
+                           "sparse_kl_grads_target"}}
     assert t["kernels"] == "cuda" and {k.split("::")[1] for k in t["kernel_ops"]} == ops[recipe], t["kernel_ops"]
     traced, planned = t["traced"], t["planned"]
     assert t["traced_peak_bytes"] == sum(traced.values())
