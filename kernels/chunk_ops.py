@@ -57,8 +57,10 @@ def _signature(a):
     return a
 
 
-def chunk_loop_op(qualname: str, fake: Callable, worst_chunk: Callable):
-    """Register the decorated chunk loop as the custom op `qualname` (see the module doc)."""
+def fake_dispatched_op(qualname: str, fake: Callable, workspace: Callable | None = None):
+    """Register the decorated function as the custom op `qualname`, entered only with fake tensors
+    (real ones call the function itself): `fake(*args)` gives its outputs; `workspace(*args)`, if
+    given, is offered to the trace's workspace listeners as the op's transient working set."""
 
     def deco(fn):
         op = torch.library.custom_op(qualname, mutates_args=())(fn)
@@ -66,10 +68,10 @@ def chunk_loop_op(qualname: str, fake: Callable, worst_chunk: Callable):
         @op.register_fake
         def _fake(*args, **kwargs):
             out = fake(*args, **kwargs)
-            if _WORKSPACE_LISTENERS:
+            if workspace is not None and _WORKSPACE_LISTENERS:
                 key = (qualname, *(_signature(a) for a in (*args, *kwargs.values())))
                 for listener in list(_WORKSPACE_LISTENERS):
-                    listener(key, lambda: worst_chunk(*args, **kwargs))
+                    listener(key, lambda: workspace(*args, **kwargs))
             return out
 
         @functools.wraps(fn)
@@ -82,3 +84,9 @@ def chunk_loop_op(qualname: str, fake: Callable, worst_chunk: Callable):
         return call
 
     return deco
+
+
+def chunk_loop_op(qualname: str, fake: Callable, worst_chunk: Callable):
+    """Register the decorated chunk loop as the custom op `qualname` (see the module doc): its
+    working set is its worst chunk's."""
+    return fake_dispatched_op(qualname, fake, worst_chunk)

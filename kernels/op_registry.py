@@ -40,14 +40,12 @@ interpreter, small shapes) and that a traced step saves what the kernel Function
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Callable
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 from ._triton_common import _TRACE_CUDA, cuda_path_traced
-from .chunk_ops import _WORKSPACE_LISTENERS, _signature
+from .chunk_ops import fake_dispatched_op
 
 __all__ = ["OPS", "cuda_path_traced", "f32_empty", "kernel_op", "trace_cuda_path"]
 
@@ -72,25 +70,8 @@ def kernel_op(qualname: str, fake: Callable, workspace: Callable | None = None):
     launcher's transient working set (see the module doc)."""
 
     def deco(fn):
-        op = torch.library.custom_op(qualname, mutates_args=())(fn)
-
-        @op.register_fake
-        def _fake(*args, **kwargs):
-            out = fake(*args, **kwargs)
-            if workspace is not None and _WORKSPACE_LISTENERS:
-                key = (qualname, *(_signature(a) for a in (*args, *kwargs.values())))
-                for listener in list(_WORKSPACE_LISTENERS):
-                    listener(key, lambda: workspace(*args, **kwargs))
-            return out
-
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            if any(isinstance(a, FakeTensor) for a in (*args, *kwargs.values())):
-                return op(*args, **kwargs)
-            return fn(*args, **kwargs)
-
-        call.op = op
-        OPS[qualname] = op
+        call = fake_dispatched_op(qualname, fake, workspace)(fn)
+        OPS[qualname] = call.op
         return call
 
     return deco
