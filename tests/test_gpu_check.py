@@ -180,8 +180,10 @@ def test_cpu_small_run_writes_both_reports_and_every_kernel_check_passes(tmp_pat
     checks = report["checks"]
     assert {c["section"] for c in checks} == set(KERNEL_SECTIONS)
     corr = [c for c in checks if c["section"] == "correctness"]
-    # + the 3 CP checks, the warm-up's 2 attention checks and the dense KL at CP offsets (issue 32)
-    assert len(corr) == len(CORRECTNESS_OPS) * len(DIMS_SMALL.seq_lens) + 6
+    # + the 3 CP checks, the warm-up's 2 attention checks, the dense KL at CP offsets and the kernel
+    # custom ops' fakes (issue 32)
+    assert len(corr) == len(CORRECTNESS_OPS) * len(DIMS_SMALL.seq_lens) + 7
+    assert "correctness.custom_op_fakes" in {c["name"] for c in corr}
     assert all(c["status"] == "pass" for c in corr), [(c["name"], c["summary"]) for c in corr if c["status"] != "pass"]
     for c in corr:  # each compared output within its tolerance, and not trivially (errors were measured)
         for name, o in c["metrics"].get("outputs", {}).items():
