@@ -45,8 +45,8 @@ def attention_flops_per_token(cfg: DSAConfig, seq_len: int, attention: str, topk
     avg_keys = (seq_len + 1) / 2
     if attention == "sparse":
         k = topk or cfg.index_topk
-        # mean over t of min(t + 1, k)
-        keys = sum(min(t + 1, k) for t in range(seq_len)) / seq_len if seq_len <= 1 << 16 else min(avg_keys, k)
+        # mean over t of min(t + 1, k): k - k (k - 1) / 2T when k <= T, else (T + 1) / 2
+        keys = k - k * (k - 1) / (2 * seq_len) if k <= seq_len else avg_keys
         d_qk = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         main = 2 * H * keys * (d_qk + cfg.kv_lora_rank)  # MQA form: scores + latent values
         main += 2 * 2 * H * cfg.qk_nope_head_dim * cfg.kv_lora_rank  # W_UK absorb, W_UV out
@@ -70,7 +70,9 @@ def flops_per_token(
     run forward + backward (x3); the main model runs forward + backward (x3) with `main_backward`,
     else forward only (x1); `lm_head` adds the LM head to the main model's part;
     `kl_recomputes_main_scores` adds one more pass over the main attention scores (the KL target).
-    What a stage runs is said by its kind (`dsa_train.stage.Stage.flops_per_token`)."""
+    What a stage runs is said by its kind (`dsa_train.stage.Stage.flops_per_token`); the same count,
+    part by part beside what the step issues, is `dsa_train.model.step_flops` (a test holds the two
+    equal)."""
     attn = attention_flops_per_token(cfg, seq_len, attention, topk)
     head = 2 * cfg.hidden_size * cfg.vocab_size
     main_fwd, indexer_fwd = 0.0, 0.0
