@@ -36,8 +36,9 @@ Sparse training (kind "all", attention "sparse"; report eq. 4):
                          whose top-k indices the memo did not keep (`indexer_topk.memo`)
   select                 the top-k select over the score rows: no FLOPs, its bytes (radix default)
   sparse_kl              the sparse KL's statistics pass (forward; again in the recompute) and its
-                         gradient pass (backward) over the k selected slots (model: 2x the
-                         indexer's scores, the convention's backward of the indexer)
+                         gradient pass (backward) over the k selected slots (model: the backward of
+                         the indexer's scores at the k_t selected slots, 2 x (2 H_I d_I + 2 H_I) per
+                         slot: eq. 4 differentiates only those)
   indexer_projections    wq_b / wk / weights_proj: forward and weight gradients (the input is
                          detached: no input gradient); model x3 (the convention)
 Not counted: norms, RoPE, softmax, routing and the optimizer (elementwise); the top-k recall
@@ -58,7 +59,8 @@ Dense warm-up (kind "indexer", attention "dense"; report eq. 3; what `MLA._forwa
                          576-dim key under it) and the indexer scores per causal key tile; bytes from
                          the same analysis (the shared key counted once per key tile: its other
                          heads' loads are L2 hits). Model: the convention's KL target pass over the
-                         main scores (2 H (192 + 128) per key) and the indexer scores x3.
+                         main scores (2 H (192 + 128) per key) and the indexer's scores, forward
+                         (stats) and backward (grad, 2x) over every causal key.
   At the 671B shapes the KL's bytes decide; measured at T = 32K (MHA form) on an H200
   (docs/gpu-check/NVIDIA-H200) the kernel took 1059 ms forward and 2910 ms backward per layer where
   this bound gives 319 and 494 ms at 4.8 TB/s: a lower bound on the KL's time, not a prediction.
@@ -137,10 +139,6 @@ def _keys(seq_len: int, k: int) -> float:
     return k - k * (k - 1) / (2 * seq_len) if k <= seq_len else (seq_len + 1) / 2
 
 
-def _index_scores_fwd(cfg: DSAConfig, seq_len: int) -> float:
-    return attention_flops_per_token(cfg, seq_len, "dense")["indexer"]
-
-
 def _layer_split(cfg: DSAConfig, i: int) -> dict[str, float]:
     """2 x the matmul parameters of layer i: attention projections, MLP (dense or MoE), indexer."""
     h, H = cfg.hidden_size, cfg.num_attention_heads
@@ -171,7 +169,8 @@ def _sparse_parts(c: DSAConfig, T: int, k: int, indexer_loss: bool, recompute: s
         rec[kind] += s["mlp"] * (recompute == "full" or (recompute == "moe" and kind == "moe"))
     absorb = L * 2.0 * 2.0 * H * c.qk_nope_head_dim * c.kv_lora_rank
     mla_fwd = L * 2.0 * H * keys * (d_qk + d_v)
-    scores = L * _index_scores_fwd(c, T)
+    a = attention_flops_per_token(c, T, "sparse", k)
+    scores, scores_bwd = L * a["indexer"], L * a["indexer_backward"]
     parts = {
         "attention_projections": StepPart(3 * proj["attention"], 3 * proj["attention"] + rec["attention"],
                                           recomputed=rec["attention"]),
@@ -185,7 +184,7 @@ def _sparse_parts(c: DSAConfig, T: int, k: int, indexer_loss: bool, recompute: s
     parts["indexer_projections"] = StepPart(3 * idx_proj, (grads + r_attn) * idx_proj, recomputed=r_attn * idx_proj)
     if not issued:
         parts.update(sparse_mla_forward=StepPart(mla_fwd, 0.0), sparse_mla_backward=StepPart(2 * mla_fwd, 0.0),
-                     index_scores=StepPart(scores, 0.0), sparse_kl=StepPart(2 * scores, 0.0))
+                     index_scores=StepPart(scores, 0.0), sparse_kl=StepPart(scores_bwd, 0.0))
         return parts
     w = _sparse_kernel_work(c, T, k, micro_batch, index_scores)
     per_layer = keys / k  # the analysis is per row with all k slots valid; rows t < k walk t + 1
@@ -210,10 +209,10 @@ def _sparse_parts(c: DSAConfig, T: int, k: int, indexer_loss: bool, recompute: s
         f_s, b_s = w["kl_stats"]
         f_g, b_g = w["kl_grad"]
         runs = 1 + r_attn
-        parts["sparse_kl"] = StepPart(2 * scores, L * per_layer * (runs * f_s + f_g), L * per_layer * (runs * b_s + b_g),
+        parts["sparse_kl"] = StepPart(scores_bwd, L * per_layer * (runs * f_s + f_g), L * per_layer * (runs * b_s + b_g),
                                       recomputed=L * per_layer * r_attn * f_s)
     else:  # no KL: the indexer's scores train nothing, the convention's backward of them is not run
-        parts["sparse_kl"] = StepPart(2 * scores, 0.0)
+        parts["sparse_kl"] = StepPart(scores_bwd, 0.0)
     return parts
 
 
@@ -315,7 +314,7 @@ def _warmup_parts(c: DSAConfig, T: int, context: int, recompute: str, issued: bo
     kl = _dense_kl_work(c, T, cp) if issued else {"kl_stats": (0.0, 0.0), "kl_grad": (0.0, 0.0)}
     # the convention: the KL target's pass over the main scores, the indexer's scores x3
     parts["kl_stats"] = StepPart(L * attn["main"] + scores, L * kl["kl_stats"][0], L * kl["kl_stats"][1])
-    parts["kl_grad"] = StepPart(2 * scores, L * kl["kl_grad"][0], L * kl["kl_grad"][1])
+    parts["kl_grad"] = StepPart(L * attn["indexer_backward"], L * kl["kl_grad"][0], L * kl["kl_grad"][1])
     return parts
 
 
@@ -357,9 +356,10 @@ def _other_parts(c: DSAConfig, T: int, attention: str, k: int, main_backward: bo
     L = c.num_hidden_layers
     x = 3 if main_backward else 1
     layers = sum(2.0 * layer_linear_params(c, i)["main"] for i in range(L)) + L * attn["main"]
-    indexer = sum(2.0 * layer_linear_params(c, i)["indexer"] for i in range(L)) + L * attn["indexer"]
+    indexer = (3 * sum(2.0 * layer_linear_params(c, i)["indexer"] for i in range(L))
+               + L * (attn["indexer"] + attn["indexer_backward"]))
     rec = layers if (main_backward and recompute == "full") else 0.0
-    parts = {"main": StepPart(x * layers, x * layers + rec, recomputed=rec), "indexer": StepPart(3 * indexer, 3 * indexer)}
+    parts = {"main": StepPart(x * layers, x * layers + rec, recomputed=rec), "indexer": StepPart(indexer, indexer)}
     if lm_head:
         head = 2.0 * c.hidden_size * c.vocab_size
         parts["lm_head"] = StepPart(x * head, x * head)
