@@ -17,6 +17,7 @@ from dsa_train.config import Attention, OptimConfig, StageConfig, Trainable
 from dsa_train.model import DSAForCausalLM, tiny_config
 from dsa_train.stage import Stage
 from dsa_train.trainer import Engine
+from tests.reliability_helpers import TINY
 
 SPARSE = StageConfig(attention=Attention.sparse, trainable=Trainable.all, lm_loss_coef=1.0, indexer_loss_coef=1.0,
                      lr=1e-3, steps=4, topk=8)
@@ -52,15 +53,11 @@ def test_loading_makes_state_only_where_the_checkpoint_has_some():
 
 DRIVER = Path(__file__).with_name("reliability_driver.py")
 REPO = Path(__file__).resolve().parents[1]
-# warm-up global steps 1-2, sparse 3-5; a checkpoint after every step (the sparse stage's 3 and 4 hold
-# optimizer state; a stage's last one does not)
-OVERRIDES = [
-    "~stages.pretrain", "logging.wandb_mode=disabled", "logging.progress_bar=false", "data.seq_len=64",
-    "data.micro_batch_size=2", "probe_batches=0", "deterministic=true", "stages.warmup.steps=2",
-    "stages.warmup.global_batch_size=2", "stages.sparse.steps=3", "stages.sparse.global_batch_size=2",
-    "stages.sparse.topk=16", "stages.sparse.warmup_steps=1", "checkpoint.every_n_steps=1",
-    "checkpoint.keep_last=4", "checkpoint.export=false",
-]
+# reliability_helpers.TINY (the demo recipe, two tiny stages, a checkpoint after every step) with 3 sparse
+# steps: warm-up global steps 1-2, sparse 3-5; the sparse stage's checkpoints 3 and 4 hold optimizer
+# state (a stage's last one does not)
+OVERRIDES = [o for o in TINY if not o.startswith("stages.sparse.steps=")] + [
+    "stages.sparse.steps=3", "deterministic=true", "checkpoint.keep_last=4"]
 
 
 def _run(run_dir: Path, fault: str | None = None) -> int:
