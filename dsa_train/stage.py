@@ -3,7 +3,8 @@ which loss terms count and what a step costs.
 
 A recipe's stage is `config.StageConfig` (the Hydra schema: attention, trainable, loss
 coefficients, schedule). `Stage.of(name, stage_config)` reads it once; the engines' parameter
-selection, the step, the probes, the FLOPs count, the planner, the profiles and the summary ask
+selection, the step, the probes, the FLOPs count (the trainer's MFU and the plan's step time:
+`Stage.step_flops`), the planner, the profiles and the summary ask
 the `Stage`, none of them reads `trainable` or the loss coefficients itself.
 
 The value of `stages.<name>.trainable` names a `StageKind` declared in `STAGE_KINDS` below: which
@@ -227,13 +228,24 @@ class Stage:
 
     # ------------------------------------------------------------------ cost
     def flops_per_token(self, model_config: DSAConfig, seq_len: int) -> float:
-        """Training FLOPs per token of one step (dsa_train.model.flops, as this kind runs it)."""
-        from dsa_train.model.flops import flops_per_token
+        """Model FLOPs per token of one training step, as users count them (docs/training.md): the
+        numerator of the trainer's `perf/mfu`, and the plan's model FLOPs. The model column of
+        `step_flops` (whatever the layout: it does not depend on it)."""
+        return self.step_flops(model_config, seq_len, issued=False).model
 
-        return flops_per_token(
+    def step_flops(self, model_config: DSAConfig, seq_len: int, context: int = 1, recompute: str = "none",
+                   micro_batch: int = 1, issued: bool = True):
+        """This stage's step per token, part by part: the FLOPs users count beside the FLOPs and bytes
+        the CUDA path issues under this layout (`dsa_train.model.step_flops.StepFlops`; the plan times
+        the issued column, the trainer's MFU divides the model column by the step's time)."""
+        from dsa_train.model.step_flops import step_flops
+
+        return step_flops(
             model_config, seq_len, self.attention, self.topk_for(model_config),
             main_backward=self.kind.main_backward, lm_head=self.kind.lm_head,
-            kl_recomputes_main_scores=self.kind.kl_recomputes_main_scores,
+            kl_recomputes_main_scores=self.kind.kl_recomputes_main_scores, indexer_loss=self.uses_indexer_loss,
+            context=context, recompute=recompute, micro_batch=micro_batch, index_scores=self.index_scores,
+            issued=issued,
         )
 
     def describe(self, trainable_tensors: int) -> str:

@@ -154,7 +154,7 @@ def _assert_train_kill_resume(out: Outcome, device: str):
     for stage in m["stages"].values():
         assert stage["tokens_per_s"] > 0 and stage["step_time_s"] > 0 and stage["peak_memory_gib"] > 0
         assert stage["mfu"] is None or stage["mfu"] > 0
-        assert stage["plan_gib"] > 0 and stage["plan_tokens_per_s"] > 0 and stage["plan_mfu"] == 0.35
+        assert stage["plan_gib"] > 0 and stage["plan_tokens_per_s"] > 0 and 0 < stage["plan_mfu"] <= m["plan"]["assumed_mfu"]
         assert stage["peak_memory_kind"] == ("allocated" if device == "cuda" else "RSS")
     assert m["plan"]["layout"]["zero"] == 2 and m["plan"]["layout"]["world"] == 1
     assert "bitwise equal" in out.summary and "plan" in out.summary

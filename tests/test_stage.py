@@ -67,10 +67,15 @@ def test_flops_per_token_of_the_shipped_kinds():
         attn = flops.attention_flops_per_token(cfg, T, attention, topk or cfg.index_topk)
         layers = [flops.layer_linear_params(cfg, i) for i in range(cfg.num_hidden_layers)]
         main_fwd = sum(2 * p["main"] + attn["main"] for p in layers)
-        indexer_fwd = sum(2 * p["indexer"] + attn["indexer"] for p in layers)
+        # the indexer: projections x3; scores forward over every causal key, backward over the keys its
+        # loss differentiates (all causal ones dense, the k_t selected ones sparse)
+        indexer = sum(3 * 2 * p["indexer"] + attn["indexer"] + attn["indexer_backward"] for p in layers)
+        per_key = 2 * cfg.index_n_heads * cfg.index_head_dim + 2 * cfg.index_n_heads
+        keys = (T + 1) / 2 if attention == "dense" else sum(min(t + 1, topk) for t in range(T)) / T
+        assert attn["indexer_backward"] == pytest.approx(2 * per_key * keys, rel=1e-12)
         head = 2 * cfg.hidden_size * cfg.vocab_size
-        warmup = main_fwd + 3 * indexer_fwd + cfg.num_hidden_layers * attn["main"]
-        full = 3 * (main_fwd + head) + 3 * indexer_fwd
+        warmup = main_fwd + indexer + cfg.num_hidden_layers * attn["main"]
+        full = 3 * (main_fwd + head) + indexer
         common = dict(attention=Attention(attention), topk=topk)
         assert Stage.of("w", StageConfig(trainable=Trainable.indexer, **common)).flops_per_token(cfg, T) \
             == pytest.approx(warmup, rel=1e-12)

@@ -49,7 +49,7 @@ from __future__ import annotations
 import hashlib
 import math
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -283,18 +283,23 @@ class Fragment:
         return {key: self.view(state[key]) for key in MOMENTS if key in state}
 
 
-def optimizer_pieces(engine, tp_size: int = 1, create: bool = False, writer: ReplicaCoordinates | None = None
-                     ) -> dict[str, GlobalPieces]:
+def optimizer_pieces(engine, tp_size: int = 1, create: bool | Collection[str] = False,
+                     writer: ReplicaCoordinates | None = None) -> dict[str, GlobalPieces]:
     """optim/<kind>/<name> -> this rank's fragments of the fp32 masters and AdamW moments.
-    `create`: make the optimizer's state (zeros) where it has none yet, to load into. `writer`:
-    only the fragments this rank writes (`proposes`)."""
+    `create`: make the optimizer's state (zeros) where it has none yet, to load into -- True: for
+    every fragment; a collection of keys (a checkpoint's `saved_keys`): only for the fragments whose
+    moments it holds. A resume passes the checkpoint's keys: state made for a parameter that never
+    gets a gradient (the MTP layer of a stage without the MTP loss) would stay, zeros, and be
+    written by every later checkpoint (+47% on the demo model; docs/reliability.md). `writer`: only
+    the fragments this rank writes (`proposes`)."""
     out: dict[str, GlobalPieces] = {}
     for f in engine.fragments():
         if writer is not None and not proposes("optim/" + f.name, replica_slot(f.param, True, writer)):
             continue
         local_shape = f.shape or tuple(f.param.shape)
         shape, base = sharding_of(f.param).place(local_shape, tp_size)
-        views = {"master": f.master(), **f.moments(create)}
+        make = create if isinstance(create, bool) else any(optim_key(k, f.name) in create for k in MOMENTS)
+        views = {"master": f.master(), **f.moments(make)}
         for offs, sizes, at in range_boxes(local_shape, f.start, f.numel):
             offsets = tuple(b + o for b, o in zip(base, offs))
             for kind, flat in views.items():

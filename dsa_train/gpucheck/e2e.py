@@ -422,7 +422,8 @@ def stage_figures(stage_names, rows: dict[int, dict], device: str, plan: dict, s
             "peak_memory_kind": "allocated" if device == "cuda" else "RSS",
             "plan_gib": p["total_gib"], "plan_gib_by_category": p["gib"],
             "plan_step_s": p["step_s"], "plan_tokens_per_s": tokens_per_step / p["step_s"] if p["step_s"] else None,
-            "plan_mfu": plan["assumed_mfu"],
+            # the MFU the trainer would report at the plan's step time (the same model FLOPs, `Stage.flops_per_token`)
+            "plan_mfu": p["step_detail"]["mfu"],
         }
     return out
 

@@ -29,9 +29,9 @@ traces one training step of the largest stage under FakeTensorMode (dsa_train.pl
 the per-category peak beside these figures, and every collective of the step beside the plan's
 communication (dsa_train.plan.trace_comm); `--json` prints it as one JSON object on the last
 line.
-Step time: training FLOPs of the stage (`Stage.flops_per_token`, indexer included) at the given
-MFU -- for the dense warm-up, what its frozen path runs (`plan_warmup`: the KL kernel at
-max(FLOPs at the MFU, bytes at --hbm-tbps)) --, plus every kind of communication of the step (dsa_train.plan.comm: MoE all-to-all
+Step time: the stage's step as the CUDA path runs it, part by part (`Stage.step_flops`,
+dsa_train/model/step_flops.py: matmuls at the given MFU, kernels at max(issued FLOPs at the MFU,
+bytes at --hbm-tbps); dsa_train.plan.compute), plus every kind of communication of the step (dsa_train.plan.comm: MoE all-to-all
 in the forward, the recompute and the backward; CP gathers; TP; the data-parallel gradient
 reduction, per micro-batch under ZeRO-2; ZeRO's parameter all-gather; the step's small
 all-reduces) at the EFFECTIVE bandwidths and latencies of the recipe's `cluster.network` (not
@@ -252,20 +252,16 @@ def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
     # update's temporaries; activations and DSA buffers are freed by then) -- the peak is the larger
     step_phase = g["parameters"] + g["gradients"] + g["optimizer"] + step_temporaries
     p.step_detail_gib = {"optimizer_step_temporaries": step_temporaries, "optimizer_step_phase": step_phase}
-    # step time: compute at the MFU, plus every kind of communication at the cluster's effective
-    # bandwidths (plan/comm.py), added without overlap
-    tokens = stage.config.global_batch_size * cfg.data.seq_len
-    fpt = stage.flops_per_token(c, cfg.data.seq_len)
-    compute = tokens * fpt / (sizes.world * opts.peak_tflops * 1e12 * opts.mfu)
-    warmup = None
-    if not main_trains and stage.attention == "dense":  # the frozen warm-up: what `MLA._forward_frozen` runs
-        from dsa_train.plan.warmup import warmup_compute_seconds, warmup_step_work
+    # step time: every part of the step as the CUDA path issues it (`Stage.step_flops`: FLOPs at the MFU,
+    # kernels at max(FLOPs at the MFU, bytes at the HBM bandwidth)), plus every kind of communication at
+    # the cluster's effective bandwidths (plan/comm.py), added without overlap
+    from dsa_train.plan.compute import compute_seconds
 
-        work = warmup_step_work(c, cfg.data.seq_len, sizes.context, cfg.parallel.recompute)
-        warmup = warmup_compute_seconds(work, tokens / sizes.world, opts.peak_tflops * 1e12, opts.mfu,
-                                        getattr(opts, "hbm_tbps", 3.35) * 1e12)
-        warmup.update(flops_per_token_before=fpt, compute_s_before=compute, kl_bytes_per_token=work["kl_bytes"])
-        fpt, compute = work["total_flops"], warmup["compute_s"]
+    tokens = stage.config.global_batch_size * cfg.data.seq_len
+    step = stage.step_flops(c, cfg.data.seq_len, sizes.context, cfg.parallel.recompute, cfg.data.micro_batch_size)
+    timing = compute_seconds(step, tokens / sizes.world, opts.peak_tflops * 1e12, opts.mfu,
+                             getattr(opts, "hbm_tbps", 3.35) * 1e12)
+    compute = timing["compute_s"]
     # what gets a gradient to reduce: the trainable parameters less the MTP layer's where it does not run
     reduced_dense, reduced_expert = t_dense, t_expert
     if main_trains and not stage.uses_mtp:
@@ -281,10 +277,14 @@ def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
     p.total_gib = max(sum(g.values()), step_phase + g["nccl_buffers"])
     comm = sum(r["seconds"] for r in p.communication)
     p.step_s = compute + comm
+    # the MFU the trainer reports (`perf/mfu`: the stage's model FLOPs over the step's time) at this step time
+    model_fpt = stage.flops_per_token(c, cfg.data.seq_len)
     p.step_detail = {"compute_s": compute, "communication_s": comm, "micro_batches": shape.micro_batches,
-                     "flops_per_token": fpt, "tokens_per_step": tokens}
-    if warmup is not None:
-        p.step_detail["warmup"] = warmup
+                     "flops_per_token": model_fpt, "issued_flops_per_token": step.issued,
+                     "recomputed_flops_per_token": step.recomputed, "hbm_bytes_per_token": step.hbm_bytes,
+                     "tokens_per_step": tokens, "model_flops_compute_s": timing["model_flops_s"],
+                     "mfu": tokens * model_fpt / (sizes.world * opts.peak_tflops * 1e12 * p.step_s) if p.step_s else 0.0,
+                     "parts": timing["parts"]}
     for key, kinds in COMM_SUMMARY.items():
         p.step_detail[key] = sum(r["seconds"] for r in p.communication if r["kind"].startswith(kinds))
     return p
@@ -345,14 +345,12 @@ def format_plan(plan: dict) -> str:
         out.append(f"      step ~{s['step_s']:.1f} s = compute {d['compute_s']:.1f} + communication "
                    f"{d['communication_s']:.1f} (MoE all-to-all {d['moe_all_to_all_s']:.1f}, gradients "
                    f"{d['grad_reduce_s']:.1f}, CP gather {d['cp_gather_s']:.2f}, TP {d['tp_s']:.1f}; not overlapped); "
-                   f"{d['micro_batches']} micro-batches; {d['flops_per_token'] / 1e9:.1f} GFLOP/token")
-        if "warmup" in d:
-            w = d["warmup"]
-            parts = ", ".join(f"{k} {v:.1f}" for k, v in w["parts_s"].items())
-            out.append(f"      warm-up compute as it runs (frozen main model, library attention, dense KL kernel): "
-                       f"{w['compute_s']:.1f} s, of which the KL {w['kl_s']:.1f} s ({w['kl_bound']}-bound, "
-                       f"{w['kl_bytes_per_token'] / 1e6:.1f} MB/token); at the MFU: {parts}; was "
-                       f"{w['compute_s_before']:.1f} s ({w['flops_per_token_before'] / 1e9:.1f} GFLOP/token)")
+                   f"{d['micro_batches']} micro-batches; {d['flops_per_token'] / 1e9:.1f} model GFLOP/token (MFU's), "
+                   f"{d['issued_flops_per_token'] / 1e9:.1f} issued; MFU at this step {d['mfu']:.1%}")
+        parts = ", ".join(f"{k} {v['seconds']:.1f}" + (" (memory)" if v["bound"] == "memory" else "")
+                          for k, v in d["parts"].items())
+        out.append(f"      compute by part (s; FLOPs at the MFU, kernels at max(FLOPs, bytes at --hbm-tbps)): {parts}; "
+                   f"the model FLOPs alone at the MFU: {d['model_flops_compute_s']:.1f} s")
         out.append(f"      {'communication per step':33s} {'op':14s} {'group':>18s} {'calls':>7s} {'GB sent':>9s} "
                    f"{'seconds':>8s}")
         for r in s["communication"]:
@@ -371,7 +369,7 @@ def parse_opts(argv):
     p.add_argument("--mfu", type=float, default=0.35)
     p.add_argument("--gpu-gb", type=float, default=80.0, help="GPU memory in GiB (an \"80 GB\" H100 reports 79.2 GiB)")
     p.add_argument("--hbm-tbps", type=float, default=3.35,
-                   help="HBM bandwidth per GPU in TB/s (H100 SXM: 3.35; H200: 4.8): the warm-up KL kernel's bytes")
+                   help="HBM bandwidth per GPU in TB/s (H100 SXM: 3.35; H200: 4.8): the kernels' bytes (memory-bound parts)")
     p.add_argument("--usable", type=float, default=0.9, help="fraction of GPU memory the plan may use")
     p.add_argument("--net-gbps", type=float, default=None, help=argparse.SUPPRESS)  # gone: cluster.network
     p.add_argument("--world", type=int, default=None, help="ranks (default: cluster.nodes x procs/GPUs per node)")

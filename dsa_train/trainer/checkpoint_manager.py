@@ -189,7 +189,8 @@ class CheckpointManager:
         if loaded is None or loaded.optimizer is None:
             return
         saved = loaded.saved_keys()
-        pieces = {k: v for k, v in self.layout.optimizer_pieces(engine, create=True).items() if k in saved}
+        # state made only where the checkpoint has some: none for parameters that never had a gradient
+        pieces = {k: v for k, v in self.layout.optimizer_pieces(engine, create=saved).items() if k in saved}
         try:
             loaded.load(pieces, self.layout.checkpoint_group)
         except ckpt.CorruptCheckpoint as err:
