@@ -28,9 +28,11 @@ maxnreg 168 x 384 threads: one CTA per SM):
      row (the two warp groups split the columns: 144 registers a thread), stored once at the end;
      the stage is released (`empty[s]`) as soon as both warp groups are past this product, so the
      producer gathers the next tile under the dkv products;
-  4. `dkv^T = q^T dS + dO^T P` (latent, four 128-column chunks: M = 128, one 64-row half per warp
-     group, K = 64 heads, N = BLOCK_K keys) and `q_rope^T dS` (rope, M = 64), each chunk added to
-     dkv's selected rows by relaxed fp32 atomics straight from the accumulator (16 registers).
+  4. `dkv^T = q^T dS + dO^T P` (latent, by DKV_CHUNK-column chunks, K = 64 heads, N = BLOCK_K keys)
+     and `q_rope^T dS` (rope, M = 64), each chunk added to dkv's selected rows by relaxed fp32
+     atomics straight from the accumulator. DKV_CHUNK 64 (the two warp groups split the keys, 8
+     registers a thread) or 128 (one 64-row half per warp group: each reads only its half of q^T and
+     dO^T, 16 registers).
   dS and P in shared memory are rewritten only after both warp groups are past the previous tile's
   dkv products (a consumer barrier).
 
@@ -63,7 +65,10 @@ from .gluon_fwd import LOG2E, GluonLaunch, _cp_async, _cta_barrier, gluon_fwd_su
 BLOCK_H = 64  # heads per CTA (S / dP's M; dkv^T's K)
 BLOCK_K = 32  # keys per tile (S / dP's N, dq's K, dkv^T's N)
 STAGES = 2  # shared-memory ring of gathered tiles
-DKV_CHUNK = 128  # latent columns of one dkv^T product (M: one 64-row half per consumer warp group)
+# latent columns of one dkv^T product: 64 (M = 64: the two warp groups split its keys; no spill under
+# Triton 3.6 or 3.9) or 128 (M = 128: one 64-row half per warp group, so each reads only its half of
+# q^T / dO^T: half the shared-memory reads of those products, no spill under 3.6, 48 B under 3.9)
+DKV_CHUNK = 64
 PRODUCER_WARPS = 4
 PRODUCER_REGS = 40  # the consumers get (MAXNREG x 384 - 40 x 128) / 256 = 232
 CONSUMER_WARPS = 8
@@ -121,7 +126,7 @@ def _dkv_add(acc, DKV_B, rows, col0, stride_dkt, lay: gl.constexpr, M: gl.conste
 
 @gluon.jit
 def _consumer(Q, DO, NSLOT, LSE, DELTA, DQ, DKV, q_lat3, q_rope3, do_smem3, kv_lat, kv_rope, rows_smem,
-              ds_smem, p_smem, ready, empty, b, t, hb,
+              ds_smem, p_smem, stat_smem, ready, empty, b, t, hb,
               stride_qb, stride_qt, stride_qh, stride_dob, stride_dot, stride_doh, stride_nb,
               stride_lb, stride_lt, stride_dqb, stride_dqt, stride_dqh, stride_dkb, stride_dkt,
               scale, scale_log2, N_HB,
@@ -136,9 +141,14 @@ def _consumer(Q, DO, NSLOT, LSE, DELTA, DQ, DKV, q_lat3, q_rope3, do_smem3, kv_l
                                                      instr_shape=[16, D_V // 2, 16])
     dqr_lay: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, D_R // 2, 16])
-    # dkv^T [DKV_CHUNK columns, BLOCK_K keys]: one 64-row half per warp group; rope [64, BLOCK_K]
-    dkv_lay: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                      instr_shape=[16, BLOCK_K, 16])
+    # dkv^T [DKV_CHUNK columns, BLOCK_K keys]: 64 -> the warp groups split the keys, 128 -> one 64-row
+    # half per warp group; rope [64, BLOCK_K]
+    if DKV_CHUNK == 64:
+        dkv_lay: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                          instr_shape=[16, BLOCK_K // 2, 16])
+    else:
+        dkv_lay: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                          instr_shape=[16, BLOCK_K, 16])
     dkvr_lay: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                        instr_shape=[16, BLOCK_K // 2, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_lay)
@@ -164,7 +174,9 @@ def _consumer(Q, DO, NSLOT, LSE, DELTA, DQ, DKV, q_lat3, q_rope3, do_smem3, kv_l
     lse = gl.load(LSE + stat)
     delta = gl.load(DELTA + stat)
     # p = exp2(s scale log2e - lse log2e); a row without a valid slot has lse = -inf -> p = 0
-    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    # both kept in shared memory, read per tile: 4 registers a thread fewer across the loop
+    stat_smem.index(0).store(gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634))
+    stat_smem.index(1).store(delta)
     dq = gl.zeros([BLOCK_H, D_V], gl.float32, layout=dq_lay)
     dq_r = gl.zeros([BLOCK_H, D_R], gl.float32, layout=dqr_lay)
     DKV_B = DKV + b * stride_dkb
@@ -200,9 +212,9 @@ def _consumer(Q, DO, NSLOT, LSE, DELTA, DQ, DKV, q_lat3, q_rope3, do_smem3, kv_l
             sc, dp = warpgroup_mma_wait(num_outstanding=0, deps=(sc, dp))
             # 2. P from the saved lse (0 at an empty slot), dS = P (dP - delta) scale
             key_rows = rows_smem.index(s).load(col_s)
-            p = gl.exp2(sc * scale_log2 - lse2[:, None])
+            p = gl.exp2(sc * scale_log2 - stat_smem.index(0).load(row_s)[:, None])
             p = gl.where((key_rows >= 0)[None, :], p, 0.0)
-            ds = p * (dp - delta[:, None]) * scale
+            ds = p * (dp - stat_smem.index(1).load(row_s)[:, None]) * scale
             _cta_barrier()  # both warp groups are past the previous tile's dkv products (their reads of dS / P)
             ds_smem.store(ds.to(ds_smem.dtype))
             p_smem.store(p.to(p_smem.dtype))
@@ -287,6 +299,8 @@ def _sparse_mla_bwd_gluon_kernel(
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_K], sh_k)
     rows_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_K],
                                           gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+    stat_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H],  # lse log2e, delta of the block's heads
+                                          gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for st in gl.static_range(STAGES):
@@ -294,7 +308,7 @@ def _sparse_mla_bwd_gluon_kernel(
         mbarrier.init(empty.index(st), count=1)
     gl.warp_specialize([
         (_consumer, (Q, DO, NSLOT, LSE, DELTA, DQ, DKV, q_lat, q_rope, do_smem, kv_lat, kv_rope, rows_smem,
-                     ds_smem, p_smem, ready, empty, b, t, hb,
+                     ds_smem, p_smem, stat_smem, ready, empty, b, t, hb,
                      stride_qb, stride_qt, stride_qh, stride_dob, stride_dot, stride_doh, stride_nb,
                      stride_lb, stride_lt, stride_dqb, stride_dqt, stride_dqh, stride_dkb, stride_dkt,
                      scale, scale_log2, N_HB, D_V, D_R, BLOCK_H, BLOCK_K, STAGES, DKV_CHUNK, DIAG)),
@@ -312,7 +326,8 @@ def gluon_bwd_supported(q, kv, d_v: int, capability: int) -> str | None:
 
 
 def plan_bwd_gluon(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float, d_v: int, grid: tuple,
-                   block_k: int = BLOCK_K, stages: int = STAGES, producer_regs: int | None = None) -> GluonLaunch:
+                   block_k: int = BLOCK_K, stages: int = STAGES, dkv_chunk: int = DKV_CHUNK,
+                   producer_regs: int | None = None) -> GluonLaunch:
     """The Gluon backward's launch (`kernel.plan_bwd`'s atomic arguments; `grid` = (tokens x head
     blocks, B), checked there against CUDA's limits); the caller checks `gluon_bwd_supported` first."""
     B, T, H, D = q.shape
@@ -332,7 +347,7 @@ def plan_bwd_gluon(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: fl
             stride_dkb=dkv.stride(0), stride_dkt=dkv.stride(1),
             H=H, N_HB=H // BLOCK_H, N_KV=kv.shape[1], scale=scale, scale_log2=scale * LOG2E,
             D_V=d_v, D_R=D - d_v, BLOCK_H=BLOCK_H, BLOCK_K=block_k, BLOCK_DV=d_v, BLOCK_DR=D - d_v,
-            STAGES=stages, DKV_CHUNK=DKV_CHUNK, PRODUCER_WARPS=PRODUCER_WARPS,
+            STAGES=stages, DKV_CHUNK=dkv_chunk, PRODUCER_WARPS=PRODUCER_WARPS,
             PRODUCER_REGS=producer_regs or PRODUCER_REGS, DIAG=0,
         ),
         num_warps=CONSUMER_WARPS, num_stages=stages, maxnreg=MAXNREG,
