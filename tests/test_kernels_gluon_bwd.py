@@ -158,7 +158,8 @@ def _meta(T=64, H=128, D=576, K=2048, N=None, dtype=torch.bfloat16, d_v=512):
 
 
 def test_gluon_backward_configs_follow_the_default_on_sm90_only():
-    for version, names in (("3.6.0", ["gluon-k32-c64", "gluon-k32-c128"]), ("3.9.0", ["gluon-k32-c64"])):
+    for version, names in (("3.6.0", ["gluon-k32-c64", "gluon-k32-c64-p", "gluon-k32-c128"]),
+                           ("3.9.0", ["gluon-k32-c64", "gluon-k32-c64-p"])):
         space = SM.bwd_config_space(90, version)
         assert space[0][1] == "split" and not SM.is_gluon_config(space[0])  # never the default
         gluon = [c[0] for c in space if c[1] == "gluon"]
@@ -197,7 +198,7 @@ def _plan(name, T=300, H=128, N=1000):
     return SM.plan_bwd_config(cfg, q, kv, idx, ns, dout, lse, torch.empty_like(lse), dq, dkv, 0.04, 512)
 
 
-@pytest.mark.parametrize("name", ["gluon-k32-c64", "gluon-k32-c128"])
+@pytest.mark.parametrize("name", ["gluon-k32-c64", "gluon-k32-c64-p", "gluon-k32-c128"])
 def test_gluon_backward_plan(name):
     """One CTA per (token, 64 heads), head block fastest; 8 consumer warps + the producer warp group
     under maxnreg 168 (384 threads, one CTA per SM); 32-key tiles, 2 stages; the dkv chunk by name;
@@ -210,6 +211,7 @@ def test_gluon_backward_plan(name):
     assert launch.options() == {"num_warps": 8, "maxnreg": 168}
     assert launch.args["BLOCK_K"] == 32 and launch.args["STAGES"] == 2 and launch.args["DIAG"] == 0
     assert launch.args["DKV_CHUNK"] == (128 if name.endswith("c128") else 64)
+    assert launch.args["PIPELINE_DKV"] == name.endswith("-p")
     assert 168 * (launch.num_warps + launch.args["PRODUCER_WARPS"]) * 32 <= 65536
     from dsa_kernels.ops.sparse_mla.specs import _bwd_work_of, tilelang_bwd_anchor
 
@@ -249,7 +251,7 @@ def test_forced_backward_config_runs_untimed(monkeypatch):
     monkeypatch.setattr(autotune, "pick", lambda *a, **k: pytest.fail("a forced config is not autotuned"))
     with SM.force_bwd_config("gluon-k32-c64"):
         (launch,) = _run_bwd_meta(monkeypatch)
-    assert isinstance(launch, G.GluonLaunch) and launch.args["DKV_CHUNK"] == 64
+    assert isinstance(launch, G.GluonLaunch) and launch.args["DKV_CHUNK"] == 64 and not launch.args["PIPELINE_DKV"]
     monkeypatch.setenv("DSA_SPARSE_MLA_BWD_CONFIG", "interleaved-h32-k32-s2")
     (launch,) = _run_bwd_meta(monkeypatch)
     assert launch.kernel is SM._sparse_mla_bwd_interleaved_kernel
@@ -319,3 +321,13 @@ def test_gpu_check_runs_each_gluon_backward_config_against_the_reference(monkeyp
     assert calls == ["gluon-k32-c64", "gluon-k32-c128"]
     assert res["dq_gluon-k32-c64"]["ok"] and not res["dkv_gluon-k32-c64"]["ok"]
     assert not res["dq_gluon-k32-c128"]["ok"] and "out of resource" in res["dq_gluon-k32-c128"]["note"]
+
+
+def test_pipelined_dkv_needs_the_rope_sized_chunk():
+    """PIPELINE_DKV runs the rope as the last chunk of the same shape and layout: a 128-column chunk
+    with it is one clear error."""
+    q, kv, idx, ns, out, lse = _meta()
+    dkv = torch.empty(kv.shape, dtype=torch.float32, device="meta")
+    with pytest.raises(ValueError, match="pipeline_dkv needs dkv_chunk"):
+        G.plan_bwd_gluon(q, kv, idx, ns, torch.empty_like(out), lse, lse, torch.empty_like(q), dkv, 0.04, 512,
+                         (128, 1), dkv_chunk=128, pipeline_dkv=True)

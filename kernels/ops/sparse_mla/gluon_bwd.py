@@ -32,7 +32,9 @@ maxnreg 168 x 384 threads: one CTA per SM):
      and `q_rope^T dS` (rope, M = 64), each chunk added to dkv's selected rows by relaxed fp32
      atomics straight from the accumulator. DKV_CHUNK 64 (the two warp groups split the keys, 8
      registers a thread) or 128 (one 64-row half per warp group: each reads only its half of q^T and
-     dO^T, 16 registers).
+     dO^T, 16 registers). PIPELINE_DKV (DKV_CHUNK 64): the first chunk is issued before the wait for
+     dq, and chunk c + 1 is issued before chunk c's atomics, so the tensor cores work while the
+     atomics issue (the rope is then the last 64-column chunk).
   dS and P in shared memory are rewritten only after both warp groups are past the previous tile's
   dkv products (a consumer barrier).
 
@@ -116,6 +118,21 @@ def _sreg(asm: gl.constexpr, x):
 
 
 @gluon.jit
+def _dkv_issue(c: gl.constexpr, qa, qr, da, ds_smem, p_smem, lay: gl.constexpr, CHUNK: gl.constexpr,
+               BLOCK_K: gl.constexpr, D_V: gl.constexpr):
+    """Issues (async) dkv^T of chunk c: [CHUNK columns, BLOCK_K keys] = q^T dS + dO^T P over the latent
+    columns c CHUNK .. (two wgmma groups), or q_rope^T dS (one group) once c CHUNK reaches D_V."""
+    zero = gl.zeros([CHUNK, BLOCK_K], gl.float32, layout=lay)
+    if c * CHUNK < D_V:
+        acc = warpgroup_mma(qa.slice(c * CHUNK, CHUNK, dim=1).permute((1, 0)), ds_smem, zero, use_acc=False,
+                            is_async=True)
+        acc = warpgroup_mma(da.slice(c * CHUNK, CHUNK, dim=1).permute((1, 0)), p_smem, acc, is_async=True)
+    else:
+        acc = warpgroup_mma(qr.permute((1, 0)), ds_smem, zero, use_acc=False, is_async=True)
+    return acc
+
+
+@gluon.jit
 def _dkv_add(acc, DKV_B, rows, col0, stride_dkt, lay: gl.constexpr, M: gl.constexpr, BLOCK_K: gl.constexpr):
     """acc [M columns, BLOCK_K keys] (dkv^T of one chunk) -> relaxed fp32 atomic adds at
     dkv[rows[key], col0 + column]; keys with rows < 0 (empty slots) are masked."""
@@ -131,7 +148,7 @@ def _consumer(Q, DO, NSLOT, LSE, DELTA, DQ, DKV, q_lat3, q_rope3, do_smem3, kv_l
               stride_lb, stride_lt, stride_dqb, stride_dqt, stride_dqh, stride_dkb, stride_dkt,
               scale, scale_log2, N_HB,
               D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
-              STAGES: gl.constexpr, DKV_CHUNK: gl.constexpr, DIAG: gl.constexpr):
+              STAGES: gl.constexpr, DKV_CHUNK: gl.constexpr, PIPELINE_DKV: gl.constexpr, DIAG: gl.constexpr):
     num_warps: gl.constexpr = gl.num_warps()
     # S / dP [64 heads, BLOCK_K keys]: the two warp groups split the keys
     s_lay: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -223,24 +240,37 @@ def _consumer(Q, DO, NSLOT, LSE, DELTA, DQ, DKV, q_lat3, q_rope3, do_smem3, kv_l
             # 3. dq += dS kv (registers across the row); then the stage is free for the producer
             dq = warpgroup_mma(ds_smem, kl, dq, is_async=True)
             dq_r = warpgroup_mma(ds_smem, kr, dq_r, is_async=True)
-            dq, dq_r = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dq_r))
+            if PIPELINE_DKV:  # the first dkv chunk issued before waiting for dq: it runs under the wait
+                acc = _dkv_issue(0, qa, qr, da, ds_smem, p_smem, dkv_lay, DKV_CHUNK, BLOCK_K, D_V)
+                dq, dq_r = warpgroup_mma_wait(num_outstanding=2, deps=(dq, dq_r))
+            else:
+                dq, dq_r = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dq_r))
             rows_c = rows_smem.index(s).load(gl.SliceLayout(0, dkv_lay))
             rows_r = rows_smem.index(s).load(gl.SliceLayout(0, dkvr_lay))
             _cta_barrier()
             mbarrier.arrive(empty.index(s), count=1)
-            # 4. dkv^T = q^T dS + dO^T P by 128-column chunks, then q_rope^T dS; fp32 atomics at the rows
-            for c in gl.static_range(D_V // DKV_CHUNK):
-                acc = warpgroup_mma(qa.slice(c * DKV_CHUNK, DKV_CHUNK, dim=1).permute((1, 0)), ds_smem,
-                                    gl.zeros([DKV_CHUNK, BLOCK_K], gl.float32, layout=dkv_lay),
-                                    use_acc=False, is_async=True)
-                acc = warpgroup_mma(da.slice(c * DKV_CHUNK, DKV_CHUNK, dim=1).permute((1, 0)), p_smem, acc,
-                                    is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                _dkv_add(acc, DKV_B, rows_c, c * DKV_CHUNK, stride_dkt, dkv_lay, DKV_CHUNK, BLOCK_K)
-            acc_r = warpgroup_mma(qr.permute((1, 0)), ds_smem,
-                                  gl.zeros([D_R, BLOCK_K], gl.float32, layout=dkvr_lay), use_acc=False, is_async=True)
-            acc_r = warpgroup_mma_wait(num_outstanding=0, deps=(acc_r,))
-            _dkv_add(acc_r, DKV_B, rows_r, D_V, stride_dkt, dkvr_lay, D_R, BLOCK_K)
+            # 4. dkv^T = q^T dS + dO^T P by DKV_CHUNK-column chunks, then q_rope^T dS; fp32 atomics at the rows
+            if PIPELINE_DKV:
+                # chunk c + 1 (two wgmma groups; the rope's one) in flight while chunk c's atomics issue.
+                # DKV_CHUNK = 64 = D_R: the rope is chunk D_V // 64, same shape and layout
+                NCH: gl.constexpr = D_V // DKV_CHUNK + 1
+                for c in gl.static_range(NCH):
+                    if c + 1 < NCH:
+                        nxt = _dkv_issue(c + 1, qa, qr, da, ds_smem, p_smem, dkv_lay, DKV_CHUNK, BLOCK_K, D_V)
+                        acc = warpgroup_mma_wait(num_outstanding=2 if c + 2 < NCH else 1, deps=(acc,))
+                    else:
+                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    _dkv_add(acc, DKV_B, rows_c, c * DKV_CHUNK, stride_dkt, dkv_lay, DKV_CHUNK, BLOCK_K)
+                    if c + 1 < NCH:
+                        acc = nxt
+            else:
+                for c in gl.static_range(D_V // DKV_CHUNK):
+                    acc = _dkv_issue(c, qa, qr, da, ds_smem, p_smem, dkv_lay, DKV_CHUNK, BLOCK_K, D_V)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    _dkv_add(acc, DKV_B, rows_c, c * DKV_CHUNK, stride_dkt, dkv_lay, DKV_CHUNK, BLOCK_K)
+                acc_r = _dkv_issue(D_V // D_R, qa, qr, da, ds_smem, p_smem, dkvr_lay, D_R, BLOCK_K, D_V)
+                acc_r = warpgroup_mma_wait(num_outstanding=0, deps=(acc_r,))
+                _dkv_add(acc_r, DKV_B, rows_r, D_V, stride_dkt, dkvr_lay, D_R, BLOCK_K)
 
     # dq -> q's dtype through shared memory (q's buffers, free now): coalesced 16-byte stores. The
     # CTA's coordinates are read again (opaque to the compiler: nothing of the prologue is kept live
@@ -278,8 +308,8 @@ def _sparse_mla_bwd_gluon_kernel(
     H, N_HB, N_KV, scale, scale_log2,
     D_V: gl.constexpr, D_R: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_DV: gl.constexpr, BLOCK_DR: gl.constexpr,
-    STAGES: gl.constexpr, DKV_CHUNK: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    DIAG: gl.constexpr,
+    STAGES: gl.constexpr, DKV_CHUNK: gl.constexpr, PIPELINE_DKV: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, DIAG: gl.constexpr,
 ):
     # program (x, y) -> (token, head block), the head block fastest; y = b. The launcher admits this
     # kernel only where `gluon_bwd_supported` says so (H % 64 == 0, rope 64, d_v a multiple of 128).
@@ -311,7 +341,7 @@ def _sparse_mla_bwd_gluon_kernel(
                      ds_smem, p_smem, stat_smem, ready, empty, b, t, hb,
                      stride_qb, stride_qt, stride_qh, stride_dob, stride_dot, stride_doh, stride_nb,
                      stride_lb, stride_lt, stride_dqb, stride_dqt, stride_dqh, stride_dkb, stride_dkt,
-                     scale, scale_log2, N_HB, D_V, D_R, BLOCK_H, BLOCK_K, STAGES, DKV_CHUNK, DIAG)),
+                     scale, scale_log2, N_HB, D_V, D_R, BLOCK_H, BLOCK_K, STAGES, DKV_CHUNK, PIPELINE_DKV, DIAG)),
         (_producer, (KV, IDX, NSLOT, kv_lat, kv_rope, rows_smem, ready, empty, b, t,
                      stride_kvb, stride_kvt, stride_ib, stride_it, stride_nb, N_KV,
                      D_V, BLOCK_K, STAGES, DIAG)),
@@ -327,12 +357,14 @@ def gluon_bwd_supported(q, kv, d_v: int, capability: int) -> str | None:
 
 def plan_bwd_gluon(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float, d_v: int, grid: tuple,
                    block_k: int = BLOCK_K, stages: int = STAGES, dkv_chunk: int = DKV_CHUNK,
-                   producer_regs: int | None = None) -> GluonLaunch:
+                   pipeline_dkv: bool = False, producer_regs: int | None = None) -> GluonLaunch:
     """The Gluon backward's launch (`kernel.plan_bwd`'s atomic arguments; `grid` = (tokens x head
     blocks, B), checked there against CUDA's limits); the caller checks `gluon_bwd_supported` first."""
     B, T, H, D = q.shape
     if lse.stride() != delta.stride():
         raise ValueError(f"sparse_mla backward: lse {lse.stride()} and delta {delta.stride()} must share strides")
+    if pipeline_dkv and dkv_chunk != D - d_v:
+        raise ValueError(f"gluon_bwd: pipeline_dkv needs dkv_chunk = the rope width {D - d_v}; got {dkv_chunk}")
     return GluonLaunch(
         _sparse_mla_bwd_gluon_kernel, grid,
         dict(
@@ -347,7 +379,7 @@ def plan_bwd_gluon(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: fl
             stride_dkb=dkv.stride(0), stride_dkt=dkv.stride(1),
             H=H, N_HB=H // BLOCK_H, N_KV=kv.shape[1], scale=scale, scale_log2=scale * LOG2E,
             D_V=d_v, D_R=D - d_v, BLOCK_H=BLOCK_H, BLOCK_K=block_k, BLOCK_DV=d_v, BLOCK_DR=D - d_v,
-            STAGES=stages, DKV_CHUNK=dkv_chunk, PRODUCER_WARPS=PRODUCER_WARPS,
+            STAGES=stages, DKV_CHUNK=dkv_chunk, PIPELINE_DKV=pipeline_dkv, PRODUCER_WARPS=PRODUCER_WARPS,
             PRODUCER_REGS=producer_regs or PRODUCER_REGS, DIAG=0,
         ),
         num_warps=CONSUMER_WARPS, num_stages=stages, maxnreg=MAXNREG,

@@ -53,7 +53,8 @@ and dO resident as one operand of 64 interleaved rows (the logits' M, so every p
 while the key tiles stay at 32), each selected row gathered once per 32 heads, nothing
 recomputed; see its own comment and docs/kernels.md "Backward v2". On a GPU `sparse_mla_bwd`
 verifies it against the split kernel and times both once per shape (`dsa_kernels.autotune`);
-elsewhere the split kernel runs.
+elsewhere the split kernel runs. On sm_90 the Gluon backward (`gluon_bwd.py`, 64 heads a CTA, a gather
+producer warp group, `BWD_GLUON_CONFIGS`) follows in that space, verified and timed the same way.
 """
 
 from __future__ import annotations
@@ -577,13 +578,14 @@ BWD_CONFIG_SPACE_TRITON_36 = {90: BWD_CONFIG_SPACE[90] + (("split-k32-s3", "spli
 # warp group, two wgmma consumer warp groups, dq in registers, dkv^T by fp32 atomics; 64 heads a CTA)
 # as configs of sm_90's atomic space: (name, "gluon", keys per tile, ring stages), after the Triton
 # configs, never the default; the name's "-c64" / "-c128" is the columns of one dkv^T product
-# (`gluon_bwd.DKV_CHUNK`). "gluon-k32-c64" compiles without spill under Triton 3.6 and 3.9;
-# "gluon-k32-c128" (each warp group reads only its half of q^T / dO^T for dkv) only under 3.6 (3.9
-# spills 48 B), so 3.9's space leaves it out. Unmeasured on a GPU: on a GPU each is verified against
+# (`gluon_bwd.DKV_CHUNK`), a final "-p" pipelines the dkv products (chunk c + 1's wgmma in flight while
+# chunk c's atomics issue, the first chunk under dq's wait: `PIPELINE_DKV`). "gluon-k32-c64" and
+# "gluon-k32-c64-p" compile without spill under Triton 3.6 and 3.9; "gluon-k32-c128" (each warp group
+# reads only its half of q^T / dO^T for dkv) only under 3.6 (3.9 spills 48 B), so 3.9's space leaves it out. Unmeasured on a GPU: on a GPU each is verified against
 # the default before it is timed (`sparse_mla_bwd`); a call the kernel does not take
 # (`gluon_bwd.gluon_bwd_supported`) or DSA_KERNELS_GLUON=0 drops them (`bwd_space_for`).
-BWD_GLUON_CONFIGS = (("gluon-k32-c64", "gluon", 32, 2),)
-BWD_GLUON_CONFIGS_TRITON_36 = (("gluon-k32-c64", "gluon", 32, 2), ("gluon-k32-c128", "gluon", 32, 2))
+BWD_GLUON_CONFIGS = (("gluon-k32-c64", "gluon", 32, 2), ("gluon-k32-c64-p", "gluon", 32, 2))
+BWD_GLUON_CONFIGS_TRITON_36 = BWD_GLUON_CONFIGS + (("gluon-k32-c128", "gluon", 32, 2),)
 
 
 def bwd_config_space(capability: int, triton_version: str | None = None) -> tuple:
@@ -645,7 +647,8 @@ def plan_bwd_config(config: tuple, q, kv, indices, n_slots, dout, lse, delta, dq
         _int32_rows(dkv, "backward (Gluon)")
         grid = _grid(triton.cdiv(H, GLUON_BLOCK_H) * T, B, "backward (Gluon)")
         return plan_bwd_gluon(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale, d_v, grid,
-                              block_k=block_k, stages=stages, dkv_chunk=128 if name.endswith("-c128") else 64)
+                              block_k=block_k, stages=stages, dkv_chunk=128 if "-c128" in name else 64,
+                              pipeline_dkv=name.endswith("-p"))
     if schedule == "split":
         return plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale, d_v, block_k=block_k,
                         num_stages=stages)
