@@ -40,8 +40,12 @@ maxnreg 168 x 384 threads: one CTA per SM):
 
 Every product is a wgmma (nothing on mma.sync) and nothing is computed twice: the tensor-core FLOPs
 equal the useful ones (TileLang's count: S, dP, dq, dkv = 3 x 576 + 2 x 512 per head and key).
-Shared memory at BLOCK_K = 32 and 2 stages: q 72 KB + dO 64 KB + 2 x 36 KB + dS / P 8 KB + indices
-= 216 KB of Hopper's 227 (64-key tiles fit one stage only: 136 + 72 + 16 = 224 KB, no overlap).
+Shared memory at BLOCK_K = 32 and 2 stages: q 72 KB + dO 64 KB + 2 x 36 KB + dS / P 8 KB + indices,
+statistics and barriers = 222,148 B compiled, of Hopper's 232,448 (64-key tiles fit one stage only,
+230,332 B, and spilled: docs/kernels.md). Registers: the resident q / dO are read through an index the
+compiler cannot see is 0 (`_sreg`), so their loop-invariant wgmma descriptors are formed at each use
+instead of hoisted into registers (hoisted, ptxas spilled them: 656-704 B); the epilogue reads the
+CTA's coordinates again and lse / delta live in shared memory, for the same reason.
 
 DIAG (a constexpr, 0 in every launch the dispatcher makes): 1 leaves the producer's copies out, 2
 the consumers' math (tiles received and released; no atomics, dq stays 0), for
