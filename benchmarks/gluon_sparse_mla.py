@@ -1,7 +1,7 @@
-"""The Gluon sparse MLA forward (`dsa_kernels/ops/sparse_mla/gluon_fwd.py`) against the Triton forward,
-on one GPU: correctness and time at T = 4K and 32K, 671B dims (H = 128, D = 576, d_v = 512), k = 2048.
+"""The Gluon sparse MLA forward and backward (`dsa_kernels/ops/sparse_mla/gluon_fwd.py`, `gluon_bwd.py`)
+against the Triton forward / interleaved backward, on one GPU: correctness and time at T = 4K and 32K, 671B dims (H = 128, D = 576, d_v = 512), k = 2048.
 
-    python benchmarks/gluon_sparse_mla.py OUT_JSON [--T 4096 32768] [--budget 55]
+    python benchmarks/gluon_sparse_mla.py OUT_JSON [--T 4096 32768] [--budget 110] [--what fwd bwd]
     TRITON_INTERPRET=1 python benchmarks/gluon_sparse_mla.py OUT_JSON --small   # CPU smoke run of the script
 
 Per T (one document, causal top-k lists as gpu-check builds them, the first row empty): the Triton
@@ -16,7 +16,15 @@ without the producer's copies (compute and synchronization only) and without the
 (docs/gpu-check.md's convention). A config that fails to compile or launch is a row with its error,
 not a crash.
 
-The measurements run in a child process under a deadline (`--budget` seconds, 55 by default): a kernel
+Backward (`--what bwd`, on by default with the forward): per T the interleaved Triton backward (the
+autotuned config; 404 ms / 113 TFLOPS at 32K on an H200) into fp32 dkv, then each Gluon backward
+config of the space (`gluon_bwd.py`: "gluon-k32-c64", and "gluon-k32-c128" under Triton 3.6) compared
+with it (dq on every row, dkv: max |a - b| / max |b|, and the autotuner's verify criterion) and timed
+the same way; at the largest T the first Gluon backward's two diagnostics (no gather, no math).
+Backward TFLOPS = 2 pairs H (3 D + 2 d_v) / time (TileLang's count). Rows "bwd-triton", "bwd-gluon",
+"bwd-diagnostic".
+
+The measurements run in a child process under a deadline (`--budget` seconds, 110 by default): a kernel
 that hangs (a synchronization bug) is killed with its process and reported as a timeout; the rows
 written before stay. One JSON line per row on stdout; the list in OUT_JSON.
 """
@@ -95,6 +103,76 @@ def _child(args) -> int:
             return math.inf
         return float((x[~inf] - ref[~inf]).abs().max()) if bool((~inf).any()) else 0.0
 
+    def bwd_rows(q, kv, idx, n_slots, out, lse, scale, base, T):
+        """The backward at this T: the interleaved Triton backward (the autotuned config measured at 404
+        ms on an H200 at 32K), then each Gluon backward config of the space, compared with it (dq on
+        every row, dkv; the autotuner's verify criterion `verify_pass`) and timed; at the largest T the
+        first Gluon config's two diagnostics (no gather, no math; outputs not compared)."""
+        from dsa_kernels.ops.sparse_mla.gluon_bwd import gluon_bwd_supported
+
+        space = {c[0]: c for c in SM.bwd_config_space(cap[0] * 10 + cap[1])}
+        ref_name = next((n for n, c in space.items() if c[1] == "interleaved"), next(iter(space)))
+        gluon = [n for n, c in space.items() if c[1] == "gluon"] or [c[0] for c in SM.BWD_GLUON_CONFIGS]
+        bflops = 2.0 * base["pairs"] * d.H * (3 * d.D + 2 * d.D_V)
+        dout = randn(tuple(out.shape), dev, seed=T + 4, dtype=out.dtype)
+        delta = SM.bwd_delta(out, dout, lse, None)
+
+        def run_bwd(name, diag=0):
+            dq = torch.empty_like(q)
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=dev)
+            cfg = space.get(name) or next(c for c in SM.BWD_GLUON_CONFIGS_TRITON_36 if c[0] == name)
+            launch = SM.plan_bwd_config(cfg, q, kv, idx, n_slots, dout, lse, delta, dq, dkv, scale, d.D_V)
+            launch.args["DIAG"] = diag if diag else launch.args.get("DIAG", 0)
+            t0 = time.time()
+            launch.run()
+            sync()
+            return launch, dq, dkv, time.time() - t0
+
+        try:
+            launch, r_dq, r_dkv, first_s = run_bwd(ref_name)
+            ms = time_ms(launch.run)
+            emit(kind="bwd-triton", config=ref_name, **base, ms=round(ms, 3), tflops=round(bflops / ms / 1e9, 1),
+                 first_call_s=round(first_s, 1))
+        except Exception as err:
+            emit(kind="bwd-triton", config=ref_name, **base, error=f"{type(err).__name__}: {str(err)[-400:]}")
+            traceback.print_exc()
+            return
+        r_dqf = r_dq.float()
+        del r_dq
+        why = gluon_bwd_supported(q, kv, d.D_V, cap[0] * 10 + cap[1])
+        for name in gluon:
+            if why is not None:
+                emit(kind="bwd-gluon", config=name, **base, error=f"not supported here: {why}")
+                continue
+            if time.time() > deadline - 5:
+                emit(kind="bwd-gluon", config=name, **base, note="budget spent")
+                continue
+            try:
+                launch, g_dq, g_dkv, first_s = run_bwd(name)
+                row = dict(first_call_s=round(first_s, 1), nan=bool(torch.isnan(g_dq).any() or torch.isnan(g_dkv).any()),
+                           dq_err_vs_triton=rel(g_dq, r_dqf), dkv_err_vs_triton=rel(g_dkv, r_dkv),
+                           verify_pass=SM._close(g_dkv, r_dkv) and SM._close(g_dq.float(), r_dqf))
+                del g_dq, g_dkv
+                ms = time_ms(launch.run)
+                emit(kind="bwd-gluon", config=name, **base, ms=round(ms, 3), tflops=round(bflops / ms / 1e9, 1), **row)
+            except Exception as err:  # a compile / launch failure is a row
+                emit(kind="bwd-gluon", config=name, **base, error=f"{type(err).__name__}: {str(err)[-600:]}")
+                traceback.print_exc()
+        if why is None and T == max(args.T):
+            for diag, what in ((1, "no gather"), (2, "no math")):
+                if time.time() > deadline - 5:
+                    emit(kind="bwd-diagnostic", config=f"{gluon[0]} ({what})", **base, note="budget spent")
+                    continue
+                try:
+                    launch, _, _, _ = run_bwd(gluon[0], diag)
+                    ms = time_ms(launch.run)
+                    emit(kind="bwd-diagnostic", config=f"{gluon[0]} ({what})", **base, ms=round(ms, 3),
+                         tflops=round(bflops / ms / 1e9, 1))
+                except Exception as err:
+                    emit(kind="bwd-diagnostic", config=f"{gluon[0]} ({what})", **base,
+                         error=f"{type(err).__name__}: {str(err)[-300:]}")
+        del r_dqf, r_dkv, dout, delta
+
     for T in sorted(args.T):  # ascending: what runs at the largest T (diagnostics, the experiment) is last
         if time.time() > deadline - 5:
             emit(kind="skip", T=T, note="budget spent")
@@ -134,7 +212,7 @@ def _child(args) -> int:
             traceback.print_exc()
             continue
         why = gluon_fwd_supported(q, kv, d.D_V, cap[0] * 10 + cap[1])
-        for cfg in GLUON_CONFIGS:
+        for cfg in GLUON_CONFIGS if "fwd" in args.what else ():
             if why is not None:
                 emit(kind="gluon", config=cfg[0], **base, error=f"not supported here: {why}")
                 continue
@@ -156,7 +234,7 @@ def _child(args) -> int:
         # timing diagnostics at the largest T (outputs not compared): the "gluon" kernel with the
         # producer's copies left out (DIAG 1: compute and synchronization only) and with the
         # consumers' math left out (DIAG 2: the gather and synchronization only)
-        if why is None and T == max(args.T):
+        if why is None and T == max(args.T) and "fwd" in args.what:
             for diag, what in ((1, "no gather"), (2, "no math")):
                 if time.time() > deadline - 5:
                     emit(kind="diagnostic", config=f"gluon ({what})", **base, note="budget spent")
@@ -170,6 +248,8 @@ def _child(args) -> int:
                 except Exception as err:
                     emit(kind="diagnostic", config=f"gluon ({what})", **base,
                          error=f"{type(err).__name__}: {str(err)[-300:]}")
+        if "bwd" in args.what:
+            bwd_rows(q, kv, idx, n_slots, t_out, t_lse, scale, base, T)
         del q, kv, idx, t_out, t_lse
         if cuda:
             torch.cuda.empty_cache()
@@ -180,7 +260,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out_json")
     p.add_argument("--T", type=int, nargs="+", default=[4096, 32768])
-    p.add_argument("--budget", type=float, default=55.0, help="seconds for the child's measurements")
+    p.add_argument("--budget", type=float, default=110.0, help="seconds for the child's measurements")
+    p.add_argument("--what", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"],
+                   help="the forward's rows, the backward's rows, or both")
     p.add_argument("--small", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): a smoke run")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rows-file", default=None, help=argparse.SUPPRESS)
@@ -201,7 +283,8 @@ def main(argv=None) -> int:
     rows_file = args.out_json + ".rows"
     open(rows_file, "w").close()
     cmd = [sys.executable, os.path.abspath(__file__), args.out_json, "--child", "--rows-file", rows_file,
-           "--budget", str(args.budget), "--T", *map(str, args.T), *(["--small"] if args.small else [])]
+           "--budget", str(args.budget), "--T", *map(str, args.T), "--what", *args.what,
+           *(["--small"] if args.small else [])]
     status = "ok"
     try:
         proc = subprocess.run(cmd, timeout=args.budget + 5, stdout=None, stderr=subprocess.PIPE, text=True)

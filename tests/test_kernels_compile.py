@@ -343,7 +343,9 @@ def test_gluon_forward_is_in_the_gate_on_hopper_under_both_tritons(gate_reports)
         rows = res["rows"] or []
         assert rows, (version, arch)
         assert {r["language"] for r in rows} <= {"Triton", "Gluon"}
-        gluon = [r for r in rows if r["language"] == "Gluon"]
+        assert {r["kernel"] for r in rows if r["language"] == "Gluon"} <= {"_sparse_mla_fwd_gluon_kernel",
+                                                                           "_sparse_mla_bwd_gluon_kernel"}
+        gluon = [r for r in rows if r["language"] == "Gluon" and r["op"] == "sparse_mla_fwd"]
         assert all(r["kernel"] == "_sparse_mla_fwd_gluon_kernel" for r in gluon)
         if arch != "sm_90a":
             assert not gluon, (version, arch)
@@ -353,6 +355,29 @@ def test_gluon_forward_is_in_the_gate_on_hopper_under_both_tritons(gate_reports)
         for r in gluon:
             assert r["error"] is None and r["gate"] == [], (version, r)
             assert r["wgmma"] > 0 and r["spill_bytes"] == 0 and r["registers"] == 168, (version, r)
+
+
+@pytest.mark.integration  # the gate reports come from compile_report subprocesses
+def test_gluon_backward_is_in_the_gate_on_hopper_under_both_tritons(gate_reports):
+    """Issue 31: the Gluon sparse MLA backward (q / dO resident, a cp.async producer warp group, two
+    wgmma consumer warp groups, dq in registers, dkv by fp32 atomics) is compiled for sm_90a under the
+    oldest and the newest supported Triton, one row per Gluon config of that Triton's backward space,
+    marked "Gluon", with wgmma only (no mma.sync), no spill, maxnreg 168 (384 threads), within the
+    shared memory; nothing on sm_100."""
+    from dsa_kernels.ops.sparse_mla.kernel import bwd_config_space
+
+    for (version, arch), res in gate_reports.items():
+        rows = [r for r in res["rows"] or [] if r["kernel"] == "_sparse_mla_bwd_gluon_kernel"]
+        if arch != "sm_90a":
+            assert not rows, (version, arch)
+            continue
+        assert all(r["op"] == "sparse_mla_bwd" and r["language"] == "Gluon" for r in rows)
+        names = {c[0] for c in bwd_config_space(90, version) if c[1] == "gluon"}
+        assert names and {r["config"].split()[2] for r in rows} == names, (version, [r["config"] for r in rows])
+        for r in rows:
+            assert r["error"] is None and r["gate"] == [], (version, r)
+            assert r["wgmma"] > 0 and r["mma_sync"] == 0, (version, r)
+            assert r["spill_bytes"] == 0 and r["registers"] == 168, (version, r)
 
 
 @pytest.mark.integration

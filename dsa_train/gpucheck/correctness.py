@@ -224,6 +224,9 @@ def sparse_mla_check(T_asked: int, cp: bool = False):
         gluon = _sparse_mla_gluon_forwards(q.detach(), kv.detach(), idx, scale, d.D_V, rows, ro, rlse)
         res.update(gluon)
         note = f"; Gluon forward {', '.join(sorted({k.split('_', 1)[1] for k in gluon}))}" if gluon else ""
+        gluon_b = _sparse_mla_gluon_backwards(q.detach(), kv.detach(), idx, scale, d.D_V, rows, dout, rdq, rdkv)
+        res.update(gluon_b)
+        note += f"; Gluon backward {', '.join(sorted({k.split('_', 1)[1] for k in gluon_b}))}" if gluon_b else ""
         return _outcome(res, {"rows_compared": int(rows.shape[0]), "queries": Tq, "keys": T},
                         f"; {rows.shape[0]} of {Tq} rows compared{fit_note}{note}")
 
@@ -260,6 +263,44 @@ def _sparse_mla_gluon_forwards(q, kv, idx, scale, d_v, rows, ref_out, ref_lse, o
             msg = (str(err).strip().splitlines() or [""])[-1][:200]
             res[f"out_{name}"] = {"err": math.inf, "tol": TOL["out"], "ok": False,
                                   "note": f"{type(err).__name__}: {msg}"}
+    return res
+
+
+def _sparse_mla_gluon_backwards(q, kv, idx, scale, d_v, rows, dout, ref_dq, ref_dkv,
+                                on_gpu: bool | None = None) -> dict:
+    """Issue 31: each Gluon config of the atomic backward's space for this call (sm_90 GPUs; none on
+    the CPU or elsewhere: {}) run explicitly (forced, not autotuned: `force_bwd_config`) and compared
+    with the same fp32 reference gradients and tolerance as the default path: {"dq_<config>": compare
+    on the check's rows, "dkv_<config>": compare}. A config that fails to compile or launch is a failed
+    output with its error."""
+    from dsa_kernels.ops.sparse_mla import kernel as SM
+
+    if not (q.is_cuda if on_gpu is None else on_gpu):
+        return {}
+    space = SM.bwd_space_for(q, kv, d_v)
+    res = {}
+    for name, cfg in space.items():
+        if not SM.is_gluon_config(cfg):
+            continue
+        try:
+            import dsa_kernels as K
+
+            qg, kvg = q.detach().requires_grad_(), kv.detach().requires_grad_()
+            with SM.force_bwd_config(name):
+                out, _ = K.sparse_mla(qg, kvg, idx, scale, d_v)
+                dq, dkv = torch.autograd.grad(out, (qg, kvg), dout)
+            del out
+            res[f"dq_{name}"] = compare(dq[:, rows].float(), ref_dq, TOL["grad"])
+            res[f"dkv_{name}"] = compare(dkv, ref_dkv, TOL["grad"])
+            del dq, dkv
+        except torch.cuda.OutOfMemoryError:  # the largest T: room for one backward's outputs, not two
+            torch.cuda.empty_cache()
+            res[f"dq_{name}"] = {"err": 0.0, "tol": TOL["grad"], "ok": True,
+                                 "note": "not compared: out of GPU memory for a second backward at this T"}
+        except Exception as err:  # noqa: BLE001 - a compile / launch failure is this output's failure
+            msg = (str(err).strip().splitlines() or [""])[-1][:200]
+            res[f"dq_{name}"] = {"err": math.inf, "tol": TOL["grad"], "ok": False,
+                                 "note": f"{type(err).__name__}: {msg}"}
     return res
 
 

@@ -53,7 +53,8 @@ and dO resident as one operand of 64 interleaved rows (the logits' M, so every p
 while the key tiles stay at 32), each selected row gathered once per 32 heads, nothing
 recomputed; see its own comment and docs/kernels.md "Backward v2". On a GPU `sparse_mla_bwd`
 verifies it against the split kernel and times both once per shape (`dsa_kernels.autotune`);
-elsewhere the split kernel runs.
+elsewhere the split kernel runs. On sm_90 the Gluon backward (`gluon_bwd.py`, 64 heads a CTA, a gather
+producer warp group, `BWD_GLUON_CONFIGS`) follows in that space, verified and timed the same way.
 """
 
 from __future__ import annotations
@@ -573,20 +574,81 @@ BWD_CONFIG_SPACE = {
 BWD_CONFIG_SPACE_TRITON_36 = {90: BWD_CONFIG_SPACE[90] + (("split-k32-s3", "split", 32, 3),)}
 
 
+# The Gluon backward (`gluon_bwd.py`, issue 31: q / dO resident in shared memory, a cp.async producer
+# warp group, two wgmma consumer warp groups, dq in registers, dkv^T by fp32 atomics; 64 heads a CTA)
+# as configs of sm_90's atomic space: (name, "gluon", keys per tile, ring stages), after the Triton
+# configs, never the default; the name's "-c64" / "-c128" is the columns of one dkv^T product
+# (`gluon_bwd.DKV_CHUNK`), a final "-p" pipelines the dkv products (chunk c + 1's wgmma in flight while
+# chunk c's atomics issue, the first chunk under dq's wait: `PIPELINE_DKV`). "gluon-k32-c64" and
+# "gluon-k32-c64-p" compile without spill under Triton 3.6 and 3.9; "gluon-k32-c128" (each warp group
+# reads only its half of q^T / dO^T for dkv) only under 3.6 (3.9 spills 48 B), so 3.9's space leaves it out. Unmeasured on a GPU: on a GPU each is verified against
+# the default before it is timed (`sparse_mla_bwd`); a call the kernel does not take
+# (`gluon_bwd.gluon_bwd_supported`) or DSA_KERNELS_GLUON=0 drops them (`bwd_space_for`).
+BWD_GLUON_CONFIGS = (("gluon-k32-c64", "gluon", 32, 2), ("gluon-k32-c64-p", "gluon", 32, 2))
+BWD_GLUON_CONFIGS_TRITON_36 = BWD_GLUON_CONFIGS + (("gluon-k32-c128", "gluon", 32, 2),)
+
+
 def bwd_config_space(capability: int, triton_version: str | None = None) -> tuple:
     """The atomic backward's configs `sparse_mla_bwd` times on a GPU of this compute capability
-    with this Triton (default: the installed one)."""
+    with this Triton (default: the installed one); on sm_90 the Gluon configs follow the Triton ones."""
     arch = 100 if capability >= 100 else 90
     version = triton.__version__ if triton_version is None else triton_version
     if version.startswith("3.6.") and arch in BWD_CONFIG_SPACE_TRITON_36:
-        return BWD_CONFIG_SPACE_TRITON_36[arch]
-    return BWD_CONFIG_SPACE[arch]
+        space = BWD_CONFIG_SPACE_TRITON_36[arch]
+    else:
+        space = BWD_CONFIG_SPACE[arch]
+    if capability == 90:  # the Gluon backward (wgmma, sm_90a only): after the Triton configs, never the default
+        space = space + (BWD_GLUON_CONFIGS_TRITON_36 if version.startswith("3.6.") else BWD_GLUON_CONFIGS)
+    return space
+
+
+def bwd_space_for(q, kv, d_v: int) -> dict:
+    """{name: config} of the atomic backward's space for this call: `bwd_config_space` of the GPU's
+    capability, less the Gluon configs where that kernel does not take the call or DSA_KERNELS_GLUON=0."""
+    cap = target_capability(q)
+    space = {cfg[0]: cfg for cfg in bwd_config_space(cap)}
+    if any(is_gluon_config(c) for c in space.values()):
+        from .gluon_bwd import gluon_bwd_supported
+
+        if not gluon_enabled() or gluon_bwd_supported(q, kv, d_v, cap) is not None:
+            space = {n: c for n, c in space.items() if not is_gluon_config(c)}
+    return space
+
+
+_FORCED_BWD: contextvars.ContextVar[str | None] = contextvars.ContextVar("dsa_sparse_mla_bwd_config", default=None)
+
+
+def forced_bwd_config() -> str | None:
+    """The atomic backward config forced by `force_bwd_config` or DSA_SPARSE_MLA_BWD_CONFIG (a name of
+    the backward's space, e.g. "gluon-k32-c64"): it runs untimed and unverified (gpu-check's Gluon
+    checks compare it with the reference themselves). None: the autotuner chooses. The deterministic
+    mode (torch.use_deterministic_algorithms) ignores it: it has its own kernel."""
+    return _FORCED_BWD.get() or os.environ.get("DSA_SPARSE_MLA_BWD_CONFIG") or None
+
+
+@contextlib.contextmanager
+def force_bwd_config(name: str | None):
+    token = _FORCED_BWD.set(name)
+    try:
+        yield
+    finally:
+        _FORCED_BWD.reset(token)
 
 
 def plan_bwd_config(config: tuple, q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float,
                     d_v: int) -> Launch:
     """The atomic backward's launch for one config of `bwd_config_space`."""
-    _, schedule, block_k, stages = config
+    name, schedule, block_k, stages = config
+    if schedule == "gluon":
+        from .gluon_bwd import BLOCK_H as GLUON_BLOCK_H, plan_bwd_gluon
+
+        B, T, H, _ = q.shape
+        _int32_rows(kv, "backward (Gluon)")
+        _int32_rows(dkv, "backward (Gluon)")
+        grid = _grid(triton.cdiv(H, GLUON_BLOCK_H) * T, B, "backward (Gluon)")
+        return plan_bwd_gluon(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale, d_v, grid,
+                              block_k=block_k, stages=stages, dkv_chunk=128 if "-c128" in name else 64,
+                              pipeline_dkv=name.endswith("-p"))
     if schedule == "split":
         return plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale, d_v, block_k=block_k,
                         num_stages=stages)
@@ -993,11 +1055,19 @@ def sparse_mla_bwd(q, kv, indices, n_slots, out, lse, dout, dlse, scale: float, 
     if torch.are_deterministic_algorithms_enabled():
         return dq, sparse_mla_bwd_deterministic(q, kv, indices, n_slots, dout, lse, delta, dq, scale, d_v)
     dkv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
-    space = {cfg[0]: cfg for cfg in bwd_config_space(target_capability(q))}
+    space = bwd_space_for(q, kv, d_v)
     on_gpu = q.is_cuda and not interpreted()
 
     def build(name):  # timing runs into dq / dkv themselves: dq is overwritten, dkv zeroed below
         return plan_bwd_config(space[name], q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale, d_v)
+
+    forced = forced_bwd_config()
+    if forced is not None:  # DSA_SPARSE_MLA_BWD_CONFIG / force_bwd_config: this config, untimed
+        if forced not in space:
+            raise ValueError(f"sparse_mla backward: config {forced!r} (DSA_SPARSE_MLA_BWD_CONFIG) is not in this "
+                             f"call's space {list(space)}; unset it or pick one of those")
+        _run_zeroed(build(forced), dkv)
+        return dq, dkv.to(kv.dtype)
 
     def verify(name):  # the config's dkv and probed dq rows against the default's, before it may be timed
         probe = slice(None, None, max(1, T // BWD_VERIFY_DQ_TOKENS))

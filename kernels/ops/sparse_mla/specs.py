@@ -31,7 +31,7 @@ def _tensors(T: int | None = None, K: int | None = None):
 
 def _config(launch) -> str:
     a = launch.args
-    keys = [k for k in a if k.startswith("BLOCK_") or k in ("EVEN_H", "VALUE_SPLIT", "SPLIT", "DETERMINISTIC")
+    keys = [k for k in a if k.startswith("BLOCK_") or k in ("EVEN_H", "VALUE_SPLIT", "SPLIT", "DETERMINISTIC", "DKV_CHUNK")
             or (k == "TARGET" and a[k])]
     stages = f" stages={launch.num_stages}" if launch.num_stages else ""
     return " ".join(f"{k}={a[k]}" for k in keys) + f" warps={launch.num_warps}{stages} grid={launch.grid}"
@@ -177,8 +177,31 @@ def fwd_work(launch) -> Work:
 
 def _bwd_work_of(launch) -> Work:
     """The analysis of a backward launch, by its kernel."""
-    works = {_sparse_mla_bwd_kernel: bwd_work, _sparse_mla_bwd_interleaved_kernel: bwd_interleaved_work}
+    from .gluon_bwd import _sparse_mla_bwd_gluon_kernel
+
+    works = {_sparse_mla_bwd_kernel: bwd_work, _sparse_mla_bwd_interleaved_kernel: bwd_interleaved_work,
+             _sparse_mla_bwd_gluon_kernel: bwd_gluon_work}
     return works[launch.kernel](launch)
+
+
+def bwd_gluon_work(launch) -> Work:
+    """The Gluon backward (`gluon_bwd._sparse_mla_bwd_gluon_kernel`), per token: per CTA (token, 64
+    heads) q and dO read once (resident), lse / delta; per tile the selected rows gathered once and
+    their indices; S (576 dims), dP (512), dq (576), dkv^T (576 + 512) over the tile's keys, each once
+    (wgmma, no replication); dkv by fp32 atomics once per (head block, slot), dq written once."""
+    a = launch.args
+    H, d_v, d_r = a["H"], a["D_V"], a["D_R"]
+    e = a["Q"].element_size()
+    K = _slots(launch)
+    bh, bk = a["BLOCK_H"], a["BLOCK_K"]
+    n_hb, tiles = -(-H // bh), _pad(K, bk) // bk
+    d_qk = d_v + d_r
+    issued = n_hb * tiles * 2.0 * bh * bk * (3 * d_qk + 2 * d_v)
+    reads = n_hb * (bh * (d_qk + d_v) * e + bh * 8 + tiles * bk * (d_qk * e + 4))
+    writes = n_hb * K * d_qk * 4 + H * d_qk * e
+    gathered = n_hb * tiles * bk * d_qk * e
+    return Work(useful_bwd_flops(H, K, d_qk, d_v), issued, reads, writes,
+                tilelang_bwd_anchor(H, K, d_qk, d_v, e), gathered)
 
 
 def bwd_work(launch) -> Work:
