@@ -173,6 +173,15 @@ def test_gluon_backward_configs_follow_the_default_on_sm90_only():
 def test_call_space_drops_the_gluon_backward_where_it_does_not_apply(monkeypatch):
     q, kv, *_ = _meta()
     with planning_for(90):
+        # opt-in until a GPU has run the kernel: out of the autotuned space by default, in it with
+        # DSA_KERNELS_GLUON_BWD=1, always in the space a forced config is looked up in
+        monkeypatch.delenv("DSA_KERNELS_GLUON_BWD", raising=False)
+        assert not any(n.startswith("gluon") for n in SM.bwd_space_for(q, kv, 512))
+        assert "gluon-k32-c64" in SM.bwd_space_for(q, kv, 512, unmeasured=True)
+        monkeypatch.setenv("DSA_KERNELS_GLUON_BWD", "sometimes")
+        with pytest.raises(ValueError, match="DSA_KERNELS_GLUON_BWD"):
+            SM.bwd_space_for(q, kv, 512)
+        monkeypatch.setenv("DSA_KERNELS_GLUON_BWD", "1")
         assert "gluon-k32-c64" in SM.bwd_space_for(q, kv, 512)
         for q_, kv_, d_v in (_meta(H=96)[:2] + (512,), _meta(dtype=torch.float32)[:2] + (512,),
                              _meta(D=544)[:2] + (512,)):
@@ -269,6 +278,9 @@ def test_backward_autotuning_verifies_the_gluon_configs_first(monkeypatch):
         return names[0], build(names[0])
 
     monkeypatch.setattr(autotune, "pick", fake_pick)
+    (launch,) = _run_bwd_meta(monkeypatch)  # no opt-in: the Gluon backward is not autotuned yet
+    assert seen["names"][0].startswith("split") and not any(n.startswith("gluon") for n in seen["names"])
+    monkeypatch.setenv("DSA_KERNELS_GLUON_BWD", "1")
     (launch,) = _run_bwd_meta(monkeypatch)
     assert seen["kernel"] == "sparse_mla_bwd" and callable(seen["verify"])
     assert seen["names"][0].startswith("split") and "gluon-k32-c64" in seen["names"]
@@ -290,7 +302,7 @@ def test_gpu_check_runs_each_gluon_backward_config_against_the_reference(monkeyp
     ref_dkv = torch.randn(1, T, D, generator=g)
     space = {"split-k16": ("split-k16", "split", None, None), "gluon-k32-c64": ("gluon-k32-c64", "gluon", 32, 2),
              "gluon-k32-c128": ("gluon-k32-c128", "gluon", 32, 2)}
-    monkeypatch.setattr(SM, "bwd_space_for", lambda q, kv, d_v: space)
+    monkeypatch.setattr(SM, "bwd_space_for", lambda q, kv, d_v, unmeasured=False: space)
     calls = []
 
     def fake_sparse_mla(q, kv, idx, scale, d_v):

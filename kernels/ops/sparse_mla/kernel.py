@@ -602,17 +602,33 @@ def bwd_config_space(capability: int, triton_version: str | None = None) -> tupl
     return space
 
 
-def bwd_space_for(q, kv, d_v: int) -> dict:
+def bwd_space_for(q, kv, d_v: int, unmeasured: bool = False) -> dict:
     """{name: config} of the atomic backward's space for this call: `bwd_config_space` of the GPU's
-    capability, less the Gluon configs where that kernel does not take the call or DSA_KERNELS_GLUON=0."""
+    capability, less the Gluon configs where that kernel does not take the call, DSA_KERNELS_GLUON=0,
+    or, until a GPU has run them, without DSA_KERNELS_GLUON_BWD=1 (`gluon_bwd_enabled`).
+    `unmeasured=True` keeps them regardless of that opt-in (a forced config; gpu-check's checks)."""
     cap = target_capability(q)
     space = {cfg[0]: cfg for cfg in bwd_config_space(cap)}
     if any(is_gluon_config(c) for c in space.values()):
         from .gluon_bwd import gluon_bwd_supported
 
-        if not gluon_enabled() or gluon_bwd_supported(q, kv, d_v, cap) is not None:
+        opted_in = gluon_bwd_enabled() or unmeasured
+        if not gluon_enabled() or not opted_in or gluon_bwd_supported(q, kv, d_v, cap) is not None:
             space = {n: c for n, c in space.items() if not is_gluon_config(c)}
     return space
+
+
+def gluon_bwd_enabled() -> bool:
+    """The Gluon backward's configs join sm_90's autotuned backward space only with
+    DSA_KERNELS_GLUON_BWD=1, until a GPU session has run them: the autotuner's verification catches
+    a wrong result, not a hang (a producer / consumer handshake that deadlocks), and no GPU has run
+    this kernel yet (the Gluon forward was opt-in the same way until GPU session 2 measured it).
+    Forcing one (`force_bwd_config`, DSA_SPARSE_MLA_BWD_CONFIG) and gpu-check's correctness checks
+    run them without the opt-in."""
+    value = os.environ.get("DSA_KERNELS_GLUON_BWD", "0").strip().lower()
+    if value not in ("0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"DSA_KERNELS_GLUON_BWD must be 1 or 0; got {value!r}")
+    return value in ("1", "true", "on")
 
 
 _FORCED_BWD: contextvars.ContextVar[str | None] = contextvars.ContextVar("dsa_sparse_mla_bwd_config", default=None)
@@ -1063,6 +1079,7 @@ def sparse_mla_bwd(q, kv, indices, n_slots, out, lse, dout, dlse, scale: float, 
 
     forced = forced_bwd_config()
     if forced is not None:  # DSA_SPARSE_MLA_BWD_CONFIG / force_bwd_config: this config, untimed
+        space = bwd_space_for(q, kv, d_v, unmeasured=True)
         if forced not in space:
             raise ValueError(f"sparse_mla backward: config {forced!r} (DSA_SPARSE_MLA_BWD_CONFIG) is not in this "
                              f"call's space {list(space)}; unset it or pick one of those")
