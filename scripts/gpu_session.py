@@ -14,7 +14,10 @@ those out and pins them.
 
 On the GPU machine (offline; the image's python3, which is itself a venv):
 
-    python3 scripts/gpu_session.py run --kit .gpu-kit --out "$OUT" [--budget-s 540] [--step NAME ...]
+    python3 scripts/gpu_session.py run --kit .gpu-kit --out "$OUT" [--budget-s 540] [--step NAME ... | --plan FILE]
+
+  (--plan FILE: the steps one per line, `#` comments; scripts/gpu-next.txt is the next session's
+  prepared plan. Every step is checked before the install, so a typo costs no device time.)
 
   1. image       the image's probe flags, `pip list --format=freeze`, nvidia-smi     -> image.txt
   2. install     `pip install --no-index --find-links KIT -c KIT/image-constraints.txt dsa-train`
@@ -71,6 +74,49 @@ TAIL_SECONDS = 15  # packing the outputs
 
 class SessionError(Exception):
     """A problem with the inputs, told in one line."""
+
+
+STEP_KINDS = ("e2e", "variants", "speed", "correctness", "check", "bench")
+
+
+def check_step(spec: str) -> None:
+    """Raise SessionError (one line) for a step `Session.step` would refuse, before any runs."""
+    if spec.startswith("env:"):
+        key, sep, _ = spec[4:].partition("=")
+        if not key or not sep:
+            raise SessionError(f"step {spec!r}: write env:NAME=VALUE")
+        return
+    name, eq, secs = spec.partition("=")
+    kind, colon, arg = name.partition(":")
+    if kind not in STEP_KINDS:
+        raise SessionError(f"step {spec!r}: unknown step; use e2e, variants, speed, correctness, "
+                           "check:PREFIX[,PREFIX][=S], bench:SCRIPT[=S] or env:NAME=VALUE")
+    if kind in ("check", "bench") and not arg:
+        raise SessionError(f"step {spec!r}: {kind}: needs its argument ({kind}:...)")
+    if kind == "bench" and not (REPO / "benchmarks" / arg).is_file():
+        raise SessionError(f"step {spec!r}: no benchmarks/{arg}; pick a script in benchmarks/")
+    if eq:
+        try:
+            ok = float(secs) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise SessionError(f"step {spec!r}: the time box after '=' must be seconds > 0")
+
+
+def read_plan(path: Path) -> list[str]:
+    """The steps of a plan file: one per line, blank lines and `#` comments ignored, each checked."""
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise SessionError(f"--plan {path}: cannot read it ({err.strerror}); give a file of steps, one per line")
+    steps = [line.split("#", 1)[0].strip() for line in text.splitlines()]
+    steps = [st for st in steps if st]
+    if not steps:
+        raise SessionError(f"--plan {path}: no steps in it; write one step per line (e.g. check:speed.sparse_mla=90)")
+    for st in steps:
+        check_step(st)
+    return steps
 
 
 # --------------------------------------------------------------------------------------- prepare
@@ -314,6 +360,9 @@ class Session:
 
 
 def run(args) -> int:
+    steps = read_plan(args.plan) if args.plan else list(args.step or DEFAULT_STEPS)
+    for spec in steps:
+        check_step(spec)
     kit = args.kit.resolve()
     if not (kit / "image-constraints.txt").is_file():
         raise SessionError(f"--kit {args.kit}: no image-constraints.txt there; build the kit with "
@@ -329,7 +378,7 @@ def run(args) -> int:
         if not session.install(kit):
             session.say("install failed: no step can run (session.log has pip's output)")
         else:
-            for spec in args.step or DEFAULT_STEPS:
+            for spec in steps:
                 session.step(spec)
     finally:
         session.finish()
@@ -355,9 +404,13 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--budget-s", type=float, default=540.0, help="the whole session's seconds (install included)")
     pr.add_argument("--python", default=sys.executable, help="the image's Python (default: this one)")
     pr.add_argument("--step", action="append", help=f"steps in order (default: {' '.join(DEFAULT_STEPS)})")
+    pr.add_argument("--plan", type=Path, default=None, help="a file of steps, one per line (# comments); "
+                    "instead of --step (scripts/gpu-next.txt: the next session's)")
     pr.add_argument("--small", action="store_true", help="tiny shapes: the CPU rehearsal")
     pr.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = p.parse_args(argv)
+    if args.command == "run" and args.plan and args.step:
+        p.error("give --step or --plan, not both")
     try:
         if args.command == "record-image":
             n = record_image(args.session_image, args.image)
