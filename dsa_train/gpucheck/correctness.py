@@ -300,7 +300,7 @@ def index_scores_check(T: int, fp8: bool):
 # ----------------------------------------------------------------------------- top-k
 def _run_topk(q, k, w, ds, K_, pos, cp: bool, select: str | None = None):
     """The entry point (select None: the autotuned select), or the Triton driver with the select
-    path forced ("radix" / "composite")."""
+    path forced ("radix" / "composite" / "fix-ties" / "repair")."""
     import dsa_kernels as K
 
     if select is not None:
@@ -312,7 +312,7 @@ def _run_topk(q, k, w, ds, K_, pos, cp: bool, select: str | None = None):
     return K.indexer_topk(q, k, w, ds, K_)
 
 
-TOPK_PATHS = (None, "radix", "composite", "fix-ties")  # the entry point, then each select path forced
+TOPK_PATHS = (None, "radix", "composite", "fix-ties", "repair")  # the entry point, then each select path forced
 
 
 def _ref_topk(q, k, w, ds, K_, pos, rows, opts, full: bool):
@@ -357,7 +357,7 @@ def topk_check(T: int, cp: bool = False):
         ridx, rval = _ref_topk(q, k, w, ds, d.K, pos, rows, opts, full)
         short = int(((ridx < 0).any(-1)).sum())
         # off the GPU the entry point runs the radix default (nothing is timed): not run twice
-        paths = TOPK_PATHS if opts.device == "cuda" else (None, "composite", "fix-ties")
+        paths = TOPK_PATHS if opts.device == "cuda" else (None, "composite", "fix-ties", "repair")
         grid_res = {}
         for path in paths:
             idx, val = _run_topk(q, k, w, ds, d.K, pos, cp, path)
@@ -397,12 +397,15 @@ def topk_check(T: int, cp: bool = False):
             picks[path] = idx
         # the paths select from the same score block: identical outputs on every row, near-ties too
         radix = picks.get("radix", picks[None])
-        paths_equal = all(bool(torch.equal(radix, picks[p])) for p in ("composite", "fix-ties"))
+        paths_equal = all(bool(torch.equal(radix, picks[p])) for p in ("composite", "fix-ties", "repair"))
         del picks
 
         metrics = {"rows_compared": int(rows.shape[0]), "queries": Tq, "grid": grid_res["entry"],
                    "random": rand_res["entry"], "paths": {"grid": grid_res, "random": rand_res,
                                                           "paths_equal_random": paths_equal}}
+        no_sync = _repair_without_host_sync(dev) if opts.device == "cuda" else None
+        if no_sync is not None:  # reported, not gating: the repair path's design (no host sync), checked
+            metrics["repair_path_host_sync_free"] = no_sync
         ok = paths_equal and all(
             g["rows_index_mismatch"] == 0 and g["rows_score_mismatch"] == 0 and g["all_tie_rows_wrong"] == 0
             and r["rows_set_mismatch"] == 0 and r["scores"]["ok"] for g, r in zip(grid_res.values(), rand_res.values()))
@@ -414,12 +417,34 @@ def topk_check(T: int, cp: bool = False):
                    f"score rows differ of {rows.shape[0]} ({short} with < k keys), all-tie rows "
                    f"{len(tie_rows) - g['all_tie_rows_wrong']}/{len(tie_rows)} take the lowest keys; random: "
                    f"{r['rows_set_mismatch']} sets differ ({near} near-tie rows not compared), scores "
-                   f"{r['scores']['err']:.2g}/{r['scores']['tol']:.2g}; radix, composite and fix-ties paths "
+                   f"{r['scores']['err']:.2g}/{r['scores']['tol']:.2g}; radix, composite, fix-ties and repair paths "
                    + ("exact too, equal to each other" if ok else f"failing: {bad_paths or 'none'}, equal to each "
                                                                    f"other: {paths_equal}"))
+        if no_sync is not None:
+            summary += f"; repair path {'without' if no_sync else 'WITH'} a host sync"
         return Outcome("pass" if ok else "fail", summary, metrics)
 
     return _budget(T, 5.0, 0.6)(fn)
+
+
+def _repair_without_host_sync(dev) -> bool:
+    """Whether the repair select (torch.topk + its kernel) runs under CUDA's sync debug mode
+    "error" (a host sync raises) on rows with ties across the k-th score and a NaN."""
+    from dsa_kernels.ops.indexer_topk.repair import topk_repair
+
+    s = torch.randn(1, 64, 4099, device=dev)
+    s[0, :8, ::3] = 0.0
+    s[0, 9, 5] = float("nan")
+    topk_repair(s, 2048, 0)  # compiled before the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        topk_repair(s, 2048, 0)
+        return True
+    except RuntimeError:
+        return False
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 # ----------------------------------------------------------------------------- indexer KL
@@ -690,7 +715,7 @@ def checks(opts: Options) -> list[Check]:
                   index_scores_check(T, fp8=True)),
             Check(f"correctness.indexer_topk.T{T}", "correctness", f"{ix} k={d.K}; grid inputs exact (ties to the lower "
                                                                    f"index), random inputs same sets; entry point, "
-                                                                   f"radix, composite and fix-ties paths; {sample}", topk_check(T)),
+                                                                   f"radix, composite, fix-ties and repair paths; {sample}", topk_check(T)),
             Check(f"correctness.sparse_indexer_kl.T{T}", "correctness",
                   f"{ix} k={d.K} H={d.H} D={d.D}; value + dq_I/dk_I/dw", sparse_kl_check(T)),
             Check(f"correctness.dense_indexer_kl.T{T}", "correctness",

@@ -35,8 +35,10 @@ chunk only a [B, C, W] fp32 (or opt-in bf16) score block exists (W = the chunk's
    the output equals the reference's (sorted scores, ties to the lower index).
 The select's torch.topk paths (`composite.py`): torch.topk on int64 composites (order-preserving
 score bits, then the inverted key index), already in the reference's order; or torch.topk on the
-fp32 scores with the rows tied at the k-th score redone that way. On a GPU `_select_chunk` lets
-the autotuner verify them against the radix default and time all; `select=` forces one.
+fp32 scores with the rows tied at the k-th score redone that way (a host sync); or torch.topk on
+the scores (k + 1 picks) and one Triton repair kernel that fixes ties, runs of equal scores and
+non-finite picks on the device (`repair.py`, no host sync). On a GPU `_select_chunk` lets the
+autotuner verify them against the radix default and time all; `select=` forces one.
 """
 
 from __future__ import annotations
@@ -505,10 +507,18 @@ def _score_chunk(q, k, w, doc_start, positions, r0, r1, k0, k_end, qs=None, ks=N
 # "fix-ties" (torch.topk on the fp32 scores, rows tied at the k-th score redone by the composite
 # path; `composite.topk_fix_ties`), None (all: the autotuner verifies the torch paths' index sets
 # against the radix default and times every candidate).
-SELECT_PATHS = ("radix", "composite", "fix-ties")
+# "repair" (torch.topk on the scores, k + 1 picks, then one Triton repair kernel: ties across the
+# k-th score, runs of equal scores and non-finite picks fixed on the device, no host sync;
+# `repair.topk_repair`).
+SELECT_PATHS = ("radix", "composite", "fix-ties", "repair")
 COMPOSITE_CONFIG = "torch-topk-composite"  # the composite path's name in the autotuning space
 FIX_TIES_CONFIG = "torch-topk-fix-ties"
-TORCH_SELECTS = {COMPOSITE_CONFIG: "topk_composite", FIX_TIES_CONFIG: "topk_fix_ties"}
+REPAIR_CONFIG = "torch-topk-repair"
+# config name -> (module, function): the torch.topk paths, each `topk_from_scores`' contract
+TORCH_SELECTS = {COMPOSITE_CONFIG: ("composite", "topk_composite"), FIX_TIES_CONFIG: ("composite", "topk_fix_ties"),
+                 REPAIR_CONFIG: ("repair", "topk_repair")}
+PATH_CONFIGS = {"composite": COMPOSITE_CONFIG, "fix-ties": FIX_TIES_CONFIG, "repair": REPAIR_CONFIG}
+WRITES_EVERY_SLOT = {REPAIR_CONFIG}  # paths that take the outputs to fill (no prefill, no copy)
 
 
 class _CompositeSelect:
@@ -520,9 +530,14 @@ class _CompositeSelect:
         self.kernel, self.num_warps, self.args = None, 0, {}
 
     def run(self) -> None:
-        from . import composite
+        import importlib
 
-        i, v = getattr(composite, TORCH_SELECTS[self.name])(self.scores, self.topk, self.k0)
+        module, fn = TORCH_SELECTS[self.name]
+        select = getattr(importlib.import_module(f"{__package__}.{module}"), fn)
+        if self.name in WRITES_EVERY_SLOT:
+            select(self.scores, self.topk, self.k0, out=(self.idx, self.val))
+            return
+        i, v = select(self.scores, self.topk, self.k0)
         self.idx.copy_(i)
         self.val.copy_(v)
 
@@ -532,23 +547,23 @@ def _select_chunk(scores: torch.Tensor, k0: int, topk: int, block: int | None = 
     """-> (idx, val) [B, C, topk] sorted as the reference; bin_count_out (a list) receives the
     kernel's per-row candidate counts [B, C] (-1: the row's threshold bin overflowed `cap` and
     took the streaming path; nothing when a torch.topk path ran). path: one of SELECT_PATHS, or
-    None: on a GPU the autotuner picks among the radix configs and the two torch.topk paths by
+    None: on a GPU the autotuner picks among the radix configs and the three torch.topk paths by
     timing (each verified against the radix default first); off the GPU the radix default runs."""
     if path is not None and path not in SELECT_PATHS:
         raise ValueError(f"select path must be one of {SELECT_PATHS} or None (autotuned); got {path!r}")
     B, C, W_LEN = scores.shape
 
-    def outputs():
+    def outputs(fill: bool = True):
+        if not fill:  # a path that writes every slot
+            return (torch.empty((B, C, topk), dtype=torch.int32, device=scores.device),
+                    torch.empty((B, C, topk), dtype=torch.float32, device=scores.device))
         return (torch.full((B, C, topk), -1, dtype=torch.int32, device=scores.device),
                 torch.full((B, C, topk), float("-inf"), dtype=torch.float32, device=scores.device))
 
-    idx, val = outputs()
+    idx, val = outputs(fill=PATH_CONFIGS.get(path) not in WRITES_EVERY_SLOT)
     space = {cfg[0]: cfg for cfg in select_config_space(target_capability(scores))}
     names = list(space) if path in (None, "radix") else []
-    if path in (None, "composite"):
-        names.append(COMPOSITE_CONFIG)
-    if path in (None, "fix-ties"):
-        names.append(FIX_TIES_CONFIG)
+    names += [PATH_CONFIGS[p] for p in ("composite", "fix-ties", "repair") if path in (None, p)]
     buffers = []
 
     def build(name, idx=idx, val=val):  # timing runs write the same selection into idx / val again
@@ -634,7 +649,7 @@ def indexer_topk_triton(
     is then `topk_from_scores` of the bf16-rounded scores (same tie and non-finite rules), not
     of the fp32 scores; the returned scores are the bf16 values. Default fp32: exactly the
     reference. select: the selection path (`_select_chunk`: "radix", "composite", "fix-ties",
-    None = autotuned)."""
+    "repair", None = autotuned)."""
     if score_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"score_dtype must be torch.float32 or torch.bfloat16; got {score_dtype}")
     if select is not None and select not in SELECT_PATHS:

@@ -11,6 +11,7 @@ from ..._triton_common import target_capability
 from .composite import COMPOSITE_BUDGET_ELEMS, plan_composite_keys
 from .kernel import (DEFAULT_SCORE_BUDGET, candidate_buffers, plan_scores, plan_select, scores_work, select_config_space,
                      select_work)
+from .repair import plan_topk_repair, repair_work
 
 
 def _chunk():
@@ -22,7 +23,7 @@ def _chunk():
 
 def _config(launch) -> str:
     a = launch.args
-    keys = [k for k in a if k.startswith("BLOCK") or k in ("FP8", "KEY_SPAN", "DIGIT_BITS", "PASSES", "CAP")]
+    keys = [k for k in a if k.startswith("BLOCK") or k in ("FP8", "KEY_SPAN", "DIGIT_BITS", "PASSES", "CAP", "TILE")]
     return " ".join(f"{k}={a[k]}" for k in keys) + f" warps={launch.num_warps} grid={launch.grid}"
 
 
@@ -74,6 +75,13 @@ def _topk():
         launch = plan_composite_keys(scores.view(B * C, q1 - k0)[:rows], comp)
         cases.append(KernelCase(name + "composite int64 keys " + _config(launch), launch,
                                 work=composite_work(launch)))
+        # the repair path's kernel after torch.topk (k + 1 sorted picks of every row of the chunk)
+        rows2 = scores.view(B * C, q1 - k0)
+        picks_v = torch.empty(B * C, s["K"] + 1, dtype=dtype, **meta)
+        picks_i = torch.empty(B * C, s["K"] + 1, dtype=torch.int64, **meta)
+        launch = plan_topk_repair(rows2, picks_v, picks_i, idx.view(B * C, s["K"]), val.view(B * C, s["K"]),
+                                  s["K"], k0)
+        cases.append(KernelCase(name + "torch.topk repair " + _config(launch), launch, work=repair_work(launch)))
     return cases
 
 
