@@ -125,7 +125,7 @@ def test_composite_kernel_builds_the_same_keys_as_torch():
     assert torch.equal(idx.cpu(), ridx) and torch.equal(val.cpu(), rval)
 
 
-@pytest.mark.parametrize("path", ["composite", "fix-ties", "radix", "repair"])
+@pytest.mark.parametrize("path", ["composite", "fix-ties", "radix", "repair", "repair-count"])
 def test_select_paths_agree_with_the_reference(path):
     s = hard_scores()
     for topk in (1, 64, 300):
@@ -145,7 +145,7 @@ def test_composite_path_end_to_end_packed_documents_and_all_tie_rows():
     q[1, 44] = 0
     ds = doc_start([[19, 7, 19], [45]])
     ridx, rval = indexer_topk_ref(q, k, w, ds, topk)
-    for select in ("composite", "fix-ties", "radix", "repair"):
+    for select in ("composite", "fix-ties", "radix", "repair", "repair-count"):
         idx, val = indexer_topk_triton(q, k, w, ds, topk, select=select, chunk_size=11)
         assert torch.equal(idx, ridx) and torch.equal(val, rval), select
     assert (ridx[0, 0, 1:] == -1).all()  # the first token has one key: -1 tail
@@ -166,6 +166,6 @@ def test_composite_path_at_context_parallel_positions():
     ds = doc_start([[23, 41]])
     p = local_positions(T, cp, 1, device=DEV)
     ridx, rval = indexer_topk_at_positions_ref(q[:, p], k, w[:, p], ds, topk, p)
-    for select in ("composite", "fix-ties", "repair"):
+    for select in ("composite", "fix-ties", "repair", "repair-count"):
         idx, val = indexer_topk_triton(q[:, p], k, w[:, p], ds, topk, query_positions=p, select=select, chunk_size=10)
         assert torch.equal(idx, ridx) and torch.equal(val, rval), select

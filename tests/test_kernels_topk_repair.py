@@ -15,7 +15,7 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from dsa_kernels.ops.indexer_topk import topk_from_scores  # noqa: E402
-from dsa_kernels.ops.indexer_topk.repair import plan_topk_repair, topk_repair  # noqa: E402
+from dsa_kernels.ops.indexer_topk.repair import plan_count_ties, plan_topk_repair, topk_repair  # noqa: E402
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 
@@ -61,28 +61,45 @@ def path_rows(W: int = 203, seed: int = 0) -> torch.Tensor:
     return s
 
 
+@pytest.mark.parametrize("count", [False, True], ids=["next-pick", "counted"])
 @pytest.mark.parametrize("topk", [1, 17, 40, 202, 203, 260])
-def test_repair_equals_the_reference(topk):
+def test_repair_equals_the_reference(topk, count):
     s = path_rows().to(DEV)
     ridx, rval = topk_from_scores(s.cpu()[None], topk, key_offset=7)
-    idx, val = topk_repair(s[None], topk, 7)
+    idx, val = topk_repair(s[None], topk, 7, count=count)
     assert torch.equal(idx.cpu(), ridx) and torch.equal(val.cpu(), rval)
 
 
+@pytest.mark.parametrize("count", [False, True], ids=["next-pick", "counted"])
 @pytest.mark.parametrize("topk", [17, 40, 64, 203])
-def test_repair_kernel_on_adversarial_picks(topk):
-    # the kernel alone, fed picks whose tied keys come in a random order; outputs start as
-    # garbage: every slot must be written
+def test_repair_kernel_on_adversarial_picks(topk, count):
+    # the kernel alone, fed picks whose tied keys come in a random order (k + 1 of them, or k and
+    # the tie counts); outputs start as garbage: every slot must be written
     s = path_rows(seed=1).to(DEV)
     R, W = s.shape
     kk = min(topk, W)
     ridx, rval = topk_from_scores(s.cpu()[None], topk, key_offset=3)
-    for seed in range(3):
-        v, i = shuffled_picks(s, min(kk + 1, W), seed)
+    for seed in range(2):
+        counts = None
+        if count and kk < W:
+            v, i = shuffled_picks(s, kk, seed)
+            counts = torch.zeros(R, dtype=torch.int32, device=DEV)
+            plan_count_ties(s, v, counts, kk).run()
+        else:
+            v, i = shuffled_picks(s, min(kk + 1, W), seed)
         idx = torch.full((R, topk), 12345, dtype=torch.int32, device=DEV)
         val = torch.full((R, topk), 7.0, device=DEV)
-        plan_topk_repair(s, v, i, idx, val, kk, 3).run()
+        plan_topk_repair(s, v, i, idx, val, kk, 3, counts).run()
         assert torch.equal(idx.cpu(), ridx[0]) and torch.equal(val.cpu(), rval[0]), seed
+
+
+def test_tie_counts_count_the_keys_equal_to_the_kth_pick():
+    s = path_rows(W=203, seed=3).to(DEV)
+    v, _ = torch.topk(s, 40, dim=-1)
+    counts = torch.zeros(s.shape[0], dtype=torch.int32, device=DEV)
+    plan_count_ties(s, v, counts, 40).run()
+    want = (s == v[:, 39:40]).sum(-1).to(torch.int32)  # -0.0 == +0.0; NaN equals nothing
+    assert torch.equal(counts, want) and int(want[4]) == 203 and int(want[12]) == 0  # row 12: a NaN 40th pick
 
 
 def test_repair_bf16_scores_and_strided_rows():
@@ -104,6 +121,9 @@ def test_repair_rejects_picks_of_another_k():
     idx = torch.empty((14, 16), dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="picks must be torch.topk's"):
         plan_topk_repair(s, v, i, idx, idx.float(), 16, 0)
+    v, i = torch.topk(s, 16, dim=-1)
+    with pytest.raises(ValueError, match="need the \\(k\\+1\\)-th pick or the tie counts"):
+        plan_topk_repair(s, v, i, idx, idx.float(), 16, 0)
 
 
 def test_topk_check_fails_on_a_wrong_repair_path(monkeypatch):
@@ -114,8 +134,8 @@ def test_topk_check_fails_on_a_wrong_repair_path(monkeypatch):
 
     real = repair.topk_repair
 
-    def one_swapped_tie(scores, topk, key_offset=0, out=None):
-        idx, val = real(scores, topk, key_offset, out)
+    def one_swapped_tie(scores, topk, key_offset=0, out=None, count=False):
+        idx, val = real(scores, topk, key_offset, out, count)
         if idx.shape[1] > 50:
             idx[0, 50, [0, 1]] = idx[0, 50, [1, 0]].clone()  # row 50's first two slots exchanged
         return idx, val
@@ -133,10 +153,13 @@ def test_topk_check_fails_on_a_wrong_repair_path(monkeypatch):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_repair_path_has_no_host_sync():
     s = path_rows(W=4099).cuda()[None]
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        idx, val = topk_repair(s, 2048, 0)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    ridx, rval = topk_from_scores(s.cpu(), 2048)
-    assert torch.equal(idx.cpu(), ridx) and torch.equal(val.cpu(), rval)
+    for count in (False, True):
+        topk_repair(s, 2048, 0, count=count)  # compiled outside the check
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            idx, val = topk_repair(s, 2048, 0, count=count)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        ridx, rval = topk_from_scores(s.cpu(), 2048)
+        assert torch.equal(idx.cpu(), ridx) and torch.equal(val.cpu(), rval), count

@@ -300,7 +300,7 @@ def index_scores_check(T: int, fp8: bool):
 # ----------------------------------------------------------------------------- top-k
 def _run_topk(q, k, w, ds, K_, pos, cp: bool, select: str | None = None):
     """The entry point (select None: the autotuned select), or the Triton driver with the select
-    path forced ("radix" / "composite" / "fix-ties" / "repair")."""
+    path forced (`kernel.SELECT_PATHS`)."""
     import dsa_kernels as K
 
     if select is not None:
@@ -312,7 +312,7 @@ def _run_topk(q, k, w, ds, K_, pos, cp: bool, select: str | None = None):
     return K.indexer_topk(q, k, w, ds, K_)
 
 
-TOPK_PATHS = (None, "radix", "composite", "fix-ties", "repair")  # the entry point, then each select path forced
+TOPK_PATHS = (None, "radix", "composite", "fix-ties", "repair", "repair-count")  # the entry point, then each select path forced
 
 
 def _ref_topk(q, k, w, ds, K_, pos, rows, opts, full: bool):
@@ -336,7 +336,8 @@ def topk_check(T: int, cp: bool = False):
     (the kernel and the reference sum in different orders), and the scores within 2^-12.
     Each input runs through the entry point (the autotuned select) and through each select path
     forced (the Triton radix select, torch.topk on composite keys, torch.topk on the scores with
-    tied rows redone); the paths select from the same score block, so their outputs must also be
+    tied rows redone, torch.topk on the scores with one repair kernel, with k + 1 picks or with a
+    tie count pass); the paths select from the same score block, so their outputs must also be
     identical to each other, near-ties included."""
 
     def fn(opts: Options) -> Outcome:
@@ -357,7 +358,7 @@ def topk_check(T: int, cp: bool = False):
         ridx, rval = _ref_topk(q, k, w, ds, d.K, pos, rows, opts, full)
         short = int(((ridx < 0).any(-1)).sum())
         # off the GPU the entry point runs the radix default (nothing is timed): not run twice
-        paths = TOPK_PATHS if opts.device == "cuda" else (None, "composite", "fix-ties", "repair")
+        paths = TOPK_PATHS if opts.device == "cuda" else (None, "composite", "fix-ties", "repair", "repair-count")
         grid_res = {}
         for path in paths:
             idx, val = _run_topk(q, k, w, ds, d.K, pos, cp, path)
@@ -397,7 +398,7 @@ def topk_check(T: int, cp: bool = False):
             picks[path] = idx
         # the paths select from the same score block: identical outputs on every row, near-ties too
         radix = picks.get("radix", picks[None])
-        paths_equal = all(bool(torch.equal(radix, picks[p])) for p in ("composite", "fix-ties", "repair"))
+        paths_equal = all(bool(torch.equal(radix, picks[p])) for p in ("composite", "fix-ties", "repair", "repair-count"))
         del picks
 
         metrics = {"rows_compared": int(rows.shape[0]), "queries": Tq, "grid": grid_res["entry"],
@@ -417,7 +418,7 @@ def topk_check(T: int, cp: bool = False):
                    f"score rows differ of {rows.shape[0]} ({short} with < k keys), all-tie rows "
                    f"{len(tie_rows) - g['all_tie_rows_wrong']}/{len(tie_rows)} take the lowest keys; random: "
                    f"{r['rows_set_mismatch']} sets differ ({near} near-tie rows not compared), scores "
-                   f"{r['scores']['err']:.2g}/{r['scores']['tol']:.2g}; radix, composite, fix-ties and repair paths "
+                   f"{r['scores']['err']:.2g}/{r['scores']['tol']:.2g}; radix, composite, fix-ties, repair and repair-count paths "
                    + ("exact too, equal to each other" if ok else f"failing: {bad_paths or 'none'}, equal to each "
                                                                    f"other: {paths_equal}"))
         if no_sync is not None:
@@ -428,18 +429,21 @@ def topk_check(T: int, cp: bool = False):
 
 
 def _repair_without_host_sync(dev) -> bool:
-    """Whether the repair select (torch.topk + its kernel) runs under CUDA's sync debug mode
-    "error" (a host sync raises) on rows with ties across the k-th score and a NaN."""
+    """Whether the repair selects (torch.topk + the kernel, with k + 1 picks or the tie count) run
+    under CUDA's sync debug mode "error" (a host sync raises) on rows with ties across the k-th
+    score and a NaN."""
     from dsa_kernels.ops.indexer_topk.repair import topk_repair
 
     s = torch.randn(1, 64, 4099, device=dev)
     s[0, :8, ::3] = 0.0
     s[0, 9, 5] = float("nan")
-    topk_repair(s, 2048, 0)  # compiled before the check
+    for count in (False, True):
+        topk_repair(s, 2048, 0, count=count)  # compiled before the check
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        topk_repair(s, 2048, 0)
+        for count in (False, True):
+            topk_repair(s, 2048, 0, count=count)
         return True
     except RuntimeError:
         return False
@@ -715,7 +719,7 @@ def checks(opts: Options) -> list[Check]:
                   index_scores_check(T, fp8=True)),
             Check(f"correctness.indexer_topk.T{T}", "correctness", f"{ix} k={d.K}; grid inputs exact (ties to the lower "
                                                                    f"index), random inputs same sets; entry point, "
-                                                                   f"radix, composite, fix-ties and repair paths; {sample}", topk_check(T)),
+                                                                   f"radix, composite, fix-ties, repair and repair-count paths; {sample}", topk_check(T)),
             Check(f"correctness.sparse_indexer_kl.T{T}", "correctness",
                   f"{ix} k={d.K} H={d.H} D={d.D}; value + dq_I/dk_I/dw", sparse_kl_check(T)),
             Check(f"correctness.dense_indexer_kl.T{T}", "correctness",

@@ -267,7 +267,7 @@ def indexer_topk_speed(opts: Options) -> Outcome:
               2 * causal * d.H_I * d.D_I)
     sel = "select (last rows)"
     table.add(sel, "ours", _time_ms(lambda: _select_chunk(scores, k0, d.K), opts))
-    for path in ("radix", "composite", "fix-ties", "repair"):
+    for path in ("radix", "composite", "fix-ties", "repair", "repair-count"):
         table.baseline(f"{path} select", lambda p=path: {sel: _time_ms(lambda: _select_chunk(scores, k0, d.K, path=p),
                                                                        opts)}, {})
     table.baseline("torch.topk", lambda: {sel: _time_ms(lambda: torch.topk(scores, d.K, dim=-1), opts)}, {})
@@ -283,8 +283,9 @@ def indexer_topk_speed(opts: Options) -> Outcome:
             impl: round(ms / rows["torch.topk"], 3) for impl, ms in rows.items() if impl != "torch.topk"}
         out.metrics["select_goal"] = {"max_ratio": SELECT_GOAL, "met": ratio <= SELECT_GOAL}
         out.summary += f"; select / torch.topk = {ratio:.2f} (goal <= {SELECT_GOAL})"
-        if "repair select" in rows:
-            out.summary += f"; repair select / torch.topk = {rows['repair select'] / rows['torch.topk']:.2f}"
+        for impl in ("repair select", "repair-count select"):
+            if impl in rows:
+                out.summary += f"; {impl} / torch.topk = {rows[impl] / rows['torch.topk']:.2f}"
     return out
 
 
@@ -670,7 +671,7 @@ def checks(opts: Options) -> list[Check]:
                                            f"PyTorch, FlashMLA/TileLang anchors; {how}",
               _budgeted(40, sparse_mla_speed)),
         Check("speed.indexer_topk", "speed", f"T={T} H_I={d.H_I} d_I={d.D_I} k={d.K}; scores+select; our select "
-                                             f"(autotuned), radix / composite-key / fix-ties / repair paths vs torch.topk "
+                                             f"(autotuned), radix / composite-key / fix-ties / repair / repair-count paths vs torch.topk "
                                              f"on the same rows (and torch.topk k+1, the repair kernel alone); {how}", _budgeted(25, indexer_topk_speed)),
         Check("speed.sparse_indexer_kl", "speed", f"T={T} k={d.K} H={d.H} H_I={d.H_I}; fwd, bwd; ours vs chunked "
                                                   f"PyTorch; {how}", _budgeted(30, sparse_kl_speed)),

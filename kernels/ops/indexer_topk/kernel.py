@@ -37,7 +37,8 @@ The select's torch.topk paths (`composite.py`): torch.topk on int64 composites (
 score bits, then the inverted key index), already in the reference's order; or torch.topk on the
 fp32 scores with the rows tied at the k-th score redone that way (a host sync); or torch.topk on
 the scores (k + 1 picks) and one Triton repair kernel that fixes ties, runs of equal scores and
-non-finite picks on the device (`repair.py`, no host sync). On a GPU `_select_chunk` lets the
+non-finite picks on the device (`repair.py`, no host sync), or torch.topk for k picks with a tie
+count pass before that kernel. On a GPU `_select_chunk` lets the
 autotuner verify them against the radix default and time all; `select=` forces one.
 """
 
@@ -509,16 +510,19 @@ def _score_chunk(q, k, w, doc_start, positions, r0, r1, k0, k_end, qs=None, ks=N
 # against the radix default and times every candidate).
 # "repair" (torch.topk on the scores, k + 1 picks, then one Triton repair kernel: ties across the
 # k-th score, runs of equal scores and non-finite picks fixed on the device, no host sync;
-# `repair.topk_repair`).
-SELECT_PATHS = ("radix", "composite", "fix-ties", "repair")
+# `repair.topk_repair`), "repair-count" (torch.topk for k picks, a tie count pass over the scores,
+# the repair kernel: torch.topk's sort of its picks sized for k, not k + 1; `repair.topk_repair_count`).
+SELECT_PATHS = ("radix", "composite", "fix-ties", "repair", "repair-count")
 COMPOSITE_CONFIG = "torch-topk-composite"  # the composite path's name in the autotuning space
 FIX_TIES_CONFIG = "torch-topk-fix-ties"
 REPAIR_CONFIG = "torch-topk-repair"
+REPAIR_COUNT_CONFIG = "torch-topk-repair-count"
 # config name -> (module, function): the torch.topk paths, each `topk_from_scores`' contract
 TORCH_SELECTS = {COMPOSITE_CONFIG: ("composite", "topk_composite"), FIX_TIES_CONFIG: ("composite", "topk_fix_ties"),
-                 REPAIR_CONFIG: ("repair", "topk_repair")}
-PATH_CONFIGS = {"composite": COMPOSITE_CONFIG, "fix-ties": FIX_TIES_CONFIG, "repair": REPAIR_CONFIG}
-WRITES_EVERY_SLOT = {REPAIR_CONFIG}  # paths that take the outputs to fill (no prefill, no copy)
+                 REPAIR_CONFIG: ("repair", "topk_repair"), REPAIR_COUNT_CONFIG: ("repair", "topk_repair_count")}
+PATH_CONFIGS = {"composite": COMPOSITE_CONFIG, "fix-ties": FIX_TIES_CONFIG, "repair": REPAIR_CONFIG,
+                "repair-count": REPAIR_COUNT_CONFIG}
+WRITES_EVERY_SLOT = {REPAIR_CONFIG, REPAIR_COUNT_CONFIG}  # paths that fill the outputs given (no prefill, no copy)
 
 
 class _CompositeSelect:
@@ -547,7 +551,7 @@ def _select_chunk(scores: torch.Tensor, k0: int, topk: int, block: int | None = 
     """-> (idx, val) [B, C, topk] sorted as the reference; bin_count_out (a list) receives the
     kernel's per-row candidate counts [B, C] (-1: the row's threshold bin overflowed `cap` and
     took the streaming path; nothing when a torch.topk path ran). path: one of SELECT_PATHS, or
-    None: on a GPU the autotuner picks among the radix configs and the three torch.topk paths by
+    None: on a GPU the autotuner picks among the radix configs and the four torch.topk paths by
     timing (each verified against the radix default first); off the GPU the radix default runs."""
     if path is not None and path not in SELECT_PATHS:
         raise ValueError(f"select path must be one of {SELECT_PATHS} or None (autotuned); got {path!r}")
@@ -563,7 +567,7 @@ def _select_chunk(scores: torch.Tensor, k0: int, topk: int, block: int | None = 
     idx, val = outputs(fill=PATH_CONFIGS.get(path) not in WRITES_EVERY_SLOT)
     space = {cfg[0]: cfg for cfg in select_config_space(target_capability(scores))}
     names = list(space) if path in (None, "radix") else []
-    names += [PATH_CONFIGS[p] for p in ("composite", "fix-ties", "repair") if path in (None, p)]
+    names += [PATH_CONFIGS[p] for p in SELECT_PATHS[1:] if path in (None, p)]
     buffers = []
 
     def build(name, idx=idx, val=val):  # timing runs write the same selection into idx / val again
@@ -649,7 +653,7 @@ def indexer_topk_triton(
     is then `topk_from_scores` of the bf16-rounded scores (same tie and non-finite rules), not
     of the fp32 scores; the returned scores are the bf16 values. Default fp32: exactly the
     reference. select: the selection path (`_select_chunk`: "radix", "composite", "fix-ties",
-    "repair", None = autotuned)."""
+    "repair", "repair-count", None = autotuned)."""
     if score_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"score_dtype must be torch.float32 or torch.bfloat16; got {score_dtype}")
     if select is not None and select not in SELECT_PATHS:

@@ -11,7 +11,7 @@ from ..._triton_common import target_capability
 from .composite import COMPOSITE_BUDGET_ELEMS, plan_composite_keys
 from .kernel import (DEFAULT_SCORE_BUDGET, candidate_buffers, plan_scores, plan_select, scores_work, select_config_space,
                      select_work)
-from .repair import plan_topk_repair, repair_work
+from .repair import count_work, plan_count_ties, plan_topk_repair, repair_work
 
 
 def _chunk():
@@ -82,6 +82,16 @@ def _topk():
         launch = plan_topk_repair(rows2, picks_v, picks_i, idx.view(B * C, s["K"]), val.view(B * C, s["K"]),
                                   s["K"], k0)
         cases.append(KernelCase(name + "torch.topk repair " + _config(launch), launch, work=repair_work(launch)))
+        # the repair-count path: k picks, the tie count pass, the repair kernel told by the counts
+        picks_v = torch.empty(B * C, s["K"], dtype=dtype, **meta)
+        picks_i = torch.empty(B * C, s["K"], dtype=torch.int64, **meta)
+        counts = torch.empty(B * C, dtype=torch.int32, **meta)
+        launch = plan_count_ties(rows2, picks_v, counts, s["K"])
+        cases.append(KernelCase(name + "torch.topk tie count " + _config(launch), launch, work=count_work(launch)))
+        launch = plan_topk_repair(rows2, picks_v, picks_i, idx.view(B * C, s["K"]), val.view(B * C, s["K"]),
+                                  s["K"], k0, counts)
+        cases.append(KernelCase(name + "torch.topk repair, counted ties " + _config(launch), launch,
+                                work=repair_work(launch)))
     return cases
 
 
