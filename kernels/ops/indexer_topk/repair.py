@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from ...analysis import Work
-from ..._triton_common import Launch, interp_upcast, pow2
+from ..._triton_common import Launch, interp_upcast, interpreted, pow2
 from .kernel import _finite, _sortable, _write_selected
 
 REPAIR_SCAN_BLOCK = 1024  # scores per step of the tie scan and of the fallback radix select
@@ -289,7 +289,9 @@ def topk_repair(scores: torch.Tensor, topk: int, key_offset: int = 0,
     (k + 1 picks, sorted) and one `_topk_repair_kernel` launch; no host sync. count=True: torch.topk
     for k picks (its in-place sort of the picks sized 2048, not 4096, at k = 2048), a zeroed count
     per row and one `_count_ties_kernel` pass over the scores (ties across the k-th score), then the
-    repair. out: (indices, scores) to write (every slot is written)."""
+    repair. out: (indices, scores) to write (every slot is written). CPU tensors outside the Triton
+    interpreter (no kernel can run): the same contract from `composite.topk_fix_ties`, the PyTorch
+    form of the same idea (torch.topk's k + 1 picks, the tied rows redone by composite keys)."""
     B, C, W = scores.shape
     dev = scores.device
     idx, val = out if out is not None else (torch.empty((B, C, topk), dtype=torch.int32, device=dev),
@@ -297,6 +299,13 @@ def topk_repair(scores: torch.Tensor, topk: int, key_offset: int = 0,
     if W == 0 or B * C == 0:
         idx.fill_(-1)
         val.fill_(float("-inf"))
+        return idx, val
+    if not scores.is_cuda and not interpreted():
+        from .composite import topk_fix_ties
+
+        i, v = topk_fix_ties(scores, topk, key_offset)
+        idx.copy_(i)
+        val.copy_(v)
         return idx, val
     rows = scores.reshape(B * C, W)
     if rows.stride(-1) != 1:
