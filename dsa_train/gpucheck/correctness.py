@@ -312,7 +312,8 @@ def _run_topk(q, k, w, ds, K_, pos, cp: bool, select: str | None = None):
     return K.indexer_topk(q, k, w, ds, K_)
 
 
-TOPK_PATHS = (None, "radix", "composite", "fix-ties", "repair", "repair-count")  # the entry point, then each select path forced
+# the entry point, then each select path forced
+TOPK_PATHS = (None, "radix", "composite", "fix-ties", "repair", "repair-count")
 
 
 def _ref_topk(q, k, w, ds, K_, pos, rows, opts, full: bool):
@@ -398,7 +399,7 @@ def topk_check(T: int, cp: bool = False):
             picks[path] = idx
         # the paths select from the same score block: identical outputs on every row, near-ties too
         radix = picks.get("radix", picks[None])
-        paths_equal = all(bool(torch.equal(radix, picks[p])) for p in ("composite", "fix-ties", "repair", "repair-count"))
+        paths_equal = all(bool(torch.equal(radix, picks[p])) for p in TOPK_PATHS[2:])
         del picks
 
         metrics = {"rows_compared": int(rows.shape[0]), "queries": Tq, "grid": grid_res["entry"],
@@ -418,7 +419,8 @@ def topk_check(T: int, cp: bool = False):
                    f"score rows differ of {rows.shape[0]} ({short} with < k keys), all-tie rows "
                    f"{len(tie_rows) - g['all_tie_rows_wrong']}/{len(tie_rows)} take the lowest keys; random: "
                    f"{r['rows_set_mismatch']} sets differ ({near} near-tie rows not compared), scores "
-                   f"{r['scores']['err']:.2g}/{r['scores']['tol']:.2g}; radix, composite, fix-ties, repair and repair-count paths "
+                   f"{r['scores']['err']:.2g}/{r['scores']['tol']:.2g}; radix, composite, fix-ties, repair and "
+                   "repair-count paths "
                    + ("exact too, equal to each other" if ok else f"failing: {bad_paths or 'none'}, equal to each "
                                                                    f"other: {paths_equal}"))
         if no_sync is not None:
@@ -719,7 +721,8 @@ def checks(opts: Options) -> list[Check]:
                   index_scores_check(T, fp8=True)),
             Check(f"correctness.indexer_topk.T{T}", "correctness", f"{ix} k={d.K}; grid inputs exact (ties to the lower "
                                                                    f"index), random inputs same sets; entry point, "
-                                                                   f"radix, composite, fix-ties, repair and repair-count paths; {sample}", topk_check(T)),
+                                                                   f"radix, composite, fix-ties, repair and "
+                                                                   f"repair-count paths; {sample}", topk_check(T)),
             Check(f"correctness.sparse_indexer_kl.T{T}", "correctness",
                   f"{ix} k={d.K} H={d.H} D={d.D}; value + dq_I/dk_I/dw", sparse_kl_check(T)),
             Check(f"correctness.dense_indexer_kl.T{T}", "correctness",
