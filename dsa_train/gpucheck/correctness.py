@@ -267,7 +267,7 @@ def _sparse_mla_gluon_forwards(q, kv, idx, scale, d_v, rows, ref_out, ref_lse, o
 def index_scores_check(T: int, fp8: bool):
     def fn(opts: Options) -> Outcome:
         from dsa_kernels.ops.indexer_topk import index_scores_fp8_ref, index_scores_ref
-        from dsa_kernels.ops.indexer_topk.kernel import index_scores_triton
+        from dsa_kernels.ops.indexer_topk.kernel import SCORE_CONFIG_SPACE, index_scores_triton
 
         d, dev = dims_for(opts.small), _device(opts)
         ds = doc_start_of(doc_lengths(T), dev)
@@ -290,6 +290,9 @@ def index_scores_check(T: int, fp8: bool):
             else:
                 ref, rk0 = index_scores_ref(q.float(), k.float(), w, ds, q0, q1)
                 res[name] = compare(got, ref, TOL["scores"])
+            for cfg, _ in SCORE_CONFIG_SPACE[1:]:  # each other config of the score kernel's space, forced
+                got_c, _ = index_scores_triton(q, k, w, ds, q0, q1, fp8=fp8, config=cfg)
+                res[f"{name}_{cfg}"] = compare(got_c, ref, TOL["scores_fp8_deq" if fp8 else "scores"])
             if k0 != rk0:
                 res[name + "_window"] = {"err": abs(k0 - rk0), "tol": 0, "ok": False, "note": "key window start"}
         return _outcome(res, {"rows": 2 * C, "fp8": fp8}, f"; {2 * C} rows x their key windows")
@@ -715,7 +718,8 @@ def checks(opts: Options) -> list[Check]:
         out += [
             Check(f"correctness.sparse_mla.T{T}", "correctness", f"{sm}; fwd out/lse + bwd dq/dkv, {sample}",
                   sparse_mla_check(T)),
-            Check(f"correctness.index_scores_bf16.T{T}", "correctness", f"{ix}; 2 blocks of rows x key window",
+            Check(f"correctness.index_scores_bf16.T{T}", "correctness", f"{ix}; 2 blocks of rows x key window; "
+                                                                        f"autotuned and each config forced",
                   index_scores_check(T, fp8=False)),
             Check(f"correctness.index_scores_fp8.T{T}", "correctness", f"{ix}; e4m3 q/k, 128-channel scales (fp32 and ue8m0)",
                   index_scores_check(T, fp8=True)),

@@ -278,7 +278,7 @@ def indexer_topk_speed(opts: Options) -> Outcome:
     table.baseline("torch.topk unsorted", lambda: {sel: _time_ms(lambda: torch.topk(scores, d.K, dim=-1, sorted=False),
                                                                  opts)}, {})
     table.baseline("repair kernel", lambda: {sel: _time_ms(_repair_kernel_only(scores, d.K, k0), opts)}, {})
-    out = _with_autotuned(table.outcome("indexer_topk"), ("indexer_topk_select",))
+    out = _with_autotuned(table.outcome("indexer_topk"), ("indexer_topk_select", "indexer_scores"))
     rows = {r["impl"]: r["ms"] for r in table.rows if r["pass"] == sel and r.get("ms")}
     if opts.device == "cuda" and "torch.topk" in rows:  # the goal: our select within SELECT_GOAL x torch.topk
         ratio = rows["ours"] / rows["torch.topk"]

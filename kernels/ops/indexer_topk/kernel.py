@@ -71,7 +71,7 @@ def _index_scores_kernel(
     HI: tl.constexpr, DI: tl.constexpr,
     FP8: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    KEY_SPAN: tl.constexpr,
+    KEY_SPAN: tl.constexpr, KEYS_MAJOR: tl.constexpr = False,
 ):
     """Scores of BLOCK_Q query rows (local rows r0 + ..., global positions POS[row]) over the
     KEY_SPAN keys of window columns [pid_n * KEY_SPAN, ...): the rows' BLOCK_Q x H_I query
@@ -117,7 +117,10 @@ def _index_scores_kernel(
         k_base = KI + b * stride_kb + offs_s[:, None].to(tl.int64) * stride_kt
         if ONE_D:
             k = tl.load(k_base + offs_d[None, :], mask=mask_n[:, None] & (offs_d[None, :] < DI), other=0.0)
-            logits = tl.dot(q_res, tl.trans(k))  # [M, BLOCK_N]; e4m3 x e4m3 -> fp32 on the FP8 path
+            if KEYS_MAJOR:  # [BLOCK_N, M]: the heads along the accumulator's columns
+                logits = tl.dot(k, tl.trans(q_res))
+            else:
+                logits = tl.dot(q_res, tl.trans(k))  # [M, BLOCK_N]; e4m3 x e4m3 -> fp32 on the FP8 path
         else:  # head dim wider than one tile: stream q in D chunks too (one FP8 scale group each)
             logits = tl.zeros([M, BLOCK_N], dtype=tl.float32)
             for d0 in range(0, DI, BLOCK_D):
@@ -133,8 +136,12 @@ def _index_scores_kernel(
                     part = part * qs[:, None] * ks[None, :]
                 logits += part
         # ReLU keeping NaN (as torch.relu): a non-finite score must stay non-finite to be dropped
-        weighted = w_r[:, None] * tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL)  # [M, BLOCK_N]
-        acc = tl.sum(tl.reshape(weighted, (BLOCK_Q, BLOCK_HI, BLOCK_N)), axis=1)  # sum over heads
+        if KEYS_MAJOR and ONE_D:  # the head sum along each thread's accumulator columns, then [BLOCK_Q, BLOCK_N]
+            weighted = w_r[None, :] * tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL)  # [BLOCK_N, M]
+            acc = tl.trans(tl.sum(tl.reshape(weighted, (BLOCK_N, BLOCK_Q, BLOCK_HI)), axis=2))
+        else:
+            weighted = w_r[:, None] * tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL)  # [M, BLOCK_N]
+            acc = tl.sum(tl.reshape(weighted, (BLOCK_Q, BLOCK_HI, BLOCK_N)), axis=1)  # sum over heads
         if FP8 and ONE_D:  # k's scale after the head sum (DeepSeek-V3.2's fp8_index order)
             ks = tl.load(KS + b * stride_ksb + offs_s.to(tl.int64) * stride_kst, mask=mask_n, other=0.0)
             acc = acc * ks[None, :]
@@ -335,13 +342,14 @@ def score_blocks(C: int, W_LEN: int, HI: int, DI: int) -> tuple[int, int, int, i
 
 
 def plan_scores(q, k, w, doc_start, scores, positions, r0: int, r1: int, k0: int, qs=None, ks=None,
-                key_span: int | None = None) -> Launch:
+                key_span: int | None = None, config: str | None = None) -> Launch:
     """Score launch for the local query rows [r0, r1) over the key window [k0, k0 + W):
     q [B, Tq, H_I, D_I] and w [B, Tq, H_I] fp32 (local rows), positions [Tq] int32 (global
     position of each local row: arange(T) without context parallelism), k [B, T, D_I] and
     doc_start [B, T] (the whole sequence), scores [B, r1 - r0, W] fp32 or bf16 (every entry
     written, rounded to its dtype; -inf where masked); qs [B, Tq, H_I, G] / ks [B, T, G] fp32 scales for e4m3 q/k (None: 16-bit
-    or fp32 q/k). key_span: keys per program (a multiple of BLOCK_N; default 16 tiles)."""
+    or fp32 q/k). key_span: keys per program (a multiple of BLOCK_N; default 16 tiles). config: a
+    name of `SCORE_CONFIG_SPACE` (default: its first)."""
     B, Tq, HI, DI = q.shape
     C, W_LEN = r1 - r0, scores.shape[2]
     fp8 = qs is not None
@@ -349,6 +357,8 @@ def plan_scores(q, k, w, doc_start, scores, positions, r0: int, r1: int, k0: int
     span = key_span or KEY_SPAN_TILES * block_n
     if span % block_n:
         raise ValueError(f"key_span={span} must be a multiple of the key tile {block_n}")
+    keys_major = dict((name, km) for name, km in SCORE_CONFIG_SPACE)[config or SCORE_CONFIG_SPACE[0][0]]
+    keys_major = keys_major and DI <= block_d  # one resident head-dim tile only
     dummy = scores
     return Launch(
         _index_scores_kernel, (triton.cdiv(C, block_q), triton.cdiv(W_LEN, span), B),
@@ -366,6 +376,7 @@ def plan_scores(q, k, w, doc_start, scores, positions, r0: int, r1: int, k0: int
             r0=r0, r1=r1, k0=k0, W_LEN=W_LEN,
             HI=HI, DI=DI, FP8=fp8,
             BLOCK_Q=block_q, BLOCK_HI=block_hi, BLOCK_N=block_n, BLOCK_D=block_d, KEY_SPAN=span,
+            KEYS_MAJOR=keys_major,
         ),
         num_warps=8,
     )
@@ -495,11 +506,51 @@ def streaming_read_bytes(launch: Launch) -> int:
     return (a["PASSES"] + 1) * a["W_LEN"] * a["S"].element_size()
 
 
+# The score kernel's autotuning space (issue 31, scores + select at 32K): (name, keys-major tile).
+# "heads-rows" (the default): the tile's dot is [BLOCK_Q * H_I, D] x [D, BLOCK_N], the heads along
+# the accumulator's rows, so the head sum reduces across warps; "keys-rows": [BLOCK_N, D] x [D,
+# BLOCK_Q * H_I], the heads along its columns, so the head sum stays within each thread and its
+# quad, and the [BLOCK_N, BLOCK_Q] sums are transposed once. Compiled at the 671B shapes (bf16 /
+# fp8 / bf16 block, registers, no spill): 3.6 sm_90a 128 / 140 / 128, 3.9 sm_90a 208 / 168 / 208
+# (1 CTA per SM). GPU speed unmeasured: on a GPU each is verified against the default (same -inf
+# pattern, finite scores within SCORE_VERIFY_RTOL of the block's largest) and timed.
+SCORE_CONFIG_SPACE = (("heads-rows", False), ("keys-rows", True))
+SCORE_VERIFY_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
 def _score_chunk(q, k, w, doc_start, positions, r0, r1, k0, k_end, qs=None, ks=None, key_span=None,
-                 score_dtype=torch.float32):
+                 score_dtype=torch.float32, config: str | None = None):
+    """The chunk's score block; config: one of SCORE_CONFIG_SPACE, or None (autotuned on a GPU,
+    the default off it)."""
     B = q.shape[0]
-    scores = torch.empty((B, r1 - r0, k_end - k0), dtype=score_dtype, device=q.device)
-    plan_scores(q, k, w, doc_start, scores, positions, r0, r1, k0, qs, ks, key_span).run()
+    shape = (B, r1 - r0, k_end - k0)
+    scores = torch.empty(shape, dtype=score_dtype, device=q.device)
+
+    def build(name, out=scores):
+        return plan_scores(q, k, w, doc_start, out, positions, r0, r1, k0, qs, ks, key_span, name)
+
+    def verify(name):  # the config's block against the default's, before it may be timed
+        ref = torch.empty(shape, dtype=score_dtype, device=q.device)
+        got = torch.empty_like(ref)
+        build(SCORE_CONFIG_SPACE[0][0], ref).run()
+        build(name, got).run()
+        fin = torch.isfinite(ref)
+        if not torch.equal(fin, torch.isfinite(got)):
+            return False
+        if not bool(fin.any()):
+            return True
+        scale = float(ref[fin].float().abs().max().clamp_min(1e-30))
+        return float((got[fin].float() - ref[fin].float()).abs().max()) <= SCORE_VERIFY_RTOL[score_dtype] * scale
+
+    if config is not None:
+        launch = build(config)
+    else:
+        on_gpu = q.is_cuda and not interpreted()
+        names = [name for name, _ in SCORE_CONFIG_SPACE]
+        key = (pow2(r1 - r0), pow2(k_end - k0), q.shape[2], q.shape[3], str(q.dtype), str(score_dtype))
+        _, launch = autotune.pick("indexer_scores", key, names, build, on_gpu,
+                                  autotune.device_id(q) if on_gpu else "", verify=verify)
+    launch.run()
     return scores
 
 
@@ -683,9 +734,9 @@ def indexer_topk_triton(
 
 
 def index_scores_triton(q, k, w, doc_start, q0: int, q1: int, fp8: bool = False, key_span: int | None = None,
-                        score_dtype: torch.dtype = torch.float32, ue8m0: bool = False):
+                        score_dtype: torch.dtype = torch.float32, ue8m0: bool = False, config: str | None = None):
     """Masked scores of queries [q0, q1) over their key window (testing / benchmarking helper)
-    -> ([B, C, W] fp32 with -inf, k0)."""
+    -> ([B, C, W] fp32 with -inf, k0). config: one of SCORE_CONFIG_SPACE (None: autotuned)."""
     q, k = _score_inputs("index_scores", q, k, fp8)
     qs = ks = None
     if fp8:
@@ -694,4 +745,4 @@ def index_scores_triton(q, k, w, doc_start, q0: int, q1: int, fp8: bool = False,
     k0 = int(doc_start[:, q0:q1].min())
     pos = torch.arange(q.shape[1], device=q.device, dtype=torch.int32)
     return _score_chunk(q, k, w.float().contiguous(), doc_start.contiguous(), pos, q0, q1, k0, q1, qs, ks,
-                        key_span, score_dtype), k0
+                        key_span, score_dtype, config), k0
