@@ -278,6 +278,7 @@ def indexer_topk_speed(opts: Options) -> Outcome:
     table.baseline("torch.topk unsorted", lambda: {sel: _time_ms(lambda: torch.topk(scores, d.K, dim=-1, sorted=False),
                                                                  opts)}, {})
     table.baseline("repair kernel", lambda: {sel: _time_ms(_repair_kernel_only(scores, d.K, k0), opts)}, {})
+    table.baseline("tie count kernel", lambda: {sel: _time_ms(_tie_count_only(scores, d.K), opts)}, {})
     out = _with_autotuned(table.outcome("indexer_topk"), ("indexer_topk_select", "indexer_scores"))
     rows = {r["impl"]: r["ms"] for r in table.rows if r["pass"] == sel and r.get("ms")}
     if opts.device == "cuda" and "torch.topk" in rows:  # the issue's goal: our select within SELECT_GOAL x torch.topk
@@ -290,6 +291,25 @@ def indexer_topk_speed(opts: Options) -> Outcome:
             if impl in rows:
                 out.summary += f"; {impl} / torch.topk = {rows[impl] / rows['torch.topk']:.2f}"
     return out
+
+
+def _tie_count_only(scores, K: int):
+    """The repair-count path's tie count launch over `scores` [B, C, W] (its zeroed counts included)."""
+    from dsa_kernels._triton_common import interp_upcast
+    from dsa_kernels.ops.indexer_topk.repair import plan_count_ties
+
+    B, C, W = scores.shape
+    rows = scores.reshape(B * C, W)
+    kk = min(K, W)
+    picks_v, _ = torch.topk(rows, kk, dim=-1)
+    counts = torch.zeros(B * C, dtype=torch.int32, device=scores.device)
+    launch = plan_count_ties(interp_upcast(rows), interp_upcast(picks_v), counts, kk)
+
+    def run():
+        counts.zero_()
+        launch.run()
+
+    return run
 
 
 def _repair_kernel_only(scores, K: int, k0: int):
@@ -676,7 +696,7 @@ def checks(opts: Options) -> list[Check]:
         Check("speed.indexer_topk", "speed", f"T={T} H_I={d.H_I} d_I={d.D_I} k={d.K}; scores+select; our select "
                                              f"(autotuned), radix / composite-key / fix-ties / repair / repair-count "
                                              f"paths vs torch.topk on the same rows (and torch.topk k+1 / unsorted, "
-                                             f"the repair kernel alone); {how}", _budgeted(25, indexer_topk_speed)),
+                                             f"the repair and tie count kernels alone); {how}", _budgeted(25, indexer_topk_speed)),
         Check("speed.sparse_indexer_kl", "speed", f"T={T} k={d.K} H={d.H} H_I={d.H_I}; fwd, bwd; ours vs chunked "
                                                   f"PyTorch; {how}", _budgeted(30, sparse_kl_speed)),
         Check("speed.dense_indexer_kl", "speed", f"T={T} MHA H={d.H_MHA} D={d.D_MHA} H_I={d.H_I}; fwd, bwd; ours vs "
