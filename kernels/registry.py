@@ -37,6 +37,8 @@ SHAPES_671B = dict(B=1, T=131072, H=128, D=576, D_V=512, D_QK_MHA=192, D_V_MHA=1
 DOT_FREE_KERNELS = {
     "_radix_topk_kernel": "radix top-k selection: digit histograms, prefix sums and compares, no tl.dot",
     "_composite_keys_kernel": "top-k composite keys: an elementwise bit map of the scores, no tl.dot",
+    "_topk_repair_kernel": "top-k repair after torch.topk: compares, prefix sums and a bit-by-bit fallback, no tl.dot",
+    "_count_ties_kernel": "top-k tie count: compares and a sum per block of scores, no tl.dot",
 }
 
 # The op names the report uses, in report order.

@@ -1,5 +1,6 @@
 """The composite-key top-k path (`dsa_kernels.ops.indexer_topk.composite`: torch.topk on int64 keys
-= order-preserving score bits, then the inverted key index) against the reference's selection
+= order-preserving score bits, then the inverted key index), the fix-ties path, and the select's
+paths end to end (the repair path's kernel: test_kernels_topk_repair.py) against the reference's selection
 contract: ties to the lower key index, non-finite scores never selected, -1 tails for rows with
 fewer than k valid keys, packed documents and a context-parallel rank's query positions. The key
 kernel runs under the Triton interpreter on the CPU (tiny shapes)."""
@@ -124,7 +125,7 @@ def test_composite_kernel_builds_the_same_keys_as_torch():
     assert torch.equal(idx.cpu(), ridx) and torch.equal(val.cpu(), rval)
 
 
-@pytest.mark.parametrize("path", ["composite", "fix-ties", "radix"])
+@pytest.mark.parametrize("path", ["composite", "fix-ties", "radix", "repair", "repair-count"])
 def test_select_paths_agree_with_the_reference(path):
     s = hard_scores()
     for topk in (1, 64, 300):
@@ -144,7 +145,7 @@ def test_composite_path_end_to_end_packed_documents_and_all_tie_rows():
     q[1, 44] = 0
     ds = doc_start([[19, 7, 19], [45]])
     ridx, rval = indexer_topk_ref(q, k, w, ds, topk)
-    for select in ("composite", "fix-ties", "radix"):
+    for select in ("composite", "fix-ties", "radix", "repair", "repair-count"):
         idx, val = indexer_topk_triton(q, k, w, ds, topk, select=select, chunk_size=11)
         assert torch.equal(idx, ridx) and torch.equal(val, rval), select
     assert (ridx[0, 0, 1:] == -1).all()  # the first token has one key: -1 tail
@@ -165,6 +166,6 @@ def test_composite_path_at_context_parallel_positions():
     ds = doc_start([[23, 41]])
     p = local_positions(T, cp, 1, device=DEV)
     ridx, rval = indexer_topk_at_positions_ref(q[:, p], k, w[:, p], ds, topk, p)
-    for select in ("composite", "fix-ties"):
+    for select in ("composite", "fix-ties", "repair", "repair-count"):
         idx, val = indexer_topk_triton(q[:, p], k, w[:, p], ds, topk, query_positions=p, select=select, chunk_size=10)
         assert torch.equal(idx, ridx) and torch.equal(val, rval), select

@@ -250,13 +250,13 @@ def test_radix_select_low_bit_differences_and_multiple_tiles():
         assert torch.equal(idx.cpu(), ridx) and torch.equal(val.cpu(), rval)
 
 
-@pytest.mark.parametrize("composite_ms", [3.0, 0.5])
-def test_select_autotuning_as_on_a_gpu(monkeypatch, tmp_path, composite_ms):
+@pytest.mark.parametrize("composite_ms,repair_ms", [(3.0, 5.0), (0.5, 5.0), (3.0, 0.2)])
+def test_select_autotuning_as_on_a_gpu(monkeypatch, tmp_path, composite_ms, repair_ms):
     """`_select_chunk` driven as on a GPU (timing forced, the interpreter runs the launches): the
-    other radix config and the two torch.topk paths are verified against the default (same index
-    sets), all four are timed into the real outputs, the fastest by a fake clock (b2048-w4, or the
-    composite path when it is faster) is chosen and remembered, and the selection equals the
-    reference's."""
+    other radix config and the four torch.topk paths are verified against the default (same index
+    sets), all six are timed into the real outputs, the fastest by a fake clock (b2048-w4, or the
+    composite or repair path when it is faster) is chosen and remembered, and the selection equals
+    the reference's."""
     from dsa_kernels import autotune
     from dsa_kernels.ops.indexer_topk import kernel as TK
 
@@ -270,7 +270,7 @@ def test_select_autotuning_as_on_a_gpu(monkeypatch, tmp_path, composite_ms):
             launch.run()
             if isinstance(launch, TK._CompositeSelect):
                 timed.append(launch.name)
-                return composite_ms if launch.name == TK.COMPOSITE_CONFIG else 5.0
+                return {TK.COMPOSITE_CONFIG: composite_ms, TK.REPAIR_CONFIG: repair_ms}.get(launch.name, 5.0)
             timed.append((launch.args["BLOCK"], launch.num_warps))
             return 1.0 if launch.num_warps == 4 else 2.0
 
@@ -289,13 +289,14 @@ def test_select_autotuning_as_on_a_gpu(monkeypatch, tmp_path, composite_ms):
     idx, val = TK._select_chunk(scores.to(DEV), 3, 32)
     ridx, rval = topk_from_scores(scores, 32, key_offset=3)
     assert torch.equal(idx.cpu(), ridx) and torch.equal(val.cpu(), rval)
-    assert verified == ["b2048-w4", TK.COMPOSITE_CONFIG, TK.FIX_TIES_CONFIG]
+    assert verified == ["b2048-w4", TK.COMPOSITE_CONFIG, TK.FIX_TIES_CONFIG, TK.REPAIR_CONFIG, TK.REPAIR_COUNT_CONFIG]
     # a 300-score row: one block at each radix config
-    assert sorted(timed, key=str) == sorted([(512, 4), (512, 8), TK.COMPOSITE_CONFIG, TK.FIX_TIES_CONFIG], key=str)
-    want = TK.COMPOSITE_CONFIG if composite_ms < 1.0 else "b2048-w4"
+    assert sorted(timed, key=str) == sorted([(512, 4), (512, 8), TK.COMPOSITE_CONFIG, TK.FIX_TIES_CONFIG,
+                                             TK.REPAIR_CONFIG, TK.REPAIR_COUNT_CONFIG], key=str)
+    want = TK.COMPOSITE_CONFIG if composite_ms < 1.0 else TK.REPAIR_CONFIG if repair_ms < 1.0 else "b2048-w4"
     assert list(autotune.choices("indexer_topk_select").values()) == [want]
     idx2, val2 = TK._select_chunk(scores.to(DEV), 3, 32)  # the remembered choice, nothing timed again
-    assert torch.equal(idx2.cpu(), ridx) and torch.equal(val2.cpu(), rval) and len(timed) == 4
+    assert torch.equal(idx2.cpu(), ridx) and torch.equal(val2.cpu(), rval) and len(timed) == 6
 
 
 def test_radix_select_never_selects_non_finite_scores():

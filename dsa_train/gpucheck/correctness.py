@@ -308,7 +308,7 @@ def _sparse_mla_gluon_backwards(q, kv, idx, scale, d_v, rows, dout, ref_dq, ref_
 def index_scores_check(T: int, fp8: bool):
     def fn(opts: Options) -> Outcome:
         from dsa_kernels.ops.indexer_topk import index_scores_fp8_ref, index_scores_ref
-        from dsa_kernels.ops.indexer_topk.kernel import index_scores_triton
+        from dsa_kernels.ops.indexer_topk.kernel import SCORE_CONFIG_SPACE, index_scores_triton
 
         d, dev = dims_for(opts.small), _device(opts)
         ds = doc_start_of(doc_lengths(T), dev)
@@ -331,6 +331,9 @@ def index_scores_check(T: int, fp8: bool):
             else:
                 ref, rk0 = index_scores_ref(q.float(), k.float(), w, ds, q0, q1)
                 res[name] = compare(got, ref, TOL["scores"])
+            for cfg, _ in SCORE_CONFIG_SPACE[1:]:  # each other config of the score kernel's space, forced
+                got_c, _ = index_scores_triton(q, k, w, ds, q0, q1, fp8=fp8, config=cfg)
+                res[f"{name}_{cfg}"] = compare(got_c, ref, TOL["scores_fp8_deq" if fp8 else "scores"])
             if k0 != rk0:
                 res[name + "_window"] = {"err": abs(k0 - rk0), "tol": 0, "ok": False, "note": "key window start"}
         return _outcome(res, {"rows": 2 * C, "fp8": fp8}, f"; {2 * C} rows x their key windows")
@@ -341,7 +344,7 @@ def index_scores_check(T: int, fp8: bool):
 # ----------------------------------------------------------------------------- top-k
 def _run_topk(q, k, w, ds, K_, pos, cp: bool, select: str | None = None):
     """The entry point (select None: the autotuned select), or the Triton driver with the select
-    path forced ("radix" / "composite")."""
+    path forced (`kernel.SELECT_PATHS`)."""
     import dsa_kernels as K
 
     if select is not None:
@@ -353,7 +356,8 @@ def _run_topk(q, k, w, ds, K_, pos, cp: bool, select: str | None = None):
     return K.indexer_topk(q, k, w, ds, K_)
 
 
-TOPK_PATHS = (None, "radix", "composite", "fix-ties")  # the entry point, then each select path forced
+# the entry point, then each select path forced
+TOPK_PATHS = (None, "radix", "composite", "fix-ties", "repair", "repair-count")
 
 
 def _ref_topk(q, k, w, ds, K_, pos, rows, opts, full: bool):
@@ -377,7 +381,8 @@ def topk_check(T: int, cp: bool = False):
     (the kernel and the reference sum in different orders), and the scores within 2^-12.
     Each input runs through the entry point (the autotuned select) and through each select path
     forced (the Triton radix select, torch.topk on composite keys, torch.topk on the scores with
-    tied rows redone); the paths select from the same score block, so their outputs must also be
+    tied rows redone, torch.topk on the scores with one repair kernel, with k + 1 picks or with a
+    tie count pass); the paths select from the same score block, so their outputs must also be
     identical to each other, near-ties included."""
 
     def fn(opts: Options) -> Outcome:
@@ -398,7 +403,7 @@ def topk_check(T: int, cp: bool = False):
         ridx, rval = _ref_topk(q, k, w, ds, d.K, pos, rows, opts, full)
         short = int(((ridx < 0).any(-1)).sum())
         # off the GPU the entry point runs the radix default (nothing is timed): not run twice
-        paths = TOPK_PATHS if opts.device == "cuda" else (None, "composite", "fix-ties")
+        paths = TOPK_PATHS if opts.device == "cuda" else (None, "composite", "fix-ties", "repair", "repair-count")
         grid_res = {}
         for path in paths:
             idx, val = _run_topk(q, k, w, ds, d.K, pos, cp, path)
@@ -438,12 +443,15 @@ def topk_check(T: int, cp: bool = False):
             picks[path] = idx
         # the paths select from the same score block: identical outputs on every row, near-ties too
         radix = picks.get("radix", picks[None])
-        paths_equal = all(bool(torch.equal(radix, picks[p])) for p in ("composite", "fix-ties"))
+        paths_equal = all(bool(torch.equal(radix, picks[p])) for p in TOPK_PATHS[2:])
         del picks
 
         metrics = {"rows_compared": int(rows.shape[0]), "queries": Tq, "grid": grid_res["entry"],
                    "random": rand_res["entry"], "paths": {"grid": grid_res, "random": rand_res,
                                                           "paths_equal_random": paths_equal}}
+        no_sync = _repair_without_host_sync(dev) if opts.device == "cuda" else None
+        if no_sync is not None:  # reported, not gating: the repair path's design (no host sync), checked
+            metrics["repair_path_host_sync_free"] = no_sync
         ok = paths_equal and all(
             g["rows_index_mismatch"] == 0 and g["rows_score_mismatch"] == 0 and g["all_tie_rows_wrong"] == 0
             and r["rows_set_mismatch"] == 0 and r["scores"]["ok"] for g, r in zip(grid_res.values(), rand_res.values()))
@@ -455,12 +463,38 @@ def topk_check(T: int, cp: bool = False):
                    f"score rows differ of {rows.shape[0]} ({short} with < k keys), all-tie rows "
                    f"{len(tie_rows) - g['all_tie_rows_wrong']}/{len(tie_rows)} take the lowest keys; random: "
                    f"{r['rows_set_mismatch']} sets differ ({near} near-tie rows not compared), scores "
-                   f"{r['scores']['err']:.2g}/{r['scores']['tol']:.2g}; radix, composite and fix-ties paths "
+                   f"{r['scores']['err']:.2g}/{r['scores']['tol']:.2g}; radix, composite, fix-ties, repair and "
+                   "repair-count paths "
                    + ("exact too, equal to each other" if ok else f"failing: {bad_paths or 'none'}, equal to each "
                                                                    f"other: {paths_equal}"))
+        if no_sync is not None:
+            summary += f"; repair path {'without' if no_sync else 'WITH'} a host sync"
         return Outcome("pass" if ok else "fail", summary, metrics)
 
     return _budget(T, 5.0, 0.6)(fn)
+
+
+def _repair_without_host_sync(dev) -> bool:
+    """Whether the repair selects (torch.topk + the kernel, with k + 1 picks or the tie count) run
+    under CUDA's sync debug mode "error" (a host sync raises) on rows with ties across the k-th
+    score and a NaN."""
+    from dsa_kernels.ops.indexer_topk.repair import topk_repair
+
+    s = torch.randn(1, 64, 4099, device=dev)
+    s[0, :8, ::3] = 0.0
+    s[0, 9, 5] = float("nan")
+    for count in (False, True):
+        topk_repair(s, 2048, 0, count=count)  # compiled before the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for count in (False, True):
+            topk_repair(s, 2048, 0, count=count)
+        return True
+    except RuntimeError:
+        return False
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 # ----------------------------------------------------------------------------- indexer KL
@@ -725,13 +759,15 @@ def checks(opts: Options) -> list[Check]:
         out += [
             Check(f"correctness.sparse_mla.T{T}", "correctness", f"{sm}; fwd out/lse + bwd dq/dkv, {sample}",
                   sparse_mla_check(T)),
-            Check(f"correctness.index_scores_bf16.T{T}", "correctness", f"{ix}; 2 blocks of rows x key window",
+            Check(f"correctness.index_scores_bf16.T{T}", "correctness", f"{ix}; 2 blocks of rows x key window; "
+                                                                        f"autotuned and each config forced",
                   index_scores_check(T, fp8=False)),
             Check(f"correctness.index_scores_fp8.T{T}", "correctness", f"{ix}; e4m3 q/k, 128-channel scales (fp32 and ue8m0)",
                   index_scores_check(T, fp8=True)),
             Check(f"correctness.indexer_topk.T{T}", "correctness", f"{ix} k={d.K}; grid inputs exact (ties to the lower "
                                                                    f"index), random inputs same sets; entry point, "
-                                                                   f"radix, composite and fix-ties paths; {sample}", topk_check(T)),
+                                                                   f"radix, composite, fix-ties, repair and "
+                                                                   f"repair-count paths; {sample}", topk_check(T)),
             Check(f"correctness.sparse_indexer_kl.T{T}", "correctness",
                   f"{ix} k={d.K} H={d.H} D={d.D}; value + dq_I/dk_I/dw", sparse_kl_check(T)),
             Check(f"correctness.dense_indexer_kl.T{T}", "correctness",

@@ -21,8 +21,8 @@ Files: `reference.py` (PyTorch, the specification), `fp8.py` (the FP8 scores' Py
 `op.py` (the reference's top-k at query positions registered as one torch op,
 `dsa_kernels::indexer_topk_at_positions`, with a fake implementation for the memory trace),
 `specs.py` (the launches the compile report compiles at the 671B shapes), `composite.py` (the
-select as torch.topk on composite int64 keys, the second path the autotuner times against the
-radix select), `memo.py` (record / replay of the selections for activation recompute). No autograd
+select as torch.topk on composite int64 keys, and the fix-ties path), `repair.py` (torch.topk on
+the scores and one Triton repair kernel: the contract with no host sync), `memo.py` (record / replay of the selections for activation recompute). No autograd
 Function: selection has no gradient.
 """
 

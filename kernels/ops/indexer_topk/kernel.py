@@ -35,8 +35,11 @@ chunk only a [B, C, W] fp32 (or opt-in bf16) score block exists (W = the chunk's
    the output equals the reference's (sorted scores, ties to the lower index).
 The select's torch.topk paths (`composite.py`): torch.topk on int64 composites (order-preserving
 score bits, then the inverted key index), already in the reference's order; or torch.topk on the
-fp32 scores with the rows tied at the k-th score redone that way. On a GPU `_select_chunk` lets
-the autotuner verify them against the radix default and time all; `select=` forces one.
+fp32 scores with the rows tied at the k-th score redone that way (a host sync); or torch.topk on
+the scores (k + 1 picks) and one Triton repair kernel that fixes ties, runs of equal scores and
+non-finite picks on the device (`repair.py`, no host sync), or torch.topk for k picks with a tie
+count pass before that kernel. On a GPU `_select_chunk` lets the
+autotuner verify them against the radix default and time all; `select=` forces one.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ def _index_scores_kernel(
     HI: tl.constexpr, DI: tl.constexpr,
     FP8: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    KEY_SPAN: tl.constexpr,
+    KEY_SPAN: tl.constexpr, KEYS_MAJOR: tl.constexpr = False,
 ):
     """Scores of BLOCK_Q query rows (local rows r0 + ..., global positions POS[row]) over the
     KEY_SPAN keys of window columns [pid_n * KEY_SPAN, ...): the rows' BLOCK_Q x H_I query
@@ -114,7 +117,10 @@ def _index_scores_kernel(
         k_base = KI + b * stride_kb + offs_s[:, None].to(tl.int64) * stride_kt
         if ONE_D:
             k = tl.load(k_base + offs_d[None, :], mask=mask_n[:, None] & (offs_d[None, :] < DI), other=0.0)
-            logits = tl.dot(q_res, tl.trans(k))  # [M, BLOCK_N]; e4m3 x e4m3 -> fp32 on the FP8 path
+            if KEYS_MAJOR:  # [BLOCK_N, M]: the heads along the accumulator's columns
+                logits = tl.dot(k, tl.trans(q_res))
+            else:
+                logits = tl.dot(q_res, tl.trans(k))  # [M, BLOCK_N]; e4m3 x e4m3 -> fp32 on the FP8 path
         else:  # head dim wider than one tile: stream q in D chunks too (one FP8 scale group each)
             logits = tl.zeros([M, BLOCK_N], dtype=tl.float32)
             for d0 in range(0, DI, BLOCK_D):
@@ -130,8 +136,12 @@ def _index_scores_kernel(
                     part = part * qs[:, None] * ks[None, :]
                 logits += part
         # ReLU keeping NaN (as torch.relu): a non-finite score must stay non-finite to be dropped
-        weighted = w_r[:, None] * tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL)  # [M, BLOCK_N]
-        acc = tl.sum(tl.reshape(weighted, (BLOCK_Q, BLOCK_HI, BLOCK_N)), axis=1)  # sum over heads
+        if KEYS_MAJOR and ONE_D:  # the head sum along each thread's accumulator columns, then [BLOCK_Q, BLOCK_N]
+            weighted = w_r[None, :] * tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL)  # [BLOCK_N, M]
+            acc = tl.trans(tl.sum(tl.reshape(weighted, (BLOCK_N, BLOCK_Q, BLOCK_HI)), axis=2))
+        else:
+            weighted = w_r[:, None] * tl.maximum(logits, 0.0, propagate_nan=tl.PropagateNan.ALL)  # [M, BLOCK_N]
+            acc = tl.sum(tl.reshape(weighted, (BLOCK_Q, BLOCK_HI, BLOCK_N)), axis=1)  # sum over heads
         if FP8 and ONE_D:  # k's scale after the head sum (DeepSeek-V3.2's fp8_index order)
             ks = tl.load(KS + b * stride_ksb + offs_s.to(tl.int64) * stride_kst, mask=mask_n, other=0.0)
             acc = acc * ks[None, :]
@@ -332,13 +342,14 @@ def score_blocks(C: int, W_LEN: int, HI: int, DI: int) -> tuple[int, int, int, i
 
 
 def plan_scores(q, k, w, doc_start, scores, positions, r0: int, r1: int, k0: int, qs=None, ks=None,
-                key_span: int | None = None) -> Launch:
+                key_span: int | None = None, config: str | None = None) -> Launch:
     """Score launch for the local query rows [r0, r1) over the key window [k0, k0 + W):
     q [B, Tq, H_I, D_I] and w [B, Tq, H_I] fp32 (local rows), positions [Tq] int32 (global
     position of each local row: arange(T) without context parallelism), k [B, T, D_I] and
     doc_start [B, T] (the whole sequence), scores [B, r1 - r0, W] fp32 or bf16 (every entry
     written, rounded to its dtype; -inf where masked); qs [B, Tq, H_I, G] / ks [B, T, G] fp32 scales for e4m3 q/k (None: 16-bit
-    or fp32 q/k). key_span: keys per program (a multiple of BLOCK_N; default 16 tiles)."""
+    or fp32 q/k). key_span: keys per program (a multiple of BLOCK_N; default 16 tiles). config: a
+    name of `SCORE_CONFIG_SPACE` (default: its first)."""
     B, Tq, HI, DI = q.shape
     C, W_LEN = r1 - r0, scores.shape[2]
     fp8 = qs is not None
@@ -346,6 +357,8 @@ def plan_scores(q, k, w, doc_start, scores, positions, r0: int, r1: int, k0: int
     span = key_span or KEY_SPAN_TILES * block_n
     if span % block_n:
         raise ValueError(f"key_span={span} must be a multiple of the key tile {block_n}")
+    keys_major = dict((name, km) for name, km in SCORE_CONFIG_SPACE)[config or SCORE_CONFIG_SPACE[0][0]]
+    keys_major = keys_major and DI <= block_d  # one resident head-dim tile only
     dummy = scores
     return Launch(
         _index_scores_kernel, (triton.cdiv(C, block_q), triton.cdiv(W_LEN, span), B),
@@ -363,6 +376,7 @@ def plan_scores(q, k, w, doc_start, scores, positions, r0: int, r1: int, k0: int
             r0=r0, r1=r1, k0=k0, W_LEN=W_LEN,
             HI=HI, DI=DI, FP8=fp8,
             BLOCK_Q=block_q, BLOCK_HI=block_hi, BLOCK_N=block_n, BLOCK_D=block_d, KEY_SPAN=span,
+            KEYS_MAJOR=keys_major,
         ),
         num_warps=8,
     )
@@ -492,11 +506,51 @@ def streaming_read_bytes(launch: Launch) -> int:
     return (a["PASSES"] + 1) * a["W_LEN"] * a["S"].element_size()
 
 
+# The score kernel's autotuning space (issue 31, scores + select at 32K): (name, keys-major tile).
+# "heads-rows" (the default): the tile's dot is [BLOCK_Q * H_I, D] x [D, BLOCK_N], the heads along
+# the accumulator's rows, so the head sum reduces across warps; "keys-rows": [BLOCK_N, D] x [D,
+# BLOCK_Q * H_I], the heads along its columns, so the head sum stays within each thread and its
+# quad, and the [BLOCK_N, BLOCK_Q] sums are transposed once. Compiled at the 671B shapes (bf16 /
+# fp8 / bf16 block, registers, no spill): 3.6 sm_90a 128 / 140 / 128, 3.9 sm_90a 208 / 168 / 208
+# (1 CTA per SM). GPU speed unmeasured: on a GPU each is verified against the default (same -inf
+# pattern, finite scores within SCORE_VERIFY_RTOL of the block's largest) and timed.
+SCORE_CONFIG_SPACE = (("heads-rows", False), ("keys-rows", True))
+SCORE_VERIFY_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
 def _score_chunk(q, k, w, doc_start, positions, r0, r1, k0, k_end, qs=None, ks=None, key_span=None,
-                 score_dtype=torch.float32):
+                 score_dtype=torch.float32, config: str | None = None):
+    """The chunk's score block; config: one of SCORE_CONFIG_SPACE, or None (autotuned on a GPU,
+    the default off it)."""
     B = q.shape[0]
-    scores = torch.empty((B, r1 - r0, k_end - k0), dtype=score_dtype, device=q.device)
-    plan_scores(q, k, w, doc_start, scores, positions, r0, r1, k0, qs, ks, key_span).run()
+    shape = (B, r1 - r0, k_end - k0)
+    scores = torch.empty(shape, dtype=score_dtype, device=q.device)
+
+    def build(name, out=scores):
+        return plan_scores(q, k, w, doc_start, out, positions, r0, r1, k0, qs, ks, key_span, name)
+
+    def verify(name):  # the config's block against the default's, before it may be timed
+        ref = torch.empty(shape, dtype=score_dtype, device=q.device)
+        got = torch.empty_like(ref)
+        build(SCORE_CONFIG_SPACE[0][0], ref).run()
+        build(name, got).run()
+        fin = torch.isfinite(ref)
+        if not torch.equal(fin, torch.isfinite(got)):
+            return False
+        if not bool(fin.any()):
+            return True
+        scale = float(ref[fin].float().abs().max().clamp_min(1e-30))
+        return float((got[fin].float() - ref[fin].float()).abs().max()) <= SCORE_VERIFY_RTOL[score_dtype] * scale
+
+    if config is not None:
+        launch = build(config)
+    else:
+        on_gpu = q.is_cuda and not interpreted()
+        names = [name for name, _ in SCORE_CONFIG_SPACE]
+        key = (pow2(r1 - r0), pow2(k_end - k0), q.shape[2], q.shape[3], str(q.dtype), str(score_dtype))
+        _, launch = autotune.pick("indexer_scores", key, names, build, on_gpu,
+                                  autotune.device_id(q) if on_gpu else "", verify=verify)
+    launch.run()
     return scores
 
 
@@ -505,10 +559,21 @@ def _score_chunk(q, k, w, doc_start, positions, r0, r1, k0, k_end, qs=None, ks=N
 # "fix-ties" (torch.topk on the fp32 scores, rows tied at the k-th score redone by the composite
 # path; `composite.topk_fix_ties`), None (all: the autotuner verifies the torch paths' index sets
 # against the radix default and times every candidate).
-SELECT_PATHS = ("radix", "composite", "fix-ties")
+# "repair" (torch.topk on the scores, k + 1 picks, then one Triton repair kernel: ties across the
+# k-th score, runs of equal scores and non-finite picks fixed on the device, no host sync;
+# `repair.topk_repair`), "repair-count" (torch.topk for k picks, a tie count pass over the scores,
+# the repair kernel: torch.topk's sort of its picks sized for k, not k + 1; `repair.topk_repair_count`).
+SELECT_PATHS = ("radix", "composite", "fix-ties", "repair", "repair-count")
 COMPOSITE_CONFIG = "torch-topk-composite"  # the composite path's name in the autotuning space
 FIX_TIES_CONFIG = "torch-topk-fix-ties"
-TORCH_SELECTS = {COMPOSITE_CONFIG: "topk_composite", FIX_TIES_CONFIG: "topk_fix_ties"}
+REPAIR_CONFIG = "torch-topk-repair"
+REPAIR_COUNT_CONFIG = "torch-topk-repair-count"
+# config name -> (module, function): the torch.topk paths, each `topk_from_scores`' contract
+TORCH_SELECTS = {COMPOSITE_CONFIG: ("composite", "topk_composite"), FIX_TIES_CONFIG: ("composite", "topk_fix_ties"),
+                 REPAIR_CONFIG: ("repair", "topk_repair"), REPAIR_COUNT_CONFIG: ("repair", "topk_repair_count")}
+PATH_CONFIGS = {"composite": COMPOSITE_CONFIG, "fix-ties": FIX_TIES_CONFIG, "repair": REPAIR_CONFIG,
+                "repair-count": REPAIR_COUNT_CONFIG}
+WRITES_EVERY_SLOT = {REPAIR_CONFIG, REPAIR_COUNT_CONFIG}  # paths that fill the outputs given (no prefill, no copy)
 
 
 class _CompositeSelect:
@@ -520,9 +585,14 @@ class _CompositeSelect:
         self.kernel, self.num_warps, self.args = None, 0, {}
 
     def run(self) -> None:
-        from . import composite
+        import importlib
 
-        i, v = getattr(composite, TORCH_SELECTS[self.name])(self.scores, self.topk, self.k0)
+        module, fn = TORCH_SELECTS[self.name]
+        select = getattr(importlib.import_module(f"{__package__}.{module}"), fn)
+        if self.name in WRITES_EVERY_SLOT:
+            select(self.scores, self.topk, self.k0, out=(self.idx, self.val))
+            return
+        i, v = select(self.scores, self.topk, self.k0)
         self.idx.copy_(i)
         self.val.copy_(v)
 
@@ -532,23 +602,23 @@ def _select_chunk(scores: torch.Tensor, k0: int, topk: int, block: int | None = 
     """-> (idx, val) [B, C, topk] sorted as the reference; bin_count_out (a list) receives the
     kernel's per-row candidate counts [B, C] (-1: the row's threshold bin overflowed `cap` and
     took the streaming path; nothing when a torch.topk path ran). path: one of SELECT_PATHS, or
-    None: on a GPU the autotuner picks among the radix configs and the two torch.topk paths by
+    None: on a GPU the autotuner picks among the radix configs and the four torch.topk paths by
     timing (each verified against the radix default first); off the GPU the radix default runs."""
     if path is not None and path not in SELECT_PATHS:
         raise ValueError(f"select path must be one of {SELECT_PATHS} or None (autotuned); got {path!r}")
     B, C, W_LEN = scores.shape
 
-    def outputs():
+    def outputs(fill: bool = True):
+        if not fill:  # a path that writes every slot
+            return (torch.empty((B, C, topk), dtype=torch.int32, device=scores.device),
+                    torch.empty((B, C, topk), dtype=torch.float32, device=scores.device))
         return (torch.full((B, C, topk), -1, dtype=torch.int32, device=scores.device),
                 torch.full((B, C, topk), float("-inf"), dtype=torch.float32, device=scores.device))
 
-    idx, val = outputs()
+    idx, val = outputs(fill=PATH_CONFIGS.get(path) not in WRITES_EVERY_SLOT)
     space = {cfg[0]: cfg for cfg in select_config_space(target_capability(scores))}
     names = list(space) if path in (None, "radix") else []
-    if path in (None, "composite"):
-        names.append(COMPOSITE_CONFIG)
-    if path in (None, "fix-ties"):
-        names.append(FIX_TIES_CONFIG)
+    names += [PATH_CONFIGS[p] for p in SELECT_PATHS[1:] if path in (None, p)]
     buffers = []
 
     def build(name, idx=idx, val=val):  # timing runs write the same selection into idx / val again
@@ -634,7 +704,7 @@ def indexer_topk_triton(
     is then `topk_from_scores` of the bf16-rounded scores (same tie and non-finite rules), not
     of the fp32 scores; the returned scores are the bf16 values. Default fp32: exactly the
     reference. select: the selection path (`_select_chunk`: "radix", "composite", "fix-ties",
-    None = autotuned)."""
+    "repair", "repair-count", None = autotuned)."""
     if score_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"score_dtype must be torch.float32 or torch.bfloat16; got {score_dtype}")
     if select is not None and select not in SELECT_PATHS:
@@ -664,9 +734,9 @@ def indexer_topk_triton(
 
 
 def index_scores_triton(q, k, w, doc_start, q0: int, q1: int, fp8: bool = False, key_span: int | None = None,
-                        score_dtype: torch.dtype = torch.float32, ue8m0: bool = False):
+                        score_dtype: torch.dtype = torch.float32, ue8m0: bool = False, config: str | None = None):
     """Masked scores of queries [q0, q1) over their key window (testing / benchmarking helper)
-    -> ([B, C, W] fp32 with -inf, k0)."""
+    -> ([B, C, W] fp32 with -inf, k0). config: one of SCORE_CONFIG_SPACE (None: autotuned)."""
     q, k = _score_inputs("index_scores", q, k, fp8)
     qs = ks = None
     if fp8:
@@ -675,4 +745,4 @@ def index_scores_triton(q, k, w, doc_start, q0: int, q1: int, fp8: bool = False,
     k0 = int(doc_start[:, q0:q1].min())
     pos = torch.arange(q.shape[1], device=q.device, dtype=torch.int32)
     return _score_chunk(q, k, w.float().contiguous(), doc_start.contiguous(), pos, q0, q1, k0, q1, qs, ks,
-                        key_span, score_dtype), k0
+                        key_span, score_dtype, config), k0

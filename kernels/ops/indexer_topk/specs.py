@@ -9,8 +9,9 @@ from ...analysis import Work
 from ...registry import SHAPES_671B, KernelCase, register
 from ..._triton_common import target_capability
 from .composite import COMPOSITE_BUDGET_ELEMS, plan_composite_keys
-from .kernel import (DEFAULT_SCORE_BUDGET, candidate_buffers, plan_scores, plan_select, scores_work, select_config_space,
-                     select_work)
+from .kernel import (DEFAULT_SCORE_BUDGET, SCORE_CONFIG_SPACE, candidate_buffers, plan_scores, plan_select, scores_work,
+                     select_config_space, select_work)
+from .repair import count_work, plan_count_ties, plan_topk_repair, repair_work
 
 
 def _chunk():
@@ -22,7 +23,9 @@ def _chunk():
 
 def _config(launch) -> str:
     a = launch.args
-    keys = [k for k in a if k.startswith("BLOCK") or k in ("FP8", "KEY_SPAN", "DIGIT_BITS", "PASSES", "CAP")]
+    keys = [k for k in a if k.startswith("BLOCK") or k in ("FP8", "KEY_SPAN", "DIGIT_BITS", "PASSES", "CAP", "TILE")]
+    if launch.args.get("KEYS_MAJOR"):
+        keys.append("KEYS_MAJOR")
     return " ".join(f"{k}={a[k]}" for k in keys) + f" warps={launch.num_warps} grid={launch.grid}"
 
 
@@ -38,17 +41,20 @@ def _scores():
     pos = torch.empty(T, dtype=torch.int32, **meta)
     cases = []
     q = torch.empty(B, T, s["H_I"], s["D_I"], dtype=torch.bfloat16, **meta)
-    launch = plan_scores(q, k, w, ds, scores, pos, q0, q1, k0)
-    cases.append(KernelCase("bf16 " + _config(launch), launch, work=scores_work(launch)))
     q8 = torch.empty(B, T, s["H_I"], s["D_I"], dtype=torch.float8_e4m3fn, **meta)
     k8 = torch.empty(B, T, s["D_I"], dtype=torch.float8_e4m3fn, **meta)
     qs = torch.empty(B, T, s["H_I"], 1, dtype=torch.float32, **meta)
     ks = torch.empty(B, T, 1, dtype=torch.float32, **meta)
-    launch = plan_scores(q8, k8, w, ds, scores, pos, q0, q1, k0, qs, ks)
-    cases.append(KernelCase("fp8 " + _config(launch), launch, work=scores_work(launch)))
     scores16 = torch.empty(B, C, q1 - k0, dtype=torch.bfloat16, **meta)  # score_dtype=torch.bfloat16
-    launch = plan_scores(q, k, w, ds, scores16, pos, q0, q1, k0)
-    cases.append(KernelCase("bf16 q/k, bf16 score block " + _config(launch), launch, work=scores_work(launch)))
+    for i, (name, _) in enumerate(SCORE_CONFIG_SPACE):  # every config of the autotuning space
+        label = "" if i == 0 else f"autotune config {name} "
+        launch = plan_scores(q, k, w, ds, scores, pos, q0, q1, k0, config=name)
+        cases.append(KernelCase("bf16 " + label + _config(launch), launch, work=scores_work(launch)))
+        launch = plan_scores(q8, k8, w, ds, scores, pos, q0, q1, k0, qs, ks, config=name)
+        cases.append(KernelCase("fp8 " + label + _config(launch), launch, work=scores_work(launch)))
+        launch = plan_scores(q, k, w, ds, scores16, pos, q0, q1, k0, config=name)
+        cases.append(KernelCase("bf16 q/k, bf16 score block " + label + _config(launch), launch,
+                                work=scores_work(launch)))
     return cases
 
 
@@ -74,6 +80,23 @@ def _topk():
         launch = plan_composite_keys(scores.view(B * C, q1 - k0)[:rows], comp)
         cases.append(KernelCase(name + "composite int64 keys " + _config(launch), launch,
                                 work=composite_work(launch)))
+        # the repair path's kernel after torch.topk (k + 1 sorted picks of every row of the chunk)
+        rows2 = scores.view(B * C, q1 - k0)
+        picks_v = torch.empty(B * C, s["K"] + 1, dtype=dtype, **meta)
+        picks_i = torch.empty(B * C, s["K"] + 1, dtype=torch.int64, **meta)
+        launch = plan_topk_repair(rows2, picks_v, picks_i, idx.view(B * C, s["K"]), val.view(B * C, s["K"]),
+                                  s["K"], k0)
+        cases.append(KernelCase(name + "torch.topk repair " + _config(launch), launch, work=repair_work(launch)))
+        # the repair-count path: k picks, the tie count pass, the repair kernel told by the counts
+        picks_v = torch.empty(B * C, s["K"], dtype=dtype, **meta)
+        picks_i = torch.empty(B * C, s["K"], dtype=torch.int64, **meta)
+        counts = torch.empty(B * C, dtype=torch.int32, **meta)
+        launch = plan_count_ties(rows2, picks_v, counts, s["K"])
+        cases.append(KernelCase(name + "torch.topk tie count " + _config(launch), launch, work=count_work(launch)))
+        launch = plan_topk_repair(rows2, picks_v, picks_i, idx.view(B * C, s["K"]), val.view(B * C, s["K"]),
+                                  s["K"], k0, counts)
+        cases.append(KernelCase(name + "torch.topk repair, counted ties " + _config(launch), launch,
+                                work=repair_work(launch)))
     return cases
 
 
