@@ -143,6 +143,8 @@ class DeepSpeedEngine:
             )
         if self.own_norm:
             deepspeed_compat.disable_backward_allreduce(self.ds)  # `reduce_gradients` does it in `step`
+        # ZeRO-1/2's gradient norm in one fused norm, not one per parameter (docs/training.md, "Host overhead")
+        deepspeed_compat.fuse_grad_norm(self.ds.optimizer)
 
     @property
     def lr(self) -> float:
