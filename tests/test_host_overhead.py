@@ -1,0 +1,89 @@
+"""What a training step asks of the host does not grow with the model: the step's host reads (each
+one a device synchronization on a GPU) and the operators of its update (the non-finite check, the
+gradient norm, clipping) are the same for a 2-layer and a 4-layer model, and the routed experts'
+GEMMs the same for 8 and 16 experts (grouped GEMMs, not a loop). Counted with
+`dsa_train.trainer.op_counts` (a TorchDispatchMode and a TorchFunctionMode) around
+`Trainer.train_step` of real trainer runs: the single-process engine and DeepSpeed ZeRO-2 on a
+1-rank torch.distributed job (the layout of gpu-check's end-to-end.throughput). Measured before
+and after: docs/training.md, "Host overhead of a step"."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import dsa_kernels
+from dsa_train.trainer.op_counts import StepCounts, count_training_steps
+
+pytestmark = pytest.mark.integration
+
+KERNELS_DIR = str(Path(dsa_kernels.__file__).resolve().parent)
+# warm-up 1 step, sparse 2 steps (the second logged: top-k recall measured), 2 micro-batches each
+COMMON = [
+    "device=cpu", "~stages.pretrain", "model=tiny", "model.dtype=float32", "data.seq_len=32", "data.micro_batch_size=1",
+    "probe_batches=0", "eval=none", "logging.wandb_mode=disabled", "logging.progress_bar=false", "logging.log_every=2",
+    "stages.warmup.steps=1", "stages.warmup.global_batch_size=2", "stages.sparse.steps=2",
+    "stages.sparse.global_batch_size=2", "stages.sparse.topk=8", "stages.sparse.topk_recall_queries=4",
+    "checkpoint.every_n_steps=0", "checkpoint.export=false",
+]
+LAYOUTS = {"single": (COMMON, False), "zero2": ([*COMMON, "parallel=zero2"], True)}
+# host reads a GPU step makes whatever the model: the step's token counts, the position check of
+# each of the 2 micro-batches, the non-finite check, the gradient norm, the metrics; DeepSpeed adds
+# its own invalid-norm checks (one per parameter group)
+MAX_READS = 12
+
+
+def _run(tmp_path: Path, layout: str, arch: str, **arch_values) -> dict[tuple[str, bool], dict]:
+    overrides, distributed = LAYOUTS[layout]
+    extra = [f"++model.arch.{k}={v}" for k, v in arch_values.items()]
+    rows = count_training_steps("small_32k", [*overrides, *extra, f"run_dir={tmp_path / f'{layout}-{arch}'}"],
+                                distributed=distributed)
+    return {(r["stage"], r["logged"]): r for r in rows}
+
+
+def _gpu_reads(row: dict) -> int:
+    """Host reads outside the reference kernels (CPU-only code: a GPU runs the Triton kernels) and
+    outside the optimizer's own step (AdamW reads its host-resident step counters: no device wait)."""
+    files = row["read_files"]
+    return sum(n for f, n in files.items() if not f.startswith(KERNELS_DIR))
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_step_host_reads_and_update_ops_do_not_grow_with_the_model(tmp_path, layout, monkeypatch):
+    monkeypatch.setenv("DSA_KERNELS", "ref")
+    # the suite's device-strict collectives (a TorchFunctionMode of their own) would count their
+    # bookkeeping as the step's: off here
+    monkeypatch.setenv("DSA_STRICT_DEVICES", "0")
+    monkeypatch.setenv("DSA_COUNT_PORT", str(29600 + os.getpid() % 300))
+    two, four = _run(tmp_path, layout, "L2", num_hidden_layers=2), _run(tmp_path, layout, "L4", num_hidden_layers=4)
+    assert set(two) == set(four) == {("warmup", False), ("sparse", False), ("sparse", True)}
+    for key in two:
+        a, b = two[key], four[key]
+        assert b["kernels"] > a["kernels"], key  # the model's own work does grow
+        # the optimizer's step is left out: AdamW's CPU implementation loops over parameters
+        reads_a = _gpu_reads(a) - sum(a["phase_reads"].get("optimizer", {}).values())
+        reads_b = _gpu_reads(b) - sum(b["phase_reads"].get("optimizer", {}).values())
+        assert reads_a == reads_b <= MAX_READS, (key, a["read_files"], b["read_files"])
+        assert a["update_kernels"] == b["update_kernels"], (key, a["update_ops"], b["update_ops"])
+        for op in ("aten.isfinite", "aten.linalg_vector_norm", "aten.abs"):
+            assert a["update_ops"].get(op, 0) == b["update_ops"].get(op, 0) <= 2, (key, op)
+    # the routed experts: grouped GEMMs, as many for 16 experts as for 8
+    sixteen = _run(tmp_path, layout, "E16", num_hidden_layers=2, n_routed_experts=16)
+    for key in two:
+        assert two[key]["ops"].get("aten._grouped_mm", 0) > 0, key
+        assert two[key]["ops"].get("aten.mm", 0) == sixteen[key]["ops"].get("aten.mm", 0), key
+
+
+def test_counts_see_host_reads_and_operators():
+    import torch
+
+    x = torch.randn(4, 3)
+    with StepCounts() as counts:
+        y = (x * 2).sum()
+        float(y)
+        x.tolist()
+        bool(y > 0)
+    assert counts.reads == {"item": 2, "tolist": 1}
+    assert counts.ops["aten.mul"] == 1 and counts.ops["aten.sum"] == 1 and counts.kernels >= 3
