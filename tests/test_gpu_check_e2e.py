@@ -58,6 +58,31 @@ other  1%
     assert "global step 11" in md and "sparse_mla_fwd 40.1% 4.0ms" in md
 
 
+def test_throughput_host_overhead_from_the_profile_calls(tmp_path):
+    """end-to-end.throughput's host counts come from every profiler event (the calls section of
+    logging/profile.py's table), not from the 30 rows of its tables."""
+    import torch
+
+    from dsa_train.logging.profile import profile_path, profiled
+
+    x = torch.randn(16, 16)
+    with profiled(1, [1], tmp_path, torch.device("cpu")):
+        for _ in range(3):
+            float((x @ x).sum())
+    table = profile_path(tmp_path, 1, 0, ".txt").read_text()
+    h = e2e.host_overhead(table)
+    assert h["aten::mm"] == 3 and h["host_reads"] == 3 and h["kernel_launches"] == 0 and h["syncs"] == 0
+    assert h["events"] > 6 and h["self_cpu_ms"] > 0
+    fake = table.split("## calls")[0] + "## calls of every event (name, calls, self CPU us, self device us)\n" + \
+        "cudaLaunchKernel\t100\t500.0\t0.0\ncuLaunchKernelEx\t5\t50.0\t0.0\ncudaStreamSynchronize\t7\t70.0\t0.0\n" + \
+        "aten::_grouped_mm\t9\t90.0\t2000.0\n"
+    h = e2e.host_overhead(fake)
+    assert (h["kernel_launches"], h["syncs"], h["aten::_grouped_mm"], h["self_device_ms"]) == (105, 7, 9, 2.0)
+    md = "\n".join(e2e.markdown_lines({"name": "end-to-end.throughput", "metrics": {
+        "layout": "L", "deterministic": False, "stages": {}, "host_overhead": {"13": h}}}))
+    assert "| 13 | 105 | 7 | 0 | 0 | 0 | 9 | 0 |" in md
+
+
 def test_the_gpu_runs_are_valid_recipes_that_fit_the_gpu(tmp_path):
     """The CUDA variants' overrides, composed and checked here on the CPU as the trainer will
     (everything but the CUDA device), and planned for their layouts."""
@@ -186,6 +211,10 @@ def assert_small_cpu_outcomes(report: dict, logs_root) -> None:
     tp = outcomes["end-to-end.throughput"]
     assert tp.status == "pass", tp.summary
     assert set(tp.metrics["profiles"]) == {"3", "5"} and all(tp.metrics["profiles"].values())
+    # host counts of the profiled steps (the GPU session reads launches and synchronizations there)
+    assert set(tp.metrics["host_overhead"]) == {"3", "5"}
+    assert all(h["events"] > 0 and h["aten::_grouped_mm"] > 0 for h in tp.metrics["host_overhead"].values())
+    assert "kernel launches" in tp.summary
 
 
 @pytest.mark.gpu

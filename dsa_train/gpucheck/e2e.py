@@ -298,16 +298,18 @@ def _throughput(opts: Options) -> Outcome:
     stages = stage_figures(runs[-1]["stages"], rows, layout.device, plan, skip=skipped, leave_out=profiled)
     from dsa_train.logging.profile import profile_path
 
-    profiles = {}
+    profiles, overhead = {}, {}
     for step in profiled:
         path = profile_path(run_dir, step, 0, ".txt")
         if not path.is_file():
             raise StepFailed(f"logging.profile_steps wrote no {path}")
         shutil.copy2(path, work / path.name)
         profiles[str(step)] = top_rows(path.read_text(), 12)
+        overhead[str(step)] = host_overhead(path.read_text())
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     metrics = {"layout": layout.describe(), "recipe": RECIPE, "seq_len": layout.seq_len, "stages": stages,
-               "deterministic": False, "plan": plan, "profiles": profiles, "skipped_steps": skipped,
+               "deterministic": False, "plan": plan, "profiles": profiles, "host_overhead": overhead,
+               "skipped_steps": skipped,
                "profiled_by": "self device time" if layout.device == "cuda" else "self CPU time", "seconds": round(time.monotonic() - started, 1),
                "per_step": {str(s): {"stage": r["progress/stage"], "step_time_s": r["perf/step_time_s"],
                                      "tokens_per_s": r["perf/tokens_per_s"]} for s, r in rows.items()},
@@ -315,7 +317,45 @@ def _throughput(opts: Options) -> Outcome:
     figures = "; ".join(f"{name} {s['tokens_per_s']:.0f} tok/s (plan {s['plan_tokens_per_s']:.0f}), MFU "
                         f"{fmt_pct(s['mfu'])} (plan {fmt_pct(s['plan_mfu'])}), step {s['step_time_s']:.3g} s "
                         f"(plan {s['plan_step_s']:.3g}), peak {s['peak_memory_gib']:.2f} GiB" for name, s in stages.items())
-    return Outcome("pass", f"steady state over steps after each stage's first {skipped}: {figures}", metrics)
+    last = overhead[str(profiled[-1])]
+    host = (f"; profiled sparse step {profiled[-1]}: {last['kernel_launches']} kernel launches, "
+            f"{last['syncs']} synchronizations, {last['host_reads']} host reads (_local_scalar_dense), "
+            f"{last['aten::mm']} mm + {last['aten::_grouped_mm']} grouped mm, CPU {last['self_cpu_ms']:.0f} ms vs "
+            f"device {last['self_device_ms']:.0f} ms")
+    return Outcome("pass", f"steady state over steps after each stage's first {skipped}: {figures}{host}", metrics)
+
+
+# what a profiled step asks of the host (the calls section of logging/profile.py's table): kernel
+# launches, synchronizations (each a host wait for the device), copies, host reads, the GEMM counts
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel")
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+COPIES = ("cudaMemcpyAsync", "cudaMemcpy")
+COUNTED_OPS = ("aten::_local_scalar_dense", "aten::mm", "aten::_grouped_mm", "aten::isfinite", "aten::_foreach_norm",
+               "aten::linalg_vector_norm")
+
+
+def host_overhead(table: str) -> dict:
+    """{kernel_launches, syncs, copies, host_reads, <COUNTED_OPS calls>, events, self_cpu_ms,
+    self_device_ms} of one profiled step, from its table's calls section (`dsa_train.logging.profile`;
+    zeros where the table has none, e.g. a CPU run has no CUDA launches)."""
+    from dsa_train.logging.profile import CALLS_HEADER
+
+    calls: dict[str, int] = {}
+    cpu_us = device_us = 0.0
+    lines = table.split(CALLS_HEADER, 1)[1].splitlines() if CALLS_HEADER in table else []
+    for line in lines:
+        parts = line.split("\t")
+        if len(parts) != 4:
+            continue
+        name, n, cpu, dev = parts
+        calls[name] = calls.get(name, 0) + int(n)
+        cpu_us += float(cpu)
+        device_us += float(dev)
+    out = {"kernel_launches": sum(calls.get(k, 0) for k in LAUNCHES), "syncs": sum(calls.get(k, 0) for k in SYNCS),
+           "copies": sum(calls.get(k, 0) for k in COPIES), "host_reads": calls.get("aten::_local_scalar_dense", 0)}
+    out.update({k: calls.get(k, 0) for k in COUNTED_OPS if k != "aten::_local_scalar_dense"})
+    out.update(events=sum(calls.values()), self_cpu_ms=round(cpu_us / 1e3, 2), self_device_ms=round(device_us / 1e3, 2))
+    return out
 
 
 def top_rows(table: str, n: int) -> list[str]:
@@ -457,6 +497,15 @@ def markdown_lines(result: dict) -> list[str]:
         for step, v in r["losses"].items():
             killed = "—" if v["killed"] is None else repr(v["killed"])
             out.append(f"| {step} | {v['reference']!r} | {killed} | {v['resumed']!r} |")
+    if m.get("host_overhead"):
+        out += ["", "Host overhead of the profiled steps (torch.profiler's calls; docs/training.md, \"Host overhead of "
+                    "a step\"):", "",
+                "| step | kernel launches | synchronizations | copies | host reads | mm | grouped mm | isfinite | "
+                "self CPU ms | self device ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for step, h in m["host_overhead"].items():
+            out.append(f"| {step} | {h['kernel_launches']} | {h['syncs']} | {h['copies']} | {h['host_reads']} | "
+                       f"{h['aten::mm']} | {h['aten::_grouped_mm']} | {h['aten::isfinite']} | {h['self_cpu_ms']:.1f} | "
+                       f"{h['self_device_ms']:.1f} |")
     for step, rows in (m.get("profiles") or {}).items():
         out += ["", f"torch.profiler, global step {step}, top operators by {m.get('profiled_by', 'self device time')} "
                     "(name, self %, self time, total %, total time, time per call, calls):", "", "```", *rows, "```"]
