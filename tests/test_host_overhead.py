@@ -67,8 +67,9 @@ def test_step_host_reads_and_update_ops_do_not_grow_with_the_model(tmp_path, lay
         reads_b = _gpu_reads(b) - sum(b["phase_reads"].get("optimizer", {}).values())
         assert reads_a == reads_b <= MAX_READS, (key, a["read_files"], b["read_files"])
         assert a["update_kernels"] == b["update_kernels"], (key, a["update_ops"], b["update_ops"])
-        for op in ("aten.isfinite", "aten.linalg_vector_norm", "aten.abs"):
-            assert a["update_ops"].get(op, 0) == b["update_ops"].get(op, 0) <= 2, (key, op)
+        # non-finite checks and norms: a few on scalars and flat buffers (before the fused checks: one per parameter)
+        for op in ("aten.isfinite", "aten.linalg_vector_norm", "aten.abs", "aten._to_copy"):
+            assert a["update_ops"].get(op, 0) == b["update_ops"].get(op, 0) <= 8, (key, op, a["update_ops"])
     # the routed experts: grouped GEMMs, as many for 16 experts as for 8
     sixteen = _run(tmp_path, layout, "E16", num_hidden_layers=2, n_routed_experts=16)
     for key in two:

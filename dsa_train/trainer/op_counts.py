@@ -213,10 +213,11 @@ def count_training_steps(recipe: str, overrides: list[str], distributed: bool = 
             super().open_stage(stage)
             engine = self.engine
             engine.step = phase("update", engine.step)
-            inner = getattr(getattr(engine, "ds", None), "optimizer", None)
-            for opt in (engine.optimizer, getattr(inner, "optimizer", None)):
-                if opt is not None:
-                    opt.step = phase("optimizer", opt.step)
+            # the torch optimizer's own step (DeepSpeed: the AdamW its ZeRO optimizer wraps; the ZeRO
+            # optimizer's gradient norm, clipping and overflow checks stay in the update phase)
+            ds = getattr(engine, "ds", None)
+            opt = engine.optimizer if ds is None else getattr(ds.optimizer, "optimizer", ds.optimizer)
+            opt.step = phase("optimizer", opt.step)
             for hook in self.step_hooks:
                 if isinstance(hook, NonFiniteGuard):
                     hook.skip_update = phase("update", hook.skip_update)
