@@ -112,6 +112,7 @@ class StepCounts:
 
     def in_phase(self, phase: str, fn):
         """`fn` wrapped so that what it dispatches and reads counts under `phase` as well."""
+        @functools.wraps(fn)  # keeps marks such as the LR scheduler's on an optimizer's step
         def wrapped(*args, **kwargs):
             saved, self.phase = self.phase, phase
             try:
@@ -202,6 +203,7 @@ def count_training_steps(recipe: str, overrides: list[str], distributed: bool = 
     active: list[StepCounts] = []
 
     def phase(name: str, fn):
+        @functools.wraps(fn)
         def wrapped(*args, **kwargs):
             if not active:
                 return fn(*args, **kwargs)
