@@ -83,3 +83,54 @@ def test_counts_see_host_reads_and_operators():
         bool(y > 0)
     assert counts.reads == {"item": 2, "tolist": 1}
     assert counts.ops["aten.mul"] == 1 and counts.ops["aten.sum"] == 1 and counts.kernels >= 3
+
+
+def _per_query_recall(scale, q_abs, kv_all, topk_indices, doc_start, queries) -> float:
+    """The recall as it was measured before (one `dense_mass_recall` per sampled query), summed over rows."""
+    import dsa_kernels as K
+
+    total, B = 0.0, q_abs.shape[0]
+    for t in queries.tolist():
+        q_t = q_abs[:, t : t + 1].expand(B, t + 1, *q_abs.shape[2:])
+        idx_t = topk_indices[:, t : t + 1].expand(B, t + 1, topk_indices.shape[-1])
+        total += float(K.dense_mass_recall(q_t, kv_all[:, : t + 1], idx_t, scale, doc_start[:, : t + 1],
+                                           torch.full((1,), t, dtype=torch.long))) * B
+    return total
+
+
+def test_topk_recall_in_one_pass_without_host_reads_matches_the_per_query_form(monkeypatch):
+    """record_topk_recall: all sampled queries at once, no host read, the per-query form's value
+    (fp32 rounding apart); under context parallelism each rank's masked share adds up to it."""
+    from types import SimpleNamespace
+
+    import dsa_train.model.mla as mla
+    from dsa_train.model.mla import AttentionAux, record_topk_recall
+
+    g = torch.Generator().manual_seed(0)
+    B, T, H, D, K = 2, 48, 4, 24, 8
+    q_abs, kv_all = torch.randn(B, T, H, D, generator=g), torch.randn(B, T, D, generator=g)
+    doc_start = torch.zeros(B, T, dtype=torch.long)
+    doc_start[1, 20:] = 20  # row 1: a second document from position 20
+    scores = torch.rand(B, T, T, generator=g)
+    valid = (torch.arange(T)[None, :] <= torch.arange(T)[:, None]) & (torch.arange(T)[None, :] >= doc_start[:, :, None])
+    top = scores.masked_fill(~valid, -1.0).topk(K, dim=-1)
+    topk_indices = torch.where(top.values >= 0, top.indices, -1).int()  # -1: fewer than K valid keys
+    queries = torch.tensor([0, 3, 19, 20, 21, 30, 47])
+    want = _per_query_recall(0.3, q_abs, kv_all, topk_indices, doc_start, queries)
+    monkeypatch.setattr(mla, "RECALL_CHUNK_ELEMS", B * H * T * 3)  # several chunks
+    aux = AttentionAux()
+    with StepCounts() as counts:
+        record_topk_recall(aux, 0.3, q_abs, kv_all, topk_indices, doc_start, SimpleNamespace(recall_queries=queries), None)
+    assert counts.host_reads == 0
+    assert aux.topk_recall_count == B * len(queries)
+    assert abs(float(aux.topk_recall_sum) - want) <= 1e-5 * want
+    # context parallelism: two ranks holding interleaved halves of the positions
+    total, count = 0.0, 0.0
+    for rank in range(2):
+        positions = torch.arange(rank, T, 2)
+        cp = SimpleNamespace(positions=positions)
+        part = AttentionAux()
+        record_topk_recall(part, 0.3, q_abs[:, positions], kv_all, topk_indices[:, positions], doc_start,
+                           SimpleNamespace(recall_queries=queries), cp)
+        total, count = total + float(part.topk_recall_sum), count + float(part.topk_recall_count)
+    assert count == B * len(queries) and abs(total - want) <= 1e-5 * want
