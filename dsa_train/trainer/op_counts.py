@@ -89,7 +89,7 @@ class StepCounts:
     def __init__(self, where: bool = False, where_ops: tuple[str, ...] = ()):
         self.ops: Counter = Counter()
         self.reads: Counter = Counter()
-        self.phase = "step"  # `ops_in` / `reads_in` count per phase too (`in_phase`)
+        self.phase = "step"  # what counts also goes to phase_ops / phase_reads[phase] (`in_phase`)
         self.phase_ops: dict[str, Counter] = {}
         self.phase_reads: dict[str, Counter] = {}
         self.read_files: Counter = Counter()  # the file (innermost frame outside torch) of each read
