@@ -259,3 +259,40 @@ def count_training_steps(recipe: str, overrides: list[str], distributed: bool = 
             else:
                 os.environ[k] = v
     return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m dsa_train.trainer.op_counts [--distributed] [--json OUT] RECIPE [overrides...]`:
+    one line per training step (stage, step, logged, operators, host reads by kind, update
+    operators, host reads outside the reference kernels and AdamW's own step); `--json` writes
+    every count."""
+    import argparse
+    import json
+    import os
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="python -m dsa_train.trainer.op_counts", description=main.__doc__)
+    parser.add_argument("--distributed", action="store_true", help="rank 0 of a 1-rank job (the DeepSpeed engine)")
+    parser.add_argument("--json", type=Path, help="write every step's counts here")
+    parser.add_argument("recipe")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    rows = count_training_steps(args.recipe, args.overrides, distributed=args.distributed)
+    import dsa_kernels
+
+    kernels_dir = os.path.dirname(os.path.abspath(dsa_kernels.__file__))
+    for r in rows:
+        outside = (sum(n for f, n in r["read_files"].items() if not os.path.abspath(f).startswith(kernels_dir))
+                   - sum(r["phase_reads"].get("optimizer", {}).values()))
+        print(f"{r['stage']} step {r['step']}{' (logged)' if r['logged'] else ''}: {r['kernels']} operators, "
+              f"host reads {r['reads']} ({outside} outside the reference kernels and AdamW), "
+              f"update {r['update_kernels']} operators, mm {r['ops'].get('aten.mm', 0)}, "
+              f"grouped mm {r['ops'].get('aten._grouped_mm', 0)}")
+    if args.json:
+        args.json.write_text(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
