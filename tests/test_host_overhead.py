@@ -22,13 +22,16 @@ pytestmark = pytest.mark.integration
 KERNELS_DIR = str(Path(dsa_kernels.__file__).resolve().parent)
 # warm-up 1 step, sparse 2 steps (the second logged: top-k recall measured), 2 micro-batches each
 COMMON = [
-    "device=cpu", "~stages.pretrain", "model=tiny", "model.dtype=float32", "data.seq_len=32", "data.micro_batch_size=1",
+    "device=cpu", "~stages.pretrain", "model=tiny", "data.seq_len=32", "data.micro_batch_size=1",
     "probe_batches=0", "eval=none", "logging.wandb_mode=disabled", "logging.progress_bar=false", "logging.log_every=2",
     "stages.warmup.steps=1", "stages.warmup.global_batch_size=2", "stages.sparse.steps=2",
     "stages.sparse.global_batch_size=2", "stages.sparse.topk=8", "stages.sparse.topk_recall_queries=4",
     "checkpoint.every_n_steps=0", "checkpoint.export=false",
 ]
-LAYOUTS = {"single": (COMMON, False), "zero2": ([*COMMON, "parallel=zero2"], True)}
+# ZeRO-2 in bf16, as gpu-check's end-to-end.throughput runs it (DeepSpeed's bf16 path has its own
+# overflow check: one amax/amin per parameter unless the trainer turns it off)
+LAYOUTS = {"single": ([*COMMON, "model.dtype=float32"], False),
+           "zero2": ([*COMMON, "model.dtype=bfloat16", "parallel=zero2"], True)}
 # host reads a GPU step makes whatever the model: the step's token counts, the position check of
 # each of the 2 micro-batches, the non-finite check, the gradient norm, the metrics; DeepSpeed adds
 # its own invalid-norm checks (one per parameter group)
@@ -76,3 +79,27 @@ def test_step_host_reads_and_update_ops_do_not_grow_with_the_model(tmp_path, lay
         assert two[key]["ops"].get("aten._grouped_mm", 0) > 0, key
         assert two[key]["ops"].get("aten.mm", 0) == sixteen[key]["ops"].get("aten.mm", 0), key
 
+
+
+def test_zero2_step_after_a_skipped_one_starts_from_zero(tmp_path, monkeypatch):
+    """The fused check reads DeepSpeed's accumulated partition: after a skipped step (an inf put
+    into it at global step 2, the first sparse step) the engine drops what DeepSpeed accumulated,
+    so steps 3 and 4 are finite and taken (before: the stale inf made every later step skip)."""
+    import json
+    import math
+
+    monkeypatch.setenv("DSA_KERNELS", "ref")
+    monkeypatch.setenv("DSA_STRICT_DEVICES", "0")
+    monkeypatch.setenv("DSA_FAULT", "step=2,kind=inf_grad")
+    monkeypatch.setenv("DSA_COUNT_PORT", str(29300 + os.getpid() % 300))
+    overrides, distributed = LAYOUTS["zero2"]
+    run_dir = tmp_path / "skip"
+    count_training_steps("small_32k", [*overrides, "stages.sparse.steps=3", "logging.log_every=1", f"run_dir={run_dir}"],
+                         distributed=distributed)
+    rows = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "train/loss" in row.get("metrics", {}):
+            rows[row["step"]] = row["metrics"]
+    assert [rows[s]["train/nonfinite_skipped"] for s in (1, 2, 3, 4)] == [0, 1, 1, 1]
+    assert all(math.isfinite(rows[s]["optim/grad_norm"]) for s in (1, 3, 4))

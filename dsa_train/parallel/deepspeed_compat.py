@@ -237,3 +237,24 @@ def fuse_grad_norm(opt) -> bool:
 
     opt.get_grad_norm_direct = get_grad_norm_direct
     return True
+
+
+def drop_accumulated_gradients(opt) -> None:
+    """ZeRO-1/2 (`DeepSpeedZeroOptimizer`): forget the gradients accumulated into this rank's
+    partition (`averaged_gradients` / `all_grad_tensors`, and the flat buffers behind them), as its
+    own step does when it skips an overflowing update. Its `zero_grad` clears only `p.grad`: after
+    a step the trainer skips (NonFiniteGuard), the skipped gradients -- a NaN or inf included --
+    would otherwise be added into the next step's. Nothing to drop after an update (its step
+    released them); other optimizers are left as they are."""
+    if type(opt).__name__ != "DeepSpeedZeroOptimizer" or getattr(opt, "cpu_offload", False):
+        return
+    averaged = private(opt, "averaged_gradients")
+    if not any(v is not None for v in averaged.values()) and not any(
+            v is not None for v in (private(opt, "all_grad_tensors", None) or {}).values()):
+        return
+    private(opt, "_release_preflattened_grad_buffers")()
+    for k in list(averaged.keys()):
+        averaged[k] = None
+    all_grads = private(opt, "all_grad_tensors", None) or {}
+    for k in list(all_grads.keys()):
+        all_grads[k] = None

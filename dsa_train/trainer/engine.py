@@ -152,5 +152,7 @@ def make_engine(layout, model: torch.nn.Module, stage: Stage, cfg) -> TrainingEn
         return Engine(model, stage, cfg.optim)
     from dsa_train.trainer.deepspeed_engine import DeepSpeedEngine
 
+    # the trainer's NonFiniteGuard checks every step's gradients (fused, one read) before the update,
+    # so DeepSpeed's per-parameter bf16 overflow check would only repeat it
     return DeepSpeedEngine(model, stage, cfg.optim, layout.parallel_state, zero_stage=layout.zero_stage,
-                           micro_batch_size=layout.micro_batch_size)
+                           micro_batch_size=layout.micro_batch_size, overflow_check=False)
