@@ -21,15 +21,42 @@ def _check(opts, name):
 def test_checks_are_named_in_their_sections_with_their_shapes(tmp_path):
     for device, small, seq in (("cpu", True, "T=64"), ("cuda", False, "T=32768")):
         checks = e2e.checks(Options(device=device, small=small, out=tmp_path))
-        assert [(c.name, c.section) for c in checks] == [("end-to-end.train_kill_resume", "end-to-end"),
+        assert [(c.name, c.section) for c in checks] == [("end-to-end.grouped_experts", "end-to-end"),
+                                                        ("end-to-end.train_kill_resume", "end-to-end"),
                                                         ("end-to-end.throughput", "end-to-end"),
                                                         ("nccl.ep2", "nccl")]
         assert all(c.section in SECTIONS for c in checks)
+        checks = checks[1:]
         assert seq in checks[0].shapes and "SIGKILL at step 7" in checks[0].shapes
         assert seq in checks[1].shapes and "deterministic=false" in checks[1].shapes
     assert "Triton kernels" in checks[0].shapes and "small_32k cut to 2 layers" in checks[0].shapes
     assert "warm-up 5 + sparse 8 steps" in checks[1].shapes and "torch.profiler on steps (5, 13)" in checks[1].shapes
     assert "T=8192" in checks[2].shapes and "NCCL" in checks[2].shapes
+    grouped = e2e.checks(Options(device="cuda", small=False, out=tmp_path))[0]
+    assert "32 experts" in grouped.shapes and "bf16" in grouped.shapes and "131072 routed rows" in grouped.shapes
+
+
+def test_grouped_experts_check_passes_on_the_cpu_and_fails_on_wrong_gemms(tmp_path, monkeypatch):
+    """end-to-end.grouped_experts (the CPU form: fp32, exact) and a grouped path that computes
+    wrong (its output doubled) or raises: one failing line each."""
+    import dsa_train.model.grouped_experts as ge
+
+    opts = Options(device="cpu", small=True, out=tmp_path)
+    out = e2e.run_grouped_experts(opts)
+    assert out.status == "pass", out.summary
+    assert out.metrics["path"] == "grouped" and all(v["grouped"] <= 1e-6 for v in out.metrics["errors"].values())
+    original = ge.grouped_expert_mlp
+    monkeypatch.setattr(ge, "grouped_expert_mlp", lambda *a, **k: 2 * original(*a, **k))
+    out = e2e.run_grouped_experts(opts)
+    assert out.status == "fail" and out.summary.startswith("FAILED out, dx") and "\n" not in out.summary
+
+    def broken(*a, **k):
+        raise RuntimeError("grouped_mm: mat_b strides must be aligned\nmore")
+
+    monkeypatch.setattr(ge, "grouped_expert_mlp", broken)
+    out = e2e.run_grouped_experts(opts)
+    assert out.status == "fail" and "mat_b strides must be aligned" in out.summary and "\n" not in out.summary
+    assert "parallel.grouped_experts=false" in out.summary
 
 
 def test_throughput_profile_rows_and_report_table():

@@ -170,7 +170,13 @@ def checks(opts: Options) -> list[Check]:
              f"SIGKILL at step {KILL_STEP}, resume; vs dsa-train plan")
     nccl = ("2-rank EP2 launch on gloo (the CPU stand-in for NCCL)" if opts.device == "cpu"
             else "2-rank EP2 launch on NCCL (>= 2 GPUs; else skipped)")
+    e, h, inter, rows = GROUPED_SMALL if opts.small else GROUPED_GPU
     return [
+        Check("end-to-end.grouped_experts", "end-to-end",
+              f"the routed experts as the runs below compute them: {e} experts (one idle), hidden {h}, intermediate "
+              f"{inter}, {rows} routed rows, weights in a DeepSpeed-style flat buffer, "
+              f"{'fp32' if opts.device == 'cpu' else 'bf16'}; grouped GEMMs vs the per-expert loop vs fp32, "
+              "out + dx + dW", run_grouped_experts),
         Check("end-to-end.train_kill_resume", "end-to-end", f"{one.describe()}; {steps}", run_train_kill_resume),
         Check("end-to-end.throughput", "end-to-end",
               f"{one.describe()}; warm-up {warmup} + sparse {sparse} steps, deterministic=false, "
@@ -178,6 +184,89 @@ def checks(opts: Options) -> list[Check]:
               f"{skipped} vs dsa-train plan", run_throughput),
         Check("nccl.ep2", "nccl", f"{two.describe()}; warm-up 1 + sparse 2 steps; {nccl}", run_nccl_ep2),
     ]
+
+
+# end-to-end.grouped_experts: small_32k's MoE layer (32 experts, hidden 1024, intermediate 512) on one
+# micro-batch's routed rows (T = 32768 x top-4); the CPU form's tiny model
+GROUPED_GPU = (32, 1024, 512, 32768 * 4)
+GROUPED_SMALL = (8, 128, 64, 64 * 2)
+GROUPED_TOL = 2e-2  # bf16 operands, fp32 accumulation: relative to the reference's largest value
+
+
+def run_grouped_experts(opts: Options) -> Outcome:
+    """The grouped expert GEMMs the training runs use on this device (`expert_gemm_path`), with the
+    weights as views of one flat buffer (gate, up, down of each expert after the other, as
+    DeepSpeed's ZeRO-1/2 flattening leaves them), against the per-expert loop, both against an fp32
+    loop: forward output, input gradient and weight gradients. Passes when the grouped error is
+    within GROUPED_TOL or twice the loop's own. Before the runs: a grouped GEMM that fails or
+    computes wrong here is named on its own line (`parallel.grouped_experts=false` runs the loop)."""
+    import torch
+
+    from dsa_train.gpucheck.correctness import compare
+    from dsa_train.model.grouped_experts import expert_gemm_path, expert_offsets, grouped_expert_mlp, stacked_weights
+
+    started = time.monotonic()
+    e, h, inter, rows = GROUPED_SMALL if opts.small else GROUPED_GPU
+    device = torch.device("cuda" if opts.device == "cuda" else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device="cpu").manual_seed(0)
+    shapes = [(inter, h), (inter, h), (h, inter)]  # gate, up, down (nn.Linear layout)
+    flat = torch.randn(e * sum(a * b for a, b in shapes), generator=g).mul_(0.02).to(device, dtype)
+    weights, offset = [[], [], []], 0
+    for _ in range(e):
+        for k, (a, b) in enumerate(shapes):
+            weights[k].append(flat[offset : offset + a * b].view(a, b).detach().requires_grad_())
+            offset += a * b
+    share = torch.rand(e, generator=g)
+    share[e // 2] = 0.0  # an idle expert, as routing leaves some
+    counts = (share / share.sum() * rows).floor().long()
+    counts[0] += rows - int(counts.sum())
+    x = torch.randn(rows, h, generator=g).to(device, dtype).requires_grad_()
+    dy = torch.randn(rows, h, generator=g).to(device, dtype)
+    path = expert_gemm_path(dtype, device.type, h, inter)
+
+    def grads(out, leaves):
+        return torch.autograd.grad(out, leaves, dy.to(out.dtype))
+
+    def loop(xs, ws):
+        outs, start = [], 0
+        for i, n in enumerate(counts.tolist()):
+            xe = xs[start : start + n]
+            outs.append(torch.nn.functional.linear(torch.nn.functional.silu(xe @ ws[0][i].t()) * (xe @ ws[1][i].t()),
+                                                   ws[2][i]))
+            start += n
+        return torch.cat(outs)
+
+    leaves = [x, *[w for ws in weights for w in ws]]
+    try:
+        stacks = [stacked_weights(ws) for ws in weights]
+        out = grouped_expert_mlp(x, expert_offsets(counts.to(device), device), *stacks, path=path)
+        got = [out, *grads(out, leaves)]
+    except Exception as err:  # noqa: BLE001 - the one line names it
+        return Outcome("fail", f"grouped expert GEMMs ({path}, {dtype}) failed: {type(err).__name__}: "
+                               f"{str(err).splitlines()[0] if str(err) else ''} (parallel.grouped_experts=false runs the loop)")
+    out = loop(x, weights)
+    low = [out, *grads(out, leaves)]
+    x32 = x.detach().float().requires_grad_()
+    w32 = [[w.detach().float().requires_grad_() for w in ws] for ws in weights]
+    out = loop(x32, w32)
+    ref = [out, *grads(out, [x32, *[w for ws in w32 for w in ws]])]
+    names = ["out", "dx"] + [f"d{p}" for p in ("gate", "up", "down") for _ in range(e)]
+    results: dict[str, dict] = {}
+    for name, a, b, r in zip(names, got, low, ref):
+        if name in ("out", "dx") or name not in results:
+            results.setdefault(name, {"grouped": 0.0, "loop": 0.0})
+        results[name]["grouped"] = max(results[name]["grouped"], compare(a, r, GROUPED_TOL)["err"])
+        results[name]["loop"] = max(results[name]["loop"], compare(b, r, GROUPED_TOL)["err"])
+    bad = [k for k, v in results.items() if not (v["grouped"] <= max(GROUPED_TOL, 2 * v["loop"]))]
+    parts = ", ".join(f"{k} {v['grouped']:.2g} (loop {v['loop']:.2g})" for k, v in results.items())
+    metrics = {"path": path, "dtype": str(dtype), "experts": e, "hidden": h, "intermediate": inter, "rows": rows,
+               "errors": results, "tol": GROUPED_TOL, "seconds": round(time.monotonic() - started, 2)}
+    summary = f"{path} grouped GEMMs vs fp32 loop (max relative error): {parts}"
+    return Outcome("fail" if bad else "pass", ("FAILED " + ", ".join(bad) + ": " if bad else "") + summary, metrics)
+
+
+run_grouped_experts.need_s = 10.0
 
 
 def run_throughput(opts: Options) -> Outcome:
