@@ -277,7 +277,7 @@ def test_no_time_is_kept_for_training_runs_that_cannot_start(monkeypatch):
     _select_needs(opts, ["correctness", "speed", "end-to-end"])
     speed = sum(need for sec, need in opts.selected_needs.values() if sec == "speed")
     training = sum(need for sec, need in opts.selected_needs.values() if sec == "end-to-end")
-    assert training == e2e.run_train_kill_resume.need_s + e2e.run_throughput.need_s
+    assert training == e2e.run_grouped_experts.need_s + e2e.run_train_kill_resume.need_s + e2e.run_throughput.need_s
     monkeypatch.setattr(e2e, "missing_packages", lambda: [])
     assert reserve_after(opts, "correctness") == speed + training
     monkeypatch.setattr(e2e, "missing_packages", lambda: ["deepspeed"])

@@ -21,15 +21,42 @@ def _check(opts, name):
 def test_checks_are_named_in_their_sections_with_their_shapes(tmp_path):
     for device, small, seq in (("cpu", True, "T=64"), ("cuda", False, "T=32768")):
         checks = e2e.checks(Options(device=device, small=small, out=tmp_path))
-        assert [(c.name, c.section) for c in checks] == [("end-to-end.train_kill_resume", "end-to-end"),
+        assert [(c.name, c.section) for c in checks] == [("end-to-end.grouped_experts", "end-to-end"),
+                                                        ("end-to-end.train_kill_resume", "end-to-end"),
                                                         ("end-to-end.throughput", "end-to-end"),
                                                         ("nccl.ep2", "nccl")]
         assert all(c.section in SECTIONS for c in checks)
+        checks = checks[1:]
         assert seq in checks[0].shapes and "SIGKILL at step 7" in checks[0].shapes
         assert seq in checks[1].shapes and "deterministic=false" in checks[1].shapes
     assert "Triton kernels" in checks[0].shapes and "small_32k cut to 2 layers" in checks[0].shapes
     assert "warm-up 5 + sparse 8 steps" in checks[1].shapes and "torch.profiler on steps (5, 13)" in checks[1].shapes
     assert "T=8192" in checks[2].shapes and "NCCL" in checks[2].shapes
+    grouped = e2e.checks(Options(device="cuda", small=False, out=tmp_path))[0]
+    assert "32 experts" in grouped.shapes and "bf16" in grouped.shapes and "131072 routed rows" in grouped.shapes
+
+
+def test_grouped_experts_check_passes_on_the_cpu_and_fails_on_wrong_gemms(tmp_path, monkeypatch):
+    """end-to-end.grouped_experts (the CPU form: fp32, exact) and a grouped path that computes
+    wrong (its output doubled) or raises: one failing line each."""
+    import dsa_train.model.grouped_experts as ge
+
+    opts = Options(device="cpu", small=True, out=tmp_path)
+    out = e2e.run_grouped_experts(opts)
+    assert out.status == "pass", out.summary
+    assert out.metrics["path"] == "grouped" and all(v["grouped"] <= 1e-6 for v in out.metrics["errors"].values())
+    original = ge.grouped_expert_mlp
+    monkeypatch.setattr(ge, "grouped_expert_mlp", lambda *a, **k: 2 * original(*a, **k))
+    out = e2e.run_grouped_experts(opts)
+    assert out.status == "fail" and out.summary.startswith("FAILED out, dx") and "\n" not in out.summary
+
+    def broken(*a, **k):
+        raise RuntimeError("grouped_mm: mat_b strides must be aligned\nmore")
+
+    monkeypatch.setattr(ge, "grouped_expert_mlp", broken)
+    out = e2e.run_grouped_experts(opts)
+    assert out.status == "fail" and "mat_b strides must be aligned" in out.summary and "\n" not in out.summary
+    assert "parallel.grouped_experts=false" in out.summary
 
 
 def test_throughput_profile_rows_and_report_table():
@@ -56,6 +83,31 @@ other  1%
         "profiles": {"11": ["sparse_mla_fwd 40.1% 4.0ms"]}, "profiled_by": "self device time"}}))
     assert "steady state" in md and "deterministic=false" in md and "| sparse | 10 | 20 | 10.0% | 35.0% |" in md
     assert "global step 11" in md and "sparse_mla_fwd 40.1% 4.0ms" in md
+
+
+def test_throughput_host_overhead_from_the_profile_calls(tmp_path):
+    """end-to-end.throughput's host counts come from every profiler event (the calls section of
+    logging/profile.py's table), not from the 30 rows of its tables."""
+    import torch
+
+    from dsa_train.logging.profile import profile_path, profiled
+
+    x = torch.randn(16, 16)
+    with profiled(1, [1], tmp_path, torch.device("cpu")):
+        for _ in range(3):
+            float((x @ x).sum())
+    table = profile_path(tmp_path, 1, 0, ".txt").read_text()
+    h = e2e.host_overhead(table)
+    assert h["aten::mm"] == 3 and h["host_reads"] == 3 and h["kernel_launches"] == 0 and h["syncs"] == 0
+    assert h["events"] > 6 and h["self_cpu_ms"] > 0
+    fake = table.split("## calls")[0] + "## calls of every event (name, calls, self CPU us, self device us)\n" + \
+        "cudaLaunchKernel\t100\t500.0\t0.0\ncuLaunchKernelEx\t5\t50.0\t0.0\ncudaStreamSynchronize\t7\t70.0\t0.0\n" + \
+        "aten::_grouped_mm\t9\t90.0\t2000.0\n"
+    h = e2e.host_overhead(fake)
+    assert (h["kernel_launches"], h["syncs"], h["aten::_grouped_mm"], h["self_device_ms"]) == (105, 7, 9, 2.0)
+    md = "\n".join(e2e.markdown_lines({"name": "end-to-end.throughput", "metrics": {
+        "layout": "L", "deterministic": False, "stages": {}, "host_overhead": {"13": h}}}))
+    assert "| 13 | 105 | 7 | 0 | 0 | 0 | 9 | 0 |" in md
 
 
 def test_the_gpu_runs_are_valid_recipes_that_fit_the_gpu(tmp_path):
@@ -186,6 +238,10 @@ def assert_small_cpu_outcomes(report: dict, logs_root) -> None:
     tp = outcomes["end-to-end.throughput"]
     assert tp.status == "pass", tp.summary
     assert set(tp.metrics["profiles"]) == {"3", "5"} and all(tp.metrics["profiles"].values())
+    # host counts of the profiled steps (the GPU session reads launches and synchronizations there)
+    assert set(tp.metrics["host_overhead"]) == {"3", "5"}
+    assert all(h["events"] > 0 and h["aten::_grouped_mm"] > 0 for h in tp.metrics["host_overhead"].values())
+    assert "kernel launches" in tp.summary
 
 
 @pytest.mark.gpu

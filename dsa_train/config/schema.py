@@ -162,7 +162,7 @@ class ParallelConfig:
     # decoder layers). Recomputed blocks keep only their inputs for the backward.
     recompute: str = "none"
     # Routed experts as grouped GEMMs (torch._grouped_mm over tokens sorted by expert) instead of a
-    # Python loop over experts (distributed trainer).
+    # Python loop over experts (every layout, one process included; docs/training.md, "Host overhead").
     grouped_experts: bool = True
 
 

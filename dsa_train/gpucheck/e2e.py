@@ -170,7 +170,13 @@ def checks(opts: Options) -> list[Check]:
              f"SIGKILL at step {KILL_STEP}, resume; vs dsa-train plan")
     nccl = ("2-rank EP2 launch on gloo (the CPU stand-in for NCCL)" if opts.device == "cpu"
             else "2-rank EP2 launch on NCCL (>= 2 GPUs; else skipped)")
+    e, h, inter, rows = GROUPED_SMALL if opts.small else GROUPED_GPU
     return [
+        Check("end-to-end.grouped_experts", "end-to-end",
+              f"the routed experts as the runs below compute them: {e} experts (one idle), hidden {h}, intermediate "
+              f"{inter}, {rows} routed rows, weights in a DeepSpeed-style flat buffer, "
+              f"{'fp32' if opts.device == 'cpu' else 'bf16'}; grouped GEMMs vs the per-expert loop vs fp32, "
+              "out + dx + dW", run_grouped_experts),
         Check("end-to-end.train_kill_resume", "end-to-end", f"{one.describe()}; {steps}", run_train_kill_resume),
         Check("end-to-end.throughput", "end-to-end",
               f"{one.describe()}; warm-up {warmup} + sparse {sparse} steps, deterministic=false, "
@@ -178,6 +184,89 @@ def checks(opts: Options) -> list[Check]:
               f"{skipped} vs dsa-train plan", run_throughput),
         Check("nccl.ep2", "nccl", f"{two.describe()}; warm-up 1 + sparse 2 steps; {nccl}", run_nccl_ep2),
     ]
+
+
+# end-to-end.grouped_experts: small_32k's MoE layer (32 experts, hidden 1024, intermediate 512) on one
+# micro-batch's routed rows (T = 32768 x top-4); the CPU form's tiny model
+GROUPED_GPU = (32, 1024, 512, 32768 * 4)
+GROUPED_SMALL = (8, 128, 64, 64 * 2)
+GROUPED_TOL = 2e-2  # bf16 operands, fp32 accumulation: relative to the reference's largest value
+
+
+def run_grouped_experts(opts: Options) -> Outcome:
+    """The grouped expert GEMMs the training runs use on this device (`expert_gemm_path`), with the
+    weights as views of one flat buffer (gate, up, down of each expert after the other, as
+    DeepSpeed's ZeRO-1/2 flattening leaves them), against the per-expert loop, both against an fp32
+    loop: forward output, input gradient and weight gradients. Passes when the grouped error is
+    within GROUPED_TOL or twice the loop's own. Before the runs: a grouped GEMM that fails or
+    computes wrong here is named on its own line (`parallel.grouped_experts=false` runs the loop)."""
+    import torch
+
+    from dsa_train.gpucheck.correctness import compare
+    from dsa_train.model.grouped_experts import expert_gemm_path, expert_offsets, grouped_expert_mlp, stacked_weights
+
+    started = time.monotonic()
+    e, h, inter, rows = GROUPED_SMALL if opts.small else GROUPED_GPU
+    device = torch.device("cuda" if opts.device == "cuda" else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device="cpu").manual_seed(0)
+    shapes = [(inter, h), (inter, h), (h, inter)]  # gate, up, down (nn.Linear layout)
+    flat = torch.randn(e * sum(a * b for a, b in shapes), generator=g).mul_(0.02).to(device, dtype)
+    weights, offset = [[], [], []], 0
+    for _ in range(e):
+        for k, (a, b) in enumerate(shapes):
+            weights[k].append(flat[offset : offset + a * b].view(a, b).detach().requires_grad_())
+            offset += a * b
+    share = torch.rand(e, generator=g)
+    share[e // 2] = 0.0  # an idle expert, as routing leaves some
+    counts = (share / share.sum() * rows).floor().long()
+    counts[0] += rows - int(counts.sum())
+    x = torch.randn(rows, h, generator=g).to(device, dtype).requires_grad_()
+    dy = torch.randn(rows, h, generator=g).to(device, dtype)
+    path = expert_gemm_path(dtype, device.type, h, inter)
+
+    def grads(out, leaves):
+        return torch.autograd.grad(out, leaves, dy.to(out.dtype))
+
+    def loop(xs, ws):
+        outs, start = [], 0
+        for i, n in enumerate(counts.tolist()):
+            xe = xs[start : start + n]
+            outs.append(torch.nn.functional.linear(torch.nn.functional.silu(xe @ ws[0][i].t()) * (xe @ ws[1][i].t()),
+                                                   ws[2][i]))
+            start += n
+        return torch.cat(outs)
+
+    leaves = [x, *[w for ws in weights for w in ws]]
+    try:
+        stacks = [stacked_weights(ws) for ws in weights]
+        out = grouped_expert_mlp(x, expert_offsets(counts.to(device), device), *stacks, path=path)
+        got = [out, *grads(out, leaves)]
+    except Exception as err:  # noqa: BLE001 - the one line names it
+        return Outcome("fail", f"grouped expert GEMMs ({path}, {dtype}) failed: {type(err).__name__}: "
+                               f"{str(err).splitlines()[0] if str(err) else ''} (parallel.grouped_experts=false runs the loop)")
+    out = loop(x, weights)
+    low = [out, *grads(out, leaves)]
+    x32 = x.detach().float().requires_grad_()
+    w32 = [[w.detach().float().requires_grad_() for w in ws] for ws in weights]
+    out = loop(x32, w32)
+    ref = [out, *grads(out, [x32, *[w for ws in w32 for w in ws]])]
+    names = ["out", "dx"] + [f"d{p}" for p in ("gate", "up", "down") for _ in range(e)]
+    results: dict[str, dict] = {}
+    for name, a, b, r in zip(names, got, low, ref):
+        if name in ("out", "dx") or name not in results:
+            results.setdefault(name, {"grouped": 0.0, "loop": 0.0})
+        results[name]["grouped"] = max(results[name]["grouped"], compare(a, r, GROUPED_TOL)["err"])
+        results[name]["loop"] = max(results[name]["loop"], compare(b, r, GROUPED_TOL)["err"])
+    bad = [k for k, v in results.items() if not (v["grouped"] <= max(GROUPED_TOL, 2 * v["loop"]))]
+    parts = ", ".join(f"{k} {v['grouped']:.2g} (loop {v['loop']:.2g})" for k, v in results.items())
+    metrics = {"path": path, "dtype": str(dtype), "experts": e, "hidden": h, "intermediate": inter, "rows": rows,
+               "errors": results, "tol": GROUPED_TOL, "seconds": round(time.monotonic() - started, 2)}
+    summary = f"{path} grouped GEMMs vs fp32 loop (max relative error): {parts}"
+    return Outcome("fail" if bad else "pass", ("FAILED " + ", ".join(bad) + ": " if bad else "") + summary, metrics)
+
+
+run_grouped_experts.need_s = 10.0
 
 
 def run_throughput(opts: Options) -> Outcome:
@@ -298,16 +387,18 @@ def _throughput(opts: Options) -> Outcome:
     stages = stage_figures(runs[-1]["stages"], rows, layout.device, plan, skip=skipped, leave_out=profiled)
     from dsa_train.logging.profile import profile_path
 
-    profiles = {}
+    profiles, overhead = {}, {}
     for step in profiled:
         path = profile_path(run_dir, step, 0, ".txt")
         if not path.is_file():
             raise StepFailed(f"logging.profile_steps wrote no {path}")
         shutil.copy2(path, work / path.name)
         profiles[str(step)] = top_rows(path.read_text(), 12)
+        overhead[str(step)] = host_overhead(path.read_text())
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     metrics = {"layout": layout.describe(), "recipe": RECIPE, "seq_len": layout.seq_len, "stages": stages,
-               "deterministic": False, "plan": plan, "profiles": profiles, "skipped_steps": skipped,
+               "deterministic": False, "plan": plan, "profiles": profiles, "host_overhead": overhead,
+               "skipped_steps": skipped,
                "profiled_by": "self device time" if layout.device == "cuda" else "self CPU time", "seconds": round(time.monotonic() - started, 1),
                "per_step": {str(s): {"stage": r["progress/stage"], "step_time_s": r["perf/step_time_s"],
                                      "tokens_per_s": r["perf/tokens_per_s"]} for s, r in rows.items()},
@@ -315,7 +406,45 @@ def _throughput(opts: Options) -> Outcome:
     figures = "; ".join(f"{name} {s['tokens_per_s']:.0f} tok/s (plan {s['plan_tokens_per_s']:.0f}), MFU "
                         f"{fmt_pct(s['mfu'])} (plan {fmt_pct(s['plan_mfu'])}), step {s['step_time_s']:.3g} s "
                         f"(plan {s['plan_step_s']:.3g}), peak {s['peak_memory_gib']:.2f} GiB" for name, s in stages.items())
-    return Outcome("pass", f"steady state over steps after each stage's first {skipped}: {figures}", metrics)
+    last = overhead[str(profiled[-1])]
+    host = (f"; profiled sparse step {profiled[-1]}: {last['kernel_launches']} kernel launches, "
+            f"{last['syncs']} synchronizations, {last['host_reads']} host reads (_local_scalar_dense), "
+            f"{last['aten::mm']} mm + {last['aten::_grouped_mm']} grouped mm, CPU {last['self_cpu_ms']:.0f} ms vs "
+            f"device {last['self_device_ms']:.0f} ms")
+    return Outcome("pass", f"steady state over steps after each stage's first {skipped}: {figures}{host}", metrics)
+
+
+# what a profiled step asks of the host (the calls section of logging/profile.py's table): kernel
+# launches, synchronizations (each a host wait for the device), copies, host reads, the GEMM counts
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel")
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+COPIES = ("cudaMemcpyAsync", "cudaMemcpy")
+COUNTED_OPS = ("aten::_local_scalar_dense", "aten::mm", "aten::_grouped_mm", "aten::isfinite", "aten::_foreach_norm",
+               "aten::linalg_vector_norm")
+
+
+def host_overhead(table: str) -> dict:
+    """{kernel_launches, syncs, copies, host_reads, <COUNTED_OPS calls>, events, self_cpu_ms,
+    self_device_ms} of one profiled step, from its table's calls section (`dsa_train.logging.profile`;
+    zeros where the table has none, e.g. a CPU run has no CUDA launches)."""
+    from dsa_train.logging.profile import CALLS_HEADER
+
+    calls: dict[str, int] = {}
+    cpu_us = device_us = 0.0
+    lines = table.split(CALLS_HEADER, 1)[1].splitlines() if CALLS_HEADER in table else []
+    for line in lines:
+        parts = line.split("\t")
+        if len(parts) != 4:
+            continue
+        name, n, cpu, dev = parts
+        calls[name] = calls.get(name, 0) + int(n)
+        cpu_us += float(cpu)
+        device_us += float(dev)
+    out = {"kernel_launches": sum(calls.get(k, 0) for k in LAUNCHES), "syncs": sum(calls.get(k, 0) for k in SYNCS),
+           "copies": sum(calls.get(k, 0) for k in COPIES), "host_reads": calls.get("aten::_local_scalar_dense", 0)}
+    out.update({k: calls.get(k, 0) for k in COUNTED_OPS if k != "aten::_local_scalar_dense"})
+    out.update(events=sum(calls.values()), self_cpu_ms=round(cpu_us / 1e3, 2), self_device_ms=round(device_us / 1e3, 2))
+    return out
 
 
 def top_rows(table: str, n: int) -> list[str]:
@@ -458,6 +587,15 @@ def markdown_lines(result: dict) -> list[str]:
         for step, v in r["losses"].items():
             killed = "—" if v["killed"] is None else repr(v["killed"])
             out.append(f"| {step} | {v['reference']!r} | {killed} | {v['resumed']!r} |")
+    if m.get("host_overhead"):
+        out += ["", "Host overhead of the profiled steps (torch.profiler's calls; docs/training.md, \"Host overhead of "
+                    "a step\"):", "",
+                "| step | kernel launches | synchronizations | copies | host reads | mm | grouped mm | isfinite | "
+                "self CPU ms | self device ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for step, h in m["host_overhead"].items():
+            out.append(f"| {step} | {h['kernel_launches']} | {h['syncs']} | {h['copies']} | {h['host_reads']} | "
+                       f"{h['aten::mm']} | {h['aten::_grouped_mm']} | {h['aten::isfinite']} | {h['self_cpu_ms']:.1f} | "
+                       f"{h['self_device_ms']:.1f} |")
     for step, rows in (m.get("profiles") or {}).items():
         out += ["", f"torch.profiler, global step {step}, top operators by {m.get('profiled_by', 'self device time')} "
                     "(name, self %, self time, total %, total time, time per call, calls):", "", "```", *rows, "```"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 
 def _grouped_mm_available() -> bool:
@@ -138,21 +139,49 @@ def stacked_weights(weights: list[torch.Tensor]) -> torch.Tensor:
     return _Stacked.apply(*weights)
 
 
-def expert_offsets(counts: list[int], device: torch.device) -> torch.Tensor:
-    """Cumulative token counts [E] int32 on `device`, from host counts: a pinned, non-blocking copy
-    on CUDA (no wait for the device)."""
+def expert_offsets(counts: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Cumulative token counts [E] int32 on `device`: from counts on the device (computed there, no
+    host read), or from host counts (a pinned, non-blocking copy on CUDA: no wait for the device)."""
+    if isinstance(counts, torch.Tensor):
+        return counts.to(device).cumsum(0).to(torch.int32)
     offs = torch.tensor(counts, dtype=torch.long).cumsum(0).to(torch.int32)
     if device.type == "cuda":
         return offs.pin_memory().to(device, non_blocking=True)
     return offs.to(device)
 
 
-def grouped_experts(experts: list, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def grouped_experts(experts: list, x_sorted: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
     """The local experts on their tokens (sorted by expert) with grouped GEMMs instead of a loop.
-    The expert weights keep their per-expert (Hugging Face) parameters; `stacked_weights` groups
-    them without a copy where they share one evenly strided storage."""
+    `counts` (tokens per expert) on the host or, read nowhere, on the device. The expert weights
+    keep their per-expert (Hugging Face) parameters; `stacked_weights` groups them without a copy
+    where they share one evenly strided storage (`pack_expert_weights`)."""
     if not _grouped_mm_available():
-        return per_expert(experts, x_sorted, counts)
+        return per_expert(experts, x_sorted, counts.tolist() if isinstance(counts, torch.Tensor) else counts)
     offs = expert_offsets(counts, x_sorted.device)
     stack = lambda name: stacked_weights([getattr(e, name).weight for e in experts])  # noqa: E731
     return grouped_expert_mlp(x_sorted, offs, stack("gate_proj"), stack("up_proj"), stack("down_proj"))
+
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def pack_expert_weights(experts: list) -> None:
+    """Re-seat each projection's expert weights as views of one [E, ...] tensor (values unchanged,
+    each still the same `nn.Parameter` object), so that `stacked_weights` is a view and
+    a grouped-GEMM forward copies no weights. For the single process (`parallel.grouped_experts`
+    there): DeepSpeed's flat buffers already hold them this way. Left as they are: meta or fake
+    weights (a traced or meta start-up), weights of differing shapes, dtypes or devices, and
+    weights already packed. A later `.to()` / `.cast()` unpacks them (the GEMMs then stack)."""
+    if len(experts) < 2:
+        return
+    for name in PROJECTIONS:
+        weights = [getattr(e, name).weight for e in experts]
+        first = weights[0]
+        if first.device.type == "meta" or is_fake(first) or _strided_view(weights) is not None:
+            continue
+        if any(w.shape != first.shape or w.dtype != first.dtype or w.device != first.device for w in weights):
+            continue
+        with torch.no_grad():
+            stack = torch.stack([w.detach() for w in weights])
+        for w, view in zip(weights, stack.unbind(0)):
+            w.data = view  # the same Parameter object (optimizers, hooks, records keep it)

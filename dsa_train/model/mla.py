@@ -79,7 +79,7 @@ class AttentionAux:
     indexer_kl_uniform_sum: torch.Tensor | None = None
     indexer_queries: float = 0.0
     topk_recall_sum: torch.Tensor | None = None  # summed over the sampled queries this rank holds
-    topk_recall_count: float = 0.0
+    topk_recall_count: float | torch.Tensor = 0.0  # a device count under context parallelism
     topk_indices: torch.Tensor | None = None  # [B, T, k] int32, -1 = empty
 
 
@@ -444,26 +444,46 @@ def kl_at_positions(scale: float, q_idx, k_idx_all, w_idx, q_heads, lse_heads, k
     return kl_total, klu_total
 
 
+RECALL_CHUNK_ELEMS = 1 << 26  # fp32 logits of the sampled queries per chunk ([B, queries, H, keys]: 256 MB)
+
+
 def record_topk_recall(aux, scale: float, q_abs, kv_all, topk_indices, doc_start, request, cp) -> None:
-    """Top-k recall of the dense attention mass at the sampled query positions this rank holds."""
+    """Top-k recall of the dense attention mass at the sampled query positions this rank holds:
+    per query t and row, the share of its head-averaged dense attention over keys [doc start, t]
+    that falls on its selected keys. All sampled queries at once (in chunks of at most
+    RECALL_CHUNK_ELEMS logits), with no host read: under context parallelism the queries this
+    rank holds are masked, not gathered, and the count stays on the device."""
+    B, T_loc, H, _ = q_abs.shape
+    device = q_abs.device
+    queries = request.recall_queries.to(device)  # [n] global positions
     if cp is None:
-        local, positions = request.recall_queries, request.recall_queries
+        rows, held = queries, None
     else:
-        held = torch.isin(cp.positions, request.recall_queries.to(cp.positions.device))
-        local = torch.nonzero(held).flatten()
-        positions = cp.positions[local]
+        match = cp.positions[None, :] == queries[:, None]  # [n, T_loc]
+        held = match.any(1)  # the queries this rank holds
+        rows = match.to(torch.int8).argmax(1)  # their local rows (row 0 where not held: masked out)
+    keys = kv_all.shape[1]
+    kv = kv_all.float()
+    s = torch.arange(keys, device=device)
+    n = queries.shape[0]
+    per_query = max(B * H * keys, 1)
+    chunk = max(1, min(n, RECALL_CHUNK_ELEMS // per_query))
     total = q_abs.new_zeros((), dtype=torch.float32)
-    B = q_abs.shape[0]
-    # local / positions are host tensors without context parallelism (request.recall_queries)
-    for j, t in zip(local.tolist(), positions.tolist()):
-        # query t alone over keys [0, t]: broadcast views (no copies) put it at position t
-        q_t = q_abs[:, j : j + 1].expand(B, t + 1, *q_abs.shape[2:])
-        idx_t = topk_indices[:, j : j + 1].expand(B, t + 1, topk_indices.shape[-1])
-        recall = K.dense_mass_recall(q_t, kv_all[:, : t + 1], idx_t, scale, doc_start[:, : t + 1],
-                                     torch.full((1,), t, dtype=torch.long, device=q_abs.device))
-        total = total + recall.float() * B
+    for j0 in range(0, n, chunk):
+        t, r = queries[j0 : j0 + chunk], rows[j0 : j0 + chunk]
+        q = q_abs[:, r].float()  # [B, c, H, D]
+        logits = torch.einsum("bchd,bsd->bchs", q * scale, kv)  # [B, c, H, S]
+        valid = (s[None, None, :] <= t[None, :, None]) & (s[None, None, :] >= doc_start[:, t][:, :, None])
+        p = torch.softmax(logits.masked_fill_(~valid[:, :, None, :], float("-inf")), dim=-1).sum(2) / H  # [B, c, S]
+        sel = topk_indices[:, r].long()  # [B, c, K]
+        hits = torch.zeros_like(p, dtype=torch.int32).scatter_add_(2, sel.clamp(min=0), (sel >= 0).int())
+        recall = (p * (hits > 0)).sum(-1)  # [B, c]
+        if held is not None:
+            recall = recall * held[j0 : j0 + chunk]
+        total = total + recall.sum()
     aux.topk_recall_sum = total
-    aux.topk_recall_count = float(B * len(local))
+    aux.topk_recall_count = float(B * n) if held is None else held.sum().double() * B
+
 
 def record_kl(aux: AttentionAux, kl_sum: torch.Tensor, kl_uniform_sum: torch.Tensor, queries: int) -> None:
     """kl_sum / kl_uniform_sum stay on the device; queries (B x T_loc, the kernels' "queries"

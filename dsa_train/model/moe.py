@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.nn import functional as F
 
 from .config import DSAConfig
-from .grouped_experts import grouped_experts, per_expert
+from .grouped_experts import grouped_experts, pack_expert_weights, per_expert
 
 
 class _RowChunkedMLP(torch.autograd.Function):
@@ -220,7 +220,8 @@ class LocalDispatcher:
     """The `TokenDispatcher` with every routed expert on this process: the (token, expert) slots
     are only sorted by expert. `dsa_train.parallel.expert.AllToAllDispatcher` is the
     expert-parallel one (tokens travel to their experts' ranks and back). One host read per
-    forward (the per-expert counts, which size the expert GEMMs), none in the backward."""
+    forward for the loop over experts (the per-expert counts, which size its GEMMs), none for
+    grouped GEMMs (`dispatch_on_device`, which `MoE` uses with them), none in the backward."""
 
     def __init__(self, n_experts: int):
         self.n_experts = n_experts
@@ -234,6 +235,14 @@ class LocalDispatcher:
         counts_host = HostCopy(counts, balanced).values()  # the forward's one host read
         slots = ExpertSlots(routing_table(expert_ids, weights, self.n_experts), sum(counts_host))
         return slots.gather(tokens), counts_host, slots
+
+    def dispatch_on_device(self, tokens: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                           counts: torch.Tensor):
+        """`dispatch` without its host read: the counts stay the device tensor `counts` (grouped
+        GEMMs take their offsets on the device). Every token has top_k distinct experts, so the
+        number of slots, N x top_k, is known without them."""
+        slots = ExpertSlots(routing_table(expert_ids, weights, self.n_experts), expert_ids.numel())
+        return slots.gather(tokens), counts, slots
 
     def combine(self, y: torch.Tensor, state) -> torch.Tensor:
         """Expert outputs y [S, h] (dispatch order) -> [N, h]: weighted and summed per token."""
@@ -307,6 +316,8 @@ class MoE(nn.Module):
             for e in list(self.experts.keys()):
                 if int(e) not in dispatcher.local_experts:
                     del self.experts[e]
+        if grouped_gemm:  # one [E, ...] storage per projection: the GEMMs take views, no per-forward copy
+            pack_expert_weights(list(self.experts.values()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -319,15 +330,20 @@ class MoE(nn.Module):
         # on CUDA the shared experts run on a side stream beside the dispatch all-to-all; on the
         # CPU after the combine (the same math; the order keeps gradient sums as they were)
         shared = SideStream.start(self.shared_experts, tokens) if self.shared_experts is not None else None
-        x_sorted, counts, state = self.dispatcher.dispatch(tokens, expert_ids, weights, load)
+        if self.grouped_gemm and isinstance(self.dispatcher, LocalDispatcher):
+            # grouped GEMMs on one process's experts: sizes stay on the device, no host read
+            x_sorted, counts, state = self.dispatcher.dispatch_on_device(tokens, expert_ids, weights, load)
+        else:
+            x_sorted, counts, state = self.dispatcher.dispatch(tokens, expert_ids, weights, load)
         y_sorted = self.run_experts(x_sorted, counts)
         out = self.dispatcher.combine(y_sorted, state)
         if shared is not None:
             out = out + shared.result()
         return out.view(shape)
 
-    def run_experts(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """The local experts on their tokens (sorted by expert; counts per local expert). Every
+    def run_experts(self, x_sorted: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
+        """The local experts on their tokens (sorted by expert; counts per local expert, on the host
+        or, for grouped GEMMs, on the device). Every
         local expert runs, on zero tokens if none came: the same modules (and, under ZeRO-3, the
         same parameter gathers) on every rank."""
         experts = [self.experts[str(e)] for e in self.dispatcher.local_experts]
@@ -342,10 +358,9 @@ class MoE(nn.Module):
         if self.sum_loads is not None:
             self.sum_loads(self.load_since_update)
             self.sum_loads(self.last_expert_load)
-        load = self.load_since_update
-        if load.sum() == 0:
-            load = self.last_expert_load
-        if load.sum() == 0:
-            return
+        # no host read: the loads since the update, or the last forward's when there were none;
+        # with no load at all sign(mean - load) is 0 everywhere and the bias stays as it is
+        since = self.load_since_update
+        load = torch.where(since.sum() == 0, self.last_expert_load, since)
         self.gate.e_score_correction_bias += rate * torch.sign(load.mean() - load)
         self.load_since_update.zero_()

@@ -199,3 +199,62 @@ def gradient_buffers(opt) -> list[torch.Tensor]:
         for group in (getattr(opt, name, None) or {}).values():
             grads.extend(g for g in (group or []) if isinstance(g, torch.Tensor))
     return grads
+
+
+def fuse_grad_norm(opt) -> bool:
+    """ZeRO-1/2 (`DeepSpeedZeroOptimizer`): its L2 gradient norm with one fused norm over the
+    partition's gradients (`torch._foreach_norm`: a few multi-tensor kernels on a GPU) instead of a
+    `vector_norm` per parameter; the same selection (padding, pipeline replicas and model-parallel
+    duplicates left out), the same sums over the data- and model-parallel groups and the same -1
+    for a non-finite norm as DeepSpeed's `get_grad_norm_direct`, which it replaces on this
+    optimizer instance. Other optimizers and norms are left as they are. True when installed."""
+    original = getattr(opt, "get_grad_norm_direct", None)
+    if original is None or type(opt).__name__ != "DeepSpeedZeroOptimizer":
+        return False
+    from deepspeed.runtime.constants import PIPE_REPLICATED
+    from deepspeed.runtime.utils import is_model_parallel_parameter, mask_nan_or_inf_with_val_inplace
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    def get_grad_norm_direct(gradients, params, norm_type=2):
+        if float(norm_type) != 2.0:
+            return original(gradients, params, norm_type)
+        dtype = get_norm_dtype()
+        picked = []
+        for g, p in zip((g for g in gradients if not getattr(g, "_zero_padding", False)), params):
+            if hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated:
+                continue
+            if is_model_parallel_parameter(p) or opt.model_parallel_rank == 0:
+                picked.append(g.data.detach())
+        if picked:  # accumulated in DeepSpeed's norm dtype (fp64) without a converted copy of each gradient
+            total = torch.stack(torch._foreach_norm(picked, 2.0, dtype=dtype)).to(opt.device).pow(2.0).sum().float()
+        else:
+            total = torch.tensor(0.0, dtype=torch.float32).to(opt.device)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=opt.dp_process_group)
+        opt._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
+        total = total.pow(0.5)
+        mask_nan_or_inf_with_val_inplace(total, device=opt.device)
+        return total
+
+    opt.get_grad_norm_direct = get_grad_norm_direct
+    return True
+
+
+def drop_accumulated_gradients(opt) -> None:
+    """ZeRO-1/2 (`DeepSpeedZeroOptimizer`): forget the gradients accumulated into this rank's
+    partition (`averaged_gradients` / `all_grad_tensors`, and the flat buffers behind them), as its
+    own step does when it skips an overflowing update. Its `zero_grad` clears only `p.grad`: after
+    a step the trainer skips (NonFiniteGuard), the skipped gradients -- a NaN or inf included --
+    would otherwise be added into the next step's. Nothing to drop after an update (its step
+    released them); other optimizers are left as they are."""
+    if type(opt).__name__ != "DeepSpeedZeroOptimizer" or getattr(opt, "cpu_offload", False):
+        return
+    averaged = private(opt, "averaged_gradients")
+    if not any(v is not None for v in averaged.values()) and not any(
+            v is not None for v in (private(opt, "all_grad_tensors", None) or {}).values()):
+        return
+    private(opt, "_release_preflattened_grad_buffers")()
+    for k in list(averaged.keys()):
+        averaged[k] = None
+    all_grads = private(opt, "all_grad_tensors", None) or {}
+    for k in list(all_grads.keys()):
+        all_grads[k] = None

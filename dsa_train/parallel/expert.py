@@ -129,3 +129,13 @@ def shard_experts(model: torch.nn.Module, state: ParallelState, grouped: bool = 
 
 def expert_group_name(state: ParallelState) -> str:
     return f"ep_size_{state.sizes.expert}"
+
+
+def use_grouped_experts(model: torch.nn.Module, grouped: bool) -> None:
+    """One process (`parallel.grouped_experts`, default on): every MoE layer's experts as grouped
+    GEMMs (`dsa_train.model.grouped_experts`: one `torch._grouped_mm` per projection, its sizes on
+    the device) instead of a loop of row-chunked MLPs per expert; the weights packed into one
+    storage per projection. N ranks get it from `shard_experts`."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.set_layout(grouped_gemm=grouped)

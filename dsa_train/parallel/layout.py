@@ -30,6 +30,7 @@ from dsa_train.checkpoint.sharded_state import GlobalPieces, ReplicaCoordinates,
 from dsa_train.training_engine import TrainingEngine
 from dsa_train.parallel import deepspeed_compat
 from dsa_train.parallel.groups import ParallelState, cpu_group, init_parallel
+from dsa_train.parallel.expert import use_grouped_experts
 from dsa_train.parallel.model import parallelize_model
 from dsa_train.sharding import parallelized_state, sharding_of
 from dsa_train.parallel.reduction import parallel_reduction
@@ -49,16 +50,18 @@ class Layout:
     def barrier(self) -> None:
         """Wait for every rank (nothing to wait for here)."""
 
-    def any_rank(self, flag: bool, device) -> bool:
-        """True when `flag` is true on any rank."""
-        return flag
+    def any_rank(self, flag: bool | torch.Tensor, device) -> bool:
+        """True when `flag` (a bool, or a 0-dim tensor on the device: read once here) is true on any rank."""
+        return bool(flag)
 
     def all_gather_object(self, obj) -> list:
         """[every rank's `obj`] in rank order, over the checkpoint group."""
         return [obj]
 
     def prepare_model(self, model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
-        """The model laid out for this rank (here: as built)."""
+        """The model laid out for this rank (here: as built, its routed experts as grouped GEMMs
+        with `parallel.grouped_experts`, as in every layout: `use_grouped_experts`)."""
+        use_grouped_experts(model, cfg.parallel.grouped_experts)
         return model
 
     def gathered(self, model: torch.nn.Module):
@@ -112,8 +115,11 @@ class DistributedLayout(Layout):
     def barrier(self) -> None:
         dist.barrier()
 
-    def any_rank(self, flag: bool, device) -> bool:
-        t = torch.tensor([1.0 if flag else 0.0], device=device)
+    def any_rank(self, flag: bool | torch.Tensor, device) -> bool:
+        if isinstance(flag, torch.Tensor):  # a device flag: combined, then the one host read
+            t = flag.detach().reshape(1).to(device=device, dtype=torch.float32)
+        else:
+            t = torch.tensor([1.0 if flag else 0.0], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 

@@ -43,7 +43,8 @@ def parallelize_model(
          (megatron-core Column/RowParallelLinear; `MLA.heads` = `TensorParallelHeads`; those MLPs
          run their linears, not the row-chunked path: `MLP.row_chunked`);
       2. expert parallel: each MoE's routed experts sharded over EP, its token dispatcher an
-         all-to-all over the EP group, grouped GEMMs or a loop (`MoE.set_layout`);
+         all-to-all over the EP group, grouped GEMMs or a loop (`MoE.set_layout`; with one rank
+         too: the grouped GEMMs replace the loop over experts);
       3. context parallel: `model.context_parallel`, which gives attention its per-sequence handle;
       4. activation recompute: `DecoderLayer.recompute` of every main layer.
     Sharded parameters get their `Sharding` record, and the model is recorded as laid out for
@@ -53,8 +54,9 @@ def parallelize_model(
     check_recompute(recompute)
     if sizes.tensor > 1:
         shard_tensor_parallel(model, state)
-    if sizes.world > 1:
-        shard_experts(model, state, grouped=grouped_experts)
+    # every layout, one rank included: the experts as grouped GEMMs (`parallel.grouped_experts`),
+    # the router loads summed over replicas, with EP > 1 the all-to-all dispatcher
+    shard_experts(model, state, grouped=grouped_experts)
     if sizes.context > 1:
         model.context_parallel = ContextParallel(state)
     for layer in model.main_layers():

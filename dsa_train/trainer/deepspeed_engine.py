@@ -56,13 +56,15 @@ def param_groups(trainable: list[tuple[str, torch.nn.Parameter]], optim: OptimCo
 
 
 def deepspeed_config(zero_stage: int, micro_batch_size: int, dp_size: int, bf16: bool, grad_clip: float,
-                     grad_fp32: bool = True, reduce_fp32: bool | None = None) -> dict:
+                     grad_fp32: bool = True, reduce_fp32: bool | None = None, overflow_check: bool = True) -> dict:
     """DeepSpeed's config. Gradient reduction: ZeRO-0/1 reduce once per step (in `step`, the
     caller-owned accumulation boundary); ZeRO-2 must reduce-scatter every micro-batch's gradients
     into its partition (it keeps no full gradient), so it overlaps that reduction with the backward
     (`overlap_comm`). bf16 gradients are reduced in fp32 with `grad_fp32` (`reduce_fp32` None), or
     in bf16 and accumulated in fp32 with `reduce_fp32=False` (measured against fp32:
-    docs/distributed.md, "Gradient reduction")."""
+    docs/distributed.md, "Gradient reduction"). `overflow_check=False` turns off DeepSpeed's bf16
+    overflow check (an amax/amin and two isfinite per parameter every step) where the caller checks
+    first (the trainer's NonFiniteGuard: docs/training.md, "Host overhead of a step")."""
     cfg = {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": 1,
@@ -83,7 +85,7 @@ def deepspeed_config(zero_stage: int, micro_batch_size: int, dp_size: int, bf16:
         # bf16 parameters, fp32 master weights in the ZeRO optimizer; gradients accumulated over
         # micro-batches and reduced over data parallel in fp32 (`optim.grad_accum_dtype`, default)
         # or in bf16. Only ZeRO-2 gets fp32 here (see DeepSpeedEngine.__init__).
-        cfg["bf16"] = {"enabled": True}
+        cfg["bf16"] = {"enabled": True, "check_grad_overflow": overflow_check}
         if grad_fp32:
             cfg["data_types"] = {"grad_accum_dtype": "fp32"}
             cfg["communication_data_type"] = "fp32" if reduce_fp32 in (None, True) else "bf16"
@@ -100,6 +102,7 @@ class DeepSpeedEngine:
         zero_stage: int,
         micro_batch_size: int = 1,
         reduce_fp32: bool | None = None,  # bf16 reduce under fp32 accumulation: for benchmarks/grad_reduce_error.py
+        overflow_check: bool = True,  # DeepSpeed's own bf16 overflow check; off where the caller checks first
     ):
         _quiet_deepspeed()
         import deepspeed
@@ -128,7 +131,7 @@ class DeepSpeedEngine:
             grad_fp32 = False
         self.ds_config = deepspeed_config(
             zero_stage, micro_batch_size, state.sizes.dense_dp, bf16, 0.0 if self.own_norm else optim.grad_clip,
-            grad_fp32=grad_fp32, reduce_fp32=reduce_fp32,
+            grad_fp32=grad_fp32, reduce_fp32=reduce_fp32, overflow_check=overflow_check,
         )
         self.grad_clip = optim.grad_clip
         self.zero_stage = zero_stage
@@ -143,6 +146,8 @@ class DeepSpeedEngine:
             )
         if self.own_norm:
             deepspeed_compat.disable_backward_allreduce(self.ds)  # `reduce_gradients` does it in `step`
+        # ZeRO-1/2's gradient norm in one fused norm, not one per parameter (docs/training.md, "Host overhead")
+        deepspeed_compat.fuse_grad_norm(self.ds.optimizer)
 
     @property
     def lr(self) -> float:
@@ -231,7 +236,10 @@ class DeepSpeedEngine:
         return float(total.sqrt())
 
     def zero_grad(self) -> None:
+        """Clear the gradients, those DeepSpeed accumulated into its partition included (after a
+        skipped step they would otherwise join the next step's: `deepspeed_compat.drop_accumulated_gradients`)."""
         self.ds.zero_grad()
+        deepspeed_compat.drop_accumulated_gradients(self.ds.optimizer)
 
     def close(self) -> None:
         """End of the stage: remove DeepSpeed's gradient hooks from the parameters. Without it a

@@ -24,7 +24,7 @@ from dsa_train.config.schema import FaultToleranceConfig, NonFinitePolicy
 import dsa_train.faults as faults
 from dsa_train.checkpoint.training import TrainerState
 from dsa_train.training_engine import TrainingEngine
-from dsa_train.trainer.nonfinite import NonFiniteError, check_step, poison, poison_gradient
+from dsa_train.trainer.nonfinite import NonFiniteError, gradient_flag, nonfinite_losses, poison, poison_gradient
 from dsa_train.trainer.step import StepHooks
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,8 @@ class NonFiniteGuard(StepHooks):
     finite on any rank is skipped (gradients cleared, counted in `state`), or the run stops with
     a checkpoint of the state before the step (`save_step_start(engine)`) and NonFiniteError."""
 
-    def __init__(self, policy: FaultToleranceConfig, state: TrainerState, any_rank: Callable[[bool], bool],
+    def __init__(self, policy: FaultToleranceConfig, state: TrainerState,
+                 any_rank: Callable[[bool | torch.Tensor], bool],
                  save_step_start: Callable[[TrainingEngine], None], checkpoint_dir: str):
         self.policy = policy
         self.state = state
@@ -69,9 +70,18 @@ class NonFiniteGuard(StepHooks):
         self.checkpoint_dir = checkpoint_dir
 
     def skip_update(self, engine: TrainingEngine, metrics: dict) -> bool:
-        bad = check_step(metrics, engine)
-        if not self.any_rank(bool(bad)):
+        # one host read per step: the losses are host floats already; the gradient flag is a
+        # bool (the engine's norm, read once) or a device tensor that any_rank combines and reads
+        bad = nonfinite_losses(metrics)
+        finite = gradient_flag(engine)
+        if isinstance(finite, torch.Tensor):
+            flag = torch.logical_not(finite) if not bad else torch.ones((), dtype=torch.bool, device=finite.device)
+        else:
+            flag = bool(bad) or not finite
+        if not self.any_rank(flag):
             return False
+        if not bool(finite):  # only after a bad step: which of this rank's quantities
+            bad.append("gradients")
         self.skip(engine, bad or ["values on another rank"])
         return True
 
