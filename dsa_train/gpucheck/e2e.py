@@ -202,7 +202,7 @@ def run_grouped_experts(opts: Options) -> Outcome:
     computes wrong here is named on its own line (`parallel.grouped_experts=false` runs the loop)."""
     import torch
 
-    from dsa_train.gpucheck.correctness import compare
+    from dsa_train.gpucheck.compare import compare
     from dsa_train.model.grouped_experts import expert_gemm_path, expert_offsets, grouped_expert_mlp, stacked_weights
 
     started = time.monotonic()
