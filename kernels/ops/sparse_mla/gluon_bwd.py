@@ -66,7 +66,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .gluon_fwd import LOG2E, GluonLaunch, _cp_async, _cta_barrier, gluon_fwd_supported
+from .gluon_fwd import LOG2E, GluonLaunch, _cp_async, _cta_barrier, _gather_and_publish, gluon_fwd_supported
 
 BLOCK_H = 64  # heads per CTA (S / dP's M; dkv^T's K)
 BLOCK_K = 32  # keys per tile (S / dP's N, dq's K, dkv^T's N)
@@ -103,15 +103,7 @@ def _producer(KV, IDX, NSLOT, kv_lat, kv_rope, rows_smem, ready, empty, b, t,
         vmask = valid[:, None] & (cols < 64)[None, :]
         # the consumers' key mask and the dkv rows of their atomics: the index, -1 where empty
         rows_smem.index(s).store(gl.where(valid, idx, -1))
-        if DIAG != 1:
-            for c in gl.static_range(D_V // 64):
-                _cp_async(kv_lat.index(s).slice(c * 64, 64, dim=1), row_ptr + c * 64, mask=vmask)
-            _cp_async(kv_rope.index(s), row_ptr + D_V, mask=vmask)
-        async_copy.commit_group()
-        async_copy.wait_group(0)
-        fence_async_shared()  # the consumers' wgmma reads these rows through the async proxy
-        _cta_barrier()
-        mbarrier.arrive(ready.index(s), count=1)
+        _gather_and_publish(kv_lat, kv_rope, ready, s, row_ptr, vmask, D_V, DIAG)
 
 
 @gluon.jit

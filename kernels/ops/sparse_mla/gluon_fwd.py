@@ -100,18 +100,26 @@ def _producer(KV, IDX, NSLOT, kv_lat, kv_rope, bias, ready, empty, b, t,
         vmask = valid[:, None] & (cols < 64)[None, :]
         # the logits' mask for the consumers: 0 or -inf per key (no index loads on their side)
         bias.index(s).store(gl.where(valid, 0.0, float("-inf")))
-        if DIAG != 1:  # DIAG 1 (a timing diagnostic): no gather, the ring's stale rows are used
-            for c in gl.static_range(D_V // 64):
-                _cp_async(kv_lat.index(s).slice(c * 64, 64, dim=1), row_ptr + c * 64, mask=vmask)
-            _cp_async(kv_rope.index(s), row_ptr + D_V, mask=vmask)
-        async_copy.commit_group()
-        # publish the tile once every producer thread's copies have landed. (Publishing one tile
-        # behind, to keep two tiles in flight, deadlocks with two stages: the consumers release a
-        # stage only after they get the next tile.)
-        async_copy.wait_group(0)
-        fence_async_shared()  # the consumers' wgmma reads these rows through the async proxy
-        _cta_barrier()
-        mbarrier.arrive(ready.index(s), count=1)
+        _gather_and_publish(kv_lat, kv_rope, ready, s, row_ptr, vmask, D_V, DIAG)
+
+
+@gluon.jit
+def _gather_and_publish(kv_lat, kv_rope, ready, s, row_ptr, vmask, D_V: gl.constexpr, DIAG: gl.constexpr):
+    """The producer's gather of one tile into ring stage `s` (the selected rows' 512 latent + 64 rope
+    columns by 16-byte cp.async; masked-off rows zero-filled), then its publication on `ready[s]`
+    once every producer thread's copies have landed. Shared by the Gluon forward and backward.
+    DIAG 1 (a timing diagnostic): no gather, the ring's stale rows are used. (Publishing one tile
+    behind, to keep two tiles in flight, deadlocks with two stages: the consumers release a stage
+    only after they get the next tile.)"""
+    if DIAG != 1:
+        for c in gl.static_range(D_V // 64):
+            _cp_async(kv_lat.index(s).slice(c * 64, 64, dim=1), row_ptr + c * 64, mask=vmask)
+        _cp_async(kv_rope.index(s), row_ptr + D_V, mask=vmask)
+    async_copy.commit_group()
+    async_copy.wait_group(0)
+    fence_async_shared()  # the consumers' wgmma reads these rows through the async proxy
+    _cta_barrier()
+    mbarrier.arrive(ready.index(s), count=1)
 
 
 @gluon.jit
