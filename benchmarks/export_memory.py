@@ -83,6 +83,9 @@ def export(src: Path, out: Path) -> dict:
                                         rank=rank, world_size=world, agree=agree)
     growth = peak_rss_bytes() - before
     mine = list(range(rank, len(result.files), world))
+    # both ranks past their last collective before the group goes: under load a rank tearing gloo down
+    # while the other still talked to it aborted ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
     return {"rank": rank, "world": world, "peak_growth_bytes": growth, "largest_tensor_bytes": largest,
             "model_bytes": model_bytes, "shards": len(result.files), "shards_written": len(mine),
