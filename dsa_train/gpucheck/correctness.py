@@ -220,14 +220,23 @@ def _sparse_mla_gluon_forwards(q, kv, idx, scale, d_v, rows, ref_out, ref_lse, o
             res[f"lse_{name}"] = compare(lse[:, rows], ref_lse, TOL["lse"])
             del out, lse
         except torch.cuda.OutOfMemoryError:  # the largest T: the GPU holds one forward's outputs, not two
-            torch.cuda.empty_cache()
-            res[f"out_{name}"] = {"err": 0.0, "tol": TOL["out"], "ok": True,
-                                  "note": "not compared: out of GPU memory for a second forward at this T"}
+            res[f"out_{name}"] = _not_compared_out_of_memory(TOL["out"], "a second forward")
         except Exception as err:  # noqa: BLE001 - a compile / launch failure is this output's failure
-            msg = (str(err).strip().splitlines() or [""])[-1][:200]
-            res[f"out_{name}"] = {"err": math.inf, "tol": TOL["out"], "ok": False,
-                                  "note": f"{type(err).__name__}: {msg}"}
+            res[f"out_{name}"] = _failed_output(err, TOL["out"])
     return res
+
+
+def _not_compared_out_of_memory(tol: float, what: str) -> dict:
+    """An explicitly run config's output at the largest T when the GPU holds one run's outputs, not
+    two: passed, with the reason it was not compared."""
+    torch.cuda.empty_cache()
+    return {"err": 0.0, "tol": tol, "ok": True, "note": f"not compared: out of GPU memory for {what} at this T"}
+
+
+def _failed_output(err: Exception, tol: float) -> dict:
+    """An explicitly run config that failed to compile or launch: a failed output naming the error."""
+    msg = (str(err).strip().splitlines() or [""])[-1][:200]
+    return {"err": math.inf, "tol": tol, "ok": False, "note": f"{type(err).__name__}: {msg}"}
 
 
 def _sparse_mla_gluon_backwards(q, kv, idx, scale, d_v, rows, dout, ref_dq, ref_dkv,
@@ -258,13 +267,9 @@ def _sparse_mla_gluon_backwards(q, kv, idx, scale, d_v, rows, dout, ref_dq, ref_
             res[f"dkv_{name}"] = compare(dkv, ref_dkv, TOL["grad"])
             del dq, dkv
         except torch.cuda.OutOfMemoryError:  # the largest T: room for one backward's outputs, not two
-            torch.cuda.empty_cache()
-            res[f"dq_{name}"] = {"err": 0.0, "tol": TOL["grad"], "ok": True,
-                                 "note": "not compared: out of GPU memory for a second backward at this T"}
+            res[f"dq_{name}"] = _not_compared_out_of_memory(TOL["grad"], "a second backward")
         except Exception as err:  # noqa: BLE001 - a compile / launch failure is this output's failure
-            msg = (str(err).strip().splitlines() or [""])[-1][:200]
-            res[f"dq_{name}"] = {"err": math.inf, "tol": TOL["grad"], "ok": False,
-                                 "note": f"{type(err).__name__}: {msg}"}
+            res[f"dq_{name}"] = _failed_output(err, TOL["grad"])
     return res
 
 
