@@ -66,7 +66,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .gluon_fwd import LOG2E, GluonLaunch, _cp_async, _cta_barrier, _gather_and_publish, gluon_fwd_supported
+from .gluon_fwd import (LOG2E, GluonLaunch, _cp_async, _cta_barrier, _gather_and_publish, _tile_rows,
+                        gluon_fwd_supported)
 
 BLOCK_H = 64  # heads per CTA (S / dP's M; dkv^T's K)
 BLOCK_K = 32  # keys per tile (S / dP's N, dq's K, dkv^T's N)
@@ -96,11 +97,7 @@ def _producer(KV, IDX, NSLOT, kv_lat, kv_rope, rows_smem, ready, empty, b, t,
     for i in range(n_tiles):
         s = i % STAGES
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
-        offs_k = i * BLOCK_K + rows
-        idx = gl.load(idx_base + offs_k, mask=offs_k < n_slots, other=-1)
-        valid = (idx >= 0) & (idx < N_KV)  # an empty / out-of-range slot: zero-filled, never read
-        row_ptr = kv_base + (gl.where(valid, idx, 0) * stride_kvt)[:, None] + cols[None, :]
-        vmask = valid[:, None] & (cols < 64)[None, :]
+        idx, valid, row_ptr, vmask = _tile_rows(idx_base, kv_base, stride_kvt, i * BLOCK_K + rows, cols, n_slots, N_KV)
         # the consumers' key mask and the dkv rows of their atomics: the index, -1 where empty
         rows_smem.index(s).store(gl.where(valid, idx, -1))
         _gather_and_publish(kv_lat, kv_rope, ready, s, row_ptr, vmask, D_V, DIAG)

@@ -93,14 +93,22 @@ def _producer(KV, IDX, NSLOT, kv_lat, kv_rope, bias, ready, empty, b, t,
     for i in range(n_tiles):
         s = i % STAGES
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
-        offs_k = i * BLOCK_K + rows
-        idx = gl.load(idx_base + offs_k, mask=offs_k < n_slots, other=-1)
-        valid = (idx >= 0) & (idx < N_KV)  # an empty / out-of-range slot: zero-filled, never read
-        row_ptr = kv_base + (gl.where(valid, idx, 0) * stride_kvt)[:, None] + cols[None, :]
-        vmask = valid[:, None] & (cols < 64)[None, :]
+        _, valid, row_ptr, vmask = _tile_rows(idx_base, kv_base, stride_kvt, i * BLOCK_K + rows, cols, n_slots, N_KV)
         # the logits' mask for the consumers: 0 or -inf per key (no index loads on their side)
         bias.index(s).store(gl.where(valid, 0.0, float("-inf")))
         _gather_and_publish(kv_lat, kv_rope, ready, s, row_ptr, vmask, D_V, DIAG)
+
+
+@gluon.jit
+def _tile_rows(idx_base, kv_base, stride_kvt, offs_k, cols, n_slots, N_KV):
+    """One key tile's slots (`offs_k`): their indices (-1 past the row's slots), which are valid (an
+    empty / out-of-range slot is zero-filled, never read), the first 64 columns' pointers of each
+    selected kv row and the copy mask. Shared by the Gluon forward's and backward's producers."""
+    idx = gl.load(idx_base + offs_k, mask=offs_k < n_slots, other=-1)
+    valid = (idx >= 0) & (idx < N_KV)
+    row_ptr = kv_base + (gl.where(valid, idx, 0) * stride_kvt)[:, None] + cols[None, :]
+    vmask = valid[:, None] & (cols < 64)[None, :]
+    return idx, valid, row_ptr, vmask
 
 
 @gluon.jit
