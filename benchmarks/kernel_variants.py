@@ -14,7 +14,7 @@ list in OUT_JSON, rewritten after each variant (a crash keeps what ran).
 
     python benchmarks/kernel_variants.py OUT_JSON [--only fwd bwd topk] [--budget S]
         [--old-kernel FILE]      # also time a forward from another commit: FILE = that commit's
-                                 # kernels/ops/sparse_mla/kernel.py with its relative imports made
+                                 # dsa_kernels/ops/sparse_mla/kernel.py with its relative imports made
                                  # absolute (`from dsa_kernels._triton_common import ...`)
         [--no-interleaved]       # skip the interleaved backward's configs (BWD_INTERLEAVED)
     TRITON_INTERPRET=1 python benchmarks/kernel_variants.py OUT_JSON --small --only fwd   # CPU smoke run

@@ -1,4 +1,4 @@
-"""The frozen main model's attention with its log-sum-exp (kernels/ops/dense_attention/library.py)
+"""The frozen main model's attention with its log-sum-exp (dsa_kernels/ops/dense_attention/library.py)
 against the reference: packed documents, and the context-parallel shape (a run of queries at
 positions [a, a + C) over every visible key, given as the latent and up-projected block by block).
 The CUDA path's block splitting runs here with the library op replaced by a reference of its

@@ -1,4 +1,4 @@
-"""Dense attention op (kernels/dense_attention/): the chunked reference, its flash-style autograd
+"""Dense attention op (dsa_kernels/dense_attention/): the chunked reference, its flash-style autograd
 Function and the Triton kernels against a naive full-matrix softmax attention, MLA's MHA form
 (per-head keys) and MQA form (one key head), packed documents, odd shapes, fp32 and bf16."""
 

@@ -3,7 +3,7 @@ project's modules, except the light-import checks at the end, one of them in a s
 whole file runs in seconds).
 
 - No import cycles among the project's modules (dsa_train and dsa_kernels, the top-level
-  `kernels/` directory). The graph is built from every import statement of every module: module
+  `dsa_kernels/` directory). The graph is built from every import statement of every module: module
   level, inside functions and under `if TYPE_CHECKING:` alike (an import hidden in a function is a
   dependency all the same). Edges, for a module M:
     * `import a.b.c` / `from a.b.c import name` -> a.b.c;
@@ -62,7 +62,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # import name -> source directory
-PACKAGES = {"dsa_train": ROOT / "dsa_train", "dsa_kernels": ROOT / "kernels"}
+PACKAGES = {"dsa_train": ROOT / "dsa_train", "dsa_kernels": ROOT / "dsa_kernels"}
 
 MAX_CLASS_LINES = 300
 
@@ -449,7 +449,7 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 
 def doc_names(cell: str, packages: set[str]) -> set[str]:
     """The packages a table cell names: backticked `x/`, `x/...`, `x.py`, `x` (a package's name),
-    `kernels/...` for dsa_kernels; other backticked names (classes, functions) are prose."""
+    `dsa_kernels/...` for dsa_kernels; other backticked names (classes, functions) are prose."""
     found = set()
     for token in cell.split("`")[1::2]:
         token = token.strip().removeprefix("dsa_train.").removeprefix("dsa_train/")
@@ -457,7 +457,6 @@ def doc_names(cell: str, packages: set[str]) -> set[str]:
             found.add("dsa_train")
             continue
         head = token.split("/")[0].split(".")[0] if "/" in token else token.removesuffix(".py").split(".")[0]
-        head = "dsa_kernels" if head == "kernels" else head
         if head in packages:
             found.add(head)
     return found
@@ -502,7 +501,7 @@ def test_the_table_check_finds_what_the_doc_gets_wrong():
     graph = {"dsa_train": {"dsa_train.model"}, "dsa_train.model.a": {"dsa_kernels.ops", "dsa_train.loss"},
              "dsa_train.loss": set(), "dsa_kernels.ops": set(), "dsa_train.trainer.b": {"dsa_train.model.a"}}
     text = ("# Doc\n\n## Packages\n\n| package | what | imports (project) |\n|---|---|---|\n"
-            "| `kernels/` (`dsa_kernels`) | ops | none |\n"
+            "| `dsa_kernels/` | ops | none |\n"
             "| `model/` | `MoE` | `dsa_kernels`, `loss` (`micro_batch_loss`) |\n"
             "| `loss.py` | losses | `model/` |\n"
             "| `__init__.py` | lazy | `model/` |\n\n## Next\n")

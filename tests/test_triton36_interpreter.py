@@ -1,7 +1,7 @@
 """Triton 3.6's interpreter under the numpy this project installs (>= 2.4): a kernel with a loop
 over a runtime bound fails there without `interpreter_compat` ("only 0-dimensional arrays can be
 converted to Python scalars", in every kernel check of `gpu-check --device cpu --small`), and runs
-with it. Triton 3.6 comes from the compile gate's side install (kernels/compile_report.py)."""
+with it. Triton 3.6 comes from the compile gate's side install (dsa_kernels/compile_report.py)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 launchers' real outputs on this device: same shapes and dtypes for every op. On CUDA this covers
 the launchers the CPU form cannot run (torch's memory-efficient attention with lse, the compiled
 kernels' dtypes); the CPU form (`--device cpu --small`, the Triton interpreter) runs in make test
-(tests/custom_ops_cases.py)."""
+(tests/test_custom_ops.py)."""
 
 from __future__ import annotations
 

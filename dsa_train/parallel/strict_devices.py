@@ -89,7 +89,7 @@ def _short(path: str) -> str:
     cwd = os.getcwd() + os.sep
     if path.startswith(cwd):
         return path[len(cwd):]
-    for marker in ("/dsa_train/", "/site-packages/", "/kernels/"):
+    for marker in ("/dsa_train/", "/site-packages/", "/dsa_kernels/"):
         i = path.rfind(marker)
         if i >= 0:
             return path[i + 1 :]

@@ -53,7 +53,7 @@ from dsa_train.plan.comm import (
 from dsa_train.stage import Stage
 
 GiB = 2**30
-KERNEL_CHUNK_ELEMS = 1 << 24  # kernels/masking.query_chunk_size budget
+KERNEL_CHUNK_ELEMS = 1 << 24  # dsa_kernels/masking.query_chunk_size budget
 # the step line's communication summary: seconds of the kinds whose names start so
 COMM_SUMMARY = {"moe_all_to_all_s": "moe_all_to_all", "grad_reduce_s": ("gradient_reduction", "parameter_all_gather"),
                 "cp_gather_s": "cp_gather", "tp_s": "tp_"}

@@ -63,7 +63,7 @@ from dsa_train.stage import Stage
 
 GiB = 2**30
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "dsa_buffers", "comm_buffers")
-_DSA_FILES = ("indexer", "kernels/")  # allocations from these source files are DSA buffers
+_DSA_FILES = ("indexer", "dsa_kernels/")  # allocations from these source files are DSA buffers
 
 
 class MemoryTrace(TorchDispatchMode):
@@ -213,7 +213,7 @@ def _where() -> str:
     f = sys._getframe(2)
     while f is not None:
         name = f.f_code.co_filename
-        if ("dsa_train" in name or "/kernels/" in name) and not name.endswith("plan/trace.py"):
+        if ("dsa_train" in name or "/dsa_kernels/" in name) and not name.endswith("plan/trace.py"):
             return f"{name.rsplit('/', 2)[-2]}/{name.rsplit('/', 1)[-1]}:{f.f_lineno} ({f.f_code.co_name})"
         f = f.f_back
     return "?"

@@ -126,7 +126,7 @@ class StepCounts:
 
     def reads_outside(self, *parts: str) -> int:
         """Host reads whose caller's file path contains none of `parts` (e.g. the reference
-        kernels' own reads, which a GPU run does not make: "/ops/", "kernels/masking")."""
+        kernels' own reads, which a GPU run does not make: "/ops/", "dsa_kernels/masking")."""
         return sum(n for f, n in self.read_files.items() if not any(p in f for p in parts))
 
     def place(self, kind: str) -> None:

@@ -10,8 +10,9 @@ launch plans, the autograd Function where the op has a gradient, an entry point 
 `__init__.py` (shapes documented there) and a `specs.py` registering its launches at the 671B
 shapes for `dsa-train kernels report` (`registry.py`, `compile_report.py`).
 
-Import name `dsa_kernels` (the directory is `kernels/`; a top-level `kernels` package would clash
-with the PyPI package of that name). The entry points exported here are the dispatchers the model
+The directory is named as the package imports (`dsa_kernels`): a top-level `kernels/` directory
+clashed with the PyPI package of that name (transformers imports `kernels` to probe for it, which
+from a clone loaded this package a second time and re-registered its custom ops). The entry points exported here are the dispatchers the model
 calls: CUDA tensors -> the Triton kernel (imported lazily, so importing `dsa_kernels` never
 imports triton); CPU tensors -> the reference. DSA_KERNELS=triton forces Triton (on the CPU
 together with TRITON_INTERPRET=1), DSA_KERNELS=ref forces the reference (`_triton_common`).

@@ -30,10 +30,10 @@ buffer on top of what is live at the call.
     indexer_topk            indexer_topk.kernel.indexer_topk_triton      indexer_topk (dispatcher)
     attention_lse           dense_attention.library._library_or_triton   attention_lse (frozen warm-up)
 
-As in `chunk_ops`, real tensors call the launcher directly (not through torch's custom-op
-dispatcher, which failed now and then in the full suite with a C++ `vector::reserve` error): what
-runs on real CPU / CUDA tensors is unchanged; the op is entered only when an argument is a fake
-tensor. `tests/custom_ops_cases.py` checks each fake against the launcher's real outputs (Triton
+As in `chunk_ops`, real tensors call the launcher directly (no custom-op dispatch on the hot path;
+the `vector::reserve` failures once seen in the full suite were a second import of these modules,
+now fixed: tests/test_custom_ops.py): what runs on real CPU / CUDA tensors is unchanged; the op is entered only when an argument is a fake
+tensor. `tests/test_custom_ops.py` checks each fake against the launcher's real outputs (Triton
 interpreter, small shapes) and that a traced step saves what the kernel Functions save.
 """
 

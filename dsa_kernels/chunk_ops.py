@@ -13,7 +13,9 @@ alone is ~2000 chunks per layer (> 200 s per layer). A loop registered here is o
   * for real tensors the decorated function (the chunk loop itself, unchanged) is called directly,
     not through the op: through torch's custom-op dispatcher the real calls failed now and then in
     the full suite with a C++ `ValueError: vector::reserve` (37 tests of one fresh-clone run,
-    none when run alone), so the op is entered only when an argument is a fake tensor;
+    none when run alone; the cause, found later, was a second import of these modules under the
+    name `kernels` that re-registered the ops: tests/test_packaging.py), and the op is entered only
+    when an argument is a fake tensor (no dispatch cost on real tensors);
   * under FakeTensorMode it runs `fake(*args)` (empty outputs with the real shapes and dtypes),
     then offers `worst_chunk(*args)` -- the loop's own code on its largest chunk (the most
     queries against the widest key window) -- to the workspace listeners, with a key of the
