@@ -69,9 +69,10 @@ def chunk_windows(pos: torch.Tensor, ds_at: torch.Tensor, chunk: int) -> list[tu
     if Tq == 0:
         return []
     n = -(-Tq // chunk)
-    pad = n * chunk - Tq
-    hi = torch.cat([pos, pos.new_full((pad,), -1)]).view(n, chunk).amax(1) + 1
-    lo = torch.cat([ds_at, ds_at.new_full((pad,), torch.iinfo(torch.int64).max)]).view(n, chunk).amin(1)
+    hi = pos.new_full((n * chunk,), -1)  # padded to whole chunks with values that lose the max / min
+    lo = pos.new_full((n * chunk,), torch.iinfo(torch.int64).max)
+    hi[:Tq], lo[:Tq] = pos, ds_at
+    hi, lo = hi.view(n, chunk).amax(1) + 1, lo.view(n, chunk).amin(1)
     return [(i * chunk, min(Tq, (i + 1) * chunk), k0, k1)
             for i, (k0, k1) in enumerate(zip(lo.tolist(), hi.tolist()))]
 
@@ -101,10 +102,15 @@ class ChunkPipeline:
             self.main.wait_event(done)
             del block
 
-    def select(self, block: torch.Tensor, fn):
-        """fn() (the select of `block`) on the side stream, after the main stream's work so far
-        (the block's scores); the block is held until that select is done -> fn's result."""
-        self.side.wait_event(self.main.record_event())
+    def scored(self):
+        """Right after a score launch on the main stream: the event its select waits on."""
+        return self.main.record_event()
+
+    def select(self, block: torch.Tensor, scored, fn):
+        """fn() (the select of `block`) on the side stream, after `scored` (the event recorded right
+        after the block's scores: not after the next chunk's, issued since); the block is held
+        until that select is done -> fn's result."""
+        self.side.wait_event(scored)
         with self.mod.stream(self.side):
             out = fn()
         self._selected.append((block, self.side.record_event()))
@@ -120,16 +126,19 @@ def run_chunks(windows, score, select, overlap: bool, device: torch.device) -> N
     """Drive the pipeline: score(window) -> block on the main stream, select(block, window) on the
     side stream, for each window in order (see the module doc for the issue order)."""
     pipe = ChunkPipeline(device, overlap)
-    pending: deque = deque()  # (block, window) scored, select not issued yet
+    pending: deque = deque()  # (block, window, event after its scores): scored, select not issued yet
+
+    def issue_select():
+        block, w, scored = pending.popleft()
+        pipe.select(block, scored, lambda: select(block, w))
+
     for win in windows:
         pipe.before_score()
-        pending.append((score(win), win))
-        while len(pending) > pipe.lookahead:
-            block, w = pending.popleft()
-            pipe.select(block, lambda b=block, w=w: select(b, w))
-            del block
-    while pending:
-        block, w = pending.popleft()
-        pipe.select(block, lambda b=block, w=w: select(b, w))
+        block = score(win)
+        pending.append((block, win, pipe.scored()))
         del block
+        while len(pending) > pipe.lookahead:
+            issue_select()
+    while pending:
+        issue_select()
     pipe.finish()
