@@ -771,7 +771,8 @@ def checks(opts: Options) -> list[Check]:
             Check(f"correctness.indexer_topk.T{T}", "correctness", f"{ix} k={d.K}; grid inputs exact (ties to the lower "
                                                                    f"index), random inputs same sets; entry point, "
                                                                    f"radix, composite, fix-ties, repair and "
-                                                                   f"repair-count paths; {sample}", topk_check(T)),
+                                                                   f"repair-count paths; overlap on = off "
+                                                                   f"bitwise; {sample}", topk_check(T)),
             Check(f"correctness.sparse_indexer_kl.T{T}", "correctness",
                   f"{ix} k={d.K} H={d.H} D={d.D}; value + dq_I/dk_I/dw", sparse_kl_check(T)),
             Check(f"correctness.dense_indexer_kl.T{T}", "correctness",
@@ -785,7 +786,7 @@ def checks(opts: Options) -> list[Check]:
     out += [
         Check(f"correctness.sparse_mla.cp.T{big}", "correctness", f"{cp}, H={d.H} D={d.D} k={d.K}; fwd + bwd",
               sparse_mla_check(big, cp=True)),
-        Check(f"correctness.indexer_topk.cp.T{big}", "correctness", f"{cp}, H_I={d.H_I} k={d.K}; exact / same sets",
+        Check(f"correctness.indexer_topk.cp.T{big}", "correctness", f"{cp}, H_I={d.H_I} k={d.K}; exact / same sets; overlap on = off",
               topk_check(big, cp=True)),
         Check(f"correctness.sparse_indexer_kl.cp.T{big}", "correctness", f"{cp}, k={d.K}; value + grads",
               sparse_kl_check(big, cp=True)),

@@ -617,7 +617,8 @@ def _select_chunk(scores: torch.Tensor, k0: int, topk: int, block: int | None = 
 
     def outputs(fill: bool = True):
         if not fill:  # a path that writes every slot
-            return (torch.empty(shape, dtype=torch.int32, device=dev), torch.empty(shape, dtype=torch.float32, device=dev))
+            return (torch.empty(shape, dtype=torch.int32, device=dev),
+                    torch.empty(shape, dtype=torch.float32, device=dev))
         return (torch.full(shape, -1, dtype=torch.int32, device=dev),
                 torch.full(shape, float("-inf"), dtype=torch.float32, device=dev))
 
