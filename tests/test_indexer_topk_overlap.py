@@ -190,6 +190,7 @@ def test_host_reads_and_launches_do_not_grow_per_chunk(monkeypatch):
     q, k, w = _grid((B, T, H, D), 7), _grid((B, T, D), 8), _grid((B, T, H), 9)
     ds = _docs([[24]])
     monkeypatch.setenv(P.OVERLAP_ENV, "1")
+    monkeypatch.setenv("DSA_AUTOTUNE", "0")  # on a GPU: the default configs, nothing timed
     real_run = Launch.run
     got = {}
     for chunk in (24, 6):
