@@ -6,11 +6,12 @@ the GPU. `indexer_topk_triton` issues, on the host:
 
     score 0 | score 1, select 0 | score 2, select 1 | ... | select n-1 | caller waits for the side
 
-- each score launch runs on the caller's (main) stream; an event recorded after it is waited on by
-  the side stream before that chunk's select (`ChunkPipeline.select`);
+- each score launch runs on the caller's (main) stream; an event recorded right after it (before
+  the next chunk's scores are issued, `ChunkPipeline.scored`) is what the side stream waits on
+  before that chunk's select (`ChunkPipeline.select`);
 - the selects run on the side stream, each writing its rows straight into the call's outputs;
-- a score block is held (a Python reference) until the select reading it is done: before the next
-  block is allocated, the main stream waits on the event after that select, then the reference is
+- a score block is held (a Python reference) until the select reading it is done: before block
+  i + 2 is allocated, the main stream waits on the event after select i, then block i's reference is
   dropped (`ChunkPipeline.before_score`), so the caching allocator can hand the memory to the
   next main-stream allocation safely (everything after it on the main stream runs after the
   select). No `record_stream`, so nothing piles up while the host runs ahead: at most
