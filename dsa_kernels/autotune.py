@@ -8,7 +8,8 @@ config's launch. `pick` returns the launch to run, planning only that one (all o
   CPU), when the space has one config, when `DSA_AUTOTUNE=0`, or under
   `torch.use_deterministic_algorithms(True)` (a timed choice can differ between runs and ranks,
   and another key tile sums the online softmax in another order);
-- otherwise the fastest candidate by `triton.testing.do_bench` (CUDA events; the candidates only
+- otherwise the fastest candidate by `triton.testing.do_bench` (CUDA events, after the device has
+  finished what is queued on every stream: `_quiet_device`; the candidates only
   write the launch's own outputs, so timing them is harmless for kernels that overwrite them; a
   kernel that accumulates, like the sparse MLA backward's dkv atomics, zeroes its accumulator
   before the run that counts), timed once per (kernel, GPU name, capability, Triton
@@ -89,11 +90,22 @@ def pick(kernel: str, key: tuple, names: Sequence[str], build: Callable[[str], o
     if name not in names:  # not timed yet (or the space changed since): time every config
         bench = bench or _bench
         agree = [n for n in names[1:] if verify is None or _verified(kernel, n, verify)]
+        _quiet_device()
         times = {n: bench(build(n)) for n in [names[0], *agree]}
         name = min(times, key=times.get)
         _store(entry, name)
     _MEMORY[entry] = name
     return name, build(name)
+
+
+def _quiet_device() -> None:
+    """Before timing: the GPU finishes what is queued on every stream (a caller may have work in
+    flight on another one, e.g. the indexer top-k's select overlapping the next chunk's scores),
+    so no timing shares the GPU with it."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def choices(kernel: str | None = None) -> dict[str, str]:

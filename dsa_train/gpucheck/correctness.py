@@ -311,18 +311,37 @@ def index_scores_check(T: int, fp8: bool):
 
 
 # ----------------------------------------------------------------------------- top-k
-def _run_topk(q, k, w, ds, K_, pos, cp: bool, select: str | None = None):
+def _run_topk(q, k, w, ds, K_, pos, cp: bool, select: str | None = None, overlap: bool = True):
     """The entry point (select None: the autotuned select), or the Triton driver with the select
-    path forced (`kernel.SELECT_PATHS`)."""
+    path forced (`kernel.SELECT_PATHS`); overlap: each chunk's select on a side stream beside the
+    next chunk's scores (`indexer_topk/pipeline.py`; the entry point through DSA_INDEXER_OVERLAP)."""
+    import os
+
     import dsa_kernels as K
+    from dsa_kernels.ops.indexer_topk.pipeline import OVERLAP_ENV
 
     if select is not None:
         from dsa_kernels.ops.indexer_topk.kernel import indexer_topk_triton
 
-        return indexer_topk_triton(q, k, w, ds, K_, query_positions=pos if cp else None, select=select)
-    if cp:
-        return K.indexer_topk(q, k, w, ds, K_, query_positions=pos)
-    return K.indexer_topk(q, k, w, ds, K_)
+        return indexer_topk_triton(q, k, w, ds, K_, query_positions=pos if cp else None, select=select,
+                                   overlap=overlap)
+    saved = os.environ.get(OVERLAP_ENV)
+    os.environ[OVERLAP_ENV] = "1" if overlap else "0"
+    try:
+        if cp:
+            return K.indexer_topk(q, k, w, ds, K_, query_positions=pos)
+        return K.indexer_topk(q, k, w, ds, K_)
+    finally:
+        if saved is None:
+            os.environ.pop(OVERLAP_ENV)
+        else:
+            os.environ[OVERLAP_ENV] = saved
+
+
+def _same_without_overlap(got, q, k, w, ds, K_, pos, cp: bool, path) -> bool:
+    """Whether the call with the overlap off (one stream) gives `got` bit for bit."""
+    idx, val = _run_topk(q, k, w, ds, K_, pos, cp, path, overlap=False)
+    return bool(torch.equal(idx, got[0]) and torch.equal(val, got[1]))
 
 
 # the entry point, then each select path forced
@@ -352,7 +371,9 @@ def topk_check(T: int, cp: bool = False):
     forced (the Triton radix select, torch.topk on composite keys, torch.topk on the scores with
     tied rows redone, torch.topk on the scores with one repair kernel, with k + 1 picks or with a
     tie count pass); the paths select from the same score block, so their outputs must also be
-    identical to each other, near-ties included."""
+    identical to each other, near-ties included. Every run is repeated with the overlap off (each
+    chunk's select on the caller's stream, not beside the next chunk's scores: `DSA_INDEXER_OVERLAP=0`):
+    bit for bit the same outputs."""
 
     def fn(opts: Options) -> Outcome:
         d, dev = dims_for(opts.small), _device(opts)
@@ -373,9 +394,16 @@ def topk_check(T: int, cp: bool = False):
         short = int(((ridx < 0).any(-1)).sum())
         # off the GPU the entry point runs the radix default (nothing is timed): not run twice
         paths = TOPK_PATHS if opts.device == "cuda" else (None, "composite", "fix-ties", "repair", "repair-count")
-        grid_res = {}
+        # overlap on / off compared on every path; off the GPU (CPU streams do nothing, only the
+        # issue order differs; tests/test_indexer_topk_overlap.py compares every path) on the
+        # composite path only, to keep the interpreter run short
+        overlap_paths = paths if opts.device == "cuda" else ("composite",)
+        grid_res, overlap_same = {}, {}
         for path in paths:
             idx, val = _run_topk(q, k, w, ds, d.K, pos, cp, path)
+            if path in overlap_paths:
+                overlap_same[f"grid {path or 'entry'}"] = _same_without_overlap((idx, val), q, k, w, ds, d.K, pos,
+                                                                               cp, path)
             got_i, got_v = idx[:, rows], val[:, rows]
             tie_bad = 0
             for r in tie_rows.tolist():  # the k lowest visible keys, ascending
@@ -404,6 +432,9 @@ def topk_check(T: int, cp: bool = False):
         rand_res, picks = {}, {}
         for path in paths:
             idx, val = _run_topk(q, k, w, ds, d.K, pos, cp, path)
+            if path in overlap_paths:
+                overlap_same[f"random {path or 'entry'}"] = _same_without_overlap((idx, val), q, k, w, ds, d.K, pos,
+                                                                                 cp, path)
             got_i, got_v = idx[:, rows], val[:, rows]
             same_set = (torch.sort(got_i, -1).values == torch.sort(ridx, -1).values).all(-1)
             rand_res[path or "entry"] = {"rows_set_mismatch": int((clear & ~same_set).sum()),
@@ -417,11 +448,13 @@ def topk_check(T: int, cp: bool = False):
 
         metrics = {"rows_compared": int(rows.shape[0]), "queries": Tq, "grid": grid_res["entry"],
                    "random": rand_res["entry"], "paths": {"grid": grid_res, "random": rand_res,
-                                                          "paths_equal_random": paths_equal}}
+                                                          "paths_equal_random": paths_equal},
+                   "overlap_on_equals_off": overlap_same}
+        overlap_ok = all(overlap_same.values())
         no_sync = _repair_without_host_sync(dev) if opts.device == "cuda" else None
         if no_sync is not None:  # reported, not gating: the repair path's design (no host sync), checked
             metrics["repair_path_host_sync_free"] = no_sync
-        ok = paths_equal and all(
+        ok = paths_equal and overlap_ok and all(
             g["rows_index_mismatch"] == 0 and g["rows_score_mismatch"] == 0 and g["all_tie_rows_wrong"] == 0
             and r["rows_set_mismatch"] == 0 and r["scores"]["ok"] for g, r in zip(grid_res.values(), rand_res.values()))
         g, r = grid_res["entry"], rand_res["entry"]
@@ -436,6 +469,8 @@ def topk_check(T: int, cp: bool = False):
                    "repair-count paths "
                    + ("exact too, equal to each other" if ok else f"failing: {bad_paths or 'none'}, equal to each "
                                                                    f"other: {paths_equal}"))
+        summary += ("; overlap on = off bit for bit" if overlap_ok else
+                    f"; OVERLAP ON != OFF: {[p for p, same in overlap_same.items() if not same]}")
         if no_sync is not None:
             summary += f"; repair path {'without' if no_sync else 'WITH'} a host sync"
         return Outcome("pass" if ok else "fail", summary, metrics)
@@ -736,7 +771,8 @@ def checks(opts: Options) -> list[Check]:
             Check(f"correctness.indexer_topk.T{T}", "correctness", f"{ix} k={d.K}; grid inputs exact (ties to the lower "
                                                                    f"index), random inputs same sets; entry point, "
                                                                    f"radix, composite, fix-ties, repair and "
-                                                                   f"repair-count paths; {sample}", topk_check(T)),
+                                                                   f"repair-count paths; overlap on = off "
+                                                                   f"bitwise; {sample}", topk_check(T)),
             Check(f"correctness.sparse_indexer_kl.T{T}", "correctness",
                   f"{ix} k={d.K} H={d.H} D={d.D}; value + dq_I/dk_I/dw", sparse_kl_check(T)),
             Check(f"correctness.dense_indexer_kl.T{T}", "correctness",
@@ -750,7 +786,7 @@ def checks(opts: Options) -> list[Check]:
     out += [
         Check(f"correctness.sparse_mla.cp.T{big}", "correctness", f"{cp}, H={d.H} D={d.D} k={d.K}; fwd + bwd",
               sparse_mla_check(big, cp=True)),
-        Check(f"correctness.indexer_topk.cp.T{big}", "correctness", f"{cp}, H_I={d.H_I} k={d.K}; exact / same sets",
+        Check(f"correctness.indexer_topk.cp.T{big}", "correctness", f"{cp}, H_I={d.H_I} k={d.K}; exact / same sets; overlap on = off",
               topk_check(big, cp=True)),
         Check(f"correctness.sparse_indexer_kl.cp.T{big}", "correctness", f"{cp}, k={d.K}; value + grads",
               sparse_kl_check(big, cp=True)),

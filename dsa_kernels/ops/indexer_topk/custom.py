@@ -15,16 +15,24 @@ def _topk_fake(q, k, w, doc_start, topk, chunk_size, query_positions, fp8=False,
 
 
 def _topk_workspace(q, k, w, doc_start, topk, chunk_size, query_positions, fp8=False, ue8m0=False):
-    """One query chunk's [B, C, T] fp32 score block and the select's candidate buffers."""
+    """What `indexer_topk_triton` keeps alive besides its outputs, at the largest chunk: the query
+    chunks' [B, C, T] fp32 score blocks (two with the overlap on and more than one chunk: the one
+    being selected and the next one being scored, `pipeline.live_score_blocks`), the radix select's
+    candidate buffers, its prefilled selection and the stable sort's order, and (B > 1 with several
+    chunks: the outputs' row slices are strided) a contiguous copy of the selection."""
     from .kernel import CANDIDATE_CAP, DEFAULT_SCORE_BUDGET
+    from .pipeline import live_score_blocks
 
     B, Tq = q.shape[:2]
     T = k.shape[1]
     C = chunk_size or max(1, min(Tq, DEFAULT_SCORE_BUDGET // max(B * T, 1)))
-    scores = f32_empty(q, B, C, T)
+    n_chunks = -(-Tq // C)
+    scores = [f32_empty(q, B, C, T) for _ in range(live_score_blocks(n_chunks))]
     cand = (q.new_empty((B, C, CANDIDATE_CAP), dtype=torch.int32), f32_empty(q, B, C, CANDIDATE_CAP))
-    sel = (q.new_empty((B, C, topk), dtype=torch.int32), f32_empty(q, B, C, topk))
-    del scores, cand, sel
+    sel = (q.new_empty((B, C, topk), dtype=torch.int32), f32_empty(q, B, C, topk),
+           q.new_empty((B, C, topk), dtype=torch.int64))
+    copy = (q.new_empty((B, C, topk), dtype=torch.int32), f32_empty(q, B, C, topk)) if B > 1 and n_chunks > 1 else ()
+    del scores, cand, sel, copy
 
 
 @kernel_op("dsa_kernels::indexer_topk", fake=_topk_fake, workspace=_topk_workspace)

@@ -52,6 +52,7 @@ from ... import autotune
 from ...analysis import Work
 from ..._triton_common import Launch, compute_dtype, interpreted, kernel_input, pow2, target_capability
 from .fp8 import quantize_index_inputs
+from .pipeline import chunk_windows, overlap_enabled, run_chunks
 from .reference import FP8_GROUP, quantize_fp8_groups
 
 DEFAULT_SCORE_BUDGET = 1 << 26  # fp32 elements of one query chunk's [B, C, W] score block
@@ -598,34 +599,52 @@ class _CompositeSelect:
 
 
 def _select_chunk(scores: torch.Tensor, k0: int, topk: int, block: int | None = None,
-                  cap: int = CANDIDATE_CAP, bin_count_out: list | None = None, path: str | None = None):
+                  cap: int = CANDIDATE_CAP, bin_count_out: list | None = None, path: str | None = None,
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None):
     """-> (idx, val) [B, C, topk] sorted as the reference; bin_count_out (a list) receives the
     kernel's per-row candidate counts [B, C] (-1: the row's threshold bin overflowed `cap` and
     took the streaming path; nothing when a torch.topk path ran). path: one of SELECT_PATHS, or
     None: on a GPU the autotuner picks among the radix configs and the four torch.topk paths by
-    timing (each verified against the radix default first); off the GPU the radix default runs."""
+    timing (each verified against the radix default first); off the GPU the radix default runs.
+    out: (idx int32, val fp32) [B, C, topk] to write (e.g. slices of the driver's outputs; every
+    slot is written) and return; None: new tensors. The radix select writes into prefilled scratch
+    (-1 / -inf: it writes only the selected slots) and its stable sort lands in `out`; the
+    torch.topk paths write `out` themselves (no prefill)."""
     if path is not None and path not in SELECT_PATHS:
         raise ValueError(f"select path must be one of {SELECT_PATHS} or None (autotuned); got {path!r}")
     B, C, W_LEN = scores.shape
+    shape, dev = (B, C, topk), scores.device
 
     def outputs(fill: bool = True):
         if not fill:  # a path that writes every slot
-            return (torch.empty((B, C, topk), dtype=torch.int32, device=scores.device),
-                    torch.empty((B, C, topk), dtype=torch.float32, device=scores.device))
-        return (torch.full((B, C, topk), -1, dtype=torch.int32, device=scores.device),
-                torch.full((B, C, topk), float("-inf"), dtype=torch.float32, device=scores.device))
+            return (torch.empty(shape, dtype=torch.int32, device=dev),
+                    torch.empty(shape, dtype=torch.float32, device=dev))
+        return (torch.full(shape, -1, dtype=torch.int32, device=dev),
+                torch.full(shape, float("-inf"), dtype=torch.float32, device=dev))
 
-    idx, val = outputs(fill=PATH_CONFIGS.get(path) not in WRITES_EVERY_SLOT)
+    if out is not None and (tuple(out[0].shape) != shape or tuple(out[1].shape) != shape
+                            or out[0].dtype != torch.int32 or out[1].dtype != torch.float32):
+        raise ValueError(f"out must be (int32, float32) tensors of shape {list(shape)}; got "
+                         f"{[(tuple(t.shape), t.dtype) for t in out]}")
+    dest = out if out is not None else outputs(fill=False)
+    # the paths write contiguous rows (repair views them as [B * C, topk]): a strided slice of the
+    # driver's outputs (B > 1) takes a contiguous copy
+    target = dest if all(t.is_contiguous() for t in dest) else outputs(fill=False)
+    scratch = []  # the radix select's prefilled (idx, val), made when a radix launch is planned
     space = {cfg[0]: cfg for cfg in select_config_space(target_capability(scores))}
     names = list(space) if path in (None, "radix") else []
     names += [PATH_CONFIGS[p] for p in SELECT_PATHS[1:] if path in (None, p)]
     buffers = []
 
-    def build(name, idx=idx, val=val):  # timing runs write the same selection into idx / val again
+    def build(name, idx=None, val=None):  # timing runs write the same selection into idx / val again
         if name in TORCH_SELECTS:
-            return _CompositeSelect(scores, idx, val, k0, topk, name)
+            return _CompositeSelect(scores, *((idx, val) if idx is not None else target), k0, topk, name)
+        if idx is None:
+            if not scratch:
+                scratch.extend(outputs())
+            idx, val = scratch
         if not buffers:
-            buffers.extend(candidate_buffers(B, C, cap, scores.device))
+            buffers.extend(candidate_buffers(B, C, cap, dev))
         return plan_select(scores, idx, val, *buffers, k0, topk, config=space[name])
 
     def verify(name):  # the config's selection against the default's, before it may be timed
@@ -637,8 +656,9 @@ def _select_chunk(scores: torch.Tensor, k0: int, topk: int, block: int | None = 
         return bool(torch.equal(*picks))
 
     if block is not None:  # tests: this score block at the default's warps, no timing
-        buffers.extend(candidate_buffers(B, C, cap, scores.device))
-        launch = plan_select(scores, idx, val, *buffers, k0, topk, block)
+        scratch.extend(outputs())
+        buffers.extend(candidate_buffers(B, C, cap, dev))
+        launch = plan_select(scores, *scratch, *buffers, k0, topk, block)
     else:
         on_gpu = scores.is_cuda and not interpreted()
         kernel = "indexer_topk_select" if path is None else f"indexer_topk_select_{path}"
@@ -646,14 +666,19 @@ def _select_chunk(scores: torch.Tensor, k0: int, topk: int, block: int | None = 
                                   names, build, on_gpu, autotune.device_id(scores) if on_gpu else "",
                                   verify=verify)
     launch.run()
-    if isinstance(launch, _CompositeSelect):
-        return idx, val  # already in the reference's order
-    if bin_count_out is not None:
-        bin_count_out.append(buffers[2])
-    # each run of equal selected scores is in index order (above-bin keys, then the bin's picks; the
-    # two never tie): a stable descending sort keeps ties at the lower index
-    val, order = torch.sort(val, dim=-1, descending=True, stable=True)
-    return torch.gather(idx, -1, order), val
+    if not isinstance(launch, _CompositeSelect):  # the radix select: its scratch, sorted into target
+        if bin_count_out is not None:
+            bin_count_out.append(buffers[2])
+        # each run of equal selected scores is in index order (above-bin keys, then the bin's picks; the
+        # two never tie): a stable descending sort keeps ties at the lower index
+        idx, val = launch.args["OUT_I"], launch.args["OUT_V"]
+        order = torch.empty(shape, dtype=torch.int64, device=dev)
+        torch.sort(val, dim=-1, descending=True, stable=True, out=(target[1], order))
+        torch.gather(idx, -1, order, out=target[0])
+    if target is not dest:
+        dest[0].copy_(target[0])
+        dest[1].copy_(target[1])
+    return dest
 
 
 def _query_positions(query_positions, Tq: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -693,6 +718,7 @@ def indexer_topk_triton(
     score_dtype: torch.dtype = torch.float32,
     select: str | None = None,
     ue8m0: bool = False,
+    overlap: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `indexer_topk_ref` (with `query_positions`: as
     `indexer_topk_at_positions_ref`: q [B, Tq, H_I, D_I] and w [B, Tq, H_I] hold the queries at
@@ -704,7 +730,9 @@ def indexer_topk_triton(
     is then `topk_from_scores` of the bf16-rounded scores (same tie and non-finite rules), not
     of the fp32 scores; the returned scores are the bf16 values. Default fp32: exactly the
     reference. select: the selection path (`_select_chunk`: "radix", "composite", "fix-ties",
-    "repair", "repair-count", None = autotuned)."""
+    "repair", "repair-count", None = autotuned). overlap: each chunk's select on a side stream
+    while the next chunk's scores run on the caller's (`pipeline.py`; two score blocks alive);
+    None: `DSA_INDEXER_OVERLAP` (default 1). Bitwise the same outputs either way."""
     if score_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"score_dtype must be torch.float32 or torch.bfloat16; got {score_dtype}")
     if select is not None and select not in SELECT_PATHS:
@@ -719,18 +747,22 @@ def indexer_topk_triton(
     if fp8:  # a slice of tokens at a time: bounded fp32 temporaries at long T
         q, qs, k, ks = quantize_index_inputs(q, k, ue8m0)
     chunk = chunk_size or max(1, min(Tq, score_budget_elems // max(B * T, 1)))
-    ds_cpu = doc_start.min(dim=0).values.cpu()  # key window start per position (min over the batch)
-    all_idx, all_val = [], []
-    for r0 in range(0, Tq, chunk):
-        r1 = min(Tq, r0 + chunk)
-        p = pos[r0:r1]
-        k0, k_end = int(ds_cpu[p].min()), int(p.max()) + 1  # the chunk's key window [k0, k_end)
-        scores = _score_chunk(q, k, w, doc_start, pos_dev, r0, r1, k0, k_end, qs, ks, key_span, score_dtype)
-        idx, val = _select_chunk(scores, k0, topk, path=select)
-        del scores
-        all_idx.append(idx)
-        all_val.append(val)
-    return torch.cat(all_idx, dim=1), torch.cat(all_val, dim=1)
+    # key window start per position (min over the batch): the call's one read of the device, before the loop
+    ds_cpu = doc_start.min(dim=0).values.cpu()
+    windows = chunk_windows(pos, ds_cpu[pos], chunk)  # [(r0, r1, k0, k_end)], planned on the host
+    out_idx = torch.empty((B, Tq, topk), dtype=torch.int32, device=q.device)
+    out_val = torch.empty((B, Tq, topk), dtype=torch.float32, device=q.device)
+
+    def score(win):
+        r0, r1, k0, k_end = win
+        return _score_chunk(q, k, w, doc_start, pos_dev, r0, r1, k0, k_end, qs, ks, key_span, score_dtype)
+
+    def select_into(scores, win):  # the chunk's selection written straight into its rows of the outputs
+        r0, r1, k0, _ = win
+        _select_chunk(scores, k0, topk, path=select, out=(out_idx[:, r0:r1], out_val[:, r0:r1]))
+
+    run_chunks(windows, score, select_into, overlap_enabled(overlap), q.device)
+    return out_idx, out_val
 
 
 def index_scores_triton(q, k, w, doc_start, q0: int, q1: int, fp8: bool = False, key_span: int | None = None,
