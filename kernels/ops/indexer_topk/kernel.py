@@ -547,15 +547,17 @@ def score_config_space(capability: int) -> tuple:
     return SCORE_CONFIG_SPACE + (SCORE_GLUON_CONFIGS if capability == 90 else ())
 
 
-def score_space_for(q, k, scores, fp8: bool, unmeasured: bool = False) -> list[str]:
+def score_space_for(q, k, scores, fp8: bool, unmeasured: bool = False, on_gpu: bool | None = None) -> list[str]:
     """Names of the score configs for this call: `score_config_space` of the target's capability, less
-    the Gluon ones where that kernel does not take the call (`gluon_scores.gluon_scores_supported`:
-    FP8, d_I > 128, H_I > 64, ...) or, until a GPU has run them, without DSA_KERNELS_GLUON_SCORES=1
-    (`unmeasured=True` keeps them regardless of the opt-in: a forced config, gpu-check's checks)."""
+    the Gluon ones off a GPU (the interpreter cannot run them), where that kernel does not take the call
+    (`gluon_scores.gluon_scores_supported`: FP8, d_I > 128, H_I > 64, ...) or, until a GPU has run them, without DSA_KERNELS_GLUON_SCORES=1
+    (`unmeasured=True` keeps them regardless of the opt-in: a forced config, gpu-check's checks).
+    on_gpu: whether the launch runs compiled on a GPU (default: q on CUDA, not interpreted)."""
     cap = target_capability(q)
+    on_gpu = (q.is_cuda and not interpreted()) if on_gpu is None else on_gpu
     names = [name for name, kind in score_config_space(cap) if kind != "gluon"]
     gluon = [name for name, kind in score_config_space(cap) if kind == "gluon"]
-    if gluon:
+    if gluon and on_gpu:  # a Gluon kernel runs only compiled, on the GPU
         from .gluon_scores import gluon_scores_enabled, gluon_scores_supported
 
         if (unmeasured or gluon_scores_enabled()) and gluon_scores_supported(q, k, scores, fp8, cap) is None:
@@ -600,7 +602,7 @@ def _score_chunk(q, k, w, doc_start, positions, r0, r1, k0, k_end, qs=None, ks=N
         launch = build(config)
     else:
         on_gpu = q.is_cuda and not interpreted()
-        names = score_space_for(q, k, scores, qs is not None) if on_gpu else [SCORE_CONFIG_SPACE[0][0]]
+        names = score_space_for(q, k, scores, qs is not None)
         key = (pow2(r1 - r0), pow2(k_end - k0), q.shape[2], q.shape[3], str(q.dtype), str(score_dtype))
         if len(names) > len(SCORE_CONFIG_SPACE):  # the Gluon configs joined (opt-in): their own entry
             key += ("+".join(names),)
