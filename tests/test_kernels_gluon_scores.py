@@ -84,7 +84,6 @@ def _cta(q, k, w, positions, doc_start, S, b, pid_q, pid_n, r0, r1, k0, block_q,
             row = r0 + pid_q * block_q + qi
             if row < r1:
                 q_smem[qi * bhi: qi * bhi + HI, :DI] = q[b, row].float()
-        q_bar.arrive()
         span0, span1, lo, hi, n_tiles = _live_range(positions, doc_start, b, pid_q, pid_n, r0, r1, k0, W_LEN,
                                                     block_q, span)
         for i in range(n_tiles):
@@ -98,10 +97,9 @@ def _cta(q, k, w, positions, doc_start, S, b, pid_q, pid_n, r0, r1, k0, block_q,
             tile[live, :DI] = k[b, k0 + offs_w[live]].float()
             ring[s] = (i, tile)
             yield
-            if i > 0:  # the previous tile published after this one's copies are issued
-                ready[(i + st - 1) % st].arrive()
-        if n_tiles > 0:
-            ready[(n_tiles + st - 1) % st].arrive()
+            # the group before this tile's is published once this one's copies are issued: q at tile 0
+            (q_bar if i == 0 else ready[(i + st - 1) % st]).arrive()
+        (ready[(n_tiles + st - 1) % st] if n_tiles > 0 else q_bar).arrive()
 
     def consumer(cid):
         span0, span1, lo, hi, n_tiles = _live_range(positions, doc_start, b, pid_q, pid_n, r0, r1, k0, W_LEN,
@@ -117,14 +115,6 @@ def _cta(q, k, w, positions, doc_start, S, b, pid_q, pid_n, r0, r1, k0, block_q,
             for kk, j in m.nonzero().tolist():
                 S[b, int(offs_c[j]), int(offs_w[kk])] = vals[kk, j]
 
-        dead = torch.full((n, block_q), float("-inf"))
-        if cid == 0:
-            end = min(lo, span1)
-            for n0 in range(span0, end, n):
-                store(n0 + keys, dead, n0 + keys < end)
-        else:
-            for n0 in range(max(hi, span0), span1, n):
-                store(n0 + keys, dead, n0 + keys < span1)
         offs_r = torch.arange(block_q * bhi)
         row_r, head_r = r0 + pid_q * block_q + offs_r // bhi, offs_r % bhi
         w_r = torch.zeros(block_q * bhi)
@@ -152,6 +142,14 @@ def _cta(q, k, w, positions, doc_start, S, b, pid_q, pid_n, r0, r1, k0, block_q,
                 sums = _round_to_bf16(sums)
             store(offs_w, sums, offs_w < span1)
             trace.append((cid, i))
+        dead = torch.full((n, block_q), float("-inf"))
+        if cid == 0:
+            end = min(lo, span1)
+            for n0 in range(span0, end, n):
+                store(n0 + keys, dead, n0 + keys < end)
+        else:
+            for n0 in range(max(hi, span0), span1, n):
+                store(n0 + keys, dead, n0 + keys < span1)
 
     parties = [producer(), consumer(0), consumer(1)]
     budget = 10_000 + 200 * W_LEN  # steps: far more than any finishing schedule takes

@@ -12,11 +12,12 @@ warp groups (`gl.warp_specialize`, maxnreg 168 x 384 threads: one CTA per SM):
 
 - **producer** (a worker warp group, `setmaxnreg` PRODUCER_REGS): copies the CTA's queries' q
   ([BLOCK_Q x 64 heads, 128] bf16, heads past H_I and channels past d_I zero-filled) into shared
-  memory once (`cp.async`, published on `q_bar`), then walks the span's live key tiles (the keys
-  between the queries' first document start and their last position): per 64-key tile it waits for a
-  free stage of the ring (`empty[s]`), copies the 64 contiguous k rows (16 KB, 16-byte `cp.async`,
-  rows past the span zero-filled) and publishes the previous tile (`cp.async.wait_group 1`, proxy
-  fence, a producer barrier, `ready[s]`), so two tiles' copies are in flight.
+  memory once (`cp.async`), then walks the span's live key tiles (the keys between the queries' first
+  document start and their last position): per 64-key tile it waits for a free stage of the ring
+  (`empty[s]`), copies the 64 contiguous k rows (16 KB, 16-byte `cp.async`, rows past the span
+  zero-filled), then waits for every copy group but this tile's (`cp.async.wait_group 1`), fences the
+  async proxy, syncs its warps and publishes the group before it: q (`q_bar`) at tile 0, else the
+  previous tile (`ready[s]`), so that two groups' copies are always in flight (q's with tile 0's).
 - **two consumers** (the default partition and a worker, one warp group each, `setmaxnreg` 232):
   consumer c takes tiles c, c + 2, ... (ping-pong: one's epilogue runs under the other's wgmma). Per
   tile: one async wgmma `[64 keys, 128] x [128, BLOCK_Q x 64 (query, head)]` (A = the k tile, B = q,
@@ -24,8 +25,8 @@ warp groups (`gl.warp_specialize`, maxnreg 168 x 384 threads: one CTA per SM):
   kept), times w (the thread's columns' weights, loaded once), the head sum (a reshape to [64,
   BLOCK_Q, 64] and a sum over the last axis: 16 of each query's heads within a thread, then its quad),
   -0.0 -> +0.0, the causal / document mask, the bf16 rounding, and the store of the [BLOCK_Q, 64]
-  scores (through a small layout conversion, 64 consecutive keys per query row). Consumer 0 writes
-  the span's columns before the live range -inf, consumer 1 those after it.
+  scores (through a small layout conversion, 64 consecutive keys per query row). After its tiles,
+  consumer 0 writes the span's columns before the live range -inf, consumer 1 those after it.
 
 Configs (`kernel.SCORE_CONFIG_SPACE`, "gluon-keys-rows*"; `GLUON_SCORE_CONFIGS` here: name -> queries
 per CTA): BLOCK_Q = 4 (N = 256) and 2 (N = 128). Issued FLOPs, bytes and the epilogue's cost per
@@ -139,11 +140,7 @@ def _producer(Q, KI, POS, DS, q_smem, k_smem, ready, empty, q_bar, b, pid_q, pid
         for c in gl.static_range(BLOCK_D // 64):
             m = ((rows < HI) & (row < r1))[:, None] & (c * 64 + cols < DI)[None, :]
             _cp_async(q_smem.slice(qi * BLOCK_HI, BLOCK_HI, dim=0).slice(c * 64, 64, dim=1), q_ptr + c * 64, mask=m)
-    async_copy.commit_group()
-    async_copy.wait_group(0)
-    fence_async_shared()
-    _cta_barrier()
-    mbarrier.arrive(q_bar, count=1)
+    async_copy.commit_group()  # q's copies: published with tile 0's wait below (in flight together)
 
     span0, span1, lo, hi, n_tiles = _live_range(POS, DS, b, pid_q, pid_n, r0, r1, k0, W_LEN, stride_db,
                                                 BLOCK_Q, BLOCK_N, KEY_SPAN)
@@ -157,16 +154,22 @@ def _producer(Q, KI, POS, DS, q_smem, k_smem, ready, empty, q_bar, b, pid_q, pid
             m = (offs_w < span1)[:, None] & (c * 64 + cols < DI)[None, :]
             _cp_async(k_smem.index(s).slice(c * 64, 64, dim=1), k_ptr + c * 64, mask=m)
         async_copy.commit_group()
-        if i > 0:  # the previous tile's copies have landed: publish it (two tiles in flight)
-            async_copy.wait_group(1)
-            fence_async_shared()
-            _cta_barrier()
-            mbarrier.arrive(ready.index((i + STAGES - 1) % STAGES), count=1)
-    if n_tiles > 0:
-        async_copy.wait_group(0)
+        # every group but this tile's has landed: publish q (at tile 0) or the previous tile, so that
+        # two groups' copies are in flight
+        async_copy.wait_group(1)
         fence_async_shared()
         _cta_barrier()
+        if i == 0:
+            mbarrier.arrive(q_bar, count=1)
+        else:
+            mbarrier.arrive(ready.index((i + STAGES - 1) % STAGES), count=1)
+    async_copy.wait_group(0)
+    fence_async_shared()
+    _cta_barrier()
+    if n_tiles > 0:
         mbarrier.arrive(ready.index((n_tiles + STAGES - 1) % STAGES), count=1)
+    else:
+        mbarrier.arrive(q_bar, count=1)
 
 
 @gluon.jit
@@ -205,18 +208,6 @@ def _consumer(W, POS, DS, S, q_smem, k_smem, ready, empty, q_bar, b, pid_q, pid_
     out = S + b * stride_sb + (offs_c.to(gl.int64) * stride_sc)[None, :]
     is_bf16: gl.constexpr = S.dtype.element_ty == gl.bfloat16
 
-    # dead columns of the span: before the live tiles (consumer 0), after the last position (consumer 1)
-    dead = gl.full([BLOCK_N, BLOCK_Q], float("-inf"), gl.float32, layout=out_lay).to(S.dtype.element_ty)
-    if CID == 0:
-        end = gl.minimum(lo, span1)
-        for n0 in range(span0, end, BLOCK_N):
-            offs_w = n0 + keys
-            gl.store(out + offs_w[:, None], dead, mask=(offs_w < end)[:, None] & mask_q[None, :])
-    else:
-        for n0 in range(gl.maximum(hi, span0), span1, BLOCK_N):
-            offs_w = n0 + keys
-            gl.store(out + offs_w[:, None], dead, mask=(offs_w < span1)[:, None] & mask_q[None, :])
-
     # the weights of this thread's (query, head) columns, once
     offs_r = gl.arange(0, N, layout=gl.SliceLayout(0, acc_lay))
     row_r = r0 + pid_q * BLOCK_Q + offs_r // BLOCK_HI
@@ -246,6 +237,17 @@ def _consumer(W, POS, DS, S, q_smem, k_smem, ready, empty, q_bar, b, pid_q, pid_
         if is_bf16:
             sums = _round_to_bf16(sums)
         gl.store(out + offs_w[:, None], sums.to(S.dtype.element_ty), mask=(offs_w < span1)[:, None] & mask_q[None, :])
+    # dead columns of the span, after the tiles: before the live ones (consumer 0), after the last position (consumer 1)
+    dead = gl.full([BLOCK_N, BLOCK_Q], float("-inf"), gl.float32, layout=out_lay).to(S.dtype.element_ty)
+    if CID == 0:
+        end = gl.minimum(lo, span1)
+        for n0 in range(span0, end, BLOCK_N):
+            offs_w = n0 + keys
+            gl.store(out + offs_w[:, None], dead, mask=(offs_w < end)[:, None] & mask_q[None, :])
+    else:
+        for n0 in range(gl.maximum(hi, span0), span1, BLOCK_N):
+            offs_w = n0 + keys
+            gl.store(out + offs_w[:, None], dead, mask=(offs_w < span1)[:, None] & mask_q[None, :])
 
 
 @gluon.jit
