@@ -296,6 +296,9 @@ def test_gluon_configs_join_sm90s_space_only_with_the_opt_in(monkeypatch):
         assert TK.score_space_for(q, k, scores, False, on_gpu=False) == triton_names  # never interpreted
         q2, k2, *_ = _meta(DI=192)
         assert TK.score_space_for(q2, k2, scores, False, on_gpu=True) == triton_names  # d_I > 128
+        monkeypatch.setenv("DSA_KERNELS_GLUON", "0")  # the Gluon kill switch: forced checks too
+        assert TK.score_space_for(q, k, scores, False, unmeasured=True, on_gpu=True) == triton_names
+        monkeypatch.delenv("DSA_KERNELS_GLUON")
         monkeypatch.setenv("DSA_KERNELS_GLUON_SCORES", "yes please")
         with pytest.raises(ValueError, match="DSA_KERNELS_GLUON_SCORES must be 1 or 0"):
             TK.score_space_for(q, k, scores, False, on_gpu=True)
@@ -356,3 +359,78 @@ def test_supported_calls_and_the_analysis_column():
             assert work.issued_flops == 2 * 64 * 128 * 256  # every live 64-key tile in full: 4 of them
             # q once per CTA (64 heads x 128 x 2 B per query and key span), k per live tile / BLOCK_Q queries
             assert work.read_bytes == pytest.approx(64 * 128 * 2 + 256 * 128 * 2 / bq, rel=0.05)
+
+
+def test_gpu_check_forces_every_config_of_the_calls_space(monkeypatch):
+    """correctness.index_scores_bf16's config loop, its GPU path driven on the CPU: every config of the
+    call's space (`score_space_for(..., unmeasured=True)`: the Gluon ones on an sm_90 GPU) after the
+    default is forced in turn and compared with the reference; one that raises (a launch failure) is a
+    failed output naming the error, one that is wrong fails its output, the others pass."""
+    from dsa_train.gpucheck import correctness as C
+    from dsa_train.gpucheck.core import Options
+
+    real = TK.index_scores_triton
+    forced, asked = [], []
+
+    def space(q, k, scores, fp8, unmeasured=False, on_gpu=None):
+        asked.append(unmeasured)
+        return ["heads-rows", "keys-rows", *CONFIGS]
+
+    def fake(q, k, w, ds, q0, q1, fp8=False, config=None, **kw):
+        forced.append(config)
+        if config == CONFIGS[0]:
+            raise RuntimeError("unspecified launch failure")
+        out, k0 = real(q, k, w, ds, q0, q1, fp8=fp8, config=None if config in CONFIGS else config, **kw)
+        return (out + 1.0 if config == CONFIGS[1] else out), k0
+
+    monkeypatch.setattr(TK, "score_space_for", space)
+    monkeypatch.setattr(TK, "index_scores_triton", fake)
+    outcome = C.index_scores_check(64, fp8=False)(Options(device="cpu", small=True))
+    res = outcome.metrics["outputs"]
+    assert True in asked  # the forced configs: the space with or without the opt-in
+    assert forced == [None, "keys-rows", *CONFIGS] * 2  # the autotuned call, then each config; 2 blocks
+    assert outcome.status == "fail"
+    assert res["last_keys-rows"]["ok"] and res["doc_keys-rows"]["ok"]
+    assert not res[f"last_{CONFIGS[0]}"]["ok"] and "launch failure" in res[f"last_{CONFIGS[0]}"]["note"]
+    assert not res[f"doc_{CONFIGS[1]}"]["ok"]
+
+
+def test_benchmark_without_a_gpu_says_so(tmp_path, monkeypatch):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gluon_index_scores.py"
+    spec = importlib.util.spec_from_file_location("gluon_index_scores", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "r.json"
+    assert mod.main([str(out)]) == 2
+    assert "no CUDA GPU" in json.loads(out.read_text())["status"]
+
+
+@pytest.mark.integration  # the benchmark measures in a child process
+def test_benchmark_smoke_run_on_the_cpu(tmp_path):
+    """`--small` under the interpreter: the Triton configs' rows (block, bf16 block, the whole causal
+    pass) with their errors against the default and the reference; the Gluon configs reported as not
+    run (they run only compiled on an sm_90 GPU)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gluon_index_scores.py"
+    out = tmp_path / "r.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, str(path), str(out), "--small"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert result["status"] == "ok" and rows[0]["kind"] == "env"
+    blocks = {r["config"]: r for r in rows if r["kind"] == "block"}
+    assert set(blocks) == {n for n, _ in TK.score_config_space(90)}
+    assert blocks["heads-rows"]["ref_err"] < 1e-5 and blocks["keys-rows"]["verify_pass"]
+    assert all("not run" in blocks[n]["note"] for n in CONFIGS)
+    assert {r["config"] for r in rows if r["kind"] == "full"} == {"heads-rows", "keys-rows"}
