@@ -1,6 +1,6 @@
 """The Gluon index-score kernel (`ops/indexer_topk/gluon_scores.py`, issue 31). Gluon kernels do not run
 under the interpreter, so on the CPU its schedule is checked as a PyTorch model (`model_scores`): the
-kernel's grid and per-CTA live range, its producer / consumer handshake over the 4-stage ring
+kernel's grid and per-CTA live range, its producer / consumer handshake over the 6-stage ring
 (simulated mbarriers with the kernel's phase formulas, interleavings drawn at random: every tile read
 is the tile the producer wrote there, nothing deadlocks), the consumers' tile assignment, the epilogue
 (ReLU keeping NaN, weights, the head sum over a [64, BLOCK_Q, 64] reshape, -0.0 -> +0.0, the mask,
@@ -68,12 +68,14 @@ def _round_to_bf16(x):
     return torch.where(torch.isfinite(x), r, x)
 
 
-def _cta(q, k, w, positions, doc_start, S, b, pid_q, pid_n, r0, r1, k0, block_q, span, rng):
+def _cta(q, k, w, positions, doc_start, S, b, pid_q, pid_n, r0, r1, k0, block_q, span, rng,
+         stages=G.STAGES, lag=G.COPY_LAG):
     """One CTA: the producer and the two consumers as coroutines over simulated mbarriers, one step
     of a runnable party at a time, picked by `rng`; -> the (consumer, tile) order of the epilogues."""
     B, Tq, HI, DI = q.shape
     C, W_LEN = S.shape[1], S.shape[2]
-    n, bhi, st = G.BLOCK_N, G.BLOCK_HI, G.STAGES
+    n, bhi, st = G.BLOCK_N, G.BLOCK_HI, stages
+    assert 1 <= lag < st  # lag 0 would publish two groups at tile 0 (not modelled: the kernel needs >= 1)
     ready, empty, q_bar = [_Barrier() for _ in range(st)], [_Barrier() for _ in range(st)], _Barrier()
     ring = [None] * st  # (tile, k tile [64, 128]) per stage
     q_smem = torch.zeros(block_q * bhi, G.BLOCK_D)
@@ -97,9 +99,12 @@ def _cta(q, k, w, positions, doc_start, S, b, pid_q, pid_n, r0, r1, k0, block_q,
             tile[live, :DI] = k[b, k0 + offs_w[live]].float()
             ring[s] = (i, tile)
             yield
-            # the group before this tile's is published once this one's copies are issued: q at tile 0
-            (q_bar if i == 0 else ready[(i + st - 1) % st]).arrive()
-        (ready[(n_tiles + st - 1) % st] if n_tiles > 0 else q_bar).arrive()
+            # groups: q (0), tiles 0..i (1..i + 1); all but the last COPY_LAG landed: publish one
+            g = i + 1 - lag
+            if g >= 0:
+                (q_bar if g == 0 else ready[(g - 1) % st]).arrive()
+        for g in range(max(n_tiles + 1 - lag, 0), n_tiles + 1):  # the rest, after wait_group(0)
+            (q_bar if g == 0 else ready[(g - 1) % st]).arrive()
 
     def consumer(cid):
         span0, span1, lo, hi, n_tiles = _live_range(positions, doc_start, b, pid_q, pid_n, r0, r1, k0, W_LEN,
@@ -254,7 +259,8 @@ def test_model_equals_the_triton_kernel_on_a_bf16_block_and_non_finite_inputs():
 @pytest.mark.parametrize("n_tiles_keys", [1, 64, 130, 320, 640])
 def test_ring_handshake_never_deadlocks_nor_overwrites(n_tiles_keys):
     """The producer / consumer handshake with the kernel's phase formulas (empty: ((i // STAGES) & 1) ^ 1,
-    ready: (i // STAGES) & 1, the producer publishing one tile behind): over many random interleavings
+    ready: (i // STAGES) & 1, the producer publishing COPY_LAG copy groups behind), at the kernel's ring
+    and at other (stages, lag) pairs with 1 <= lag < stages: over many random interleavings
     each consumer reads, in order, exactly its tiles (c, c + 2, ...) from the stage the producer filled,
     and every CTA finishes (a deadlock would loop forever: bounded by the test's own step budget)."""
     T = n_tiles_keys
@@ -262,11 +268,12 @@ def test_ring_handshake_never_deadlocks_nor_overwrites(n_tiles_keys):
     ds = torch.zeros(1, T, dtype=torch.long)
     pos = torch.full((T,), T - 1, dtype=torch.int32)  # every row sees the whole window: all tiles live
     n_tiles = -(-n_tiles_keys // G.BLOCK_N)
-    for seed in range(8):
-        S = torch.full((1, 1, T), float("nan"))
-        trace = _cta(q, k, w, pos, ds, S, 0, 0, 0, 0, 1, 0, 1, 64 * n_tiles, random.Random(seed))
-        assert [i for c, i in trace if c == 0] == list(range(0, n_tiles, 2))
-        assert [i for c, i in trace if c == 1] == list(range(1, n_tiles, 2))
+    for stages, lag in ((G.STAGES, G.COPY_LAG), (2, 1), (4, 3), (3, 1)):
+        for seed in range(6):
+            S = torch.full((1, 1, T), float("nan"))
+            trace = _cta(q, k, w, pos, ds, S, 0, 0, 0, 0, 1, 0, 1, 64 * n_tiles, random.Random(seed), stages, lag)
+            assert [i for c, i in trace if c == 0] == list(range(0, n_tiles, 2))
+            assert [i for c, i in trace if c == 1] == list(range(1, n_tiles, 2))
 
 
 # ---------------------------------------------------------------- wiring

@@ -14,10 +14,11 @@ warp groups (`gl.warp_specialize`, maxnreg 168 x 384 threads: one CTA per SM):
   ([BLOCK_Q x 64 heads, 128] bf16, heads past H_I and channels past d_I zero-filled) into shared
   memory once (`cp.async`), then walks the span's live key tiles (the keys between the queries' first
   document start and their last position): per 64-key tile it waits for a free stage of the ring
-  (`empty[s]`), copies the 64 contiguous k rows (16 KB, 16-byte `cp.async`, rows past the span
-  zero-filled), then waits for every copy group but this tile's (`cp.async.wait_group 1`), fences the
-  async proxy, syncs its warps and publishes the group before it: q (`q_bar`) at tile 0, else the
-  previous tile (`ready[s]`), so that two groups' copies are always in flight (q's with tile 0's).
+  (`empty[s]`) of the 6-stage ring, copies the 64 contiguous k rows (16 KB, 16-byte `cp.async`, rows
+  past the span zero-filled), then waits for every copy group but the last COPY_LAG = 2
+  (`cp.async.wait_group 2`), fences the async proxy, syncs its warps and publishes the group that
+  landed: q (`q_bar`, group 0, with tile 1's wait) or a tile (`ready[s]`), so that up to three
+  groups' copies are in flight (q's with tiles 0 and 1's).
 - **two consumers** (the default partition and a worker, one warp group each, `setmaxnreg` 232):
   consumer c takes tiles c, c + 2, ... (ping-pong: one's epilogue runs under the other's wgmma). Per
   tile: one async wgmma `[64 keys, 128] x [128, BLOCK_Q x 64 (query, head)]` (A = the k tile, B = q,
@@ -57,7 +58,11 @@ from ..sparse_mla.gluon_fwd import GluonLaunch, _cp_async, _cta_barrier
 BLOCK_N = 64  # keys per tile: the wgmma M of one consumer warp group
 BLOCK_HI = 64  # heads per query in the B operand (H_I padded with zero rows / zero weights)
 BLOCK_D = 128  # the head dim, one resident tile (d_I padded with zero channels)
-STAGES = 4  # shared-memory ring of k tiles (16 KB each)
+STAGES = 6  # shared-memory ring of k tiles (16 KB each)
+# copy groups left in flight when the producer publishes one (cp.async.wait_group COPY_LAG), 1 <= COPY_LAG < STAGES.
+# Each consumer keeps its stage through its epilogue (ptxas sinks the release below it), so of the 6
+# stages 2 are held, up to COPY_LAG + 1 = 3 are being filled, and 1 is ready ahead.
+COPY_LAG = 2
 KEY_SPAN_TILES = 32  # key tiles per CTA (2048 keys)
 PRODUCER_WARPS = 4
 PRODUCER_REGS = 40
@@ -128,7 +133,8 @@ def _live_range(POS, DS, b, pid_q, pid_n, r0, r1, k0, W_LEN, stride_db,
 def _producer(Q, KI, POS, DS, q_smem, k_smem, ready, empty, q_bar, b, pid_q, pid_n, r0, r1, k0, W_LEN,
               stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_db,
               HI: gl.constexpr, DI: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_HI: gl.constexpr,
-              BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, KEY_SPAN: gl.constexpr, STAGES: gl.constexpr):
+              BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, KEY_SPAN: gl.constexpr, STAGES: gl.constexpr,
+              COPY_LAG: gl.constexpr):
     num_warps: gl.constexpr = gl.num_warps()
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])  # 16-byte vectors
     rows = gl.arange(0, 64, layout=gl.SliceLayout(1, lay))
@@ -140,7 +146,7 @@ def _producer(Q, KI, POS, DS, q_smem, k_smem, ready, empty, q_bar, b, pid_q, pid
         for c in gl.static_range(BLOCK_D // 64):
             m = ((rows < HI) & (row < r1))[:, None] & (c * 64 + cols < DI)[None, :]
             _cp_async(q_smem.slice(qi * BLOCK_HI, BLOCK_HI, dim=0).slice(c * 64, 64, dim=1), q_ptr + c * 64, mask=m)
-    async_copy.commit_group()  # q's copies: published with tile 0's wait below (in flight together)
+    async_copy.commit_group()  # q's copies (group 0): in flight with the first tiles', published below
 
     span0, span1, lo, hi, n_tiles = _live_range(POS, DS, b, pid_q, pid_n, r0, r1, k0, W_LEN, stride_db,
                                                 BLOCK_Q, BLOCK_N, KEY_SPAN)
@@ -154,22 +160,24 @@ def _producer(Q, KI, POS, DS, q_smem, k_smem, ready, empty, q_bar, b, pid_q, pid
             m = (offs_w < span1)[:, None] & (c * 64 + cols < DI)[None, :]
             _cp_async(k_smem.index(s).slice(c * 64, 64, dim=1), k_ptr + c * 64, mask=m)
         async_copy.commit_group()
-        # every group but this tile's has landed: publish q (at tile 0) or the previous tile, so that
-        # two groups' copies are in flight
-        async_copy.wait_group(1)
+        # copy groups so far: q (group 0), tiles 0..i (groups 1..i + 1); all but the last COPY_LAG have
+        # landed: publish group i + 1 - COPY_LAG (q, or a tile), so COPY_LAG groups stay in flight
+        async_copy.wait_group(COPY_LAG)
         fence_async_shared()
         _cta_barrier()
-        if i == 0:
+        g = i + 1 - COPY_LAG
+        if g == 0:
             mbarrier.arrive(q_bar, count=1)
-        else:
-            mbarrier.arrive(ready.index((i + STAGES - 1) % STAGES), count=1)
+        elif g > 0:
+            mbarrier.arrive(ready.index((g - 1) % STAGES), count=1)
     async_copy.wait_group(0)
     fence_async_shared()
     _cta_barrier()
-    if n_tiles > 0:
-        mbarrier.arrive(ready.index((n_tiles + STAGES - 1) % STAGES), count=1)
-    else:
-        mbarrier.arrive(q_bar, count=1)
+    for g in range(gl.maximum(n_tiles + 1 - COPY_LAG, 0), n_tiles + 1):  # the groups still unpublished
+        if g == 0:
+            mbarrier.arrive(q_bar, count=1)
+        else:
+            mbarrier.arrive(ready.index((g - 1) % STAGES), count=1)
 
 
 @gluon.jit
@@ -261,7 +269,8 @@ def _index_scores_gluon_kernel(
     r0, r1, k0, W_LEN,
     HI: gl.constexpr, DI: gl.constexpr,
     BLOCK_Q: gl.constexpr, BLOCK_HI: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-    KEY_SPAN: gl.constexpr, STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    KEY_SPAN: gl.constexpr, STAGES: gl.constexpr, COPY_LAG: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     CONSUMER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     pid_q = gl.program_id(0)
@@ -287,7 +296,7 @@ def _index_scores_gluon_kernel(
                      1, HI, BLOCK_Q, BLOCK_HI, BLOCK_N, KEY_SPAN, STAGES)),
         (_producer, (Q, KI, POS, DS, q_smem, k_smem, ready, empty, q_bar.index(0), b, pid_q, pid_n, r0, r1, k0,
                      W_LEN, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_db,
-                     HI, DI, BLOCK_Q, BLOCK_HI, BLOCK_N, BLOCK_D, KEY_SPAN, STAGES)),
+                     HI, DI, BLOCK_Q, BLOCK_HI, BLOCK_N, BLOCK_D, KEY_SPAN, STAGES, COPY_LAG)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -313,7 +322,7 @@ def plan_scores_gluon(q, k, w, doc_start, scores, positions, r0: int, r1: int, k
             stride_sb=scores.stride(0), stride_sc=scores.stride(1),
             r0=r0, r1=r1, k0=k0, W_LEN=W_LEN,
             HI=HI, DI=DI, BLOCK_Q=block_q, BLOCK_HI=BLOCK_HI, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, KEY_SPAN=span,
-            STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
+            STAGES=STAGES, COPY_LAG=COPY_LAG, PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
             CONSUMER_WARPS=CONSUMER_WARPS, CONSUMER_REGS=CONSUMER_REGS,
         ),
         num_warps=CONSUMER_WARPS, num_stages=STAGES, maxnreg=MAXNREG,
