@@ -550,9 +550,10 @@ def score_config_space(capability: int) -> tuple:
 def score_space_for(q, k, scores, fp8: bool, unmeasured: bool = False, on_gpu: bool | None = None) -> list[str]:
     """Names of the score configs for this call: `score_config_space` of the target's capability, less
     the Gluon ones off a GPU (the interpreter cannot run them), where that kernel does not take the call
-    (`gluon_scores.gluon_scores_supported`: FP8, d_I > 128, H_I > 64, ...), with DSA_KERNELS_GLUON=0, or, until a GPU has run them, without DSA_KERNELS_GLUON_SCORES=1
-    (`unmeasured=True` keeps them regardless of the opt-in: a forced config, gpu-check's checks).
-    on_gpu: whether the launch runs compiled on a GPU (default: q on CUDA, not interpreted)."""
+    (`gluon_scores.gluon_scores_supported`: FP8, d_I > 128, H_I > 64, ...), with DSA_KERNELS_GLUON=0,
+    or, until a GPU has run them, without DSA_KERNELS_GLUON_SCORES=1 (`unmeasured=True` keeps them
+    regardless of that opt-in: a forced config, gpu-check's checks). on_gpu: whether the launch runs
+    compiled on a GPU (default: q on CUDA, not interpreted)."""
     cap = target_capability(q)
     on_gpu = (q.is_cuda and not interpreted()) if on_gpu is None else on_gpu
     names = [name for name, kind in score_config_space(cap) if kind != "gluon"]
@@ -563,7 +564,6 @@ def score_space_for(q, k, scores, fp8: bool, unmeasured: bool = False, on_gpu: b
 
         if not gluon_enabled():  # DSA_KERNELS_GLUON=0: no Gluon kernel anywhere, forced checks included
             return names
-
         if (unmeasured or gluon_scores_enabled()) and gluon_scores_supported(q, k, scores, fp8, cap) is None:
             names += gluon
     return names
