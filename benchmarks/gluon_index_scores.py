@@ -14,6 +14,9 @@ Rows ("kind"):
   the finite scores; `verify_pass`: the autotuner's criterion, SCORE_VERIFY_RTOL) and with the fp32
   PyTorch reference on 8 rows, then timed with CUDA events (median of 5 after 2 warm-ups). Then the
   default and "gluon-keys-rows" on a bf16 score block ("block-bf16").
+- "diagnostic": "gluon-keys-rows" on the fp32 block without the producer's k copies (DIAG 1) and
+  without the consumers' epilogue (DIAG 2): is a tile's time the copies', the tensor cores' or the
+  epilogue's? (outputs meaningless, not compared).
 - "full": the whole 32K causal scores pass as the driver runs it (16 chunks of 2048 rows, each over
   its window [0, last row]; one launch per chunk into one reused block), per config: the time of the
   16 launches together. The default's row is today's default run time of the pass.
@@ -153,6 +156,24 @@ def _child(args) -> int:
     for name in space:
         if name not in runnable:
             emit(kind="block", config=name, **base, note="not run: Gluon kernels run only compiled on an sm_90 GPU")
+    # timing diagnostics of the first Gluon config on the fp32 block (outputs not compared): without the
+    # producer's k copies (DIAG 1: the tensor cores, the epilogue and the handshake) and without the
+    # consumers' epilogue (DIAG 2: the copies, the tensor cores and the handshake)
+    first = next((n for n in space if n in gluon and n in runnable), None)
+    for diag, what in ((1, "no k copies"), (2, "no epilogue")) if first else ():
+        if time.time() > deadline - 5:
+            emit(kind="diagnostic", config=f"{first} ({what})", **base, note="budget spent")
+            continue
+        try:
+            out = torch.empty((1, C, q1), dtype=torch.float32, device=dev)
+            launch = plan(first, out)
+            launch.args["DIAG"] = diag
+            ms = time_ms(launch.run)
+            emit(kind="diagnostic", config=f"{first} ({what})", **base, ms=round(ms, 3),
+                 tflops=round(flops / ms / 1e9, 1))
+            del out
+        except Exception as err:
+            emit(kind="diagnostic", config=f"{first} ({what})", **base, error=f"{type(err).__name__}: {str(err)[-300:]}")
     blocks.clear()
     if cuda:
         torch.cuda.empty_cache()

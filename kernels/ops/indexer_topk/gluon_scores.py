@@ -33,6 +33,11 @@ Configs (`kernel.SCORE_CONFIG_SPACE`, "gluon-keys-rows*"; `GLUON_SCORE_CONFIGS` 
 per CTA): BLOCK_Q = 4 (N = 256) and 2 (N = 128). Issued FLOPs, bytes and the epilogue's cost per
 tensor-core FLOP: docs/kernels.md "Gluon index scores".
 
+DIAG (a constexpr, 0 in every launch the dispatcher makes): 1 leaves the producer's k copies out
+(the ring's stale tiles are used), 2 the consumers' epilogue (wgmma only, nothing stored), for
+`benchmarks/gluon_index_scores.py`'s timing diagnostics (is a tile's time the copies', the tensor
+cores' or the epilogue's?); their outputs are meaningless.
+
 Gluon kernels do not run under TRITON_INTERPRET: on the CPU nothing here runs; the compile gate
 compiles it (sm_90a, Triton 3.6 and 3.9), tests/test_kernels_gluon_scores.py checks its schedule as a
 PyTorch model (`model_scores`) against the reference and the Triton kernel, and the GPU checks
@@ -134,7 +139,7 @@ def _producer(Q, KI, POS, DS, q_smem, k_smem, ready, empty, q_bar, b, pid_q, pid
               stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_db,
               HI: gl.constexpr, DI: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_HI: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, KEY_SPAN: gl.constexpr, STAGES: gl.constexpr,
-              COPY_LAG: gl.constexpr):
+              COPY_LAG: gl.constexpr, DIAG: gl.constexpr):
     num_warps: gl.constexpr = gl.num_warps()
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])  # 16-byte vectors
     rows = gl.arange(0, 64, layout=gl.SliceLayout(1, lay))
@@ -156,9 +161,10 @@ def _producer(Q, KI, POS, DS, q_smem, k_smem, ready, empty, q_bar, b, pid_q, pid
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
         offs_w = lo + i * BLOCK_N + rows  # window columns of the tile's keys
         k_ptr = k_base + ((k0 + offs_w).to(gl.int64) * stride_kt)[:, None] + cols[None, :]
-        for c in gl.static_range(BLOCK_D // 64):
-            m = (offs_w < span1)[:, None] & (c * 64 + cols < DI)[None, :]
-            _cp_async(k_smem.index(s).slice(c * 64, 64, dim=1), k_ptr + c * 64, mask=m)
+        if DIAG != 1:
+            for c in gl.static_range(BLOCK_D // 64):
+                m = (offs_w < span1)[:, None] & (c * 64 + cols < DI)[None, :]
+                _cp_async(k_smem.index(s).slice(c * 64, 64, dim=1), k_ptr + c * 64, mask=m)
         async_copy.commit_group()
         # copy groups so far: q (group 0), tiles 0..i (groups 1..i + 1); all but the last COPY_LAG have
         # landed: publish group i + 1 - COPY_LAG (q, or a tile), so COPY_LAG groups stay in flight
@@ -198,7 +204,7 @@ def _round_to_bf16(x):
 def _consumer(W, POS, DS, S, q_smem, k_smem, ready, empty, q_bar, b, pid_q, pid_n, r0, r1, k0, W_LEN,
               stride_wb, stride_wt, stride_db, stride_sb, stride_sc,
               CID: gl.constexpr, HI: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_HI: gl.constexpr,
-              BLOCK_N: gl.constexpr, KEY_SPAN: gl.constexpr, STAGES: gl.constexpr):
+              BLOCK_N: gl.constexpr, KEY_SPAN: gl.constexpr, STAGES: gl.constexpr, DIAG: gl.constexpr):
     num_warps: gl.constexpr = gl.num_warps()
     N: gl.constexpr = BLOCK_Q * BLOCK_HI
     acc_lay: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -225,26 +231,33 @@ def _consumer(W, POS, DS, S, q_smem, k_smem, ready, empty, q_bar, b, pid_q, pid_
     zero = gl.zeros([BLOCK_N, N], gl.float32, layout=acc_lay)
     mbarrier.wait(q_bar, 0)
     qt = q_smem.permute((1, 0))  # [BLOCK_D, N]
+    keep = zero  # DIAG 2: the products accumulate here, so that nothing can drop the wgmma
     for i in range(CID, n_tiles, 2):
         s = i % STAGES
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         fence_async_shared()
-        acc = warpgroup_mma(k_smem.index(s), qt, zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma(k_smem.index(s), qt, keep, use_acc=DIAG == 2, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if DIAG == 2:
+            keep = acc
         _cta_barrier()  # the warp group's wgmma is done: the stage may be refilled
         mbarrier.arrive(empty.index(s), count=1)
-        # ReLU keeping NaN (as torch.relu), times w, summed over each query's heads
-        x = w_r[None, :] * gl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL)
-        sums = gl.sum(gl.reshape(x, [BLOCK_N, BLOCK_Q, BLOCK_HI]), axis=2)
-        sums = gl.convert_layout(sums, out_lay)
-        sums = gl.where(sums == 0.0, 0.0, sums)  # -0.0 -> +0.0
-        offs_w = lo + i * BLOCK_N + keys
-        offs_s = k0 + offs_w
-        valid = (offs_s[:, None] <= t[None, :]) & (offs_s[:, None] >= ds[None, :])
-        sums = gl.where(valid, sums, float("-inf"))
-        if is_bf16:
-            sums = _round_to_bf16(sums)
-        gl.store(out + offs_w[:, None], sums.to(S.dtype.element_ty), mask=(offs_w < span1)[:, None] & mask_q[None, :])
+        if DIAG != 2:
+            # ReLU keeping NaN (as torch.relu), times w, summed over each query's heads
+            x = w_r[None, :] * gl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL)
+            sums = gl.sum(gl.reshape(x, [BLOCK_N, BLOCK_Q, BLOCK_HI]), axis=2)
+            sums = gl.convert_layout(sums, out_lay)
+            sums = gl.where(sums == 0.0, 0.0, sums)  # -0.0 -> +0.0
+            offs_w = lo + i * BLOCK_N + keys
+            offs_s = k0 + offs_w
+            valid = (offs_s[:, None] <= t[None, :]) & (offs_s[:, None] >= ds[None, :])
+            sums = gl.where(valid, sums, float("-inf"))
+            if is_bf16:
+                sums = _round_to_bf16(sums)
+            gl.store(out + offs_w[:, None], sums.to(S.dtype.element_ty),
+                     mask=(offs_w < span1)[:, None] & mask_q[None, :])
+    if DIAG == 2:  # a store no launch takes (r1 >= 0), which the compiler cannot drop
+        gl.store(S + b * stride_sb, gl.sum(gl.sum(keep, axis=1), axis=0).to(S.dtype.element_ty), mask=r1 < 0)
     # dead columns of the span, after the tiles: before the live ones (consumer 0), after the last position (consumer 1)
     dead = gl.full([BLOCK_N, BLOCK_Q], float("-inf"), gl.float32, layout=out_lay).to(S.dtype.element_ty)
     if CID == 0:
@@ -271,7 +284,7 @@ def _index_scores_gluon_kernel(
     BLOCK_Q: gl.constexpr, BLOCK_HI: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     KEY_SPAN: gl.constexpr, STAGES: gl.constexpr, COPY_LAG: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    CONSUMER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    CONSUMER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr, DIAG: gl.constexpr,
 ):
     pid_q = gl.program_id(0)
     pid_n = gl.program_id(1)
@@ -290,13 +303,13 @@ def _index_scores_gluon_kernel(
     gl.warp_specialize([
         (_consumer, (W, POS, DS, S, q_smem, k_smem, ready, empty, q_bar.index(0), b, pid_q, pid_n, r0, r1, k0, W_LEN,
                      stride_wb, stride_wt, stride_db, stride_sb, stride_sc,
-                     0, HI, BLOCK_Q, BLOCK_HI, BLOCK_N, KEY_SPAN, STAGES)),
+                     0, HI, BLOCK_Q, BLOCK_HI, BLOCK_N, KEY_SPAN, STAGES, DIAG)),
         (_consumer, (W, POS, DS, S, q_smem, k_smem, ready, empty, q_bar.index(0), b, pid_q, pid_n, r0, r1, k0, W_LEN,
                      stride_wb, stride_wt, stride_db, stride_sb, stride_sc,
-                     1, HI, BLOCK_Q, BLOCK_HI, BLOCK_N, KEY_SPAN, STAGES)),
+                     1, HI, BLOCK_Q, BLOCK_HI, BLOCK_N, KEY_SPAN, STAGES, DIAG)),
         (_producer, (Q, KI, POS, DS, q_smem, k_smem, ready, empty, q_bar.index(0), b, pid_q, pid_n, r0, r1, k0,
                      W_LEN, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_db,
-                     HI, DI, BLOCK_Q, BLOCK_HI, BLOCK_N, BLOCK_D, KEY_SPAN, STAGES, COPY_LAG)),
+                     HI, DI, BLOCK_Q, BLOCK_HI, BLOCK_N, BLOCK_D, KEY_SPAN, STAGES, COPY_LAG, DIAG)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -323,7 +336,7 @@ def plan_scores_gluon(q, k, w, doc_start, scores, positions, r0: int, r1: int, k
             r0=r0, r1=r1, k0=k0, W_LEN=W_LEN,
             HI=HI, DI=DI, BLOCK_Q=block_q, BLOCK_HI=BLOCK_HI, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, KEY_SPAN=span,
             STAGES=STAGES, COPY_LAG=COPY_LAG, PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
-            CONSUMER_WARPS=CONSUMER_WARPS, CONSUMER_REGS=CONSUMER_REGS,
+            CONSUMER_WARPS=CONSUMER_WARPS, CONSUMER_REGS=CONSUMER_REGS, DIAG=0,
         ),
         num_warps=CONSUMER_WARPS, num_stages=STAGES, maxnreg=MAXNREG,
     )
