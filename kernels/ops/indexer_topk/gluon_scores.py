@@ -7,14 +7,15 @@ S[c, w] = sum_h w[t, h] ReLU(q[t, h] . k[k0 + w]) for the local row c = row - r0
 t = POS[row], -inf where k0 + w > t or k0 + w < doc_start[t]; ReLU keeps NaN; -0.0 -> +0.0; a bf16
 block gets the fp32 sum rounded to nearest even (the Triton kernel's integer rounding).
 
-Schedule, one CTA per (BLOCK_Q queries, KEY_SPAN keys, batch) — the Triton kernel's grid — and three
+Schedule, one CTA per (BLOCK_Q queries, KEY_SPAN = 2048 keys, batch) (the Triton kernel's grid, its
+span twice as long) and three
 warp groups (`gl.warp_specialize`, maxnreg 168 x 384 threads: one CTA per SM):
 
 - **producer** (a worker warp group, `setmaxnreg` PRODUCER_REGS): copies the CTA's queries' q
   ([BLOCK_Q x 64 heads, 128] bf16, heads past H_I and channels past d_I zero-filled) into shared
   memory once (`cp.async`), then walks the span's live key tiles (the keys between the queries' first
-  document start and their last position): per 64-key tile it waits for a free stage of the ring
-  (`empty[s]`) of the 6-stage ring, copies the 64 contiguous k rows (16 KB, 16-byte `cp.async`, rows
+  document start and their last position): per 64-key tile it waits for a free stage of the 6-stage
+  ring (`empty[s]`), copies the 64 contiguous k rows (16 KB, 16-byte `cp.async`, rows
   past the span zero-filled), then waits for every copy group but the last COPY_LAG = 2
   (`cp.async.wait_group 2`), fences the async proxy, syncs its warps and publishes the group that
   landed: q (`q_bar`, group 0, with tile 1's wait) or a tile (`ready[s]`), so that up to three
@@ -29,8 +30,8 @@ warp groups (`gl.warp_specialize`, maxnreg 168 x 384 threads: one CTA per SM):
   scores (through a small layout conversion, 64 consecutive keys per query row). After its tiles,
   consumer 0 writes the span's columns before the live range -inf, consumer 1 those after it.
 
-Configs (`kernel.SCORE_CONFIG_SPACE`, "gluon-keys-rows*"; `GLUON_SCORE_CONFIGS` here: name -> queries
-per CTA): BLOCK_Q = 4 (N = 256) and 2 (N = 128). Issued FLOPs, bytes and the epilogue's cost per
+Configs (`kernel.SCORE_GLUON_CONFIGS`, in `kernel.score_config_space(90)`; `GLUON_SCORE_CONFIGS`
+here: name -> queries per CTA): BLOCK_Q = 4 (N = 256) and 2 (N = 128). Issued FLOPs, bytes and the epilogue's cost per
 tensor-core FLOP: docs/kernels.md "Gluon index scores".
 
 DIAG (a constexpr, 0 in every launch the dispatcher makes): 1 leaves the producer's k copies out
@@ -40,7 +41,7 @@ cores' or the epilogue's?); their outputs are meaningless.
 
 Gluon kernels do not run under TRITON_INTERPRET: on the CPU nothing here runs; the compile gate
 compiles it (sm_90a, Triton 3.6 and 3.9), tests/test_kernels_gluon_scores.py checks its schedule as a
-PyTorch model (`model_scores`) against the reference and the Triton kernel, and the GPU checks
+PyTorch model (its `model_scores`) against the reference and the Triton kernel, and the GPU checks
 (gpu-check's correctness.index_scores_bf16, the autotuner's verification with
 DSA_KERNELS_GLUON_SCORES=1, benchmarks/gluon_index_scores.py) prove the kernel itself.
 """
@@ -64,7 +65,8 @@ BLOCK_N = 64  # keys per tile: the wgmma M of one consumer warp group
 BLOCK_HI = 64  # heads per query in the B operand (H_I padded with zero rows / zero weights)
 BLOCK_D = 128  # the head dim, one resident tile (d_I padded with zero channels)
 STAGES = 6  # shared-memory ring of k tiles (16 KB each)
-# copy groups left in flight when the producer publishes one (cp.async.wait_group COPY_LAG), 1 <= COPY_LAG < STAGES.
+# copy groups left in flight when the producer publishes one (cp.async.wait_group COPY_LAG);
+# 1 <= COPY_LAG < STAGES.
 # Each consumer keeps its stage through its epilogue (ptxas sinks the release below it), so of the 6
 # stages 2 are held, up to COPY_LAG + 1 = 3 are being filled, and 1 is ready ahead.
 COPY_LAG = 2
@@ -74,12 +76,8 @@ PRODUCER_REGS = 40
 CONSUMER_WARPS = 4  # per consumer partition (the default one and a worker)
 CONSUMER_REGS = 232  # (MAXNREG x 384 - PRODUCER_REGS x 128) / 256
 MAXNREG = 168  # 168 x 384 threads <= 64K registers: one CTA per SM
-# config name (kernel.SCORE_CONFIG_SPACE) -> queries per CTA
+# config name (kernel.SCORE_GLUON_CONFIGS) -> queries per CTA
 GLUON_SCORE_CONFIGS = {"gluon-keys-rows": 4, "gluon-keys-rows-q2": 2}
-
-
-def is_gluon_score_config(name: str | None) -> bool:
-    return bool(name) and name in GLUON_SCORE_CONFIGS
 
 
 def gluon_scores_enabled() -> bool:
@@ -116,9 +114,9 @@ def gluon_scores_supported(q, k, scores, fp8: bool, capability: int) -> str | No
 @gluon.jit
 def _live_range(POS, DS, b, pid_q, pid_n, r0, r1, k0, W_LEN, stride_db,
                 BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, KEY_SPAN: gl.constexpr):
-    """(span0, span1, lo, n_tiles): the CTA's window columns [span0, span1) and its live key tiles
-    [lo, lo + n_tiles BLOCK_N) (causal: keys <= the queries' last position; documents: from the tile
-    holding their first document start), as the Triton kernel computes them."""
+    """(span0, span1, lo, hi, n_tiles): the CTA's window columns [span0, span1), its live columns [lo,
+    hi) (causal: keys <= the queries' last position; documents: from the tile holding their first
+    document start) and their n_tiles key tiles from lo, as the Triton kernel computes them."""
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     offs_c = pid_q * BLOCK_Q + gl.arange(0, BLOCK_Q, layout=lay)
     mask_q = r0 + offs_c < r1
