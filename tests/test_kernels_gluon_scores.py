@@ -320,6 +320,8 @@ def test_forcing_a_gluon_config_plans_the_gluon_kernel(config):
     with planning_for(90):
         launch = TK.plan_scores(q, k, w, ds, scores, pos, 0, 64, 0, config=config)
         assert launch.kernel is G._index_scores_gluon_kernel
+        assert set(launch.args) == set(launch.kernel.arg_names)  # every parameter, nothing the kernel lacks
+        assert launch.args["DIAG"] == 0  # the timing diagnostics only where the benchmark sets them
         assert launch.args["BLOCK_Q"] == G.GLUON_SCORE_CONFIGS[config] and launch.args["HI"] == 5
         assert launch.grid == (64 // G.GLUON_SCORE_CONFIGS[config], 1, 1)
         assert launch.options() == dict(num_warps=G.CONSUMER_WARPS, maxnreg=G.MAXNREG)
