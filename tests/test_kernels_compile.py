@@ -344,7 +344,8 @@ def test_gluon_forward_is_in_the_gate_on_hopper_under_both_tritons(gate_reports)
         assert rows, (version, arch)
         assert {r["language"] for r in rows} <= {"Triton", "Gluon"}
         assert {r["kernel"] for r in rows if r["language"] == "Gluon"} <= {"_sparse_mla_fwd_gluon_kernel",
-                                                                           "_sparse_mla_bwd_gluon_kernel"}
+                                                                           "_sparse_mla_bwd_gluon_kernel",
+                                                                           "_index_scores_gluon_kernel"}
         gluon = [r for r in rows if r["language"] == "Gluon" and r["op"] == "sparse_mla_fwd"]
         assert all(r["kernel"] == "_sparse_mla_fwd_gluon_kernel" for r in gluon)
         if arch != "sm_90a":
@@ -389,3 +390,27 @@ def test_fp8_index_scores_multiply_e4m3_on_the_tensor_cores(gate_reports):
     for r in rows:
         assert r["spill_bytes"] == 0 and r["wgmma"] > 0, r
         assert r["shapes"]["wgmma"] and all(s.endswith("k32") for s in r["shapes"]["wgmma"]), r["shapes"]
+
+
+@pytest.mark.integration  # the gate reports come from compile_report subprocesses
+def test_gluon_index_scores_are_in_the_gate_on_hopper_under_both_tritons(gate_reports):
+    """Issue 31: the Gluon index-score kernel (keys along the wgmma M, a cp.async producer warp group, two
+    ping-pong consumer warp groups) is compiled for sm_90a under the oldest and the newest supported
+    Triton, for every Gluon config of the score space and both score-block dtypes (fp32, bf16), marked
+    "Gluon", with wgmma only (no mma.sync), no spill, maxnreg 168 (384 threads), within the shared
+    memory; nothing on sm_100 (the kernel is sm_90a only)."""
+    from dsa_kernels.ops.indexer_topk.kernel import score_config_space
+
+    for (version, arch), res in gate_reports.items():
+        rows = [r for r in res["rows"] or [] if r["kernel"] == "_index_scores_gluon_kernel"]
+        if arch != "sm_90a":
+            assert not rows, (version, arch)
+            continue
+        assert all(r["op"] == "indexer_scores" and r["language"] == "Gluon" for r in rows)
+        names = {n for n, kind in score_config_space(90) if kind == "gluon"}
+        assert names and {r["config"].split("autotune config ")[1].split()[0] for r in rows} == names, version
+        assert len(rows) == 2 * len(names), [r["config"] for r in rows]  # fp32 and bf16 score blocks
+        for r in rows:
+            assert r["error"] is None and r["gate"] == [], (version, r)
+            assert r["wgmma"] > 0 and r["mma_sync"] == 0, (version, r)
+            assert r["spill_bytes"] == 0 and r["registers"] == 168, (version, r)

@@ -44,6 +44,8 @@ autotuner verify them against the radix default and time all; `select=` forces o
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -350,7 +352,8 @@ def plan_scores(q, k, w, doc_start, scores, positions, r0: int, r1: int, k0: int
     doc_start [B, T] (the whole sequence), scores [B, r1 - r0, W] fp32 or bf16 (every entry
     written, rounded to its dtype; -inf where masked); qs [B, Tq, H_I, G] / ks [B, T, G] fp32 scales for e4m3 q/k (None: 16-bit
     or fp32 q/k). key_span: keys per program (a multiple of BLOCK_N; default 16 tiles). config: a
-    name of `SCORE_CONFIG_SPACE` (default: its first)."""
+    name of `SCORE_CONFIG_SPACE` (default: its first) or of `SCORE_GLUON_CONFIGS` (the Gluon kernel,
+    `gluon_scores.plan_scores_gluon`; a call it does not take is a ValueError naming why)."""
     B, Tq, HI, DI = q.shape
     C, W_LEN = r1 - r0, scores.shape[2]
     fp8 = qs is not None
@@ -358,7 +361,21 @@ def plan_scores(q, k, w, doc_start, scores, positions, r0: int, r1: int, k0: int
     span = key_span or KEY_SPAN_TILES * block_n
     if span % block_n:
         raise ValueError(f"key_span={span} must be a multiple of the key tile {block_n}")
-    keys_major = dict((name, km) for name, km in SCORE_CONFIG_SPACE)[config or SCORE_CONFIG_SPACE[0][0]]
+    name = config or SCORE_CONFIG_SPACE[0][0]
+    kinds = dict(SCORE_CONFIG_SPACE + SCORE_GLUON_CONFIGS)
+    if name not in kinds:
+        raise ValueError(f"index scores: config {name!r} (config= or DSA_INDEX_SCORES_CONFIG) is not a score "
+                         f"config; pick one of {', '.join(kinds)}")
+    if kinds[name] == "gluon":
+        from .gluon_scores import gluon_scores_supported, plan_scores_gluon
+
+        why = gluon_scores_supported(q, k, scores, fp8, target_capability(q))
+        if why is not None:
+            raise ValueError(f"index scores: the Gluon config {name!r} does not take this call: {why}; force a "
+                             f"Triton config ({', '.join(n for n, _ in SCORE_CONFIG_SPACE)}) or unset "
+                             "DSA_INDEX_SCORES_CONFIG")
+        return plan_scores_gluon(q, k, w, doc_start, scores, positions, r0, r1, k0, name, key_span)
+    keys_major = kinds[name]
     keys_major = keys_major and DI <= block_d  # one resident head-dim tile only
     dummy = scores
     return Launch(
@@ -517,12 +534,54 @@ def streaming_read_bytes(launch: Launch) -> int:
 # pattern, finite scores within SCORE_VERIFY_RTOL of the block's largest) and timed.
 SCORE_CONFIG_SPACE = (("heads-rows", False), ("keys-rows", True))
 SCORE_VERIFY_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+# The Gluon score kernel (`gluon_scores.py`: keys along the wgmma M, a cp.async producer warp group, two
+# ping-pong consumer warp groups; bf16 / fp16 q and k only, sm_90a): (name, "gluon"), after the Triton
+# configs on sm_90, never the default. They join the autotuned space only with DSA_KERNELS_GLUON_SCORES=1
+# until a GPU has run them (`gluon_scores.gluon_scores_enabled`); `config=` / DSA_INDEX_SCORES_CONFIG
+# force one by name (gpu-check's correctness.index_scores_bf16 does).
+SCORE_GLUON_CONFIGS = (("gluon-keys-rows", "gluon"), ("gluon-keys-rows-q2", "gluon"))
+
+
+def score_config_space(capability: int) -> tuple:
+    """The score kernel's configs on a GPU of this compute capability: the Triton ones, then on sm_90
+    the Gluon ones."""
+    return SCORE_CONFIG_SPACE + (SCORE_GLUON_CONFIGS if capability == 90 else ())
+
+
+def score_space_for(q, k, scores, fp8: bool, unmeasured: bool = False, on_gpu: bool | None = None) -> list[str]:
+    """Names of the score configs for this call: `score_config_space` of the target's capability, less
+    the Gluon ones off a GPU (the interpreter cannot run them), where that kernel does not take the call
+    (`gluon_scores.gluon_scores_supported`: FP8, d_I > 128, H_I > 64, ...), with DSA_KERNELS_GLUON=0,
+    or, until a GPU has run them, without DSA_KERNELS_GLUON_SCORES=1 (`unmeasured=True` keeps them
+    regardless of that opt-in: a forced config, gpu-check's checks). on_gpu: whether the launch runs
+    compiled on a GPU (default: q on CUDA, not interpreted)."""
+    cap = target_capability(q)
+    on_gpu = (q.is_cuda and not interpreted()) if on_gpu is None else on_gpu
+    names = [name for name, kind in score_config_space(cap) if kind != "gluon"]
+    gluon = [name for name, kind in score_config_space(cap) if kind == "gluon"]
+    if gluon and on_gpu:  # a Gluon kernel runs only compiled, on the GPU
+        from ..sparse_mla.kernel import gluon_enabled
+        from .gluon_scores import gluon_scores_enabled, gluon_scores_supported
+
+        if not gluon_enabled():  # DSA_KERNELS_GLUON=0: no Gluon kernel anywhere, forced checks included
+            return names
+        if (unmeasured or gluon_scores_enabled()) and gluon_scores_supported(q, k, scores, fp8, cap) is None:
+            names += gluon
+    return names
+
+
+def forced_score_config() -> str | None:
+    """The score config forced by DSA_INDEX_SCORES_CONFIG (a name of `score_config_space`, e.g.
+    "gluon-keys-rows"): it runs untimed and unverified wherever the score kernel runs. None: the
+    autotuner chooses (the default off the GPU)."""
+    return os.environ.get("DSA_INDEX_SCORES_CONFIG", "").strip() or None
 
 
 def _score_chunk(q, k, w, doc_start, positions, r0, r1, k0, k_end, qs=None, ks=None, key_span=None,
                  score_dtype=torch.float32, config: str | None = None):
-    """The chunk's score block; config: one of SCORE_CONFIG_SPACE, or None (autotuned on a GPU,
-    the default off it)."""
+    """The chunk's score block; config: one of `score_config_space`, or None: DSA_INDEX_SCORES_CONFIG if
+    set, else autotuned on a GPU over `score_space_for` (the Gluon configs only with
+    DSA_KERNELS_GLUON_SCORES=1), the default off it."""
     B = q.shape[0]
     shape = (B, r1 - r0, k_end - k0)
     scores = torch.empty(shape, dtype=score_dtype, device=q.device)
@@ -543,12 +602,15 @@ def _score_chunk(q, k, w, doc_start, positions, r0, r1, k0, k_end, qs=None, ks=N
         scale = float(ref[fin].float().abs().max().clamp_min(1e-30))
         return float((got[fin].float() - ref[fin].float()).abs().max()) <= SCORE_VERIFY_RTOL[score_dtype] * scale
 
+    config = config or forced_score_config()
     if config is not None:
         launch = build(config)
     else:
         on_gpu = q.is_cuda and not interpreted()
-        names = [name for name, _ in SCORE_CONFIG_SPACE]
+        names = score_space_for(q, k, scores, qs is not None)
         key = (pow2(r1 - r0), pow2(k_end - k0), q.shape[2], q.shape[3], str(q.dtype), str(score_dtype))
+        if len(names) > len(SCORE_CONFIG_SPACE):  # the Gluon configs joined (opt-in): their own entry
+            key += ("+".join(names),)
         _, launch = autotune.pick("indexer_scores", key, names, build, on_gpu,
                                   autotune.device_id(q) if on_gpu else "", verify=verify)
     launch.run()
@@ -768,7 +830,8 @@ def indexer_topk_triton(
 def index_scores_triton(q, k, w, doc_start, q0: int, q1: int, fp8: bool = False, key_span: int | None = None,
                         score_dtype: torch.dtype = torch.float32, ue8m0: bool = False, config: str | None = None):
     """Masked scores of queries [q0, q1) over their key window (testing / benchmarking helper)
-    -> ([B, C, W] fp32 with -inf, k0). config: one of SCORE_CONFIG_SPACE (None: autotuned)."""
+    -> ([B, C, W] fp32 with -inf, k0). config: one of `score_config_space` (None: DSA_INDEX_SCORES_CONFIG,
+    else autotuned)."""
     q, k = _score_inputs("index_scores", q, k, fp8)
     qs = ks = None
     if fp8:

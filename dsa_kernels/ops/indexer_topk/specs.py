@@ -9,8 +9,9 @@ from ...analysis import Work
 from ...registry import SHAPES_671B, KernelCase, register
 from ..._triton_common import target_capability
 from .composite import COMPOSITE_BUDGET_ELEMS, plan_composite_keys
-from .kernel import (DEFAULT_SCORE_BUDGET, SCORE_CONFIG_SPACE, candidate_buffers, plan_scores, plan_select, scores_work,
-                     select_config_space, select_work)
+from .gluon_scores import gluon_scores_work
+from .kernel import (DEFAULT_SCORE_BUDGET, SCORE_CONFIG_SPACE, candidate_buffers, plan_scores, plan_select,
+                     score_config_space, scores_work, select_config_space, select_work)
 from .repair import count_work, plan_count_ties, plan_topk_repair, repair_work
 
 
@@ -23,7 +24,7 @@ def _chunk():
 
 def _config(launch) -> str:
     a = launch.args
-    keys = [k for k in a if k.startswith("BLOCK") or k in ("FP8", "KEY_SPAN", "DIGIT_BITS", "PASSES", "CAP", "TILE")]
+    keys = [k for k in a if k.startswith("BLOCK") or k in ("FP8", "KEY_SPAN", "DIGIT_BITS", "PASSES", "CAP", "TILE", "STAGES")]
     if launch.args.get("KEYS_MAJOR"):
         keys.append("KEYS_MAJOR")
     return " ".join(f"{k}={a[k]}" for k in keys) + f" warps={launch.num_warps} grid={launch.grid}"
@@ -55,6 +56,14 @@ def _scores():
         launch = plan_scores(q, k, w, ds, scores16, pos, q0, q1, k0, config=name)
         cases.append(KernelCase("bf16 q/k, bf16 score block " + label + _config(launch), launch,
                                 work=scores_work(launch)))
+    # the Gluon kernel's configs on sm_90 (bf16 q/k only: FP8 stays on the Triton kernel)
+    for name, kind in score_config_space(target_capability(q)):
+        if kind != "gluon":
+            continue
+        for what, block in (("bf16 ", scores), ("bf16 q/k, bf16 score block ", scores16)):
+            launch = plan_scores(q, k, w, ds, block, pos, q0, q1, k0, config=name)
+            cases.append(KernelCase(f"{what}autotune config {name} " + _config(launch), launch,
+                                    work=gluon_scores_work(launch)))
     return cases
 
 
