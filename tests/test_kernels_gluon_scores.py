@@ -362,7 +362,7 @@ def test_supported_calls_and_the_analysis_column():
     with planning_for(90):
         for config, bq in G.GLUON_SCORE_CONFIGS.items():
             launch = TK.plan_scores(q, k, w, ds, scores, pos, 192, 256, 0, config=config)
-            work = G.gluon_scores_work(launch)
+            work = TK.gluon_scores_work(launch)
             causal = sum(t + 1 for t in range(192, 256)) / 64
             assert work.useful_flops == pytest.approx(2 * 64 * 128 * causal)
             assert work.issued_flops == 2 * 64 * 128 * 256  # every live 64-key tile in full: 4 of them

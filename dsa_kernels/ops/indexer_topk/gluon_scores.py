@@ -49,7 +49,6 @@ DSA_KERNELS_GLUON_SCORES=1, benchmarks/gluon_index_scores.py) prove the kernel i
 from __future__ import annotations
 
 import os
-import types
 
 import torch
 import triton.language as tl
@@ -338,12 +337,3 @@ def plan_scores_gluon(q, k, w, doc_start, scores, positions, r0: int, r1: int, k
         ),
         num_warps=CONSUMER_WARPS, num_stages=STAGES, maxnreg=MAXNREG,
     )
-
-
-def gluon_scores_work(launch):
-    """The analysis column of a Gluon score launch: `kernel.scores_work`'s formulas (its block sizes:
-    BLOCK_Q queries x 64 heads resident, 64-key tiles, q once per CTA, k per live tile)."""
-    from .kernel import scores_work
-
-    args = dict(launch.args, FP8=False, QS=launch.args["S"])
-    return scores_work(types.SimpleNamespace(args=args, grid=launch.grid))

@@ -45,6 +45,7 @@ autotuner verify them against the radix default and time all; `select=` forces o
 from __future__ import annotations
 
 import os
+import types
 
 import torch
 import triton
@@ -429,6 +430,13 @@ def scores_work(launch: Launch) -> Work:
         read += tiles * bn * (di * k_el + d_tiles * scale)
     return Work(useful_flops=useful / rows, issued_flops=issued / rows, read_bytes=read / rows,
                 write_bytes=w_len * a["S"].element_size())
+
+
+def gluon_scores_work(launch):
+    """The analysis column of a Gluon score launch: `scores_work`'s formulas (its block sizes:
+    BLOCK_Q queries x 64 heads resident, 64-key tiles, q once per CTA, k per live tile)."""
+    args = dict(launch.args, FP8=False, QS=launch.args["S"])
+    return scores_work(types.SimpleNamespace(args=args, grid=launch.grid))
 
 
 def select_block(W_LEN: int, block: int = 4096) -> int:

@@ -9,9 +9,8 @@ from ...analysis import Work
 from ...registry import SHAPES_671B, KernelCase, register
 from ..._triton_common import target_capability
 from .composite import COMPOSITE_BUDGET_ELEMS, plan_composite_keys
-from .gluon_scores import gluon_scores_work
 from .kernel import (DEFAULT_SCORE_BUDGET, SCORE_CONFIG_SPACE, candidate_buffers, plan_scores, plan_select,
-                     score_config_space, scores_work, select_config_space, select_work)
+                     gluon_scores_work, score_config_space, scores_work, select_config_space, select_work)
 from .repair import count_work, plan_count_ties, plan_topk_repair, repair_work
 
 
