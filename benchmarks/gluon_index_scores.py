@@ -32,12 +32,14 @@ the list in OUT_JSON. A config that fails to compile or launch is a row with its
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the harness beside this script
+from child_bench import Rows, run_child  # noqa: E402
+from child_bench import time_ms as bench_time_ms  # noqa: E402
 
 REF_ROWS = 8
 
@@ -50,15 +52,9 @@ def _child(args) -> int:
     from dsa_kernels.ops.indexer_topk import kernel as TK
     from dsa_train.gpucheck.inputs import dims_for, randn
 
-    def emit(**row):
-        row["t_s"] = round(time.time() - t_start, 1)
-        line = json.dumps(row)
-        print(line, flush=True)
-        with open(args.rows_file, "a") as f:
-            f.write(line + "\n")
-
-    t_start = time.time()
-    deadline = t_start + args.budget
+    rows = Rows(args.rows_file)
+    emit = rows.emit
+    deadline = rows.t_start + args.budget
     d = dims_for(args.small)
     cuda = not args.small
     dev = "cuda" if cuda else "cpu"
@@ -75,21 +71,7 @@ def _child(args) -> int:
             torch.cuda.synchronize()
 
     def time_ms(fn) -> float:
-        if not cuda:
-            t = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t) * 1e3
-        for _ in range(2):
-            fn()
-        times = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[2]
+        return bench_time_ms(fn, cuda)
 
     T = args.T
     dt = torch.bfloat16 if cuda else torch.float32  # the interpreter's tl.dot is wrong on 16-bit operands
@@ -214,38 +196,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.child:
         return _child(args)
-    import torch
-
-    t0 = time.time()
     if args.small:
         args.T, args.rows = min(args.T, 128), min(args.rows, 32)
-    elif not torch.cuda.is_available():
-        result = {"status": "no CUDA GPU: nothing measured", "rows": []}
-        with open(args.out_json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(result["status"], file=sys.stderr)
-        return 2
-    rows_file = args.out_json + ".rows"
-    open(rows_file, "w").close()
-    cmd = [sys.executable, os.path.abspath(__file__), args.out_json, "--child", "--rows-file", rows_file,
-           "--budget", str(args.budget), "--T", str(args.T), "--rows", str(args.rows),
-           *(["--small"] if args.small else [])]
-    status = "ok"
-    try:
-        proc = subprocess.run(cmd, timeout=args.budget + 5, stdout=None, stderr=subprocess.PIPE, text=True)
-        if proc.returncode != 0:
-            tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
-            status = f"child exited {proc.returncode}: {tail}"
-    except subprocess.TimeoutExpired:
-        status = (f"timeout after {args.budget + 5:.0f} s: killed (a hang in the kernel running last, "
-                  f"see the last row)")
-    rows = [json.loads(line) for line in open(rows_file) if line.strip()]
-    os.remove(rows_file)
-    result = {"status": status, "seconds": round(time.time() - t0, 1), "rows": rows}
-    with open(args.out_json, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"gluon_index_scores: {status}; {len(rows)} rows in {args.out_json}, {result['seconds']} s", file=sys.stderr)
-    return 0 if status == "ok" else 1
+    return run_child(__file__, args.out_json, ["--T", str(args.T), "--rows", str(args.rows)], args.budget, args.small,
+                     "gluon_index_scores")
 
 
 if __name__ == "__main__":

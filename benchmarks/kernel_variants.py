@@ -33,6 +33,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness beside this script
+from child_bench import time_ms as bench_time_ms  # noqa: E402
+
 # name, block_k, stages, warps, value split (None: the plan's own)
 FWD_VARIANTS = [
     ("default", None, None, None, None),
@@ -93,21 +96,7 @@ class Sweep:
 
     def time_ms(self, fn) -> float:
         """Median of 5 after 2 warm-ups (CUDA events); one wall-clock call off the GPU."""
-        if not self.cuda:
-            t = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t) * 1e3
-        for _ in range(2):
-            fn()
-        times = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[2]
+        return bench_time_ms(fn, self.cuda)
 
     def compile_and_run(self, launch):
         """Runs the launch once (compiling it) -> (compiled kernel or None, seconds)."""
