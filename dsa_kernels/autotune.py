@@ -13,7 +13,8 @@ config's launch. `pick` returns the launch to run, planning only that one (all o
   write the launch's own outputs, so timing them is harmless for kernels that overwrite them; a
   kernel that accumulates, like the sparse MLA backward's dkv atomics, zeroes its accumulator
   before the run that counts), timed once per (kernel, GPU name, capability, Triton
-  version, shape key) and remembered in memory and in a JSON file:
+  version, shape key, the space's config names: a config that joins the space, such as an opt-in
+  Gluon kernel, is timed against the rest rather than hidden behind an earlier choice) and remembered in memory and in a JSON file:
   `$DSA_AUTOTUNE_CACHE`, by default `~/.cache/dsa_train/autotune.json`.
 
 The compile gate compiles every config of every space (each op's `specs.py` registers one case
@@ -85,9 +86,11 @@ def pick(kernel: str, key: tuple, names: Sequence[str], build: Callable[[str], o
         return names[0], build(names[0])
     import triton
 
-    entry = "|".join([kernel, device_id, f"triton {triton.__version__}", *map(str, key)])
+    # the space is part of the entry: a config that joins it (an opt-in such as DSA_KERNELS_GLUON_BWD)
+    # is timed against the rest, not hidden behind a choice made without it
+    entry = "|".join([kernel, device_id, f"triton {triton.__version__}", *map(str, key), "space " + ",".join(names)])
     name = _MEMORY.get(entry) or _load().get(entry)
-    if name not in names:  # not timed yet (or the space changed since): time every config
+    if name not in names:  # not timed yet for this space: time every config
         bench = bench or _bench
         agree = [n for n in names[1:] if verify is None or _verified(kernel, n, verify)]
         _quiet_device()

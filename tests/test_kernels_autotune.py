@@ -21,12 +21,12 @@ TIMES = {"launch-a": 3.0, "launch-b": 1.0, "launch-c": 2.0}
 
 
 class Bench:
-    def __init__(self):
-        self.calls = []
+    def __init__(self, times=None):
+        self.calls, self.times = [], {**TIMES, **(times or {})}
 
     def __call__(self, launch):
         self.calls.append(launch)
-        return TIMES[launch]
+        return self.times[launch]
 
 
 def _pick(kernel, key, candidates, **kw):
@@ -74,6 +74,20 @@ def test_a_cached_name_outside_the_space_is_timed_again(fresh_cache):
     bench = Bench()
     assert _pick("k", (1,), CANDIDATES, on_gpu=True, device_id="GPU", bench=bench)[0] == "b"
     assert len(bench.calls) == 3
+
+
+def test_a_space_that_gains_a_config_is_timed_again(monkeypatch):
+    """A choice made without a config (say an opt-in Gluon kernel) does not hide it once it joins the
+    space: the entry names the space, so the larger space is timed; the smaller one keeps its choice."""
+    bench = Bench()
+    assert _pick("k", (1,), CANDIDATES[:2], on_gpu=True, device_id="GPU", bench=bench)[0] == "b"
+    monkeypatch.setattr(autotune, "_MEMORY", {})  # a later process, reading the file
+    more = Bench({"launch-c": 0.5})
+    assert _pick("k", (1,), CANDIDATES, on_gpu=True, device_id="GPU", bench=more)[0] == "c"
+    assert sorted(more.calls) == ["launch-a", "launch-b", "launch-c"]
+    again = Bench()
+    assert _pick("k", (1,), CANDIDATES[:2], on_gpu=True, device_id="GPU", bench=again)[0] == "b"
+    assert again.calls == []
 
 
 def test_a_config_that_disagrees_is_never_timed_nor_chosen():
