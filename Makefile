@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast install wheelhouse clean
 
-$(STAMP): pyproject.toml constraints-cpu.txt
+$(STAMP): pyproject.toml setup.py constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints-cpu.txt -e ".[dev]"
