@@ -19,7 +19,7 @@ or "fp8_ue8m0" (e4m3 q_I / k_I with per-token scales, as DeepSeek-V3.2's FP8 inf
 Files: `reference.py` (PyTorch, the specification), `fp8.py` (the FP8 scores' PyTorch forms),
 `kernel.py` (Triton score and radix-select kernels, their launch plans and the chunked driver),
 `pipeline.py` (the driver's chunk pipeline: each chunk's select on a side stream beside the next
-chunk's scores; `DSA_INDEXER_OVERLAP=0` turns it off),
+chunk's scores, opt-in until measured on a GPU: `DSA_INDEXER_OVERLAP=1`),
 `op.py` (the reference's top-k at query positions registered as one torch op,
 `dsa_kernels::indexer_topk_at_positions`, with a fake implementation for the memory trace),
 `specs.py` (the launches the compile report compiles at the 671B shapes), `composite.py` (the

@@ -802,7 +802,7 @@ def indexer_topk_triton(
     reference. select: the selection path (`_select_chunk`: "radix", "composite", "fix-ties",
     "repair", "repair-count", None = autotuned). overlap: each chunk's select on a side stream
     while the next chunk's scores run on the caller's (`pipeline.py`; two score blocks alive);
-    None: `DSA_INDEXER_OVERLAP` (default 1). Bitwise the same outputs either way."""
+    None: `DSA_INDEXER_OVERLAP` (default 0: off until measured). Bitwise the same outputs either way."""
     if score_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"score_dtype must be torch.float32 or torch.bfloat16; got {score_dtype}")
     if select is not None and select not in SELECT_PATHS:
