@@ -290,7 +290,10 @@ def compile_case(case, cap: int) -> dict:
     row["shapes"] = analysis.instruction_shapes(ptx)
     row["replication"] = analysis.warpgroup_replication(compiled.asm.get("ttgir", ""))
     row["analysis"] = analysis.as_dict(case.work, replication=row["replication"]["ratio"])
-    row["occupancy"] = analysis.occupancy(row["registers"], case.launch.num_warps, row["shared_bytes"], cap)
+    # the compiled kernel's warps: a warp-specialized Gluon kernel adds its worker partitions' warps to
+    # the launch's num_warps (the Gluon score kernel: 4 + 4 + 4), all at the launch's register count
+    warps = int(getattr(compiled.metadata, "num_warps", 0) or case.launch.num_warps)
+    row["occupancy"] = analysis.occupancy(row["registers"], warps, row["shared_bytes"], cap)
     row["seconds"] = round(time.perf_counter() - t0, 1)
     return row
 

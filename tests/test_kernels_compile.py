@@ -379,6 +379,8 @@ def test_gluon_backward_is_in_the_gate_on_hopper_under_both_tritons(gate_reports
             assert r["error"] is None and r["gate"] == [], (version, r)
             assert r["wgmma"] > 0 and r["mma_sync"] == 0, (version, r)
             assert r["spill_bytes"] == 0 and r["registers"] == 168, (version, r)
+            # occupancy counts the compiled warps (4 launched + two 4-warp worker partitions), not the launch's 4
+            assert r["occupancy"]["ctas"] == 1 and r["occupancy"]["warps"] == 12, (version, r["occupancy"])
 
 
 @pytest.mark.integration
@@ -414,3 +416,5 @@ def test_gluon_index_scores_are_in_the_gate_on_hopper_under_both_tritons(gate_re
             assert r["error"] is None and r["gate"] == [], (version, r)
             assert r["wgmma"] > 0 and r["mma_sync"] == 0, (version, r)
             assert r["spill_bytes"] == 0 and r["registers"] == 168, (version, r)
+            # one CTA per SM: 12 compiled warps (4 launched + two 4-warp worker partitions) at 168 registers
+            assert r["occupancy"]["ctas"] == 1 and r["occupancy"]["warps"] == 12, (version, r["occupancy"])
