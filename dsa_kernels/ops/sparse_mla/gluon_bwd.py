@@ -35,6 +35,9 @@ maxnreg 168 x 384 threads: one CTA per SM):
      dO^T, 16 registers). PIPELINE_DKV (DKV_CHUNK 64): the first chunk is issued before the wait for
      dq, and chunk c + 1 is issued before chunk c's atomics, so the tensor cores work while the
      atomics issue (the rope is then the last 64-column chunk).
+  DKV_VEC 2 / 4 (DKV_CHUNK 64): each chunk moved within its warp to a layout holding 2 / 4 consecutive
+  columns of a key in a thread (the accumulator holds consecutive keys, columns 8 apart), then added
+  by `red.global.add.v2 / .v4.f32` (inline asm): half / a quarter of the reduction instructions.
   dS and P in shared memory are rewritten only after both warp groups are past the previous tile's
   dkv products (a consumer barrier).
 
