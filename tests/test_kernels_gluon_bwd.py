@@ -365,3 +365,34 @@ def test_vector_dkv_reductions_need_their_layout_and_alignment():
     G.plan_bwd_gluon(*args, odd, 0.04, 512, (128, 1), dkv_vec=2)  # 578 % 2 == 0: 8-byte aligned rows
     with pytest.raises(ValueError, match="16-byte aligned"):
         G.plan_bwd_gluon(*args, odd, 0.04, 512, (128, 1), dkv_vec=4)
+
+
+@pytest.mark.parametrize("vec", [2, 4])
+def test_vector_reductions_layout_groups_consecutive_columns_within_each_warp(vec):
+    """`_red_vec` adds `vec` consecutive registers of a thread (inline asm `pack`) at the first one's
+    address: the layout it is issued from (`dkv_vec_layout`) must put `vec` consecutive dkv columns of
+    one key in consecutive registers, and keep each warp's part of the [64 columns, 32 keys] chunk as
+    in the wgmma accumulator (the move within a warp). The accumulator itself holds consecutive keys
+    (different dkv rows), which is why the move is there. Read from Triton's linear layouts."""
+    from triton._C.libtriton import gluon_ir, ir
+    from triton.experimental.gluon import language as gl
+
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    builder = gluon_ir.GluonOpBuilder(ctx)
+
+    def linear(layout):
+        return builder.to_linear_layout(layout._to_ir(builder), [64, G.BLOCK_K])
+
+    acc = linear(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, G.BLOCK_K // 2, 16]))
+    add = linear(G.dkv_vec_layout(vec))
+    assert acc.reg_bases[0] == [0, 1]  # the accumulator: two consecutive keys, not columns
+    assert add.reg_bases[:vec.bit_length() - 1] == [[1 << i, 0] for i in range(vec.bit_length() - 1)]
+    assert add.warp_bases == acc.warp_bases  # each warp: the same 16 columns x 16 keys
+    assert len(add.reg_bases) == len(acc.reg_bases) and len(add.lane_bases) == len(acc.lane_bases)
+    # every (column, key) of the chunk once: the bases span the 64 x 32 elements
+    bases = add.reg_bases + add.lane_bases + add.warp_bases
+    cells = {(0, 0)}
+    for base in bases:
+        cells |= {(c ^ base[0], k ^ base[1]) for c, k in cells}
+    assert len(cells) == 64 * G.BLOCK_K

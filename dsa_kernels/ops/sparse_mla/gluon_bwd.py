@@ -64,6 +64,7 @@ benchmarks/gluon_sparse_mla.py) prove the kernel itself.
 from __future__ import annotations
 
 from triton.experimental import gluon
+from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
@@ -165,6 +166,17 @@ def _red_vec(addrs, mask, x, VEC: gl.constexpr):
             "=r,=r,=r,=r,l,l,l,l,r,r,r,r,r,r,r,r", [addrs, mask, x], dtype=gl.int32, is_pure=False, pack=4)
 
 
+@constexpr_function
+def dkv_vec_layout(vec):
+    """The layout DKV_VEC 2 / 4 issues its reductions from: dkv^T [64 columns, 32 keys] (DKV_CHUNK 64,
+    BLOCK_K 32, 8 consumer warps) with `vec` consecutive columns of one key in a thread's consecutive
+    registers (order [0, 1]), each warp holding the same 16 columns x 16 keys as the wgmma accumulator
+    (NVMMA v3, warps [4, 2], instruction [16, 16, 16]), so the move from it stays within the warp."""
+    if vec == 2:
+        return gl.BlockedLayout([2, 4], [8, 4], [4, 2], [0, 1])
+    return gl.BlockedLayout([4, 2], [4, 8], [4, 2], [0, 1])
+
+
 @gluon.jit
 def _consumer(Q, DO, NSLOT, LSE, DELTA, DQ, DKV, q_lat3, q_rope3, do_smem3, kv_lat, kv_rope, rows_smem,
               ds_smem, p_smem, stat_smem, ready, empty, b, t, hb,
@@ -196,15 +208,12 @@ def _consumer(Q, DO, NSLOT, LSE, DELTA, DQ, DKV, q_lat3, q_rope3, do_smem3, kv_l
     # where the dkv atomics are issued from: the accumulator's layout (DKV_VEC 1), or (DKV_VEC 2 / 4,
     # DKV_CHUNK 64 and the rope) DKV_VEC consecutive columns of a key in one thread, each warp holding
     # the same 16 columns x BLOCK_K / 2 keys as in the accumulator (the conversion stays within a warp)
-    if DKV_VEC == 2:
-        add_lay: gl.constexpr = gl.BlockedLayout([2, 4], [8, 4], [4, 2], [0, 1])
-        addr_lay: gl.constexpr = add_lay
-    elif DKV_VEC == 4:
-        add_lay: gl.constexpr = gl.BlockedLayout([4, 2], [4, 8], [4, 2], [0, 1])
-        addr_lay: gl.constexpr = add_lay
-    else:
+    if DKV_VEC == 1:
         add_lay: gl.constexpr = dkv_lay
         addr_lay: gl.constexpr = dkvr_lay
+    else:
+        add_lay: gl.constexpr = dkv_vec_layout(DKV_VEC)
+        addr_lay: gl.constexpr = add_lay
     row_s: gl.constexpr = gl.SliceLayout(1, s_lay)
     col_s: gl.constexpr = gl.SliceLayout(0, s_lay)
 
@@ -410,9 +419,9 @@ def plan_bwd_gluon(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: fl
                          f"reductions are issued from); got dkv_chunk {dkv_chunk}, block_k {block_k}, rope {D - d_v}")
     if dkv_vec > 1 and (dkv.stride(-1) != 1 or dkv.stride(1) % dkv_vec or dkv.stride(0) % dkv_vec
                         or (dkv.device.type != "meta" and dkv.data_ptr() % (4 * dkv_vec))):
-        raise ValueError(f"gluon_bwd: dkv_vec {dkv_vec} adds {4 * dkv_vec}-byte vectors: dkv must be contiguous in its columns "
-                         f"with strides a multiple of {dkv_vec} and {4 * dkv_vec}-byte aligned; got strides {dkv.stride()} "
-                         f"(pass a freshly allocated torch.zeros buffer)")
+        raise ValueError(f"gluon_bwd: dkv_vec {dkv_vec} adds {4 * dkv_vec}-byte vectors: dkv must be contiguous "
+                         f"in its columns with strides a multiple of {dkv_vec} and {4 * dkv_vec}-byte aligned; got "
+                         f"strides {dkv.stride()} (pass a freshly allocated torch.zeros buffer)")
     return GluonLaunch(
         _sparse_mla_bwd_gluon_kernel, grid,
         dict(
@@ -427,7 +436,8 @@ def plan_bwd_gluon(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: fl
             stride_dkb=dkv.stride(0), stride_dkt=dkv.stride(1),
             H=H, N_HB=H // BLOCK_H, N_KV=kv.shape[1], scale=scale, scale_log2=scale * LOG2E,
             D_V=d_v, D_R=D - d_v, BLOCK_H=BLOCK_H, BLOCK_K=block_k, BLOCK_DV=d_v, BLOCK_DR=D - d_v,
-            STAGES=stages, DKV_CHUNK=dkv_chunk, PIPELINE_DKV=pipeline_dkv, DKV_VEC=dkv_vec, PRODUCER_WARPS=PRODUCER_WARPS,
+            STAGES=stages, DKV_CHUNK=dkv_chunk, PIPELINE_DKV=pipeline_dkv, DKV_VEC=dkv_vec,
+            PRODUCER_WARPS=PRODUCER_WARPS,
             PRODUCER_REGS=producer_regs or PRODUCER_REGS, DIAG=0,
         ),
         num_warps=CONSUMER_WARPS, num_stages=stages, maxnreg=MAXNREG,
