@@ -381,6 +381,11 @@ def test_gluon_backward_is_in_the_gate_on_hopper_under_both_tritons(gate_reports
             assert r["spill_bytes"] == 0 and r["registers"] == 168, (version, r)
             # occupancy counts the compiled warps (4 launched + two 4-warp worker partitions), not the launch's 4
             assert r["occupancy"]["ctas"] == 1 and r["occupancy"]["warps"] == 12, (version, r["occupancy"])
+        # "-v2" / "-v4": gluon-k32-c64 with dkv added by vector reductions (red.global.add.v2 / .v4.f32):
+        # half / a quarter of its reduction instructions, its other global writes (dq's stores) the same
+        writes = {r["config"].split()[2]: r["global_writes"] for r in rows}
+        fewer_v2, fewer_v4 = (writes["gluon-k32-c64"] - writes[f"gluon-k32-c64-{v}"] for v in ("v2", "v4"))
+        assert fewer_v2 > 0 and 3 * fewer_v2 == 2 * fewer_v4, (version, writes)
 
 
 @pytest.mark.integration

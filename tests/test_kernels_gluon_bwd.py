@@ -158,8 +158,8 @@ def _meta(T=64, H=128, D=576, K=2048, N=None, dtype=torch.bfloat16, d_v=512):
 
 
 def test_gluon_backward_configs_follow_the_default_on_sm90_only():
-    for version, names in (("3.6.0", ["gluon-k32-c64", "gluon-k32-c64-p", "gluon-k32-c128"]),
-                           ("3.9.0", ["gluon-k32-c64", "gluon-k32-c64-p"])):
+    both = ["gluon-k32-c64", "gluon-k32-c64-p", "gluon-k32-c64-v2", "gluon-k32-c64-v4"]
+    for version, names in (("3.6.0", both + ["gluon-k32-c128"]), ("3.9.0", both)):
         space = SM.bwd_config_space(90, version)
         assert space[0][1] == "split" and not SM.is_gluon_config(space[0])  # never the default
         gluon = [c[0] for c in space if c[1] == "gluon"]
@@ -207,7 +207,8 @@ def _plan(name, T=300, H=128, N=1000):
     return SM.plan_bwd_config(cfg, q, kv, idx, ns, dout, lse, torch.empty_like(lse), dq, dkv, 0.04, 512)
 
 
-@pytest.mark.parametrize("name", ["gluon-k32-c64", "gluon-k32-c64-p", "gluon-k32-c128"])
+@pytest.mark.parametrize("name", ["gluon-k32-c64", "gluon-k32-c64-p", "gluon-k32-c128", "gluon-k32-c64-v2",
+                                  "gluon-k32-c64-v4"])
 def test_gluon_backward_plan(name):
     """One CTA per (token, 64 heads), head block fastest; 8 consumer warps + the producer warp group
     under maxnreg 168 (384 threads, one CTA per SM); 32-key tiles, 2 stages; the dkv chunk by name;
@@ -221,6 +222,8 @@ def test_gluon_backward_plan(name):
     assert launch.args["BLOCK_K"] == 32 and launch.args["STAGES"] == 2 and launch.args["DIAG"] == 0
     assert launch.args["DKV_CHUNK"] == (128 if name.endswith("c128") else 64)
     assert launch.args["PIPELINE_DKV"] == name.endswith("-p")
+    # "-v2" / "-v4": gluon-k32-c64 with dkv added by 2- / 4-wide vector reductions, nothing else changed
+    assert launch.args["DKV_VEC"] == {"v2": 2, "v4": 4}.get(name.split("-")[-1], 1)
     assert 168 * (launch.num_warps + launch.args["PRODUCER_WARPS"]) * 32 <= 65536
     from dsa_kernels.ops.sparse_mla.specs import _bwd_work_of, tilelang_bwd_anchor
 
@@ -343,3 +346,53 @@ def test_pipelined_dkv_needs_the_rope_sized_chunk():
     with pytest.raises(ValueError, match="pipeline_dkv needs dkv_chunk"):
         G.plan_bwd_gluon(q, kv, idx, ns, torch.empty_like(out), lse, lse, torch.empty_like(q), dkv, 0.04, 512,
                          (128, 1), dkv_chunk=128, pipeline_dkv=True)
+
+
+def test_vector_dkv_reductions_need_their_layout_and_alignment():
+    """DKV_VEC 2 / 4 issues its reductions from a [64 columns, 32 keys] layout (DKV_CHUNK 64, 32-key
+    tiles, the rope 64 wide) at 8- / 16-byte aligned addresses: anything else is one clear error."""
+    q, kv, idx, ns, out, lse = _meta()
+    args = (q, kv, idx, ns, torch.empty_like(out), lse, lse, torch.empty_like(q))
+    dkv = torch.empty(kv.shape, dtype=torch.float32, device="meta")
+    launch = G.plan_bwd_gluon(*args, dkv, 0.04, 512, (128, 1), dkv_vec=4, pipeline_dkv=True)
+    assert launch.args["DKV_VEC"] == 4 and launch.args["PIPELINE_DKV"]
+    with pytest.raises(ValueError, match="dkv_vec 2 needs dkv_chunk 64") as err:
+        G.plan_bwd_gluon(*args, dkv, 0.04, 512, (128, 1), dkv_chunk=128, dkv_vec=2)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="dkv_vec must be 1, 2 or 4"):
+        G.plan_bwd_gluon(*args, dkv, 0.04, 512, (128, 1), dkv_vec=8)
+    odd = torch.empty(1, kv.shape[1], 578, dtype=torch.float32, device="meta")[..., :576]  # row stride 578
+    G.plan_bwd_gluon(*args, odd, 0.04, 512, (128, 1), dkv_vec=2)  # 578 % 2 == 0: 8-byte aligned rows
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        G.plan_bwd_gluon(*args, odd, 0.04, 512, (128, 1), dkv_vec=4)
+
+
+@pytest.mark.parametrize("vec", [2, 4])
+def test_vector_reductions_layout_groups_consecutive_columns_within_each_warp(vec):
+    """`_red_vec` adds `vec` consecutive registers of a thread (inline asm `pack`) at the first one's
+    address: the layout it is issued from (`dkv_vec_layout`) must put `vec` consecutive dkv columns of
+    one key in consecutive registers, and keep each warp's part of the [64 columns, 32 keys] chunk as
+    in the wgmma accumulator (the move within a warp). The accumulator itself holds consecutive keys
+    (different dkv rows), which is why the move is there. Read from Triton's linear layouts."""
+    from triton._C.libtriton import gluon_ir, ir
+    from triton.experimental.gluon import language as gl
+
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    builder = gluon_ir.GluonOpBuilder(ctx)
+
+    def linear(layout):
+        return builder.to_linear_layout(layout._to_ir(builder), [64, G.BLOCK_K])
+
+    acc = linear(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, G.BLOCK_K // 2, 16]))
+    add = linear(G.dkv_vec_layout(vec))
+    assert acc.reg_bases[0] == [0, 1]  # the accumulator: two consecutive keys, not columns
+    assert add.reg_bases[:vec.bit_length() - 1] == [[1 << i, 0] for i in range(vec.bit_length() - 1)]
+    assert add.warp_bases == acc.warp_bases  # each warp: the same 16 columns x 16 keys
+    assert len(add.reg_bases) == len(acc.reg_bases) and len(add.lane_bases) == len(acc.lane_bases)
+    # every (column, key) of the chunk once: the bases span the 64 x 32 elements
+    bases = add.reg_bases + add.lane_bases + add.warp_bases
+    cells = {(0, 0)}
+    for base in bases:
+        cells |= {(c ^ base[0], k ^ base[1]) for c, k in cells}
+    assert len(cells) == 64 * G.BLOCK_K

@@ -35,6 +35,9 @@ maxnreg 168 x 384 threads: one CTA per SM):
      dO^T, 16 registers). PIPELINE_DKV (DKV_CHUNK 64): the first chunk is issued before the wait for
      dq, and chunk c + 1 is issued before chunk c's atomics, so the tensor cores work while the
      atomics issue (the rope is then the last 64-column chunk).
+  DKV_VEC 2 / 4 (DKV_CHUNK 64): each chunk moved within its warp to a layout holding 2 / 4 consecutive
+  columns of a key in a thread (the accumulator holds consecutive keys, columns 8 apart), then added
+  by `red.global.add.v2 / .v4.f32` (inline asm): half / a quarter of the reduction instructions.
   dS and P in shared memory are rewritten only after both warp groups are past the previous tile's
   dkv products (a consumer barrier).
 
@@ -61,6 +64,7 @@ benchmarks/gluon_sparse_mla.py) prove the kernel itself.
 from __future__ import annotations
 
 from triton.experimental import gluon
+from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
@@ -126,12 +130,51 @@ def _dkv_issue(c: gl.constexpr, qa, qr, da, ds_smem, p_smem, lay: gl.constexpr, 
 
 
 @gluon.jit
-def _dkv_add(acc, DKV_B, rows, col0, stride_dkt, lay: gl.constexpr, M: gl.constexpr, BLOCK_K: gl.constexpr):
+def _dkv_add(acc, DKV_B, rows, col0, stride_dkt, lay: gl.constexpr, M: gl.constexpr, BLOCK_K: gl.constexpr,
+             VEC: gl.constexpr):
     """acc [M columns, BLOCK_K keys] (dkv^T of one chunk) -> relaxed fp32 atomic adds at
-    dkv[rows[key], col0 + column]; keys with rows < 0 (empty slots) are masked."""
+    dkv[rows[key], col0 + column]; keys with rows < 0 (empty slots) are masked. VEC 1: one scalar
+    reduction per element, from the accumulator's layout (`lay`). VEC 2 / 4: `lay` is `_vec_layout`
+    (a thread holds VEC consecutive columns of a key); acc is moved there (`gl.convert_layout`, within
+    each warp) and added by one VEC-wide `red.global.add.v{VEC}.f32` per VEC columns (`_red_vec`)."""
     cols = col0 + gl.arange(0, M, layout=gl.SliceLayout(1, lay))
     ptrs = DKV_B + (rows * stride_dkt)[None, :] + cols[:, None]
-    gl.atomic_add(ptrs, acc, mask=(rows >= 0)[None, :] & (cols >= 0)[:, None], sem="relaxed")
+    mask = (rows >= 0)[None, :] & (cols >= 0)[:, None]
+    if VEC == 1:
+        gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+    else:
+        _red_vec(ptrs.to(gl.int64), mask.to(gl.int32), gl.convert_layout(acc, lay), VEC)
+
+
+@gluon.jit
+def _red_vec(addrs, mask, x, VEC: gl.constexpr):
+    """One `red.global.gpu.relaxed.add.v{VEC}.f32` (sm_90, PTX ISA 8.1) per VEC consecutive elements of
+    a thread (`pack`: the layout puts VEC consecutive dkv columns of one key in a thread's consecutive
+    registers, their address the first one's; the mask is the key's, the same across the pack).
+    `addrs`: the fp32 pointers as int64 (Triton 3.6's inline asm refuses a pointer beside a float
+    operand). The returned int32 is a placeholder (inline asm needs an output); is_pure=False keeps
+    the reduction."""
+    if VEC == 2:
+        gl.inline_asm_elementwise(
+            "{ .reg .pred %p; setp.ne.b32 %p, $4, 0; @%p red.global.gpu.relaxed.add.v2.f32 [$2], {$6, $7}; "
+            "mov.u32 $0, 0; mov.u32 $1, 0; }",
+            "=r,=r,l,l,r,r,r,r", [addrs, mask, x], dtype=gl.int32, is_pure=False, pack=2)
+    else:
+        gl.inline_asm_elementwise(
+            "{ .reg .pred %p; setp.ne.b32 %p, $8, 0; @%p red.global.gpu.relaxed.add.v4.f32 [$4], {$12, $13, $14, $15}; "
+            "mov.u32 $0, 0; mov.u32 $1, 0; mov.u32 $2, 0; mov.u32 $3, 0; }",
+            "=r,=r,=r,=r,l,l,l,l,r,r,r,r,r,r,r,r", [addrs, mask, x], dtype=gl.int32, is_pure=False, pack=4)
+
+
+@constexpr_function
+def dkv_vec_layout(vec):
+    """The layout DKV_VEC 2 / 4 issues its reductions from: dkv^T [64 columns, 32 keys] (DKV_CHUNK 64,
+    BLOCK_K 32, 8 consumer warps) with `vec` consecutive columns of one key in a thread's consecutive
+    registers (order [0, 1]), each warp holding the same 16 columns x 16 keys as the wgmma accumulator
+    (NVMMA v3, warps [4, 2], instruction [16, 16, 16]), so the move from it stays within the warp."""
+    if vec == 2:
+        return gl.BlockedLayout([2, 4], [8, 4], [4, 2], [0, 1])
+    return gl.BlockedLayout([4, 2], [4, 8], [4, 2], [0, 1])
 
 
 @gluon.jit
@@ -141,7 +184,8 @@ def _consumer(Q, DO, NSLOT, LSE, DELTA, DQ, DKV, q_lat3, q_rope3, do_smem3, kv_l
               stride_lb, stride_lt, stride_dqb, stride_dqt, stride_dqh, stride_dkb, stride_dkt,
               scale, scale_log2, N_HB,
               D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
-              STAGES: gl.constexpr, DKV_CHUNK: gl.constexpr, PIPELINE_DKV: gl.constexpr, DIAG: gl.constexpr):
+              STAGES: gl.constexpr, DKV_CHUNK: gl.constexpr, PIPELINE_DKV: gl.constexpr, DKV_VEC: gl.constexpr,
+              DIAG: gl.constexpr):
     num_warps: gl.constexpr = gl.num_warps()
     # S / dP [64 heads, BLOCK_K keys]: the two warp groups split the keys
     s_lay: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -161,6 +205,15 @@ def _consumer(Q, DO, NSLOT, LSE, DELTA, DQ, DKV, q_lat3, q_rope3, do_smem3, kv_l
                                                           instr_shape=[16, BLOCK_K, 16])
     dkvr_lay: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                        instr_shape=[16, BLOCK_K // 2, 16])
+    # where the dkv atomics are issued from: the accumulator's layout (DKV_VEC 1), or (DKV_VEC 2 / 4,
+    # DKV_CHUNK 64 and the rope) DKV_VEC consecutive columns of a key in one thread, each warp holding
+    # the same 16 columns x BLOCK_K / 2 keys as in the accumulator (the conversion stays within a warp)
+    if DKV_VEC == 1:
+        add_lay: gl.constexpr = dkv_lay
+        addr_lay: gl.constexpr = dkvr_lay
+    else:
+        add_lay: gl.constexpr = dkv_vec_layout(DKV_VEC)
+        addr_lay: gl.constexpr = add_lay
     row_s: gl.constexpr = gl.SliceLayout(1, s_lay)
     col_s: gl.constexpr = gl.SliceLayout(0, s_lay)
 
@@ -238,8 +291,8 @@ def _consumer(Q, DO, NSLOT, LSE, DELTA, DQ, DKV, q_lat3, q_rope3, do_smem3, kv_l
                 dq, dq_r = warpgroup_mma_wait(num_outstanding=2, deps=(dq, dq_r))
             else:
                 dq, dq_r = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dq_r))
-            rows_c = rows_smem.index(s).load(gl.SliceLayout(0, dkv_lay))
-            rows_r = rows_smem.index(s).load(gl.SliceLayout(0, dkvr_lay))
+            rows_c = rows_smem.index(s).load(gl.SliceLayout(0, add_lay))
+            rows_r = rows_smem.index(s).load(gl.SliceLayout(0, addr_lay))
             _cta_barrier()
             mbarrier.arrive(empty.index(s), count=1)
             # 4. dkv^T = q^T dS + dO^T P by DKV_CHUNK-column chunks, then q_rope^T dS; fp32 atomics at the rows
@@ -253,17 +306,17 @@ def _consumer(Q, DO, NSLOT, LSE, DELTA, DQ, DKV, q_lat3, q_rope3, do_smem3, kv_l
                         acc = warpgroup_mma_wait(num_outstanding=2 if c + 2 < NCH else 1, deps=(acc,))
                     else:
                         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    _dkv_add(acc, DKV_B, rows_c, c * DKV_CHUNK, stride_dkt, dkv_lay, DKV_CHUNK, BLOCK_K)
+                    _dkv_add(acc, DKV_B, rows_c, c * DKV_CHUNK, stride_dkt, add_lay, DKV_CHUNK, BLOCK_K, DKV_VEC)
                     if c + 1 < NCH:
                         acc = nxt
             else:
                 for c in gl.static_range(D_V // DKV_CHUNK):
                     acc = _dkv_issue(c, qa, qr, da, ds_smem, p_smem, dkv_lay, DKV_CHUNK, BLOCK_K, D_V)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    _dkv_add(acc, DKV_B, rows_c, c * DKV_CHUNK, stride_dkt, dkv_lay, DKV_CHUNK, BLOCK_K)
+                    _dkv_add(acc, DKV_B, rows_c, c * DKV_CHUNK, stride_dkt, add_lay, DKV_CHUNK, BLOCK_K, DKV_VEC)
                 acc_r = _dkv_issue(D_V // D_R, qa, qr, da, ds_smem, p_smem, dkvr_lay, D_R, BLOCK_K, D_V)
                 acc_r = warpgroup_mma_wait(num_outstanding=0, deps=(acc_r,))
-                _dkv_add(acc_r, DKV_B, rows_r, D_V, stride_dkt, dkvr_lay, D_R, BLOCK_K)
+                _dkv_add(acc_r, DKV_B, rows_r, D_V, stride_dkt, addr_lay, D_R, BLOCK_K, DKV_VEC)
 
     # dq -> q's dtype through shared memory (q's buffers, free now): coalesced 16-byte stores. The
     # CTA's coordinates are read again (opaque to the compiler: nothing of the prologue is kept live
@@ -301,8 +354,8 @@ def _sparse_mla_bwd_gluon_kernel(
     H, N_HB, N_KV, scale, scale_log2,
     D_V: gl.constexpr, D_R: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_DV: gl.constexpr, BLOCK_DR: gl.constexpr,
-    STAGES: gl.constexpr, DKV_CHUNK: gl.constexpr, PIPELINE_DKV: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, DIAG: gl.constexpr,
+    STAGES: gl.constexpr, DKV_CHUNK: gl.constexpr, PIPELINE_DKV: gl.constexpr, DKV_VEC: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, DIAG: gl.constexpr,
 ):
     # program (x, y) -> (token, head block), the head block fastest; y = b. The launcher admits this
     # kernel only where `gluon_bwd_supported` says so (H % 64 == 0, rope 64, d_v a multiple of 128).
@@ -334,7 +387,8 @@ def _sparse_mla_bwd_gluon_kernel(
                      ds_smem, p_smem, stat_smem, ready, empty, b, t, hb,
                      stride_qb, stride_qt, stride_qh, stride_dob, stride_dot, stride_doh, stride_nb,
                      stride_lb, stride_lt, stride_dqb, stride_dqt, stride_dqh, stride_dkb, stride_dkt,
-                     scale, scale_log2, N_HB, D_V, D_R, BLOCK_H, BLOCK_K, STAGES, DKV_CHUNK, PIPELINE_DKV, DIAG)),
+                     scale, scale_log2, N_HB, D_V, D_R, BLOCK_H, BLOCK_K, STAGES, DKV_CHUNK, PIPELINE_DKV, DKV_VEC,
+                     DIAG)),
         (_producer, (KV, IDX, NSLOT, kv_lat, kv_rope, rows_smem, ready, empty, b, t,
                      stride_kvb, stride_kvt, stride_ib, stride_it, stride_nb, N_KV,
                      D_V, BLOCK_K, STAGES, DIAG)),
@@ -350,7 +404,7 @@ def gluon_bwd_supported(q, kv, d_v: int, capability: int) -> str | None:
 
 def plan_bwd_gluon(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float, d_v: int, grid: tuple,
                    block_k: int = BLOCK_K, stages: int = STAGES, dkv_chunk: int = DKV_CHUNK,
-                   pipeline_dkv: bool = False, producer_regs: int | None = None) -> GluonLaunch:
+                   pipeline_dkv: bool = False, producer_regs: int | None = None, dkv_vec: int = 1) -> GluonLaunch:
     """The Gluon backward's launch (`kernel.plan_bwd`'s atomic arguments; `grid` = (tokens x head
     blocks, B), checked there against CUDA's limits); the caller checks `gluon_bwd_supported` first."""
     B, T, H, D = q.shape
@@ -358,6 +412,16 @@ def plan_bwd_gluon(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: fl
         raise ValueError(f"sparse_mla backward: lse {lse.stride()} and delta {delta.stride()} must share strides")
     if pipeline_dkv and dkv_chunk != D - d_v:
         raise ValueError(f"gluon_bwd: pipeline_dkv needs dkv_chunk = the rope width {D - d_v}; got {dkv_chunk}")
+    if dkv_vec not in (1, 2, 4):
+        raise ValueError(f"gluon_bwd: dkv_vec must be 1, 2 or 4 (fp32 columns one reduction adds); got {dkv_vec}")
+    if dkv_vec > 1 and (dkv_chunk != 64 or block_k != 32 or D - d_v != 64):
+        raise ValueError(f"gluon_bwd: dkv_vec {dkv_vec} needs dkv_chunk 64, block_k 32 and rope 64 (the layout its "
+                         f"reductions are issued from); got dkv_chunk {dkv_chunk}, block_k {block_k}, rope {D - d_v}")
+    if dkv_vec > 1 and (dkv.stride(-1) != 1 or dkv.stride(1) % dkv_vec or dkv.stride(0) % dkv_vec
+                        or (dkv.device.type != "meta" and dkv.data_ptr() % (4 * dkv_vec))):
+        raise ValueError(f"gluon_bwd: dkv_vec {dkv_vec} adds {4 * dkv_vec}-byte vectors: dkv must be contiguous "
+                         f"in its columns with strides a multiple of {dkv_vec} and {4 * dkv_vec}-byte aligned; got "
+                         f"strides {dkv.stride()} (pass a freshly allocated torch.zeros buffer)")
     return GluonLaunch(
         _sparse_mla_bwd_gluon_kernel, grid,
         dict(
@@ -372,7 +436,8 @@ def plan_bwd_gluon(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: fl
             stride_dkb=dkv.stride(0), stride_dkt=dkv.stride(1),
             H=H, N_HB=H // BLOCK_H, N_KV=kv.shape[1], scale=scale, scale_log2=scale * LOG2E,
             D_V=d_v, D_R=D - d_v, BLOCK_H=BLOCK_H, BLOCK_K=block_k, BLOCK_DV=d_v, BLOCK_DR=D - d_v,
-            STAGES=stages, DKV_CHUNK=dkv_chunk, PIPELINE_DKV=pipeline_dkv, PRODUCER_WARPS=PRODUCER_WARPS,
+            STAGES=stages, DKV_CHUNK=dkv_chunk, PIPELINE_DKV=pipeline_dkv, DKV_VEC=dkv_vec,
+            PRODUCER_WARPS=PRODUCER_WARPS,
             PRODUCER_REGS=producer_regs or PRODUCER_REGS, DIAG=0,
         ),
         num_warps=CONSUMER_WARPS, num_stages=stages, maxnreg=MAXNREG,

@@ -581,10 +581,14 @@ BWD_CONFIG_SPACE_TRITON_36 = {90: BWD_CONFIG_SPACE[90] + (("split-k32-s3", "spli
 # (`gluon_bwd.DKV_CHUNK`), a final "-p" pipelines the dkv products (chunk c + 1's wgmma in flight while
 # chunk c's atomics issue, the first chunk under dq's wait: `PIPELINE_DKV`). "gluon-k32-c64" and
 # "gluon-k32-c64-p" compile without spill under Triton 3.6 and 3.9; "gluon-k32-c128" (each warp group
-# reads only its half of q^T / dO^T for dkv) only under 3.6 (3.9 spills 48 B), so 3.9's space leaves it out. Unmeasured on a GPU: on a GPU each is verified against
+# reads only its half of q^T / dO^T for dkv) only under 3.6 (3.9 spills 48 B), so 3.9's space leaves it out.
+# A final "-v2" / "-v4" is "gluon-k32-c64" with dkv added by vector reductions (`red.global.add.v2 / .v4.f32`,
+# `gluon_bwd.DKV_VEC`: half / a quarter of the reduction instructions, the accumulator moved within each
+# warp first), no spill under either Triton. Unmeasured on a GPU: on a GPU each is verified against
 # the default before it is timed (`sparse_mla_bwd`); a call the kernel does not take
 # (`gluon_bwd.gluon_bwd_supported`) or DSA_KERNELS_GLUON=0 drops them (`bwd_space_for`).
-BWD_GLUON_CONFIGS = (("gluon-k32-c64", "gluon", 32, 2), ("gluon-k32-c64-p", "gluon", 32, 2))
+BWD_GLUON_CONFIGS = (("gluon-k32-c64", "gluon", 32, 2), ("gluon-k32-c64-p", "gluon", 32, 2),
+                     ("gluon-k32-c64-v2", "gluon", 32, 2), ("gluon-k32-c64-v4", "gluon", 32, 2))
 BWD_GLUON_CONFIGS_TRITON_36 = BWD_GLUON_CONFIGS + (("gluon-k32-c128", "gluon", 32, 2),)
 
 
@@ -664,7 +668,8 @@ def plan_bwd_config(config: tuple, q, kv, indices, n_slots, dout, lse, delta, dq
         grid = _grid(triton.cdiv(H, GLUON_BLOCK_H) * T, B, "backward (Gluon)")
         return plan_bwd_gluon(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale, d_v, grid,
                               block_k=block_k, stages=stages, dkv_chunk=128 if "-c128" in name else 64,
-                              pipeline_dkv=name.endswith("-p"))
+                              pipeline_dkv="p" in name.split("-")[3:],
+                              dkv_vec=4 if name.endswith("-v4") else 2 if name.endswith("-v2") else 1)
     if schedule == "split":
         return plan_bwd(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale, d_v, block_k=block_k,
                         num_stages=stages)
