@@ -5,7 +5,7 @@ functions at the rank's shapes; on a CPU recipe the reference kernels' chunk blo
 The per-op figures are checked against `dsa-train plan --trace` (`trace_step` on the CUDA path,
 which offers every launcher's workspace at the shapes the model's real call produces): the same ops,
 the same bytes, at small shapes, for the three paths the demo's stages take (dense pre-training,
-the frozen dense warm-up, sparse training) under DP, CP 2 and TP 2."""
+the frozen dense warm-up, sparse training) under DP, CP 2 and TP 2. Unit tier: ~10 s in all here."""
 
 import json
 
@@ -24,7 +24,10 @@ def _demo(overrides):
     return OmegaConf.to_object(composed)
 
 
-@pytest.mark.parametrize("layout", [["parallel.data_parallel=-1"], ["parallel.context_parallel=2"],
+# the pre-training stage with the indexer's KL on (the dense KL / the sparse KL over visible keys) under
+# DP and CP, off (the demo's) under TP
+@pytest.mark.parametrize("layout", [["parallel.data_parallel=-1", "stages.pretrain.indexer_loss_coef=0.1"],
+                                    ["parallel.context_parallel=2", "stages.pretrain.indexer_loss_coef=0.1"],
                                     ["parallel.tensor_parallel=2"]])
 def test_kernel_workspace_equals_the_traced_workspaces(layout, monkeypatch):
     """Per stage: the ops `kernel_workspace` dispatches are the ones the traced step dispatches, and
@@ -98,3 +101,18 @@ def test_cuda_recipe_counts_the_topk_score_block_cpu_recipe_the_reference_chunks
     assert ref["bytes"] == 4 * KERNEL_CHUNK_ELEMS * 3 and ref["ops"] == {}
     diff = cuda["gib"]["dsa_buffers"] - cpu["gib"]["dsa_buffers"]
     assert diff == pytest.approx((ws["bytes"] - ref["bytes"]) / GiB, rel=1e-9), (cuda["gib"], cpu["gib"])
+
+
+def test_overlap_switch_adds_a_second_score_block(capsys, monkeypatch):
+    """`DSA_INDEXER_OVERLAP=1` (the top-k's opt-in pipeline) keeps two score blocks alive: the plan's
+    top-k figure follows the launcher's workspace (2^26 fp32 elements more at v3.2_sparse's shapes,
+    where the local queries take several chunks)."""
+    from dsa_kernels.ops.indexer_topk.kernel import DEFAULT_SCORE_BUDGET
+    from dsa_kernels.ops.indexer_topk.pipeline import OVERLAP_ENV
+
+    monkeypatch.setenv(OVERLAP_ENV, "0")
+    off = _plan(["--config-name", "v3.2_sparse"], capsys)["kernel_workspace"]["ops"]["dsa_kernels::indexer_topk"]
+    monkeypatch.setenv(OVERLAP_ENV, "1")
+    on = _plan(["--config-name", "v3.2_sparse"], capsys)["kernel_workspace"]
+    assert on["ops"]["dsa_kernels::indexer_topk"] - off == 4 * DEFAULT_SCORE_BUDGET
+    assert on["op"] == "dsa_kernels::indexer_topk" and on["bytes"] == off + 4 * DEFAULT_SCORE_BUDGET

@@ -143,7 +143,7 @@ def kernel_working_set(cfg, model_cfg, stage: Stage, sizes, rank: int = 0) -> di
 
     path = kernel_path_of(cfg)
     if path == "cpu":
-        return {"path": path, "op": "reference query chunks (3 fp32 blocks of 2^24 elements)",
+        return {"path": path, "op": "the reference kernels' query chunks (3 fp32 blocks of 2^24 elements)",
                 "bytes": 4 * KERNEL_CHUNK_ELEMS * 3, "ops": {}}
     import torch
 
@@ -371,8 +371,8 @@ def format_plan(plan: dict) -> str:
                    f"[{parts}]")
         ws = s["kernel_workspace"]
         if ws:
-            out.append(f"      kernel working set ({ws['path']} path; in DSA buffers): {ws['bytes'] / GiB:.3f} GiB, "
-                       f"the largest of the step's kernels: {ws['op']}")
+            out.append(f"      kernel working set ({ws['path']} path, in dsa_buffers): {ws['bytes'] / GiB:.3f} GiB, "
+                       f"largest: {ws['op']}")
         out.append(f"      step ~{s['step_s']:.1f} s = compute {d['compute_s']:.1f} + communication "
                    f"{d['communication_s']:.1f} (MoE all-to-all {d['moe_all_to_all_s']:.1f}, gradients "
                    f"{d['grad_reduce_s']:.1f}, CP gather {d['cp_gather_s']:.2f}, TP {d['tp_s']:.1f}; not overlapped); "
