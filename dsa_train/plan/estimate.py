@@ -19,8 +19,12 @@ Per rank and per stage (the largest stage decides whether it fits):
                recomputes (plus one block's worth while it is recomputed), plus the LM head's
                logits and their fp32 cross-entropy copies;
   DSA buffers  per layer the top-k indices (T_loc x k int32) and, with CP, the all-gathered
-               latent KV (T x 576) and indexer keys (T x 128); plus the chunked kernels' working
-               set (query chunks are sized to 2^24 fp32 elements);
+               latent KV (T x 576) and indexer keys (T x 128); plus the kernels' transient working
+               set (`kernel_workspace` in the output): on a CUDA recipe the largest of the CUDA
+               path's kernel launchers' own `workspace` functions at this rank's shapes (the top-k's
+               [B, C, T] fp32 score block, the sparse MLA backward's fp32 dkv, the CP attention
+               rows' key block, ...: dsa_train.plan.kernel_workspace, the figures `--trace` adds);
+               on a CPU recipe three fp32 blocks of the reference kernels' 2^24-element chunks;
   NCCL buffers NCCL's own GPU memory (outside PyTorch's allocator, in both phases): per
                communicator the step uses and per all-to-all peer (`cluster.network.nccl_*`);
                none for a `device: cpu` recipe (gloo).
@@ -127,6 +131,27 @@ class StagePlan:
     step_detail: dict = field(default_factory=dict)
     step_detail_gib: dict = field(default_factory=dict)  # the optimizer step's phase (see plan_stage)
     communication: list = field(default_factory=list)  # per kind (plan_comm.price)
+    kernel_workspace: dict = field(default_factory=dict)  # the DSA buffers' kernel term (kernel_working_set)
+
+
+def kernel_working_set(cfg, model_cfg, stage: Stage, sizes, rank: int = 0) -> dict:
+    """The DSA buffers' kernel term: the largest transient working set among the kernels the step
+    runs. A CUDA recipe (`kernel_path_of`): its kernel launchers' own `workspace` functions at this
+    rank's shapes (`dsa_train.plan.kernel_workspace`, the figures `plan --trace` adds); a CPU recipe:
+    a few fp32 blocks of the reference kernels' query chunks (2^24 elements each)."""
+    from dsa_train.plan.trace import kernel_path_of
+
+    path = kernel_path_of(cfg)
+    if path == "cpu":
+        return {"path": path, "op": "the reference kernels' query chunks (3 fp32 blocks of 2^24 elements)",
+                "bytes": 4 * KERNEL_CHUNK_ELEMS * 3, "ops": {}}
+    import torch
+
+    from dsa_train.plan.kernel_workspace import kernel_workspace
+
+    ws = kernel_workspace(model_cfg, stage, sizes, cfg.data.seq_len, cfg.data.micro_batch_size,
+                          getattr(torch, cfg.model.dtype.value), rank)
+    return {"path": path, **ws}
 
 
 def largest_trainable_param(c, sizes, main_trains: bool) -> float:
@@ -237,7 +262,9 @@ def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
     topk = stage.topk_for(c)
     act = activation_bytes_per_token(c, sizes, stage, cfg.parallel.recompute, pb, cfg.data.seq_len, topk)
     g["activations"] = T_loc * (act["layers"] + act["recompute_block"] + act["head"]) / GiB
-    chunk = 4 * KERNEL_CHUNK_ELEMS * 3  # a few fp32 chunk-sized blocks live in the reference kernels
+    # the kernels' transient working set at this rank's shapes, on the path the recipe's device runs
+    ws = kernel_working_set(cfg, c, stage, sizes, getattr(opts, "rank", 0))
+    p.kernel_workspace = ws
     # recomputed layers keep their top-k indices for the recompute (it replays them) up to the memo's
     # budget for all layers together (`dsa_kernels.ops.indexer_topk.memo`); past it they select again
     reused = 0.0
@@ -247,7 +274,7 @@ def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
         per_layer = T_loc * act["dsa_indices"]
         reused = min(c.num_hidden_layers, DEFAULT_BUDGET_BYTES // per_layer) * per_layer
     g["dsa_buffers"] = (T_loc * act["dsa_indices"] + reused + cfg.data.micro_batch_size * cfg.data.seq_len
-                        * act["cp_gather"] + chunk) / GiB
+                        * act["cp_gather"] + ws["bytes"]) / GiB
     # two phases: forward/backward (everything above) and the optimizer step (model state plus the
     # update's temporaries; activations and DSA buffers are freed by then) -- the peak is the larger
     step_phase = g["parameters"] + g["gradients"] + g["optimizer"] + step_temporaries
@@ -342,6 +369,10 @@ def format_plan(plan: dict) -> str:
         d = s["step_detail"]
         out.append(f"  stage {s['stage']} ({s['attention']}, trains {s['trainable']}): {s['total_gib']:.2f} GiB/rank "
                    f"[{parts}]")
+        ws = s["kernel_workspace"]
+        if ws:
+            out.append(f"      kernel working set ({ws['path']} path, in dsa_buffers): {ws['bytes'] / GiB:.3f} GiB, "
+                       f"largest: {ws['op']}")
         out.append(f"      step ~{s['step_s']:.1f} s = compute {d['compute_s']:.1f} + communication "
                    f"{d['communication_s']:.1f} (MoE all-to-all {d['moe_all_to_all_s']:.1f}, gradients "
                    f"{d['grad_reduce_s']:.1f}, CP gather {d['cp_gather_s']:.2f}, TP {d['tp_s']:.1f}; not overlapped); "
