@@ -5,7 +5,7 @@ and reported, not waited for; every row is written the moment it is measured, so
 the hang survive it.
 
     main side:   run_child(__file__, args.out_json, child_argv, budget, small, "name") -> exit status
-    child side:  rows = Rows(args.rows_file); rows.emit(kind=..., ...); time_ms(fn, cuda)
+    child side:  c = Child(args, space); c.emit(kind=..., ...); c.time_ms(fn); c.deadline
 """
 
 from __future__ import annotations
@@ -30,6 +30,51 @@ class Rows:
         print(line, flush=True)
         with open(self.rows_file, "a") as f:
             f.write(line + "\n")
+
+
+def add_child_arguments(parser, budget: float) -> None:
+    """The options every such script takes: --budget (seconds for the child's measurements), --small
+    (tiny shapes on the CPU under the interpreter: a smoke run) and the child's own hidden ones."""
+    import argparse
+
+    parser.add_argument("--budget", type=float, default=budget, help="seconds for the child's measurements")
+    parser.add_argument("--small", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): a smoke run")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rows-file", default=None, help=argparse.SUPPRESS)
+
+
+class Child:
+    """What every child run starts with: its rows, its deadline, the gpu-check dims (`--small`: the tiny
+    ones on the CPU), the device and capability (sm_90 assumed for the CPU smoke run), a first "env" row
+    naming the machine and versions and the config space (`space(capability)` -> names), and TF32 off."""
+
+    def __init__(self, args, space):
+        import torch
+        import triton
+
+        from dsa_train.gpucheck.inputs import dims_for
+
+        self.rows = Rows(args.rows_file)
+        self.emit = self.rows.emit
+        self.deadline = self.rows.t_start + args.budget
+        self.d = dims_for(args.small)
+        self.cuda = not args.small
+        self.dev = "cuda" if self.cuda else "cpu"
+        cap = torch.cuda.get_device_capability() if self.cuda else (9, 0)
+        self.capability = cap[0] * 10 + cap[1]
+        self.emit(kind="env", device=torch.cuda.get_device_name() if self.cuda else "cpu (interpreter smoke run)",
+                  capability=f"sm_{self.capability}", triton=triton.__version__, torch=torch.__version__,
+                  space=list(space(self.capability)))
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+    def sync(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def time_ms(self, fn) -> float:
+        return time_ms(fn, self.cuda)
 
 
 def time_ms(fn, cuda: bool) -> float:

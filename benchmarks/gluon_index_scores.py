@@ -38,40 +38,24 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the harness beside this script
-from child_bench import Rows, run_child  # noqa: E402
-from child_bench import time_ms as bench_time_ms  # noqa: E402
+from child_bench import Child, add_child_arguments, run_child  # noqa: E402
 
 REF_ROWS = 8
 
 
 def _child(args) -> int:
     import torch
-    import triton
 
     from dsa_kernels._triton_common import interpreted
     from dsa_kernels.ops.indexer_topk import kernel as TK
-    from dsa_train.gpucheck.inputs import dims_for, randn
+    from dsa_train.gpucheck.inputs import randn
 
-    rows = Rows(args.rows_file)
-    emit = rows.emit
-    deadline = rows.t_start + args.budget
-    d = dims_for(args.small)
-    cuda = not args.small
-    dev = "cuda" if cuda else "cpu"
-    cap = torch.cuda.get_device_capability() if cuda else (9, 0)
-    capability = cap[0] * 10 + cap[1]
+    child = Child(args, lambda cap: [name for name, _ in TK.score_config_space(cap)])
+    emit, deadline, d, cuda, dev, capability = (child.emit, child.deadline, child.d, child.cuda, child.dev,
+                                                child.capability)
+    sync, time_ms = child.sync, child.time_ms
     space = [name for name, _ in TK.score_config_space(capability)]
     gluon = {name for name, kind in TK.score_config_space(capability) if kind == "gluon"}
-    emit(kind="env", device=torch.cuda.get_device_name() if cuda else "cpu (interpreter smoke run)",
-         capability=f"sm_{capability}", triton=triton.__version__, torch=torch.__version__, space=space)
-    torch.backends.cuda.matmul.allow_tf32 = False
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
-    def time_ms(fn) -> float:
-        return bench_time_ms(fn, cuda)
 
     T = args.T
     dt = torch.bfloat16 if cuda else torch.float32  # the interpreter's tl.dot is wrong on 16-bit operands
@@ -189,10 +173,7 @@ def main(argv=None) -> int:
     p.add_argument("out_json")
     p.add_argument("--T", type=int, default=32768)
     p.add_argument("--rows", type=int, default=2048, help="query rows of the timed block (the driver's chunk)")
-    p.add_argument("--budget", type=float, default=70.0, help="seconds for the child's measurements")
-    p.add_argument("--small", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): a smoke run")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--rows-file", default=None, help=argparse.SUPPRESS)
+    add_child_arguments(p, budget=70.0)
     args = p.parse_args(argv)
     if args.child:
         return _child(args)

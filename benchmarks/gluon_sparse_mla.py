@@ -39,8 +39,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the harness beside this script
-from child_bench import Rows, run_child  # noqa: E402
-from child_bench import time_ms as bench_time_ms  # noqa: E402
+from child_bench import Child, add_child_arguments, run_child  # noqa: E402
 
 GLUON_CONFIGS = (("gluon", 64, 2), ("gluon-pv", 64, 2))
 REF_ROWS = 32
@@ -49,32 +48,16 @@ REF_ROWS = 32
 def _child(args) -> int:
     """Runs the measurements, appending one JSON line per row to args.rows_file."""
     import torch
-    import triton
 
     from dsa_kernels.ops.sparse_mla import kernel as SM
     from dsa_kernels.ops.sparse_mla.gluon_fwd import gluon_fwd_supported
     from dsa_kernels.ops.sparse_mla.reference import sparse_mla_ref
-    from dsa_train.gpucheck.inputs import dims_for, randn, topk_lists, valid_pairs
+    from dsa_train.gpucheck.inputs import randn, topk_lists, valid_pairs
 
-    rows = Rows(args.rows_file)
-    emit = rows.emit
-    deadline = rows.t_start + args.budget
-    d = dims_for(args.small)
-    cuda = not args.small
-    dev = "cuda" if cuda else "cpu"
-    cap = torch.cuda.get_device_capability() if cuda else (9, 0)
-    emit(kind="env", device=torch.cuda.get_device_name() if cuda else "cpu (interpreter smoke run)",
-         capability=f"sm_{cap[0]}{cap[1]}",
-         triton=triton.__version__, torch=torch.__version__,
-         space=[c[0] for c in SM.fwd_config_space(cap[0] * 10 + cap[1])])
-    torch.backends.cuda.matmul.allow_tf32 = False
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
-    def time_ms(fn) -> float:
-        return bench_time_ms(fn, cuda)
+    child = Child(args, lambda cap: [c[0] for c in SM.fwd_config_space(cap)])
+    emit, deadline, d, cuda, dev = child.emit, child.deadline, child.d, child.cuda, child.dev
+    cap = divmod(child.capability, 10)
+    sync, time_ms = child.sync, child.time_ms
 
     def rel(x, ref) -> float:
         return float((x.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
@@ -242,12 +225,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out_json")
     p.add_argument("--T", type=int, nargs="+", default=[4096, 32768])
-    p.add_argument("--budget", type=float, default=110.0, help="seconds for the child's measurements")
     p.add_argument("--what", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"],
                    help="the forward's rows, the backward's rows, or both")
-    p.add_argument("--small", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): a smoke run")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--rows-file", default=None, help=argparse.SUPPRESS)
+    add_child_arguments(p, budget=110.0)
     args = p.parse_args(argv)
     if args.child:
         return _child(args)

@@ -8,7 +8,6 @@ its launch plan, the forced-config option, and the verification the autotuner ru
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
 
@@ -260,20 +259,6 @@ def test_verify_compares_probe_tokens_with_the_default(monkeypatch):
             assert any("PassManager" in str(w.message) for w in caught)
         if mode == "same":
             assert probes == [SM.FWD_VERIFY_TOKENS] * 4  # two probes x (default, candidate)
-
-
-def test_benchmark_without_a_gpu_says_so(tmp_path, monkeypatch):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gluon_sparse_mla.py"
-    spec = importlib.util.spec_from_file_location("gluon_sparse_mla", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    out = tmp_path / "r.json"
-    assert mod.main([str(out)]) == 2
-    assert "no CUDA GPU" in json.loads(out.read_text())["status"]
 
 
 def test_gpu_check_runs_each_gluon_config_against_the_reference(monkeypatch):

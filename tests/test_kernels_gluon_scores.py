@@ -404,21 +404,6 @@ def test_gpu_check_forces_every_config_of_the_calls_space(monkeypatch):
     assert not res[f"doc_{CONFIGS[1]}"]["ok"]
 
 
-def test_benchmark_without_a_gpu_says_so(tmp_path, monkeypatch):
-    import importlib.util
-    import json
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gluon_index_scores.py"
-    spec = importlib.util.spec_from_file_location("gluon_index_scores", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    out = tmp_path / "r.json"
-    assert mod.main([str(out)]) == 2
-    assert "no CUDA GPU" in json.loads(out.read_text())["status"]
-
-
 @pytest.mark.integration  # the benchmark measures in a child process
 def test_benchmark_smoke_run_on_the_cpu(tmp_path):
     """`--small` under the interpreter: the Triton configs' rows (block, bf16 block, the whole causal
