@@ -19,6 +19,15 @@ import os
 import torch
 
 
+def env_flag(name: str, default: str, on_means: str = "") -> bool:
+    """An on / off environment switch (docs/kernels.md's switches table): 1 / true / on or 0 / false /
+    off, `default` when unset; anything else is a ValueError naming the variable and its values."""
+    value = os.environ.get(name, default).strip().lower()
+    if value not in ("0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"{name} must be 1{f' ({on_means})' if on_means else ''} or 0; got {value!r}")
+    return value in ("1", "true", "on")
+
+
 @functools.lru_cache(maxsize=None)
 def triton_importable() -> bool:
     try:

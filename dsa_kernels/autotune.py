@@ -29,6 +29,8 @@ import os
 from pathlib import Path
 from typing import Callable, Sequence
 
+from ._triton_common import env_flag
+
 _MEMORY: dict[str, str] = {}
 
 
@@ -37,10 +39,7 @@ def cache_path() -> Path:
 
 
 def enabled() -> bool:
-    value = os.environ.get("DSA_AUTOTUNE", "1").strip().lower()
-    if value not in ("0", "1", "false", "true", "off", "on"):
-        raise ValueError(f"DSA_AUTOTUNE must be 1 or 0; got {value!r}")
-    return value in ("1", "true", "on")
+    return env_flag("DSA_AUTOTUNE", "1")
 
 
 def _load() -> dict:

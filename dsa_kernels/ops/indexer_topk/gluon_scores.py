@@ -48,7 +48,6 @@ DSA_KERNELS_GLUON_SCORES=1, benchmarks/gluon_index_scores.py) prove the kernel i
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton.language as tl
@@ -58,6 +57,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from ..._triton_common import env_flag
 from ..sparse_mla.gluon_fwd import GluonLaunch, _cp_async, _cta_barrier
 
 BLOCK_N = 64  # keys per tile: the wgmma M of one consumer warp group
@@ -84,10 +84,7 @@ def gluon_scores_enabled() -> bool:
     until a GPU session has run them: the autotuner's verification catches a wrong result, not a hang
     (a producer / consumer handshake that deadlocks). Forcing one (`config=`, DSA_INDEX_SCORES_CONFIG)
     and gpu-check's correctness check run them without the opt-in."""
-    value = os.environ.get("DSA_KERNELS_GLUON_SCORES", "0").strip().lower()
-    if value not in ("0", "1", "false", "true", "off", "on"):
-        raise ValueError(f"DSA_KERNELS_GLUON_SCORES must be 1 or 0; got {value!r}")
-    return value in ("1", "true", "on")
+    return env_flag("DSA_KERNELS_GLUON_SCORES", "0")
 
 
 def gluon_scores_supported(q, k, scores, fp8: bool, capability: int) -> str | None:

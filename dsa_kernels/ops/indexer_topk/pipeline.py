@@ -36,10 +36,11 @@ and off (tests/test_indexer_topk_overlap.py; `correctness.indexer_topk.*` on a G
 
 from __future__ import annotations
 
-import os
 from collections import deque
 
 import torch
+
+from ..._triton_common import env_flag
 
 OVERLAP_ENV = "DSA_INDEXER_OVERLAP"
 LIVE_SCORE_BLOCKS = 2  # score blocks alive at once with the overlap on (1 without)
@@ -52,11 +53,7 @@ def overlap_enabled(overlap: bool | None = None) -> bool:
     requires bitwise equal outputs); a change like this is opt-in until then, as the Gluon kernels were."""
     if overlap is not None:
         return bool(overlap)
-    value = os.environ.get(OVERLAP_ENV, "0").strip().lower()
-    if value not in ("0", "1", "false", "true", "off", "on"):
-        raise ValueError(f"{OVERLAP_ENV} must be 1 (overlap the select with the next chunk's scores) or 0; "
-                         f"got {value!r}")
-    return value in ("1", "true", "on")
+    return env_flag(OVERLAP_ENV, "0", "overlap the select with the next chunk's scores")
 
 
 def live_score_blocks(n_chunks: int, overlap: bool | None = None) -> int:

@@ -68,7 +68,7 @@ import triton
 import triton.language as tl
 
 from ... import autotune
-from ..._triton_common import Launch, interpreted, pow2, row_dot, target_capability
+from ..._triton_common import Launch, env_flag, interpreted, pow2, row_dot, target_capability
 
 LOG2E = 1.4426950408889634
 GRID_X_MAX, GRID_YZ_MAX = 2**31 - 1, 65535  # CUDA's grid limits (x; y and z)
@@ -629,10 +629,7 @@ def gluon_bwd_enabled() -> bool:
     this kernel yet (the Gluon forward was opt-in the same way until GPU session 2 measured it).
     Forcing one (`force_bwd_config`, DSA_SPARSE_MLA_BWD_CONFIG) and gpu-check's correctness checks
     run them without the opt-in."""
-    value = os.environ.get("DSA_KERNELS_GLUON_BWD", "0").strip().lower()
-    if value not in ("0", "1", "false", "true", "off", "on"):
-        raise ValueError(f"DSA_KERNELS_GLUON_BWD must be 1 or 0; got {value!r}")
-    return value in ("1", "true", "on")
+    return env_flag("DSA_KERNELS_GLUON_BWD", "0")
 
 
 _FORCED_BWD: contextvars.ContextVar[str | None] = contextvars.ContextVar("dsa_sparse_mla_bwd_config", default=None)
@@ -969,10 +966,7 @@ def gluon_enabled() -> bool:
     unless DSA_KERNELS_GLUON=0. Measured on an H200 (GPU session 2, docs/gpu-check/NVIDIA-H200/
     session-2): correct against the fp32 reference at T = 4K / 32K, no hang, 451 TFLOPS against the
     Triton forward's 180 at T = 32K. The switch is for a GPU or Triton build where they misbehave."""
-    value = os.environ.get("DSA_KERNELS_GLUON", "1").strip().lower()
-    if value not in ("0", "1", "false", "true", "off", "on"):
-        raise ValueError(f"DSA_KERNELS_GLUON must be 1 or 0; got {value!r}")
-    return value in ("1", "true", "on")
+    return env_flag("DSA_KERNELS_GLUON", "1")
 
 
 _FORCED_FWD: contextvars.ContextVar[str | None] = contextvars.ContextVar("dsa_sparse_mla_fwd_config", default=None)
