@@ -137,6 +137,37 @@ def test_traced_step_runs_the_cuda_path(stage, ops):
     assert t["kernels"] == "cuda"
     assert t["kernel_ops"] == {f"dsa_kernels::{n}": layers for n in ops}, t["kernel_ops"]
     assert t["peak_total"] == sum(t["peak"].values()) > 0
+    assert_dsa_buffers_are_the_plans(t)
+
+
+def assert_dsa_buffers_are_the_plans(t: dict) -> None:
+    """The trace's DSA buffers at the peak are what the plan calls DSA buffers (top-k indices, a kernel's
+    working set, the kernels' own glue in dsa_kernels/), named by site, and add up to the category."""
+    sites = t["peak_dsa_sites"]
+    assert sum(sites.values()) == t["peak"]["dsa_buffers"], sites
+    for site in sites:
+        assert (site in ("indexer_topk outputs", "indexer_topk_at_positions outputs") or site.endswith(" working set")
+                or site.startswith("dsa_kernels/")), site  # the attention's / KL's outputs are activations
+
+
+def test_trace_names_its_dsa_buffers_by_site():
+    """The DSA buffers live at the peak, by allocation site: kept as they were at the peak (a transient
+    working set included), while the live count goes on."""
+    from dsa_train.plan.trace import MemoryTrace
+
+    trace = MemoryTrace()
+    q = torch.zeros(8, dtype=torch.float32)
+    trace.add(q, "dsa_buffers", "indexer_topk outputs")
+    trace.add(torch.zeros(4, dtype=torch.float32), "activations")
+    assert trace.peak == {"dsa_buffers": 32, "activations": 16} and trace.peak_dsa_sites == {"indexer_topk outputs": 32}
+    trace._bump(64, "dsa_buffers", "dsa_kernels::sparse_mla_bwd working set")  # a transient: a new peak
+    assert trace.peak_dsa_sites == {"indexer_topk outputs": 32, "dsa_kernels::sparse_mla_bwd working set": 64}
+    assert trace.peak["dsa_buffers"] == 96
+    del q  # freed: the live count drops, the peak's breakdown stays
+    import gc
+
+    gc.collect()
+    assert trace.dsa_sites["indexer_topk outputs"] == 0 and trace.peak_dsa_sites["indexer_topk outputs"] == 32
 
 
 def test_cpu_recipe_traces_the_cpu_path():

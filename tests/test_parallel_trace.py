@@ -84,6 +84,15 @@ def test_trace_of_671b_recipe_agrees_with_plan(recipe, tmp_path):
     # gradients: the plan's term is its maximum over the step (partition + reduce bucket + the
     # largest parameter's model-dtype gradient); the trace's is what is live at its peak
     assert traced["gradients"] <= 1.2 * planned["gradients"], t
+    # the kept tensors: what the plan calls activations (every tensor a layer keeps for its backward) and
+    # DSA buffers (top-k indices, the recompute's memo of them, the kernels' working sets) bound the trace's
+    for key in ("activations", "dsa_buffers"):
+        assert traced[key] <= planned[key], (key, t)
+    if recipe == "v3.2_sparse":  # the indices at the peak: the layer in flight's and the memo's, no other
+        sites = t["peak_dsa_sites"]
+        assert sites.get("indexer_topk outputs", 0) > 0.9 * traced["dsa_buffers"], sites
+        for site in sites:
+            assert site == "indexer_topk outputs" or site.endswith(" working set") or site.startswith("dsa_kernels/"), site
     # communication: every collective of the step as the plan counts it. The sparse stage
     # (recompute: full, all parameters train) runs the MoE all-to-all and the CP gather forward,
     # again in the recompute and backward, and reduces gradients in every micro-batch (ZeRO-2);

@@ -29,11 +29,25 @@ class _RowChunkedMLP(torch.autograd.Function):
 
     Forward and backward walk ROWS tokens at a time; the backward recomputes that block's gate,
     up and SiLU, then forms dx for the block and adds the block's weight gradients to fp32
-    accumulators (cast to the weights' dtype at the end). The plain expression keeps gate, up and
+    accumulators (cast to the weights' dtype at the end; each block's product is added in place,
+    without an fp32 copy). The backward takes all rows as one block while that block's extra
+    [rows, I] temporaries cost less than the three fp32 weight-sized accumulators
+    (`backward_rows_per_block`; at 671B's dense layer, 4K rows per rank: one block, no 1.6 GB of
+    accumulators); its weight gradients are then the GEMMs themselves (fp32 accumulation inside,
+    rounded once). `dsa_train.plan.estimate` counts this working set. The plain expression keeps gate, up and
     the product (3 x T x intermediate) from forward to backward and, in backward, holds their
     full-size gradients next to them (about 0.8 GB at T = 16384 for small_32k's dense layer)."""
 
     ROWS = 2048
+    BLOCK_TEMPORARIES = 9  # [rows, I] tensors a backward block holds at its peak (gate, up, act, d_prod, ...)
+
+    @staticmethod
+    def backward_rows_per_block(rows: int, hidden: int, elem_bytes: int) -> int:
+        """Rows per backward block: all of them while the block's temporaries beyond ROWS rows'
+        (BLOCK_TEMPORARIES x extra rows x I x elem_bytes) stay under the accumulators' 3 x 4 x I x
+        hidden bytes, else ROWS (I cancels)."""
+        extra_rows_allowed = 12 * hidden // (_RowChunkedMLP.BLOCK_TEMPORARIES * elem_bytes)
+        return rows if rows <= _RowChunkedMLP.ROWS + extra_rows_allowed else _RowChunkedMLP.ROWS
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down):  # x [..., hidden]; w_gate/w_up [I, hidden]; w_down [hidden, I]
@@ -51,27 +65,39 @@ class _RowChunkedMLP(torch.autograd.Function):
         need_x, need_gate, need_up, need_down = ctx.needs_input_grad
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         dx = torch.empty_like(x2) if need_x else None
-        acc = {name: torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-               for name, w, need in (("gate", w_gate, need_gate), ("up", w_up, need_up), ("down", w_down, need_down))
-               if need}
-        for r0 in range(0, x2.shape[0], _RowChunkedMLP.ROWS):
-            rows = slice(r0, r0 + _RowChunkedMLP.ROWS)
+        needed = [name for name, need in (("gate", need_gate), ("up", need_up), ("down", need_down)) if need]
+        block = _RowChunkedMLP.backward_rows_per_block(x2.shape[0], x2.shape[1], x2.element_size())
+        one_block = block >= x2.shape[0]
+        weights = {"gate": w_gate, "up": w_up, "down": w_down}
+        # fp32 accumulators over blocks; one block: the block's gradient is the result (0 + g rounds to g)
+        acc = {} if one_block else {name: torch.zeros(weights[name].shape, dtype=torch.float32, device=weights[name].device)
+                                    for name in needed}
+        grad = {}
+
+        def add(name, g):  # g: one block's weight gradient in the weights' dtype
+            if one_block:
+                grad[name] = g.to(weights[name].dtype)
+            else:
+                acc[name].add_(g)  # promoted in place: no fp32 copy of g
+
+        for r0 in range(0, x2.shape[0], block):
+            rows = slice(r0, r0 + block)
             xr, dyr = x2[rows], dy2[rows]
             gate, up = F.linear(xr, w_gate), F.linear(xr, w_up)  # [R, I]
             act = F.silu(gate)
-            if "down" in acc:
-                acc["down"] += (dyr.t() @ (act * up)).float()
+            if "down" in needed:
+                add("down", dyr.t() @ (act * up))
             d_prod = dyr @ w_down  # [R, I]
             d_up = d_prod * act
             d_gate = torch.ops.aten.silu_backward(d_prod * up, gate)
-            if "gate" in acc:
-                acc["gate"] += (d_gate.t() @ xr).float()
-            if "up" in acc:
-                acc["up"] += (d_up.t() @ xr).float()
+            if "gate" in needed:
+                add("gate", d_gate.t() @ xr)
+            if "up" in needed:
+                add("up", d_up.t() @ xr)
             if need_x:
                 dx[rows] = d_gate @ w_gate + d_up @ w_up
-        grads = [acc[name].to(w.dtype) if name in acc else None
-                 for name, w in (("gate", w_gate), ("up", w_up), ("down", w_down))]
+        grads = [(grad[name] if one_block else acc[name].to(weights[name].dtype)) if name in needed else None
+                 for name in ("gate", "up", "down")]
         return (dx.view_as(x) if need_x else None), *grads
 
 

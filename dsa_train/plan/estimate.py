@@ -11,8 +11,11 @@ Per rank and per stage (the largest stage decides whether it fits):
   optimizer    AdamW m and v (fp32) and the fp32 master (DeepSpeed keeps one with ZeRO >= 1 or
                bf16), partitioned by ZeRO >= 1 (all created at initialization, live throughout);
                the update's two temporaries per param group exist only during the optimizer step,
-               when activations are freed: the peak is the larger of the forward/backward phase
-               (the sum of the categories) and the step phase (model state + temporaries);
+               when activations are freed: the peak is the largest of the forward/backward phase
+               (the sum of the categories), the step phase (model state + temporaries) and the MLP
+               backward phase (a dense layer's or shared expert's row-chunked MLP backward: model
+               state, the kept layer inputs, a recomputed block, the DSA buffers and that MLP's own
+               working set, `mlp_backward_working_set`; in `step_detail_gib`);
   activations  what the backward keeps for one micro-batch of T / CP local tokens: per layer the
                tensors saved by the model's ops (only those on a path to a trainable parameter:
                the dense warm-up keeps the indexer's only), minus what `parallel.recompute`
@@ -222,6 +225,29 @@ def activation_bytes_per_token(c, sizes, stage: Stage, recompute: str, dtype_byt
     }
 
 
+def mlp_backward_working_set(c, sizes, rows: int, elem_bytes: int, main_trains: bool) -> int:
+    """Bytes the row-chunked MLP's backward (`dsa_train.model.moe._RowChunkedMLP`: the dense layers'
+    MLP, the shared experts) holds beyond what its layer keeps, for the larger of the two: its three
+    weight gradients in the model dtype (and two weight-sized copies), its blocks' [rows, I] temporaries, dx and a block's three
+    [block, hidden] terms of it, and, where it walks
+    the rows in several blocks, three fp32 weight-sized accumulators. 0 when the MLPs do not train."""
+    if not main_trains:
+        return 0
+    from dsa_train.model.moe import _RowChunkedMLP
+
+    h, b = c.hidden_size, elem_bytes
+    inters = []
+    if any(not c.is_moe_layer(i) for i in range(c.num_hidden_layers)):
+        inters.append(c.intermediate_size // sizes.tensor)
+    if c.n_routed_experts and c.n_shared_experts:
+        inters.append(c.moe_intermediate_size * c.n_shared_experts // sizes.tensor)
+    block = _RowChunkedMLP.backward_rows_per_block(rows, h, b)
+    # 3 + 2: the weight gradients, and the transposed weight copies F.linear makes where the trace runs
+    # (a CPU under FakeTensorMode; cuBLAS reads them transposed: an upper bound there)
+    return max((12 * I * h * (block < rows) + 5 * b * I * h + _RowChunkedMLP.BLOCK_TEMPORARIES * min(block, rows) * I * b
+                + (rows + 3 * min(block, rows)) * h * b for I in inters), default=0)  # dx, a block's dx terms
+
+
 def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
     c = model_cfg
     n = count_params(c)
@@ -278,7 +304,13 @@ def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
     # two phases: forward/backward (everything above) and the optimizer step (model state plus the
     # update's temporaries; activations and DSA buffers are freed by then) -- the peak is the larger
     step_phase = g["parameters"] + g["gradients"] + g["optimizer"] + step_temporaries
-    p.step_detail_gib = {"optimizer_step_temporaries": step_temporaries, "optimizer_step_phase": step_phase}
+    # a third phase: a dense layer's (or shared expert's) MLP backward, after the LM head's: the kept
+    # layer inputs, the block being recomputed, the DSA buffers and that MLP's working set
+    mlp_ws = mlp_backward_working_set(c, sizes, int(T_loc), pb, main_trains) / GiB
+    mlp_phase = (g["parameters"] + g["gradients"] + g["optimizer"] + g["dsa_buffers"]
+                 + T_loc * (act["layers"] + act["recompute_block"]) / GiB + mlp_ws)
+    p.step_detail_gib = {"optimizer_step_temporaries": step_temporaries, "optimizer_step_phase": step_phase,
+                         "mlp_backward_working_set": mlp_ws, "mlp_backward_phase": mlp_phase}
     # step time: every part of the step as the CUDA path issues it (`Stage.step_flops`: FLOPs at the MFU,
     # kernels at max(FLOPs at the MFU, bytes at the HBM bandwidth)), plus every kind of communication at
     # the cluster's effective bandwidths (plan/comm.py), added without overlap
@@ -301,7 +333,7 @@ def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
     # NCCL's buffers (outside PyTorch's allocator) count in every phase; a CPU recipe runs gloo
     on_gpu = getattr(cfg.device, "value", cfg.device) != "cpu"
     g["nccl_buffers"] = nccl_buffer_bytes(rows, spans, cfg.cluster.network) / GiB if on_gpu else 0.0
-    p.total_gib = max(sum(g.values()), step_phase + g["nccl_buffers"])
+    p.total_gib = max(sum(g.values()), step_phase + g["nccl_buffers"], mlp_phase + g["nccl_buffers"])
     comm = sum(r["seconds"] for r in p.communication)
     p.step_s = compute + comm
     # the MFU the trainer reports (`perf/mfu`: the stage's model FLOPs over the step's time) at this step time
@@ -431,7 +463,8 @@ def traced_plan(cfg, opts, plan: dict) -> dict:
         "traced_peak_bytes": traced["peak_total"], "planned_peak_bytes": int(stage["total_gib"] * GiB) - nccl,
         "planned_nccl_bytes": nccl, "gpu_memory_bytes": int(opts.gpu_gb * GiB), "traced": traced["peak"],
         "planned": planned, "layout": traced["layout"], "trace_seconds": round(traced["seconds"], 1),
-        "peak_at": traced["peak_at"], "kernels": traced["kernels"], "kernel_ops": traced["kernel_ops"], "fits": traced["peak_total"] + nccl <= opts.gpu_gb * GiB * opts.usable,
+        "peak_at": traced["peak_at"], "peak_dsa_sites": traced["peak_dsa_sites"],
+        "kernels": traced["kernels"], "kernel_ops": traced["kernel_ops"], "fits": traced["peak_total"] + nccl <= opts.gpu_gb * GiB * opts.usable,
         "micro_batches": stage["step_detail"]["micro_batches"], "traced_collective_calls": len(traced["collectives"]),
         "communication": comm,
         "planned_comm_bytes": sum(r["planned_bytes"] for r in comm), "traced_comm_bytes": sum(r["traced_bytes"] for r in comm),
@@ -447,6 +480,8 @@ def format_trace(t: dict) -> str:
         plan = t["planned"].get(k)
         out.append(f"  {k:13s} traced {t['traced'][k] / GiB:8.3f} GiB   planned "
                    + (f"{plan / GiB:8.3f} GiB" if plan is not None else "       - (in gradients)"))
+    for site, n in list(t.get("peak_dsa_sites", {}).items())[:8]:  # what the DSA buffers at the peak are
+        out.append(f"    dsa_buffers at the peak {n / GiB:8.3f} GiB  {site}")
     if t["kernel_ops"]:
         out.append("  kernel ops traced (calls): " + ", ".join(f"{k.split('::')[-1]} {n}" for k, n in t["kernel_ops"].items()))
     out.append(f"communication per step ({t['traced_collective_calls']} collectives traced in one micro-batch and "

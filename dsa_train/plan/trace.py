@@ -63,7 +63,13 @@ from dsa_train.stage import Stage
 
 GiB = 2**30
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "dsa_buffers", "comm_buffers")
-_DSA_FILES = ("indexer", "dsa_kernels/")  # allocations from these source files are DSA buffers
+# The DSA buffers, as the plan counts them (`dsa_train.plan.estimate`): the top-k indices (the
+# outputs of these custom ops, the recompute's memo of them included), the kernels' transient
+# working sets, and what the kernels' host-side glue in dsa_kernels/ allocates. The attention's and
+# the KL's outputs kept for the backward, and the indexer's projections, are activations (the plan's
+# per-layer terms); the CP gathers are collectives' outputs (communication buffers here).
+_DSA_FILES = ("dsa_kernels/",)  # plain allocations from these source files are DSA buffers
+_DSA_OPS = ("indexer_topk", "indexer_topk_at_positions")  # custom ops whose outputs are DSA buffers
 
 
 class MemoryTrace(TorchDispatchMode):
@@ -83,38 +89,50 @@ class MemoryTrace(TorchDispatchMode):
         self.peak_seq = 0
         self._workspace_cache: dict[tuple, int] = {}
         self.kernel_ops: dict[str, int] = defaultdict(int)  # dsa_kernels custom op -> calls
+        # the DSA buffers by where they were allocated (source line and function): live now, at the peak
+        self.dsa_sites: dict[str, int] = defaultdict(int)
+        self.peak_dsa_sites: dict[str, int] = {}
+        self._site = ""  # the allocation site _category_of_new found for the op being dispatched
 
     # -------------------------------------------------------------- accounting
     @staticmethod
     def key(t: torch.Tensor) -> int:
         return t.untyped_storage()._cdata
 
-    def add(self, t: torch.Tensor, category: str) -> None:
+    def add(self, t: torch.Tensor, category: str, site: str = "") -> None:
         st = t.untyped_storage()
         k = st._cdata
         if k in self.live:
             return
         n = st.nbytes()
         self.seq += 1
-        self.live[k] = [n, category, self.seq]
+        site = (site or "?") if category == "dsa_buffers" else ""
+        self.live[k] = [n, category, self.seq, site]
         self.current[category] += n
+        if site:
+            self.dsa_sites[site] += n
         weakref.finalize(st, self._free, k)
         total = sum(self.current.values())
         if total > self.peak_total:
-            self.peak_total = total
-            self.peak = dict(self.current)
-            self.peak_where = _where()
-            self.peak_seq = self.seq
+            self._new_peak(total)
 
-    def _bump(self, nbytes: int, category: str) -> None:
+    def _new_peak(self, total: int, transient: tuple[int, str, str] | None = None) -> None:
+        self.peak_total = total
+        self.peak = dict(self.current)
+        self.peak_dsa_sites = {s: n for s, n in self.dsa_sites.items() if n}
+        if transient is not None:  # (bytes, category, site) live only during the current op
+            n, category, site = transient
+            self.peak[category] = self.peak.get(category, 0) + n
+            if category == "dsa_buffers":
+                self.peak_dsa_sites[site] = self.peak_dsa_sites.get(site, 0) + n
+        self.peak_where = _where()
+        self.peak_seq = self.seq
+
+    def _bump(self, nbytes: int, category: str, site: str = "") -> None:
         """A transient allocation of `nbytes` on top of what is live now: a peak candidate."""
         total = sum(self.current.values()) + nbytes
         if total > self.peak_total:
-            self.peak_total = total
-            self.peak = dict(self.current)
-            self.peak[category] = self.peak.get(category, 0) + nbytes
-            self.peak_where = _where()
-            self.peak_seq = self.seq
+            self._new_peak(total, (nbytes, category, site or "?"))
 
     def chunk_workspace(self, key: tuple, run_worst_chunk) -> None:
         """Listener of `dsa_kernels.chunk_ops`: a chunk-loop op (one fake dispatch for its whole
@@ -123,7 +141,7 @@ class MemoryTrace(TorchDispatchMode):
         once per distinct op and argument shapes)."""
         if key not in self._workspace_cache:
             nested = MemoryTrace()
-            nested.live = {k: [0, "live", 0] for k in self.live}
+            nested.live = {k: [0, "live", 0, ""] for k in self.live}
             with nested:
                 run_worst_chunk()
             self._workspace_cache[key] = nested.peak_total
@@ -134,6 +152,8 @@ class MemoryTrace(TorchDispatchMode):
         entry = self.live.pop(k, None)
         if entry is not None:
             self.current[entry[1]] -= entry[0]
+            if entry[3]:
+                self.dsa_sites[entry[3]] -= entry[0]
 
     def retag(self, t: torch.Tensor, category: str) -> None:
         entry = self.live.get(self.key(t))
@@ -145,6 +165,11 @@ class MemoryTrace(TorchDispatchMode):
             if entry[2] <= self.peak_seq:  # live now and allocated before the peak: live at the peak
                 self.peak[entry[1]] = self.peak.get(entry[1], 0) - entry[0]
                 self.peak[category] = self.peak.get(category, 0) + entry[0]
+                if entry[3]:
+                    self.peak_dsa_sites[entry[3]] = self.peak_dsa_sites.get(entry[3], 0) - entry[0]
+            if entry[3]:  # no longer a DSA buffer
+                self.dsa_sites[entry[3]] -= entry[0]
+                entry[3] = ""
             entry[1] = category
 
     def _category_of_new(self, func) -> str:
@@ -158,6 +183,7 @@ class MemoryTrace(TorchDispatchMode):
             name = f.f_code.co_filename
             if "dsa_train" in name or "kernels" in name:
                 if any(part in name for part in _DSA_FILES):
+                    self._site = f"{_short(name)}:{f.f_lineno} ({f.f_code.co_name})"
                     return "dsa_buffers"
             f = f.f_back
         return "activations"
@@ -174,11 +200,16 @@ class MemoryTrace(TorchDispatchMode):
         if func.namespace == "dsa_kernels":
             self.kernel_ops[func._schema.name] += 1
         out = func(*args, **kwargs)
+        self._site = ""
         category = self._category_of_new(func)
+        if func.namespace == "dsa_kernels":  # a custom op's outputs: named by the op, not its wrapper's line
+            name = func._schema.name.split("::")[-1]
+            category = "dsa_buffers" if name in _DSA_OPS else "activations"
+            self._site = f"{name} outputs"
         for t in _tensors(out):
-            self.add(t, category)
-        if self._transient:  # a chunk-loop op's working set, live only during the op
-            self._bump(self._transient, "dsa_buffers")
+            self.add(t, category, self._site)
+        if self._transient:  # a chunk-loop op's (or a kernel launcher's) working set, live only during the op
+            self._bump(self._transient, "dsa_buffers", f"{func._schema.name} working set")
             self._transient = 0
         if func.namespace in ("c10d", "_c10d_functional"):
             outs = list(_tensors(out)) + [a for a in _tensors(args) if isinstance(a, torch.Tensor)]
@@ -196,7 +227,9 @@ class MemoryTrace(TorchDispatchMode):
         n = max(int(minlength), 1)
         out = torch.zeros(n, dtype=torch.int64, device=x.device)
         self.balanced[self.key(out)] = max(x.numel() // n, 1)
-        self.add(out, self._category_of_new(torch.ops.aten.bincount.default))
+        self._site = ""
+        category = self._category_of_new(torch.ops.aten.bincount.default)
+        self.add(out, category, self._site)
         return out
 
     def _scalar(self, t: torch.Tensor):
@@ -206,6 +239,15 @@ class MemoryTrace(TorchDispatchMode):
         if t.is_floating_point():
             return 1.0
         return value if value is not None else 1
+
+
+def _short(filename: str) -> str:
+    """`dsa_kernels/ops/indexer_topk/memo.py` from an absolute path (the part from the package on)."""
+    for package in ("dsa_kernels/", "dsa_train/"):
+        i = filename.rfind(package)
+        if i >= 0:
+            return filename[i:]
+    return filename.rsplit("/", 1)[-1]
 
 
 def _where() -> str:
@@ -456,6 +498,9 @@ def trace_step(cfg, model_cfg, rank: int = 0, world: int | None = None, stage_na
         return {
             "world_size": world, "rank": rank, "stage": stage_name, "layers": model_cfg.num_hidden_layers,
             "peak": peak, "peak_total": int(trace.peak_total), "peak_at": trace.peak_where,
+            # the DSA buffers live at the peak by allocation site (bytes, largest first)
+            "peak_dsa_sites": dict(sorted(((k, int(v)) for k, v in trace.peak_dsa_sites.items() if v),
+                                          key=lambda kv: -kv[1])),
             "layout": {"tp": sizes.tensor, "cp": sizes.context, "ep": sizes.expert, "dp": sizes.data,
                        "zero": cfg.parallel.zero_stage, "recompute": cfg.parallel.recompute},
             "seconds": time.perf_counter() - start, "collectives": recorder.calls, "kernels": path,
