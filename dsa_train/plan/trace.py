@@ -17,8 +17,9 @@ Rank R (default 0) of the recipe's full world size, in one CPU process, without 
      ZeRO-2 (plus one reduce bucket), the whole trainable set under ZeRO-1 -- AdamW (foreach) on
      the partition, and the updated partition all-gathered back into the bf16 parameters.
 A TorchDispatchMode counts every live storage by category (parameters, gradients, optimizer
-state, activations, DSA buffers: what the lightning indexer and the DSA kernels allocate,
-communication buffers: what collectives write) and keeps the categories at the peak.
+state, activations, DSA buffers: the top-k indices, the kernels' working sets and what dsa_kernels/
+allocates, as the plan counts them (`_DSA_OPS`), communication buffers: what collectives write) and
+keeps the categories at the peak, the DSA buffers also by allocation site (`peak_dsa_sites`).
 
 Data-dependent values (the MoE's per-rank token counts, `.item()` of metrics) have no value
 under FakeTensorMode: token counts are taken as balanced routing (every expert gets
