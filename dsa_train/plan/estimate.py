@@ -405,6 +405,11 @@ def format_plan(plan: dict) -> str:
         if ws:
             out.append(f"      kernel working set ({ws['path']} path, in dsa_buffers): {ws['bytes'] / GiB:.3f} GiB, "
                        f"largest: {ws['op']}")
+        ph, nccl = s["step_detail_gib"], s["gib"].get("nccl_buffers", 0.0)
+        if ph:  # the peak is the largest phase's
+            out.append(f"      phases: forward/backward {sum(s['gib'].values()):.2f}, optimizer step "
+                       f"{ph['optimizer_step_phase'] + nccl:.2f}, MLP backward {ph['mlp_backward_phase'] + nccl:.2f} GiB "
+                       f"(its working set {ph['mlp_backward_working_set']:.2f})")
         out.append(f"      step ~{s['step_s']:.1f} s = compute {d['compute_s']:.1f} + communication "
                    f"{d['communication_s']:.1f} (MoE all-to-all {d['moe_all_to_all_s']:.1f}, gradients "
                    f"{d['grad_reduce_s']:.1f}, CP gather {d['cp_gather_s']:.2f}, TP {d['tp_s']:.1f}; not overlapped); "
