@@ -35,6 +35,31 @@ from .config import DSAConfig
 from .rope import apply_rope_half
 
 
+class _LinearInFp32(torch.autograd.Function):
+    """F.linear(x.float(), weight.float()) that keeps x in its own dtype for the backward.
+
+    The head weights are computed in fp32 (DeepSeek-V3.2's `weights_proj(x.float())`); autograd on
+    the plain expression keeps the fp32 copy of x [B, T, hidden] for the weight gradient (4 bytes
+    per hidden unit and token per layer, twice x's bf16, which wk's input already keeps). Here x is
+    kept as it is and made fp32 again in the backward; the same operations run in both directions,
+    so the outputs and gradients are bitwise the plain expression's."""
+
+    @staticmethod
+    def forward(ctx, x, weight):  # x [..., hidden]; weight [H_I, hidden] -> [..., H_I] fp32
+        ctx.save_for_backward(x, weight)
+        return F.linear(x.float(), weight.float())
+
+    @staticmethod
+    def backward(ctx, grad):  # grad [..., H_I] fp32
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad @ weight.float()).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
+        return grad_x, grad_w
+
+
 def hadamard_matrix(dim: int) -> torch.Tensor:
     """Orthonormal Sylvester-Hadamard matrix [dim, dim] (dim a power of two), scale dim^-1/2."""
     h = torch.ones(1, 1)
@@ -73,7 +98,7 @@ class LightningIndexer(nn.Module):
         if self.hadamard is not None:
             rot = self.hadamard.to(q.dtype)
             q, k = q @ rot, k @ rot
-        w = F.linear(x.float(), self.weights_proj.weight.float()) * self.weights_scale
+        w = _LinearInFp32.apply(x, self.weights_proj.weight) * self.weights_scale  # fp32, x kept in its dtype
         return q, k, w
 
     @torch.no_grad()
