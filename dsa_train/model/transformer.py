@@ -72,6 +72,15 @@ def mean_over_layers(values: list[torch.Tensor]) -> torch.Tensor:
     return total / torch.full((), float(len(values)), dtype=torch.float64, device=total.device)
 
 
+def _check_max_position(max_position: int, limit: int) -> None:
+    """One line naming the position and the fix when `max_position` is beyond the model's RoPE range."""
+    if max_position >= limit:
+        raise ValueError(
+            f"position {max_position} is beyond max_position_embeddings={limit}; restart position_ids at 0 "
+            f"at each packed document, shorten the sequences, or use a model with a longer context"
+        )
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: DSAConfig, layer_idx: int):
         super().__init__()
@@ -239,34 +248,49 @@ class DSAForCausalLM(nn.Module):
         return_topk: bool = False,
         cu_seqlens: torch.Tensor | None = None,
         index_scores: str = "bf16",
+        *,
+        positions_checked: bool = False,
     ) -> DSAOutput:
         """input_ids [B, T]; position_ids [B, T] restart at 0 where a packed document starts (or
         cu_seqlens [n_docs + 1] for a single packed row). labels [B, T] are next-token targets
         (-100 ignored). See README "Public API".
+
+        Positions must stay below `config.max_position_embeddings` (a ValueError otherwise). The
+        positions the forward makes (position_ids None) are checked from T alone; given
+        position_ids are read back (`position_ids.max()`: on a GPU a device synchronization)
+        unless `positions_checked=True`, with which the caller guarantees the bound: the trainer
+        (`dsa_train.trainer.step`), whose rows of data.seq_len <= max_position_embeddings (checked
+        at start-up) restart their positions at 0 at every document.
 
         With context parallelism applied (`self.context_parallel`, set by
         `dsa_train.parallel.model.parallelize_model`) every rank passes the whole micro-batch and
         runs the tokens it holds; logits, losses and stats are then this rank's share."""
         B, T = input_ids.shape
         cfg = self.config
+        limit = cfg.max_position_embeddings
         if position_ids is None:
             if cu_seqlens is not None:
                 if B != 1:
                     raise ValueError("cu_seqlens describes one packed row; pass position_ids for B > 1")
                 doc_start = K.doc_starts_from_cu_seqlens(cu_seqlens.to(input_ids.device), T)
                 position_ids = torch.arange(T, device=input_ids.device)[None] - doc_start
+                if T > limit:  # positions <= T - 1 always; beyond the limit only the documents' lengths tell
+                    _check_max_position(int(position_ids.max()), limit)
             else:
+                if T > limit:  # positions 0 .. T - 1: known without reading anything
+                    raise ValueError(
+                        f"a sequence of {T} tokens has positions up to {T - 1}, beyond max_position_embeddings="
+                        f"{limit}; pass at most {limit} tokens per row, or position_ids restarting at 0 at each "
+                        f"packed document, or use a model with a longer context"
+                    )
                 position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
                 doc_start = torch.zeros_like(position_ids)
         else:
             if position_ids.shape != input_ids.shape:
                 position_ids = position_ids.expand(B, T)
             doc_start = K.doc_starts_from_position_ids(position_ids)
-        if int(position_ids.max()) >= cfg.max_position_embeddings:
-            raise ValueError(
-                f"position {int(position_ids.max())} is beyond max_position_embeddings="
-                f"{cfg.max_position_embeddings}; shorten seq_len or use a model with longer context"
-            )
+            if not positions_checked:  # on a GPU this read waits for the device
+                _check_max_position(int(position_ids.max()), limit)
         # context parallelism: this rank's share of the sequence (global positions [T_loc])
         cp = self.context_parallel.for_sequence(T, input_ids.device) if self.context_parallel is not None else None
         local = (lambda t: t) if cp is None else (lambda t: t[:, cp.positions])  # noqa: E731

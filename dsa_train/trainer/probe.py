@@ -44,7 +44,7 @@ def measure(
     for batch in batches:
         batch = {k: v.to(device) for k, v in batch.items()}
         out = model(batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"],
-                    **stage.probe_forward_kwargs())
+                    positions_checked=True, **stage.probe_forward_kwargs())  # loader rows of data.seq_len
         sums.add(out.stats)
     model.train(was_training)
     values = sums.values(reduction or Reduction(), device=device)

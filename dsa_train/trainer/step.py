@@ -33,7 +33,13 @@ def forward_backward(
     reduction: Reduction | None = None,
 ) -> dict[str, float]:
     """Accumulates the gradients of one step; returns its metrics (loss terms of the step, model
-    metrics over its micro-batches), reduced over ranks by `reduction` (None: one process)."""
+    metrics over its micro-batches), reduced over ranks by `reduction` (None: one process).
+
+    The micro-batches' position_ids must be below the model's max_position_embeddings: the forward
+    takes them unchecked (`positions_checked=True`, no host read per micro-batch). The trainer's
+    are: rows of data.seq_len tokens, positions restarting at 0 at every document
+    (`dsa_train.data.packing`), and seq_len <= max_position_embeddings checked at start-up
+    (`dsa_train.config.validate.check_sequence_fits`)."""
     reduction = reduction or Reduction()
     coefs = stage.loss_coefficients
     counts = step_counts(micro_batches, reduction)
@@ -43,6 +49,7 @@ def forward_backward(
             mb["input_ids"],
             labels=mb["labels"] if stage.uses_lm else None,
             position_ids=mb["position_ids"],
+            positions_checked=True,  # the caller's rows: see the docstring (no host read per micro-batch)
             **stage.forward_kwargs(topk_recall_queries if i == 0 else 0),  # recall: first micro-batch only
         )
         loss = micro_batch_loss(out, coefs, counts, reduction)
