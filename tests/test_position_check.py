@@ -101,3 +101,15 @@ def test_the_trainers_step_and_probes_pass_their_positions_as_checked(model):
         measure(model, batches, stage, torch.device("cpu"))
     assert reads_in_forward(step) == reads_in_forward(probes) == 0
     model.zero_grad(set_to_none=True)
+
+
+def test_memcheck_refuses_a_sequence_beyond_its_model(capsys):
+    """The memory check's step takes its positions unchecked (as the trainer's): a --seq-len beyond
+    its model's positions is one line at start-up, before any process group or model exists."""
+    from dsa_train.testing import memcheck
+
+    with pytest.raises(SystemExit) as exit_info:
+        memcheck.main(["--seq-len", str(memcheck.ARCH["max_position_embeddings"] + 1)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--seq-len 8193" in err and "pass --seq-len 1 .. 8192" in err, err

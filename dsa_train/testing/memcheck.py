@@ -64,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recompute", default="none")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    limit = ARCH["max_position_embeddings"]
+    if not 0 < args.seq_len <= limit:  # the step takes its positions unchecked, as the trainer's
+        p.error(f"--seq-len {args.seq_len}: the memcheck model's positions run 0 .. {limit - 1}; "
+                f"pass --seq-len 1 .. {limit}")
 
     import torch
     import torch.distributed as dist
