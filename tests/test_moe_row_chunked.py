@@ -26,7 +26,7 @@ def _plain(x, w_gate, w_up, w_down):
     return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
 
 
-@pytest.mark.parametrize("rows", [5, 9, 10, 13])  # fp32: one block up to 9 rows, then 3 or 4 blocks
+@pytest.mark.parametrize("rows", [0, 1, 5, 9, 10, 13])  # fp32: one block up to 9 rows, then 3 or 4 blocks
 def test_row_blocks_match_autograd_fp32(rows, monkeypatch):
     monkeypatch.setattr(_RowChunkedMLP, "ROWS", 4)
     x, ws, dy = _inputs(rows, 16, 24, torch.float32)

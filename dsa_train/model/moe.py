@@ -47,7 +47,7 @@ class _RowChunkedMLP(torch.autograd.Function):
         (BLOCK_TEMPORARIES x extra rows x I x elem_bytes) stay under the accumulators' 3 x 4 x I x
         hidden bytes, else ROWS (I cancels)."""
         extra_rows_allowed = 12 * hidden // (_RowChunkedMLP.BLOCK_TEMPORARIES * elem_bytes)
-        return rows if rows <= _RowChunkedMLP.ROWS + extra_rows_allowed else _RowChunkedMLP.ROWS
+        return max(rows, 1) if rows <= _RowChunkedMLP.ROWS + extra_rows_allowed else _RowChunkedMLP.ROWS
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down):  # x [..., hidden]; w_gate/w_up [I, hidden]; w_down [hidden, I]
@@ -96,6 +96,8 @@ class _RowChunkedMLP(torch.autograd.Function):
                 add("up", d_up.t() @ xr)
             if need_x:
                 dx[rows] = d_gate @ w_gate + d_up @ w_up
+        if one_block and not x2.shape[0]:  # no rows (an empty shard): zero gradients, as the sums of nothing
+            grad = {name: torch.zeros_like(weights[name]) for name in needed}
         grads = [(grad[name] if one_block else acc[name].to(weights[name].dtype)) if name in needed else None
                  for name in ("gate", "up", "down")]
         return (dx.view_as(x) if need_x else None), *grads
