@@ -70,8 +70,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .gluon_fwd import (LOG2E, GluonLaunch, _cp_async, _cta_barrier, _gather_and_publish, _tile_rows,
-                        gluon_fwd_supported)
+from .gluon_fwd import (LOG2E, GluonLaunch, _cp_async, _cta_barrier, _gather_and_publish, _ring_barriers,
+                        _tile_rows, gluon_fwd_supported)
 
 BLOCK_H = 64  # heads per CTA (S / dP's M; dkv^T's K)
 BLOCK_K = 32  # keys per tile (S / dP's N, dq's K, dkv^T's N)
@@ -377,11 +377,7 @@ def _sparse_mla_bwd_gluon_kernel(
                                           gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
     stat_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H],  # lse log2e, delta of the block's heads
                                           gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for st in gl.static_range(STAGES):
-        mbarrier.init(ready.index(st), count=1)
-        mbarrier.init(empty.index(st), count=1)
+    ready, empty = _ring_barriers(STAGES)
     gl.warp_specialize([
         (_consumer, (Q, DO, NSLOT, LSE, DELTA, DQ, DKV, q_lat, q_rope, do_smem, kv_lat, kv_rope, rows_smem,
                      ds_smem, p_smem, stat_smem, ready, empty, b, t, hb,

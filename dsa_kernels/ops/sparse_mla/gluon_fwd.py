@@ -254,6 +254,19 @@ def _consumer(Q, NSLOT, O, LSE, q_lat, q_rope, kv_lat, kv_rope, bias, p_smem, re
 
 
 @gluon.jit
+def _ring_barriers(STAGES: gl.constexpr):
+    """The mbarriers of a producer / consumer ring of STAGES stages, each initialized for one arrival:
+    -> (ready [STAGES, 1]: the producer's copy into stage s landed, empty [STAGES, 1]: the consumers
+    released stage s)."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(STAGES):
+        mbarrier.init(ready.index(st), count=1)
+        mbarrier.init(empty.index(st), count=1)
+    return ready, empty
+
+
+@gluon.jit
 def _sparse_mla_fwd_gluon_kernel(
     Q, KV, IDX, NSLOT, O, LSE,
     stride_qb, stride_qt, stride_qh,
@@ -284,11 +297,7 @@ def _sparse_mla_fwd_gluon_kernel(
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_K], sh)
     bias = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_K],
                                      gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for st in gl.static_range(STAGES):
-        mbarrier.init(ready.index(st), count=1)
-        mbarrier.init(empty.index(st), count=1)
+    ready, empty = _ring_barriers(STAGES)
     gl.warp_specialize([
         (_consumer, (Q, NSLOT, O, LSE, q_lat, q_rope, kv_lat, kv_rope, bias, p_smem, ready, empty, b, t, hb,
                      stride_qb, stride_qt, stride_qh, stride_nb,
