@@ -75,6 +75,34 @@ GRID_X_MAX, GRID_YZ_MAX = 2**31 - 1, 65535  # CUDA's grid limits (x; y and z)
 
 
 @triton.jit
+def _fwd_tile_logits(k0, n_slots, idx_base, kv_base, stride_kvt, N_KV, scale_log2, q0, q1, q2, q3, qr,
+                     c0, c1, c2, c3, m0, m1, m2, m3, offs_c, offs_r, mr, D_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The forward's key tile at slots [k0, k0 + BLOCK_K) of a row of n_slots: its selected rows
+    gathered (the four latent quarters kv0..kv3 [BLOCK_K, BLOCK_C] at columns c0..c3, the rope part
+    [BLOCK_K, BLOCK_DR]) and the logits over all 576 dims in the log2 domain, s [BLOCK_H, BLOCK_K]
+    (-inf at empty slots), from the resident q quarters q0..q3 [BLOCK_H, BLOCK_C] and rope qr.
+    -> (offs_k, valid, kv0, kv1, kv2, kv3, s)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    idx = tl.load(idx_base + offs_k, mask=offs_k < n_slots, other=-1)
+    valid = (idx >= 0) & (idx < N_KV)  # out of range = empty slot (never an illegal address)
+    # row offsets in int32 (the launcher checks N * stride < 2^31): fewer live registers
+    rows = kv_base + (tl.where(valid, idx, 0) * stride_kvt)[:, None]
+    vk = valid[:, None]
+    kv0 = tl.load(rows + c0 + offs_c[None, :], mask=vk & m0[None, :], other=0.0)
+    kv1 = tl.load(rows + c1 + offs_c[None, :], mask=vk & m1[None, :], other=0.0)
+    kv2 = tl.load(rows + c2 + offs_c[None, :], mask=vk & m2[None, :], other=0.0)
+    kv3 = tl.load(rows + c3 + offs_c[None, :], mask=vk & m3[None, :], other=0.0)
+    kvr = tl.load(rows + D_V + offs_r[None, :], mask=vk & mr[None, :], other=0.0)
+    s = tl.dot(q0, tl.trans(kv0))
+    s += tl.dot(q1, tl.trans(kv1))
+    s += tl.dot(q2, tl.trans(kv2))
+    s += tl.dot(q3, tl.trans(kv3))
+    s += tl.dot(qr, tl.trans(kvr))
+    s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+    return offs_k, valid, kv0, kv1, kv2, kv3, s
+
+
+@triton.jit
 def _sparse_mla_fwd_kernel(
     Q, KV, IDX, NSLOT, O, LSE, P_SUM,
     stride_qb, stride_qt, stride_qh,
@@ -136,25 +164,11 @@ def _sparse_mla_fwd_kernel(
     idx_base = IDX + b * stride_ib + t * stride_it
     n_slots = tl.load(NSLOT + b * stride_nb + t)  # slots after the last valid one are all empty
     for k0 in range(0, n_slots, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        idx = tl.load(idx_base + offs_k, mask=offs_k < n_slots, other=-1)
-        valid = (idx >= 0) & (idx < N_KV)  # out of range = empty slot (never an illegal address)
-        # row offsets in int32 (the launcher checks N * stride < 2^31): fewer live registers
-        rows = kv_base + (tl.where(valid, idx, 0) * stride_kvt)[:, None]
-        vk = valid[:, None]
         # the tile's selected rows, gathered once for all heads of the block and used by the
         # logits and the value product alike
-        kv0 = tl.load(rows + c0 + offs_c[None, :], mask=vk & m0[None, :], other=0.0)
-        kv1 = tl.load(rows + c1 + offs_c[None, :], mask=vk & m1[None, :], other=0.0)
-        kv2 = tl.load(rows + c2 + offs_c[None, :], mask=vk & m2[None, :], other=0.0)
-        kv3 = tl.load(rows + c3 + offs_c[None, :], mask=vk & m3[None, :], other=0.0)
-        kvr = tl.load(rows + D_V + offs_r[None, :], mask=vk & mr[None, :], other=0.0)
-        s = tl.dot(q0, tl.trans(kv0))  # [BLOCK_H, BLOCK_K] logits over all 576 dims, once
-        s += tl.dot(q1, tl.trans(kv1))
-        s += tl.dot(q2, tl.trans(kv2))
-        s += tl.dot(q3, tl.trans(kv3))
-        s += tl.dot(qr, tl.trans(kvr))
-        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        offs_k, valid, kv0, kv1, kv2, kv3, s = _fwd_tile_logits(
+            k0, n_slots, idx_base, kv_base, stride_kvt, N_KV, scale_log2, q0, q1, q2, q3, qr,
+            c0, c1, c2, c3, m0, m1, m2, m3, offs_c, offs_r, mr, D_V, BLOCK_K)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -189,22 +203,9 @@ def _sparse_mla_fwd_kernel(
             lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("inf"))
             p_base = P_SUM + b * stride_pb + t * stride_pt
             for k0 in tl.range(0, n_slots, BLOCK_K, num_stages=1):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                idx = tl.load(idx_base + offs_k, mask=offs_k < n_slots, other=-1)
-                valid = (idx >= 0) & (idx < N_KV)
-                rows = kv_base + (tl.where(valid, idx, 0) * stride_kvt)[:, None]
-                vk = valid[:, None]
-                kv0 = tl.load(rows + c0 + offs_c[None, :], mask=vk & m0[None, :], other=0.0)
-                kv1 = tl.load(rows + c1 + offs_c[None, :], mask=vk & m1[None, :], other=0.0)
-                kv2 = tl.load(rows + c2 + offs_c[None, :], mask=vk & m2[None, :], other=0.0)
-                kv3 = tl.load(rows + c3 + offs_c[None, :], mask=vk & m3[None, :], other=0.0)
-                kvr = tl.load(rows + D_V + offs_r[None, :], mask=vk & mr[None, :], other=0.0)
-                s = tl.dot(q0, tl.trans(kv0))
-                s += tl.dot(q1, tl.trans(kv1))
-                s += tl.dot(q2, tl.trans(kv2))
-                s += tl.dot(q3, tl.trans(kv3))
-                s += tl.dot(qr, tl.trans(kvr))
-                s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+                offs_k, valid, kv0, kv1, kv2, kv3, s = _fwd_tile_logits(
+                    k0, n_slots, idx_base, kv_base, stride_kvt, N_KV, scale_log2, q0, q1, q2, q3, qr,
+                    c0, c1, c2, c3, m0, m1, m2, m3, offs_c, offs_r, mr, D_V, BLOCK_K)
                 p = tl.where(mh, tl.exp2(s - lse2[:, None]), 0.0)
                 tl.atomic_add(p_base + offs_k, tl.sum(p, 0), mask=offs_k < n_slots, sem="relaxed")
 
