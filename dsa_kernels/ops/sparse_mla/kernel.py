@@ -641,16 +641,26 @@ def forced_bwd_config() -> str | None:
     the backward's space, e.g. "gluon-k32-c64"): it runs untimed and unverified (gpu-check's Gluon
     checks compare it with the reference themselves). None: the autotuner chooses. The deterministic
     mode (torch.use_deterministic_algorithms) ignores it: it has its own kernel."""
-    return _FORCED_BWD.get() or os.environ.get("DSA_SPARSE_MLA_BWD_CONFIG") or None
+    return _forced_config(_FORCED_BWD, "DSA_SPARSE_MLA_BWD_CONFIG")
+
+
+def force_bwd_config(name: str | None):
+    """Context manager: the atomic backward runs config `name` (None: the autotuner chooses)."""
+    return _forcing_config(_FORCED_BWD, name)
+
+
+def _forced_config(forced: contextvars.ContextVar, env: str) -> str | None:
+    """The config name set in `forced` (by a `force_*_config` block), else environment variable `env`; None if neither."""
+    return forced.get() or os.environ.get(env) or None
 
 
 @contextlib.contextmanager
-def force_bwd_config(name: str | None):
-    token = _FORCED_BWD.set(name)
+def _forcing_config(forced: contextvars.ContextVar, name: str | None):
+    token = forced.set(name)
     try:
         yield
     finally:
-        _FORCED_BWD.reset(token)
+        forced.reset(token)
 
 
 def plan_bwd_config(config: tuple, q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float,
@@ -977,16 +987,12 @@ def forced_fwd_config() -> str | None:
     """The forward config forced by `force_fwd_config` or DSA_SPARSE_MLA_FWD_CONFIG (a name of the
     forward's space, e.g. "gluon"): it runs untimed and unverified (gpu-check's Gluon checks compare
     it with the reference themselves). None: the autotuner chooses."""
-    return _FORCED_FWD.get() or os.environ.get("DSA_SPARSE_MLA_FWD_CONFIG") or None
+    return _forced_config(_FORCED_FWD, "DSA_SPARSE_MLA_FWD_CONFIG")
 
 
-@contextlib.contextmanager
 def force_fwd_config(name: str | None):
-    token = _FORCED_FWD.set(name)
-    try:
-        yield
-    finally:
-        _FORCED_FWD.reset(token)
+    """Context manager: the forward runs config `name` (None: the autotuner chooses)."""
+    return _forcing_config(_FORCED_FWD, name)
 
 
 # A forward config is verified against the default (the first Triton config) on two blocks of
