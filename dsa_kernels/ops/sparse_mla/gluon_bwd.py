@@ -403,9 +403,10 @@ def plan_bwd_gluon(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: fl
                    pipeline_dkv: bool = False, producer_regs: int | None = None, dkv_vec: int = 1) -> GluonLaunch:
     """The Gluon backward's launch (`kernel.plan_bwd`'s atomic arguments; `grid` = (tokens x head
     blocks, B), checked there against CUDA's limits); the caller checks `gluon_bwd_supported` first."""
+    from .kernel import _bwd_args
+
     B, T, H, D = q.shape
-    if lse.stride() != delta.stride():
-        raise ValueError(f"sparse_mla backward: lse {lse.stride()} and delta {delta.stride()} must share strides")
+    args = _bwd_args(q, kv, indices, n_slots, dout, lse, delta, dq)  # checks that lse / delta share strides
     if pipeline_dkv and dkv_chunk != D - d_v:
         raise ValueError(f"gluon_bwd: pipeline_dkv needs dkv_chunk = the rope width {D - d_v}; got {dkv_chunk}")
     if dkv_vec not in (1, 2, 4):
@@ -421,15 +422,7 @@ def plan_bwd_gluon(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: fl
     return GluonLaunch(
         _sparse_mla_bwd_gluon_kernel, grid,
         dict(
-            Q=q, KV=kv, IDX=indices, NSLOT=n_slots, DO=dout, LSE=lse, DELTA=delta, DQ=dq, DKV=dkv,
-            stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
-            stride_kvb=kv.stride(0), stride_kvt=kv.stride(1),
-            stride_ib=indices.stride(0), stride_it=indices.stride(1),
-            stride_nb=n_slots.stride(0),
-            stride_dob=dout.stride(0), stride_dot=dout.stride(1), stride_doh=dout.stride(2),
-            stride_lb=lse.stride(0), stride_lt=lse.stride(1),
-            stride_dqb=dq.stride(0), stride_dqt=dq.stride(1), stride_dqh=dq.stride(2),
-            stride_dkb=dkv.stride(0), stride_dkt=dkv.stride(1),
+            **args, DKV=dkv, stride_dkb=dkv.stride(0), stride_dkt=dkv.stride(1),
             H=H, N_HB=H // BLOCK_H, N_KV=kv.shape[1], scale=scale, scale_log2=scale * LOG2E,
             D_V=d_v, D_R=D - d_v, BLOCK_H=BLOCK_H, BLOCK_K=block_k, BLOCK_DV=d_v, BLOCK_DR=D - d_v,
             STAGES=stages, DKV_CHUNK=dkv_chunk, PIPELINE_DKV=pipeline_dkv, DKV_VEC=dkv_vec,

@@ -346,18 +346,14 @@ def plan_fwd_gluon(q, kv, indices, n_slots, out, lse, scale: float, d_v: int, gr
                    producer_regs: int | None = None, skip_rescale: bool = False) -> GluonLaunch:
     """The Gluon forward's launch (`kernel.plan_fwd`'s arguments; `grid` = (tokens x head blocks, B),
     checked there against CUDA's limits); the caller checks `gluon_fwd_supported` first."""
+    from .kernel import _fwd_args
+
     B, T, H, D = q.shape
     n_hb = H // BLOCK_H
     return GluonLaunch(
         _sparse_mla_fwd_gluon_kernel, grid,
         dict(
-            Q=q, KV=kv, IDX=indices, NSLOT=n_slots, O=out, LSE=lse,
-            stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
-            stride_kvb=kv.stride(0), stride_kvt=kv.stride(1),
-            stride_ib=indices.stride(0), stride_it=indices.stride(1),
-            stride_nb=n_slots.stride(0),
-            stride_ob=out.stride(0), stride_ot=out.stride(1), stride_oh=out.stride(2),
-            stride_lb=lse.stride(0), stride_lt=lse.stride(1),
+            **_fwd_args(q, kv, indices, n_slots, out, lse),
             H=H, N_KV=kv.shape[1], N_HB=n_hb, scale_log2=scale * LOG2E,
             D_V=d_v, D_R=D - d_v, BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K, BLOCK_DV=d_v, BLOCK_DR=D - d_v,
             EVEN_H=True, VALUE_SPLIT=1, STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS,

@@ -736,13 +736,7 @@ def plan_fwd(q, kv, indices, n_slots, out, lse, scale: float, d_v: int, config: 
     return Launch(
         _sparse_mla_fwd_kernel, _grid(n_hb * blocks["VALUE_SPLIT"] * T, B, "forward"),
         dict(
-            Q=q, KV=kv, IDX=indices, NSLOT=n_slots, O=out, LSE=lse, P_SUM=lse if p_sum is None else p_sum,
-            stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
-            stride_kvb=kv.stride(0), stride_kvt=kv.stride(1),
-            stride_ib=indices.stride(0), stride_it=indices.stride(1),
-            stride_nb=n_slots.stride(0),
-            stride_ob=out.stride(0), stride_ot=out.stride(1), stride_oh=out.stride(2),
-            stride_lb=lse.stride(0), stride_lt=lse.stride(1),
+            **_fwd_args(q, kv, indices, n_slots, out, lse), P_SUM=lse if p_sum is None else p_sum,
             stride_pb=0 if p_sum is None else p_sum.stride(0), stride_pt=0 if p_sum is None else p_sum.stride(1),
             H=H, N_KV=kv.shape[1], N_HB=n_hb, scale_log2=scale * LOG2E,
             D_V=d_v, D_R=D - d_v, **blocks, TARGET=p_sum is not None,
@@ -753,16 +747,35 @@ def plan_fwd(q, kv, indices, n_slots, out, lse, scale: float, d_v: int, config: 
     )
 
 
-def _bwd_args(q, kv, indices, n_slots, dout, lse, delta, dq) -> dict:
-    """The kernel arguments both backward kernels take alike: inputs, dq and their strides."""
-    if lse.stride() != delta.stride():
-        raise ValueError(f"sparse_mla backward: lse {lse.stride()} and delta {delta.stride()} must share strides")
+def _gather_args(q, kv, indices, n_slots) -> dict:
+    """The arguments every sparse MLA kernel (Triton and Gluon, forward and backward) takes alike:
+    q [B, T, H, D], kv [B, N, D], indices [B, T, K], n_slots [B, T] and their strides."""
     return dict(
-        Q=q, KV=kv, IDX=indices, NSLOT=n_slots, DO=dout, LSE=lse, DELTA=delta, DQ=dq,
+        Q=q, KV=kv, IDX=indices, NSLOT=n_slots,
         stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
         stride_kvb=kv.stride(0), stride_kvt=kv.stride(1),
         stride_ib=indices.stride(0), stride_it=indices.stride(1),
         stride_nb=n_slots.stride(0),
+    )
+
+
+def _fwd_args(q, kv, indices, n_slots, out, lse) -> dict:
+    """The arguments both forward kernels (Triton, Gluon) take alike: the inputs, out [B, T, H, d_v],
+    lse [B, T, H] and their strides."""
+    return dict(
+        **_gather_args(q, kv, indices, n_slots), O=out, LSE=lse,
+        stride_ob=out.stride(0), stride_ot=out.stride(1), stride_oh=out.stride(2),
+        stride_lb=lse.stride(0), stride_lt=lse.stride(1),
+    )
+
+
+def _bwd_args(q, kv, indices, n_slots, dout, lse, delta, dq) -> dict:
+    """The arguments every backward kernel (split, interleaved, Gluon) takes alike: the inputs,
+    dout [B, T, H, d_v], lse / delta [B, T, H] (one set of strides), dq [B, T, H, D] and their strides."""
+    if lse.stride() != delta.stride():
+        raise ValueError(f"sparse_mla backward: lse {lse.stride()} and delta {delta.stride()} must share strides")
+    return dict(
+        **_gather_args(q, kv, indices, n_slots), DO=dout, LSE=lse, DELTA=delta, DQ=dq,
         stride_dob=dout.stride(0), stride_dot=dout.stride(1), stride_doh=dout.stride(2),
         stride_lb=lse.stride(0), stride_lt=lse.stride(1),
         stride_dqb=dq.stride(0), stride_dqt=dq.stride(1), stride_dqh=dq.stride(2),
