@@ -521,14 +521,23 @@ FWD_CONFIG_SPACE_TRITON_36 = {90: (("k32-s2", 32, 2), ("k32-s3", 32, 3))}
 def fwd_config_space(capability: int, triton_version: str | None = None) -> tuple:
     """The configs `sparse_mla_fwd` times on a GPU of this compute capability (Hopper's below 100)
     with this Triton (default: the installed one)."""
+    return _config_space(capability, triton_version, FWD_CONFIG_SPACE, FWD_CONFIG_SPACE_TRITON_36,
+                         FWD_GLUON_CONFIGS, FWD_GLUON_CONFIGS_TRITON_36)
+
+
+def _config_space(capability: int, triton_version: str | None, space_by_arch: dict, space_by_arch_36: dict,
+                  gluon: tuple, gluon_36: tuple) -> tuple:
+    """An autotuning space for this compute capability (Hopper's below 100) and Triton (default: the
+    installed one): the arch's Triton configs (`space_by_arch_36`'s under Triton 3.6 where it has the
+    arch), then on sm_90 the Gluon configs (`gluon_36` under 3.6; wgmma, sm_90a only: never the default)."""
     arch = 100 if capability >= 100 else 90
     version = triton.__version__ if triton_version is None else triton_version
-    if version.startswith("3.6.") and arch in FWD_CONFIG_SPACE_TRITON_36:
-        space = FWD_CONFIG_SPACE_TRITON_36[arch]
+    if version.startswith("3.6.") and arch in space_by_arch_36:
+        space = space_by_arch_36[arch]
     else:
-        space = FWD_CONFIG_SPACE[arch]
-    if capability == 90:  # the Gluon forward (wgmma, sm_90a only): after the Triton configs, never the default
-        space = space + (FWD_GLUON_CONFIGS_TRITON_36 if version.startswith("3.6.") else FWD_GLUON_CONFIGS)
+        space = space_by_arch[arch]
+    if capability == 90:
+        space = space + (gluon_36 if version.startswith("3.6.") else gluon)
     return space
 
 
@@ -596,15 +605,8 @@ BWD_GLUON_CONFIGS_TRITON_36 = BWD_GLUON_CONFIGS + (("gluon-k32-c128", "gluon", 3
 def bwd_config_space(capability: int, triton_version: str | None = None) -> tuple:
     """The atomic backward's configs `sparse_mla_bwd` times on a GPU of this compute capability
     with this Triton (default: the installed one); on sm_90 the Gluon configs follow the Triton ones."""
-    arch = 100 if capability >= 100 else 90
-    version = triton.__version__ if triton_version is None else triton_version
-    if version.startswith("3.6.") and arch in BWD_CONFIG_SPACE_TRITON_36:
-        space = BWD_CONFIG_SPACE_TRITON_36[arch]
-    else:
-        space = BWD_CONFIG_SPACE[arch]
-    if capability == 90:  # the Gluon backward (wgmma, sm_90a only): after the Triton configs, never the default
-        space = space + (BWD_GLUON_CONFIGS_TRITON_36 if version.startswith("3.6.") else BWD_GLUON_CONFIGS)
-    return space
+    return _config_space(capability, triton_version, BWD_CONFIG_SPACE, BWD_CONFIG_SPACE_TRITON_36,
+                         BWD_GLUON_CONFIGS, BWD_GLUON_CONFIGS_TRITON_36)
 
 
 def bwd_space_for(q, kv, d_v: int, unmeasured: bool = False) -> dict:
