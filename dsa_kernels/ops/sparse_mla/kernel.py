@@ -211,6 +211,18 @@ def _sparse_mla_fwd_kernel(
 
 
 @triton.jit
+def _bwd_row_stats(LSE, DELTA, b, t, offs_h, mask_h, stride_lb, stride_lt):
+    """The backward's per-head statistics of token t, heads offs_h [BLOCK_H]: lse2 = lse log2(e) (the
+    saved lse in the log2 domain, +inf for an empty or padded row, so p = exp2(s log2(e) - lse2) = 0
+    there) and delta = rowsum(dO * O) - dlse (0 for a padded head). -> (lse2, delta), each [BLOCK_H] fp32."""
+    stat = b * stride_lb + t * stride_lt + offs_h
+    lse = tl.load(LSE + stat, mask=mask_h, other=float("-inf"))
+    delta = tl.load(DELTA + stat, mask=mask_h, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    return lse2, delta
+
+
+@triton.jit
 def _sparse_mla_bwd_kernel(
     Q, KV, IDX, NSLOT, DO, LSE, DELTA, DQ, DKV,
     stride_qb, stride_qt, stride_qh,
@@ -260,11 +272,7 @@ def _sparse_mla_bwd_kernel(
     do_a = tl.load(do_rows + offs_a[None, :], mask=mask_h[:, None] & mask_a[None, :], other=0.0)
     do_b = tl.load(do_rows + offs_b[None, :], mask=mask_h[:, None] & mask_b[None, :], other=0.0)
     qr = tl.load(q_rows + D_V + offs_dr[None, :], mask=mrh, other=0.0)
-    stat = b * stride_lb + t * stride_lt + offs_h
-    lse = tl.load(LSE + stat, mask=mask_h, other=float("-inf"))
-    delta = tl.load(DELTA + stat, mask=mask_h, other=0.0)
-    # p = exp2(s*log2e - lse*log2e); an empty (or padded) row has lse = -inf -> p = 0
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2, delta = _bwd_row_stats(LSE, DELTA, b, t, offs_h, mask_h, stride_lb, stride_lt)
 
     dq_a = tl.zeros([BLOCK_H, DVH], dtype=tl.float32)
     dq_b = tl.zeros([BLOCK_H, DVH], dtype=tl.float32)
@@ -382,11 +390,7 @@ def _sparse_mla_bwd_interleaved_kernel(
     x2 = tl.load(qd_j + 2 * BLOCK_C + offs_c[None, :], mask=mask_j & m2[None, :], other=0.0)
     x3 = tl.load(qd_j + 3 * BLOCK_C + offs_c[None, :], mask=mask_j & m3[None, :], other=0.0)
     xr = tl.load(q_j + D_V + offs_r[None, :], mask=mask_j & is_q[:, None] & mr[None, :], other=0.0)
-    stat = b * stride_lb + t * stride_lt + offs_h
-    lse = tl.load(LSE + stat, mask=mask_h, other=float("-inf"))
-    delta = tl.load(DELTA + stat, mask=mask_h, other=0.0)
-    # p = exp2(s*log2e - lse*log2e); an empty (or padded) row has lse = -inf -> p = 0
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2, delta = _bwd_row_stats(LSE, DELTA, b, t, offs_h, mask_h, stride_lb, stride_lt)
 
     dq0 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)  # dq^T by quarter [128 columns, heads]
     dq1 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
