@@ -70,8 +70,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .gluon_fwd import (LOG2E, GluonLaunch, _cp_async, _cta_barrier, _gather_and_publish, _ring_barriers,
-                        _tile_rows, gluon_fwd_supported)
+from .gluon_fwd import (LOG2E, GluonLaunch, _cp_async, _cta_barrier, _gather_and_publish, _head_block_token_batch,
+                        _ring_barriers, _tile_rows, gluon_fwd_supported)
 
 BLOCK_H = 64  # heads per CTA (S / dP's M; dkv^T's K)
 BLOCK_K = 32  # keys per tile (S / dP's N, dq's K, dkv^T's N)
@@ -359,10 +359,7 @@ def _sparse_mla_bwd_gluon_kernel(
 ):
     # program (x, y) -> (token, head block), the head block fastest; y = b. The launcher admits this
     # kernel only where `gluon_bwd_supported` says so (H % 64 == 0, rope 64, d_v a multiple of 128).
-    pid = gl.program_id(0)
-    hb = pid % N_HB
-    t = (pid // N_HB).to(gl.int64)
-    b = gl.program_id(1).to(gl.int64)
+    hb, t, b = _head_block_token_batch(N_HB)
     dtype: gl.constexpr = Q.dtype.element_ty
     sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     sh_k: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_K * 2, 128), element_bitwidth=16, rank=2)

@@ -254,6 +254,17 @@ def _consumer(Q, NSLOT, O, LSE, q_lat, q_rope, kv_lat, kv_rope, bias, p_smem, re
 
 
 @gluon.jit
+def _head_block_token_batch(N_HB):
+    """A CTA's place in the grid (tokens x N_HB head blocks, B), the head block fastest: -> (head
+    block hb, token t (int64), batch b (int64))."""
+    pid = gl.program_id(0)
+    hb = pid % N_HB
+    t = (pid // N_HB).to(gl.int64)
+    b = gl.program_id(1).to(gl.int64)
+    return hb, t, b
+
+
+@gluon.jit
 def _ring_barriers(STAGES: gl.constexpr):
     """The mbarriers of a producer / consumer ring of STAGES stages, each initialized for one arrival:
     -> (ready [STAGES, 1]: the producer's copy into stage s landed, empty [STAGES, 1]: the consumers
@@ -284,10 +295,7 @@ def _sparse_mla_fwd_gluon_kernel(
 ):
     # program (x, y) -> (token, head block), the head block fastest; y = b. The launcher admits this
     # kernel only where H % 64 == 0, D_V = 512 (any multiple of 128 up to 512), D_R = 64, 16-bit inputs.
-    pid = gl.program_id(0)
-    hb = pid % N_HB
-    t = (pid // N_HB).to(gl.int64)
-    b = gl.program_id(1).to(gl.int64)
+    hb, t, b = _head_block_token_batch(N_HB)
     dtype: gl.constexpr = Q.dtype.element_ty
     sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_lat = gl.allocate_shared_memory(dtype, [BLOCK_H, D_V], sh)
