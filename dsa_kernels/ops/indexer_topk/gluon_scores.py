@@ -58,7 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ..._triton_common import env_flag
-from ..sparse_mla.gluon_fwd import GluonLaunch, _cp_async, _cta_barrier
+from ..sparse_mla.gluon_fwd import GluonLaunch, _cp_async, _cta_barrier, _ring_barriers
 
 BLOCK_N = 64  # keys per tile: the wgmma M of one consumer warp group
 BLOCK_HI = 64  # heads per query in the B operand (H_I padded with zero rows / zero weights)
@@ -287,12 +287,8 @@ def _index_scores_gluon_kernel(
     sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [N, BLOCK_D], sh)
     k_smem = gl.allocate_shared_memory(KI.dtype.element_ty, [STAGES, BLOCK_N, BLOCK_D], sh)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready, empty = _ring_barriers(STAGES)
     q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    for st in gl.static_range(STAGES):
-        mbarrier.init(ready.index(st), count=1)
-        mbarrier.init(empty.index(st), count=1)
     mbarrier.init(q_bar.index(0), count=1)
     gl.warp_specialize([
         (_consumer, (W, POS, DS, S, q_smem, k_smem, ready, empty, q_bar.index(0), b, pid_q, pid_n, r0, r1, k0, W_LEN,

@@ -70,8 +70,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .gluon_fwd import (LOG2E, GluonLaunch, _cp_async, _cta_barrier, _gather_and_publish, _tile_rows,
-                        gluon_fwd_supported)
+from .gluon_fwd import (LOG2E, GluonLaunch, _cp_async, _cta_barrier, _gather_and_publish, _head_block_token_batch,
+                        _ring_barriers, _tile_rows, gluon_fwd_supported)
 
 BLOCK_H = 64  # heads per CTA (S / dP's M; dkv^T's K)
 BLOCK_K = 32  # keys per tile (S / dP's N, dq's K, dkv^T's N)
@@ -359,10 +359,7 @@ def _sparse_mla_bwd_gluon_kernel(
 ):
     # program (x, y) -> (token, head block), the head block fastest; y = b. The launcher admits this
     # kernel only where `gluon_bwd_supported` says so (H % 64 == 0, rope 64, d_v a multiple of 128).
-    pid = gl.program_id(0)
-    hb = pid % N_HB
-    t = (pid // N_HB).to(gl.int64)
-    b = gl.program_id(1).to(gl.int64)
+    hb, t, b = _head_block_token_batch(N_HB)
     dtype: gl.constexpr = Q.dtype.element_ty
     sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     sh_k: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_K * 2, 128), element_bitwidth=16, rank=2)
@@ -377,11 +374,7 @@ def _sparse_mla_bwd_gluon_kernel(
                                           gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
     stat_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H],  # lse log2e, delta of the block's heads
                                           gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for st in gl.static_range(STAGES):
-        mbarrier.init(ready.index(st), count=1)
-        mbarrier.init(empty.index(st), count=1)
+    ready, empty = _ring_barriers(STAGES)
     gl.warp_specialize([
         (_consumer, (Q, DO, NSLOT, LSE, DELTA, DQ, DKV, q_lat, q_rope, do_smem, kv_lat, kv_rope, rows_smem,
                      ds_smem, p_smem, stat_smem, ready, empty, b, t, hb,
@@ -407,9 +400,10 @@ def plan_bwd_gluon(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: fl
                    pipeline_dkv: bool = False, producer_regs: int | None = None, dkv_vec: int = 1) -> GluonLaunch:
     """The Gluon backward's launch (`kernel.plan_bwd`'s atomic arguments; `grid` = (tokens x head
     blocks, B), checked there against CUDA's limits); the caller checks `gluon_bwd_supported` first."""
+    from .kernel import _bwd_args
+
     B, T, H, D = q.shape
-    if lse.stride() != delta.stride():
-        raise ValueError(f"sparse_mla backward: lse {lse.stride()} and delta {delta.stride()} must share strides")
+    args = _bwd_args(q, kv, indices, n_slots, dout, lse, delta, dq)  # checks that lse / delta share strides
     if pipeline_dkv and dkv_chunk != D - d_v:
         raise ValueError(f"gluon_bwd: pipeline_dkv needs dkv_chunk = the rope width {D - d_v}; got {dkv_chunk}")
     if dkv_vec not in (1, 2, 4):
@@ -425,15 +419,7 @@ def plan_bwd_gluon(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: fl
     return GluonLaunch(
         _sparse_mla_bwd_gluon_kernel, grid,
         dict(
-            Q=q, KV=kv, IDX=indices, NSLOT=n_slots, DO=dout, LSE=lse, DELTA=delta, DQ=dq, DKV=dkv,
-            stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
-            stride_kvb=kv.stride(0), stride_kvt=kv.stride(1),
-            stride_ib=indices.stride(0), stride_it=indices.stride(1),
-            stride_nb=n_slots.stride(0),
-            stride_dob=dout.stride(0), stride_dot=dout.stride(1), stride_doh=dout.stride(2),
-            stride_lb=lse.stride(0), stride_lt=lse.stride(1),
-            stride_dqb=dq.stride(0), stride_dqt=dq.stride(1), stride_dqh=dq.stride(2),
-            stride_dkb=dkv.stride(0), stride_dkt=dkv.stride(1),
+            **args, DKV=dkv, stride_dkb=dkv.stride(0), stride_dkt=dkv.stride(1),
             H=H, N_HB=H // BLOCK_H, N_KV=kv.shape[1], scale=scale, scale_log2=scale * LOG2E,
             D_V=d_v, D_R=D - d_v, BLOCK_H=BLOCK_H, BLOCK_K=block_k, BLOCK_DV=d_v, BLOCK_DR=D - d_v,
             STAGES=stages, DKV_CHUNK=dkv_chunk, PIPELINE_DKV=pipeline_dkv, DKV_VEC=dkv_vec,

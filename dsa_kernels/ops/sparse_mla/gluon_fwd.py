@@ -254,6 +254,30 @@ def _consumer(Q, NSLOT, O, LSE, q_lat, q_rope, kv_lat, kv_rope, bias, p_smem, re
 
 
 @gluon.jit
+def _head_block_token_batch(N_HB):
+    """A CTA's place in the grid (tokens x N_HB head blocks, B), the head block fastest: -> (head
+    block hb, token t (int64), batch b (int64))."""
+    pid = gl.program_id(0)
+    hb = pid % N_HB
+    t = (pid // N_HB).to(gl.int64)
+    b = gl.program_id(1).to(gl.int64)
+    return hb, t, b
+
+
+@gluon.jit
+def _ring_barriers(STAGES: gl.constexpr):
+    """The mbarriers of a producer / consumer ring of STAGES stages, each initialized for one arrival:
+    -> (ready [STAGES, 1]: the producer's copy into stage s landed, empty [STAGES, 1]: the consumers
+    released stage s)."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(STAGES):
+        mbarrier.init(ready.index(st), count=1)
+        mbarrier.init(empty.index(st), count=1)
+    return ready, empty
+
+
+@gluon.jit
 def _sparse_mla_fwd_gluon_kernel(
     Q, KV, IDX, NSLOT, O, LSE,
     stride_qb, stride_qt, stride_qh,
@@ -271,10 +295,7 @@ def _sparse_mla_fwd_gluon_kernel(
 ):
     # program (x, y) -> (token, head block), the head block fastest; y = b. The launcher admits this
     # kernel only where H % 64 == 0, D_V = 512 (any multiple of 128 up to 512), D_R = 64, 16-bit inputs.
-    pid = gl.program_id(0)
-    hb = pid % N_HB
-    t = (pid // N_HB).to(gl.int64)
-    b = gl.program_id(1).to(gl.int64)
+    hb, t, b = _head_block_token_batch(N_HB)
     dtype: gl.constexpr = Q.dtype.element_ty
     sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_lat = gl.allocate_shared_memory(dtype, [BLOCK_H, D_V], sh)
@@ -284,11 +305,7 @@ def _sparse_mla_fwd_gluon_kernel(
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_K], sh)
     bias = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_K],
                                      gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for st in gl.static_range(STAGES):
-        mbarrier.init(ready.index(st), count=1)
-        mbarrier.init(empty.index(st), count=1)
+    ready, empty = _ring_barriers(STAGES)
     gl.warp_specialize([
         (_consumer, (Q, NSLOT, O, LSE, q_lat, q_rope, kv_lat, kv_rope, bias, p_smem, ready, empty, b, t, hb,
                      stride_qb, stride_qt, stride_qh, stride_nb,
@@ -337,18 +354,14 @@ def plan_fwd_gluon(q, kv, indices, n_slots, out, lse, scale: float, d_v: int, gr
                    producer_regs: int | None = None, skip_rescale: bool = False) -> GluonLaunch:
     """The Gluon forward's launch (`kernel.plan_fwd`'s arguments; `grid` = (tokens x head blocks, B),
     checked there against CUDA's limits); the caller checks `gluon_fwd_supported` first."""
+    from .kernel import _fwd_args
+
     B, T, H, D = q.shape
     n_hb = H // BLOCK_H
     return GluonLaunch(
         _sparse_mla_fwd_gluon_kernel, grid,
         dict(
-            Q=q, KV=kv, IDX=indices, NSLOT=n_slots, O=out, LSE=lse,
-            stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
-            stride_kvb=kv.stride(0), stride_kvt=kv.stride(1),
-            stride_ib=indices.stride(0), stride_it=indices.stride(1),
-            stride_nb=n_slots.stride(0),
-            stride_ob=out.stride(0), stride_ot=out.stride(1), stride_oh=out.stride(2),
-            stride_lb=lse.stride(0), stride_lt=lse.stride(1),
+            **_fwd_args(q, kv, indices, n_slots, out, lse),
             H=H, N_KV=kv.shape[1], N_HB=n_hb, scale_log2=scale * LOG2E,
             D_V=d_v, D_R=D - d_v, BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K, BLOCK_DV=d_v, BLOCK_DR=D - d_v,
             EVEN_H=True, VALUE_SPLIT=1, STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS,

@@ -75,6 +75,34 @@ GRID_X_MAX, GRID_YZ_MAX = 2**31 - 1, 65535  # CUDA's grid limits (x; y and z)
 
 
 @triton.jit
+def _fwd_tile_logits(k0, n_slots, idx_base, kv_base, stride_kvt, N_KV, scale_log2, q0, q1, q2, q3, qr,
+                     c0, c1, c2, c3, m0, m1, m2, m3, offs_c, offs_r, mr, D_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The forward's key tile at slots [k0, k0 + BLOCK_K) of a row of n_slots: its selected rows
+    gathered (the four latent quarters kv0..kv3 [BLOCK_K, BLOCK_C] at columns c0..c3, the rope part
+    [BLOCK_K, BLOCK_DR]) and the logits over all 576 dims in the log2 domain, s [BLOCK_H, BLOCK_K]
+    (-inf at empty slots), from the resident q quarters q0..q3 [BLOCK_H, BLOCK_C] and rope qr.
+    -> (offs_k, valid, kv0, kv1, kv2, kv3, s)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    idx = tl.load(idx_base + offs_k, mask=offs_k < n_slots, other=-1)
+    valid = (idx >= 0) & (idx < N_KV)  # out of range = empty slot (never an illegal address)
+    # row offsets in int32 (the launcher checks N * stride < 2^31): fewer live registers
+    rows = kv_base + (tl.where(valid, idx, 0) * stride_kvt)[:, None]
+    vk = valid[:, None]
+    kv0 = tl.load(rows + c0 + offs_c[None, :], mask=vk & m0[None, :], other=0.0)
+    kv1 = tl.load(rows + c1 + offs_c[None, :], mask=vk & m1[None, :], other=0.0)
+    kv2 = tl.load(rows + c2 + offs_c[None, :], mask=vk & m2[None, :], other=0.0)
+    kv3 = tl.load(rows + c3 + offs_c[None, :], mask=vk & m3[None, :], other=0.0)
+    kvr = tl.load(rows + D_V + offs_r[None, :], mask=vk & mr[None, :], other=0.0)
+    s = tl.dot(q0, tl.trans(kv0))
+    s += tl.dot(q1, tl.trans(kv1))
+    s += tl.dot(q2, tl.trans(kv2))
+    s += tl.dot(q3, tl.trans(kv3))
+    s += tl.dot(qr, tl.trans(kvr))
+    s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+    return offs_k, valid, kv0, kv1, kv2, kv3, s
+
+
+@triton.jit
 def _sparse_mla_fwd_kernel(
     Q, KV, IDX, NSLOT, O, LSE, P_SUM,
     stride_qb, stride_qt, stride_qh,
@@ -136,25 +164,11 @@ def _sparse_mla_fwd_kernel(
     idx_base = IDX + b * stride_ib + t * stride_it
     n_slots = tl.load(NSLOT + b * stride_nb + t)  # slots after the last valid one are all empty
     for k0 in range(0, n_slots, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        idx = tl.load(idx_base + offs_k, mask=offs_k < n_slots, other=-1)
-        valid = (idx >= 0) & (idx < N_KV)  # out of range = empty slot (never an illegal address)
-        # row offsets in int32 (the launcher checks N * stride < 2^31): fewer live registers
-        rows = kv_base + (tl.where(valid, idx, 0) * stride_kvt)[:, None]
-        vk = valid[:, None]
         # the tile's selected rows, gathered once for all heads of the block and used by the
         # logits and the value product alike
-        kv0 = tl.load(rows + c0 + offs_c[None, :], mask=vk & m0[None, :], other=0.0)
-        kv1 = tl.load(rows + c1 + offs_c[None, :], mask=vk & m1[None, :], other=0.0)
-        kv2 = tl.load(rows + c2 + offs_c[None, :], mask=vk & m2[None, :], other=0.0)
-        kv3 = tl.load(rows + c3 + offs_c[None, :], mask=vk & m3[None, :], other=0.0)
-        kvr = tl.load(rows + D_V + offs_r[None, :], mask=vk & mr[None, :], other=0.0)
-        s = tl.dot(q0, tl.trans(kv0))  # [BLOCK_H, BLOCK_K] logits over all 576 dims, once
-        s += tl.dot(q1, tl.trans(kv1))
-        s += tl.dot(q2, tl.trans(kv2))
-        s += tl.dot(q3, tl.trans(kv3))
-        s += tl.dot(qr, tl.trans(kvr))
-        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        offs_k, valid, kv0, kv1, kv2, kv3, s = _fwd_tile_logits(
+            k0, n_slots, idx_base, kv_base, stride_kvt, N_KV, scale_log2, q0, q1, q2, q3, qr,
+            c0, c1, c2, c3, m0, m1, m2, m3, offs_c, offs_r, mr, D_V, BLOCK_K)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -189,24 +203,23 @@ def _sparse_mla_fwd_kernel(
             lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("inf"))
             p_base = P_SUM + b * stride_pb + t * stride_pt
             for k0 in tl.range(0, n_slots, BLOCK_K, num_stages=1):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                idx = tl.load(idx_base + offs_k, mask=offs_k < n_slots, other=-1)
-                valid = (idx >= 0) & (idx < N_KV)
-                rows = kv_base + (tl.where(valid, idx, 0) * stride_kvt)[:, None]
-                vk = valid[:, None]
-                kv0 = tl.load(rows + c0 + offs_c[None, :], mask=vk & m0[None, :], other=0.0)
-                kv1 = tl.load(rows + c1 + offs_c[None, :], mask=vk & m1[None, :], other=0.0)
-                kv2 = tl.load(rows + c2 + offs_c[None, :], mask=vk & m2[None, :], other=0.0)
-                kv3 = tl.load(rows + c3 + offs_c[None, :], mask=vk & m3[None, :], other=0.0)
-                kvr = tl.load(rows + D_V + offs_r[None, :], mask=vk & mr[None, :], other=0.0)
-                s = tl.dot(q0, tl.trans(kv0))
-                s += tl.dot(q1, tl.trans(kv1))
-                s += tl.dot(q2, tl.trans(kv2))
-                s += tl.dot(q3, tl.trans(kv3))
-                s += tl.dot(qr, tl.trans(kvr))
-                s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+                offs_k, valid, kv0, kv1, kv2, kv3, s = _fwd_tile_logits(
+                    k0, n_slots, idx_base, kv_base, stride_kvt, N_KV, scale_log2, q0, q1, q2, q3, qr,
+                    c0, c1, c2, c3, m0, m1, m2, m3, offs_c, offs_r, mr, D_V, BLOCK_K)
                 p = tl.where(mh, tl.exp2(s - lse2[:, None]), 0.0)
                 tl.atomic_add(p_base + offs_k, tl.sum(p, 0), mask=offs_k < n_slots, sem="relaxed")
+
+
+@triton.jit
+def _bwd_row_stats(LSE, DELTA, b, t, offs_h, mask_h, stride_lb, stride_lt):
+    """The backward's per-head statistics of token t, heads offs_h [BLOCK_H]: lse2 = lse log2(e) (the
+    saved lse in the log2 domain, +inf for an empty or padded row, so p = exp2(s log2(e) - lse2) = 0
+    there) and delta = rowsum(dO * O) - dlse (0 for a padded head). -> (lse2, delta), each [BLOCK_H] fp32."""
+    stat = b * stride_lb + t * stride_lt + offs_h
+    lse = tl.load(LSE + stat, mask=mask_h, other=float("-inf"))
+    delta = tl.load(DELTA + stat, mask=mask_h, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    return lse2, delta
 
 
 @triton.jit
@@ -259,11 +272,7 @@ def _sparse_mla_bwd_kernel(
     do_a = tl.load(do_rows + offs_a[None, :], mask=mask_h[:, None] & mask_a[None, :], other=0.0)
     do_b = tl.load(do_rows + offs_b[None, :], mask=mask_h[:, None] & mask_b[None, :], other=0.0)
     qr = tl.load(q_rows + D_V + offs_dr[None, :], mask=mrh, other=0.0)
-    stat = b * stride_lb + t * stride_lt + offs_h
-    lse = tl.load(LSE + stat, mask=mask_h, other=float("-inf"))
-    delta = tl.load(DELTA + stat, mask=mask_h, other=0.0)
-    # p = exp2(s*log2e - lse*log2e); an empty (or padded) row has lse = -inf -> p = 0
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2, delta = _bwd_row_stats(LSE, DELTA, b, t, offs_h, mask_h, stride_lb, stride_lt)
 
     dq_a = tl.zeros([BLOCK_H, DVH], dtype=tl.float32)
     dq_b = tl.zeros([BLOCK_H, DVH], dtype=tl.float32)
@@ -381,11 +390,7 @@ def _sparse_mla_bwd_interleaved_kernel(
     x2 = tl.load(qd_j + 2 * BLOCK_C + offs_c[None, :], mask=mask_j & m2[None, :], other=0.0)
     x3 = tl.load(qd_j + 3 * BLOCK_C + offs_c[None, :], mask=mask_j & m3[None, :], other=0.0)
     xr = tl.load(q_j + D_V + offs_r[None, :], mask=mask_j & is_q[:, None] & mr[None, :], other=0.0)
-    stat = b * stride_lb + t * stride_lt + offs_h
-    lse = tl.load(LSE + stat, mask=mask_h, other=float("-inf"))
-    delta = tl.load(DELTA + stat, mask=mask_h, other=0.0)
-    # p = exp2(s*log2e - lse*log2e); an empty (or padded) row has lse = -inf -> p = 0
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2, delta = _bwd_row_stats(LSE, DELTA, b, t, offs_h, mask_h, stride_lb, stride_lt)
 
     dq0 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)  # dq^T by quarter [128 columns, heads]
     dq1 = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
@@ -520,14 +525,23 @@ FWD_CONFIG_SPACE_TRITON_36 = {90: (("k32-s2", 32, 2), ("k32-s3", 32, 3))}
 def fwd_config_space(capability: int, triton_version: str | None = None) -> tuple:
     """The configs `sparse_mla_fwd` times on a GPU of this compute capability (Hopper's below 100)
     with this Triton (default: the installed one)."""
+    return _config_space(capability, triton_version, FWD_CONFIG_SPACE, FWD_CONFIG_SPACE_TRITON_36,
+                         FWD_GLUON_CONFIGS, FWD_GLUON_CONFIGS_TRITON_36)
+
+
+def _config_space(capability: int, triton_version: str | None, space_by_arch: dict, space_by_arch_36: dict,
+                  gluon: tuple, gluon_36: tuple) -> tuple:
+    """An autotuning space for this compute capability (Hopper's below 100) and Triton (default: the
+    installed one): the arch's Triton configs (`space_by_arch_36`'s under Triton 3.6 where it has the
+    arch), then on sm_90 the Gluon configs (`gluon_36` under 3.6; wgmma, sm_90a only: never the default)."""
     arch = 100 if capability >= 100 else 90
     version = triton.__version__ if triton_version is None else triton_version
-    if version.startswith("3.6.") and arch in FWD_CONFIG_SPACE_TRITON_36:
-        space = FWD_CONFIG_SPACE_TRITON_36[arch]
+    if version.startswith("3.6.") and arch in space_by_arch_36:
+        space = space_by_arch_36[arch]
     else:
-        space = FWD_CONFIG_SPACE[arch]
-    if capability == 90:  # the Gluon forward (wgmma, sm_90a only): after the Triton configs, never the default
-        space = space + (FWD_GLUON_CONFIGS_TRITON_36 if version.startswith("3.6.") else FWD_GLUON_CONFIGS)
+        space = space_by_arch[arch]
+    if capability == 90:
+        space = space + (gluon_36 if version.startswith("3.6.") else gluon)
     return space
 
 
@@ -595,15 +609,8 @@ BWD_GLUON_CONFIGS_TRITON_36 = BWD_GLUON_CONFIGS + (("gluon-k32-c128", "gluon", 3
 def bwd_config_space(capability: int, triton_version: str | None = None) -> tuple:
     """The atomic backward's configs `sparse_mla_bwd` times on a GPU of this compute capability
     with this Triton (default: the installed one); on sm_90 the Gluon configs follow the Triton ones."""
-    arch = 100 if capability >= 100 else 90
-    version = triton.__version__ if triton_version is None else triton_version
-    if version.startswith("3.6.") and arch in BWD_CONFIG_SPACE_TRITON_36:
-        space = BWD_CONFIG_SPACE_TRITON_36[arch]
-    else:
-        space = BWD_CONFIG_SPACE[arch]
-    if capability == 90:  # the Gluon backward (wgmma, sm_90a only): after the Triton configs, never the default
-        space = space + (BWD_GLUON_CONFIGS_TRITON_36 if version.startswith("3.6.") else BWD_GLUON_CONFIGS)
-    return space
+    return _config_space(capability, triton_version, BWD_CONFIG_SPACE, BWD_CONFIG_SPACE_TRITON_36,
+                         BWD_GLUON_CONFIGS, BWD_GLUON_CONFIGS_TRITON_36)
 
 
 def bwd_space_for(q, kv, d_v: int, unmeasured: bool = False) -> dict:
@@ -640,16 +647,26 @@ def forced_bwd_config() -> str | None:
     the backward's space, e.g. "gluon-k32-c64"): it runs untimed and unverified (gpu-check's Gluon
     checks compare it with the reference themselves). None: the autotuner chooses. The deterministic
     mode (torch.use_deterministic_algorithms) ignores it: it has its own kernel."""
-    return _FORCED_BWD.get() or os.environ.get("DSA_SPARSE_MLA_BWD_CONFIG") or None
+    return _forced_config(_FORCED_BWD, "DSA_SPARSE_MLA_BWD_CONFIG")
+
+
+def force_bwd_config(name: str | None):
+    """Context manager: the atomic backward runs config `name` (None: the autotuner chooses)."""
+    return _forcing_config(_FORCED_BWD, name)
+
+
+def _forced_config(forced: contextvars.ContextVar, env: str) -> str | None:
+    """The config name set in `forced` (by a `force_*_config` block), else environment variable `env`; None if neither."""
+    return forced.get() or os.environ.get(env) or None
 
 
 @contextlib.contextmanager
-def force_bwd_config(name: str | None):
-    token = _FORCED_BWD.set(name)
+def _forcing_config(forced: contextvars.ContextVar, name: str | None):
+    token = forced.set(name)
     try:
         yield
     finally:
-        _FORCED_BWD.reset(token)
+        forced.reset(token)
 
 
 def plan_bwd_config(config: tuple, q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: float,
@@ -725,13 +742,7 @@ def plan_fwd(q, kv, indices, n_slots, out, lse, scale: float, d_v: int, config: 
     return Launch(
         _sparse_mla_fwd_kernel, _grid(n_hb * blocks["VALUE_SPLIT"] * T, B, "forward"),
         dict(
-            Q=q, KV=kv, IDX=indices, NSLOT=n_slots, O=out, LSE=lse, P_SUM=lse if p_sum is None else p_sum,
-            stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
-            stride_kvb=kv.stride(0), stride_kvt=kv.stride(1),
-            stride_ib=indices.stride(0), stride_it=indices.stride(1),
-            stride_nb=n_slots.stride(0),
-            stride_ob=out.stride(0), stride_ot=out.stride(1), stride_oh=out.stride(2),
-            stride_lb=lse.stride(0), stride_lt=lse.stride(1),
+            **_fwd_args(q, kv, indices, n_slots, out, lse), P_SUM=lse if p_sum is None else p_sum,
             stride_pb=0 if p_sum is None else p_sum.stride(0), stride_pt=0 if p_sum is None else p_sum.stride(1),
             H=H, N_KV=kv.shape[1], N_HB=n_hb, scale_log2=scale * LOG2E,
             D_V=d_v, D_R=D - d_v, **blocks, TARGET=p_sum is not None,
@@ -742,16 +753,35 @@ def plan_fwd(q, kv, indices, n_slots, out, lse, scale: float, d_v: int, config: 
     )
 
 
-def _bwd_args(q, kv, indices, n_slots, dout, lse, delta, dq) -> dict:
-    """The kernel arguments both backward kernels take alike: inputs, dq and their strides."""
-    if lse.stride() != delta.stride():
-        raise ValueError(f"sparse_mla backward: lse {lse.stride()} and delta {delta.stride()} must share strides")
+def _gather_args(q, kv, indices, n_slots) -> dict:
+    """The arguments every sparse MLA kernel (Triton and Gluon, forward and backward) takes alike:
+    q [B, T, H, D], kv [B, N, D], indices [B, T, K], n_slots [B, T] and their strides."""
     return dict(
-        Q=q, KV=kv, IDX=indices, NSLOT=n_slots, DO=dout, LSE=lse, DELTA=delta, DQ=dq,
+        Q=q, KV=kv, IDX=indices, NSLOT=n_slots,
         stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
         stride_kvb=kv.stride(0), stride_kvt=kv.stride(1),
         stride_ib=indices.stride(0), stride_it=indices.stride(1),
         stride_nb=n_slots.stride(0),
+    )
+
+
+def _fwd_args(q, kv, indices, n_slots, out, lse) -> dict:
+    """The arguments both forward kernels (Triton, Gluon) take alike: the inputs, out [B, T, H, d_v],
+    lse [B, T, H] and their strides."""
+    return dict(
+        **_gather_args(q, kv, indices, n_slots), O=out, LSE=lse,
+        stride_ob=out.stride(0), stride_ot=out.stride(1), stride_oh=out.stride(2),
+        stride_lb=lse.stride(0), stride_lt=lse.stride(1),
+    )
+
+
+def _bwd_args(q, kv, indices, n_slots, dout, lse, delta, dq) -> dict:
+    """The arguments every backward kernel (split, interleaved, Gluon) takes alike: the inputs,
+    dout [B, T, H, d_v], lse / delta [B, T, H] (one set of strides), dq [B, T, H, D] and their strides."""
+    if lse.stride() != delta.stride():
+        raise ValueError(f"sparse_mla backward: lse {lse.stride()} and delta {delta.stride()} must share strides")
+    return dict(
+        **_gather_args(q, kv, indices, n_slots), DO=dout, LSE=lse, DELTA=delta, DQ=dq,
         stride_dob=dout.stride(0), stride_dot=dout.stride(1), stride_doh=dout.stride(2),
         stride_lb=lse.stride(0), stride_lt=lse.stride(1),
         stride_dqb=dq.stride(0), stride_dqt=dq.stride(1), stride_dqh=dq.stride(2),
@@ -976,16 +1006,12 @@ def forced_fwd_config() -> str | None:
     """The forward config forced by `force_fwd_config` or DSA_SPARSE_MLA_FWD_CONFIG (a name of the
     forward's space, e.g. "gluon"): it runs untimed and unverified (gpu-check's Gluon checks compare
     it with the reference themselves). None: the autotuner chooses."""
-    return _FORCED_FWD.get() or os.environ.get("DSA_SPARSE_MLA_FWD_CONFIG") or None
+    return _forced_config(_FORCED_FWD, "DSA_SPARSE_MLA_FWD_CONFIG")
 
 
-@contextlib.contextmanager
 def force_fwd_config(name: str | None):
-    token = _FORCED_FWD.set(name)
-    try:
-        yield
-    finally:
-        _FORCED_FWD.reset(token)
+    """Context manager: the forward runs config `name` (None: the autotuner chooses)."""
+    return _forcing_config(_FORCED_FWD, name)
 
 
 # A forward config is verified against the default (the first Triton config) on two blocks of
