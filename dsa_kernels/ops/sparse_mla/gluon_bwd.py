@@ -72,6 +72,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .gluon_fwd import (LOG2E, GluonLaunch, _cp_async, _cta_barrier, _gather_and_publish, _head_block_token_batch,
                         _ring_barriers, _tile_rows, gluon_fwd_supported)
+from .launch_args import _bwd_args
 
 BLOCK_H = 64  # heads per CTA (S / dP's M; dkv^T's K)
 BLOCK_K = 32  # keys per tile (S / dP's N, dq's K, dkv^T's N)
@@ -400,7 +401,6 @@ def plan_bwd_gluon(q, kv, indices, n_slots, dout, lse, delta, dq, dkv, scale: fl
                    pipeline_dkv: bool = False, producer_regs: int | None = None, dkv_vec: int = 1) -> GluonLaunch:
     """The Gluon backward's launch (`kernel.plan_bwd`'s atomic arguments; `grid` = (tokens x head
     blocks, B), checked there against CUDA's limits); the caller checks `gluon_bwd_supported` first."""
-    from .kernel import _bwd_args
 
     B, T, H, D = q.shape
     args = _bwd_args(q, kv, indices, n_slots, dout, lse, delta, dq)  # checks that lse / delta share strides

@@ -57,6 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from ..._triton_common import Launch
+from .launch_args import _fwd_args
 
 # ---- the Triton 3.6 / 3.9 shim: the two names that differ ----
 if hasattr(async_copy, "async_load"):  # 3.9 (3.6's name still exists there, and raises)
@@ -354,7 +355,6 @@ def plan_fwd_gluon(q, kv, indices, n_slots, out, lse, scale: float, d_v: int, gr
                    producer_regs: int | None = None, skip_rescale: bool = False) -> GluonLaunch:
     """The Gluon forward's launch (`kernel.plan_fwd`'s arguments; `grid` = (tokens x head blocks, B),
     checked there against CUDA's limits); the caller checks `gluon_fwd_supported` first."""
-    from .kernel import _fwd_args
 
     B, T, H, D = q.shape
     n_hb = H // BLOCK_H

@@ -69,6 +69,7 @@ import triton.language as tl
 
 from ... import autotune
 from ..._triton_common import Launch, env_flag, interpreted, pow2, row_dot, target_capability
+from .launch_args import _bwd_args, _fwd_args
 
 LOG2E = 1.4426950408889634
 GRID_X_MAX, GRID_YZ_MAX = 2**31 - 1, 65535  # CUDA's grid limits (x; y and z)
@@ -750,41 +751,6 @@ def plan_fwd(q, kv, indices, n_slots, out, lse, scale: float, d_v: int, config: 
         # two stages: the 16-key tile of 576 dims (18 KB) double-buffered beside q (72 KB): 110 KB
         # (32 keys: 147 KB; three stages of 32: 184 KB, within Hopper's 227 KB)
         num_warps=8 if blocks["BLOCK_DV"] >= 256 else 4, num_stages=stages,
-    )
-
-
-def _gather_args(q, kv, indices, n_slots) -> dict:
-    """The arguments every sparse MLA kernel (Triton and Gluon, forward and backward) takes alike:
-    q [B, T, H, D], kv [B, N, D], indices [B, T, K], n_slots [B, T] and their strides."""
-    return dict(
-        Q=q, KV=kv, IDX=indices, NSLOT=n_slots,
-        stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
-        stride_kvb=kv.stride(0), stride_kvt=kv.stride(1),
-        stride_ib=indices.stride(0), stride_it=indices.stride(1),
-        stride_nb=n_slots.stride(0),
-    )
-
-
-def _fwd_args(q, kv, indices, n_slots, out, lse) -> dict:
-    """The arguments both forward kernels (Triton, Gluon) take alike: the inputs, out [B, T, H, d_v],
-    lse [B, T, H] and their strides."""
-    return dict(
-        **_gather_args(q, kv, indices, n_slots), O=out, LSE=lse,
-        stride_ob=out.stride(0), stride_ot=out.stride(1), stride_oh=out.stride(2),
-        stride_lb=lse.stride(0), stride_lt=lse.stride(1),
-    )
-
-
-def _bwd_args(q, kv, indices, n_slots, dout, lse, delta, dq) -> dict:
-    """The arguments every backward kernel (split, interleaved, Gluon) takes alike: the inputs,
-    dout [B, T, H, d_v], lse / delta [B, T, H] (one set of strides), dq [B, T, H, D] and their strides."""
-    if lse.stride() != delta.stride():
-        raise ValueError(f"sparse_mla backward: lse {lse.stride()} and delta {delta.stride()} must share strides")
-    return dict(
-        **_gather_args(q, kv, indices, n_slots), DO=dout, LSE=lse, DELTA=delta, DQ=dq,
-        stride_dob=dout.stride(0), stride_dot=dout.stride(1), stride_doh=dout.stride(2),
-        stride_lb=lse.stride(0), stride_lt=lse.stride(1),
-        stride_dqb=dq.stride(0), stride_dqt=dq.stride(1), stride_dqh=dq.stride(2),
     )
 
 
