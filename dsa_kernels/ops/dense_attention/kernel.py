@@ -35,6 +35,17 @@ DELTA_CHUNK_ELEMS = 1 << 24  # fp32 elements of the backward's rowsum(dO * O) te
 
 
 @triton.jit
+def _head_dim_offsets(DA: tl.constexpr, DB: tl.constexpr, DV: tl.constexpr,
+                      BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Column offsets [BLOCK_DA], [BLOCK_DB], [BLOCK_DV] of the head dim's parts A, B and of v, and
+    their masks (< DA, DB, DV) -> (offs_da, offs_db, offs_dv, mask_da, mask_db, mask_dv)."""
+    offs_da = tl.arange(0, BLOCK_DA)
+    offs_db = tl.arange(0, BLOCK_DB)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    return offs_da, offs_db, offs_dv, offs_da < DA, offs_db < DB, offs_dv < DV
+
+
+@triton.jit
 def _dense_attn_fwd_kernel(
     Q, K, V, DS, O, LSE,
     stride_qb, stride_qt, stride_qh,
@@ -54,12 +65,7 @@ def _dense_attn_fwd_kernel(
     h = (bh % H).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < T
-    offs_da = tl.arange(0, BLOCK_DA)
-    offs_db = tl.arange(0, BLOCK_DB)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_da = offs_da < DA
-    mask_db = offs_db < DB
-    mask_dv = offs_dv < DV
+    offs_da, offs_db, offs_dv, mask_da, mask_db, mask_dv = _head_dim_offsets(DA, DB, DV, BLOCK_DA, BLOCK_DB, BLOCK_DV)
 
     ds = tl.load(DS + b * stride_db + offs_m, mask=mask_m, other=2147483647).to(tl.int32)
     lo = tl.min(ds, 0)  # first key any row of the block sees
@@ -123,12 +129,7 @@ def _dense_attn_bwd_dkdv_kernel(
     h = (bh % H).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < T
-    offs_da = tl.arange(0, BLOCK_DA)
-    offs_db = tl.arange(0, BLOCK_DB)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_da = offs_da < DA
-    mask_db = offs_db < DB
-    mask_dv = offs_dv < DV
+    offs_da, offs_db, offs_dv, mask_da, mask_db, mask_dv = _head_dim_offsets(DA, DB, DV, BLOCK_DA, BLOCK_DB, BLOCK_DV)
 
     k_rows = K + b * stride_kb + h * stride_kh + offs_n[:, None].to(tl.int64) * stride_kt
     ka = tl.load(k_rows + offs_da[None, :], mask=mask_n[:, None] & mask_da[None, :], other=0.0)
@@ -197,12 +198,7 @@ def _dense_attn_bwd_dq_kernel(
     h = (bh % H).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < T
-    offs_da = tl.arange(0, BLOCK_DA)
-    offs_db = tl.arange(0, BLOCK_DB)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_da = offs_da < DA
-    mask_db = offs_db < DB
-    mask_dv = offs_dv < DV
+    offs_da, offs_db, offs_dv, mask_da, mask_db, mask_dv = _head_dim_offsets(DA, DB, DV, BLOCK_DA, BLOCK_DB, BLOCK_DV)
 
     ds = tl.load(DS + b * stride_db + offs_m, mask=mask_m, other=2147483647).to(tl.int32)
     lo = tl.min(ds, 0)
