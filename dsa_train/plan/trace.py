@@ -93,7 +93,6 @@ class MemoryTrace(TorchDispatchMode):
         # the DSA buffers by where they were allocated (source line and function): live now, at the peak
         self.dsa_sites: dict[str, int] = defaultdict(int)
         self.peak_dsa_sites: dict[str, int] = {}
-        self._site = ""  # the allocation site _category_of_new found for the op being dispatched
 
     # -------------------------------------------------------------- accounting
     @staticmethod
@@ -173,21 +172,24 @@ class MemoryTrace(TorchDispatchMode):
                 entry[3] = ""
             entry[1] = category
 
-    def _category_of_new(self, func) -> str:
+    def _category_of_new(self, func) -> tuple[str, str]:
+        """(category, allocation site) of what `func` just allocated; the site names DSA buffers only."""
         ns = func.namespace
+        if ns == "dsa_kernels":  # a custom op's outputs: named by the op, not its wrapper's line
+            name = func._schema.name.split("::")[-1]
+            return ("dsa_buffers" if name in _DSA_OPS else "activations"), f"{name} outputs"
         if ns in ("c10d", "_c10d_functional"):
-            return "comm_buffers"
+            return "comm_buffers", ""
         if self.phase == "optimizer":
-            return "optimizer"
+            return "optimizer", ""
         f = sys._getframe(2)
         while f is not None:
             name = f.f_code.co_filename
             if "dsa_train" in name or "kernels" in name:
                 if any(part in name for part in _DSA_FILES):
-                    self._site = f"{_short(name)}:{f.f_lineno} ({f.f_code.co_name})"
-                    return "dsa_buffers"
+                    return "dsa_buffers", f"{_short(name)}:{f.f_lineno} ({f.f_code.co_name})"
             f = f.f_back
-        return "activations"
+        return "activations", ""
 
     # -------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -201,14 +203,9 @@ class MemoryTrace(TorchDispatchMode):
         if func.namespace == "dsa_kernels":
             self.kernel_ops[func._schema.name] += 1
         out = func(*args, **kwargs)
-        self._site = ""
-        category = self._category_of_new(func)
-        if func.namespace == "dsa_kernels":  # a custom op's outputs: named by the op, not its wrapper's line
-            name = func._schema.name.split("::")[-1]
-            category = "dsa_buffers" if name in _DSA_OPS else "activations"
-            self._site = f"{name} outputs"
+        category, site = self._category_of_new(func)
         for t in _tensors(out):
-            self.add(t, category, self._site)
+            self.add(t, category, site)
         if self._transient:  # a chunk-loop op's (or a kernel launcher's) working set, live only during the op
             self._bump(self._transient, "dsa_buffers", f"{func._schema.name} working set")
             self._transient = 0
@@ -228,9 +225,7 @@ class MemoryTrace(TorchDispatchMode):
         n = max(int(minlength), 1)
         out = torch.zeros(n, dtype=torch.int64, device=x.device)
         self.balanced[self.key(out)] = max(x.numel() // n, 1)
-        self._site = ""
-        category = self._category_of_new(torch.ops.aten.bincount.default)
-        self.add(out, category, self._site)
+        self.add(out, *self._category_of_new(torch.ops.aten.bincount.default))
         return out
 
     def _scalar(self, t: torch.Tensor):
