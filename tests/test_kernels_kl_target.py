@@ -134,6 +134,50 @@ def test_kl_with_the_target_gathers_no_kv(monkeypatch, how):
         sparse_indexer_kl_triton(qi, ki, wi, idx, q, kv, lse, scale, target=p_sum[:, :-1])
 
 
+def test_tensor_parallel_target_summed_over_head_shards_equals_every_heads(how):
+    # tensor parallelism: each rank's forward sums its own heads' P; the shards' sums added (what
+    # `TensorParallelHeads.sum_heads` all-reduces) with heads=H give the KL of every head's target,
+    # reading neither the other ranks' q nor their lse (NaN here)
+    q, kv, idx, scale, d_v = _case(*CASES["odd"], seed=5)
+    q = torch.cat([q, q.flip(2)], dim=2)  # 6 heads: two shards of 3
+    B, T, H, _ = q.shape
+    g = torch.Generator().manual_seed(4)
+    leaves = [torch.randn(B, T, 2, 16, generator=g), torch.randn(B, kv.shape[1], 16, generator=g),
+              torch.randn(B, T, 2, generator=g)]
+    _, lse, p_all = sparse_mla_triton(q, kv, idx, scale, d_v, return_target=True)
+    shards = [sparse_mla_triton(q[:, :, h : h + 3].contiguous(), kv, idx, scale, d_v, return_target=True)
+              for h in (0, 3)]
+    summed = shards[0][2] + shards[1][2]
+    torch.testing.assert_close(summed, p_all, rtol=1e-6, atol=1e-6)
+
+    def run(q_main, lse_main, target, heads=None):
+        qi, ki, wi = (x.to(DEV).requires_grad_() for x in leaves)
+        kl, st = sparse_indexer_kl_triton(qi, ki, wi, idx, q_main, kv, lse_main, scale, target=target, heads=heads)
+        return [kl, st["kl_uniform"], *torch.autograd.grad(kl, (qi, ki, wi))]
+
+    local_q = q[:, :, :3]
+    shard = run(local_q, torch.full_like(shards[0][1], float("nan")), summed, heads=H)
+    for a, b in zip(shard, run(q, lse, None)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # without heads the local shard's 3 would divide the target summed over 6: refused, not wrong
+    with pytest.raises(ValueError, match="heads=6 needs the target"):
+        sparse_indexer_kl_triton(*leaves, idx, local_q, kv, shards[0][1], scale, heads=H)
+    with pytest.raises(ValueError, match="heads=2 needs the target summed"):
+        sparse_indexer_kl_triton(*leaves, idx, local_q, kv, shards[0][1], scale, target=summed, heads=2)
+
+
+def test_chunked_path_refuses_heads_it_cannot_sum(monkeypatch):
+    from dsa_kernels.ops.indexer_kl import sparse_indexer_kl
+
+    monkeypatch.setenv("DSA_KERNELS", "ref")
+    q, kv, idx, scale, _ = _case(*CASES["odd"], seed=5)
+    B, T, H, _ = q.shape
+    lse = torch.zeros(B, T, H)
+    qi, ki, wi = torch.randn(B, T, 2, 16), torch.randn(B, kv.shape[1], 16), torch.rand(B, T, 2)
+    with pytest.raises(ValueError, match="chunked .* every head's q and lse"):
+        sparse_indexer_kl(qi, ki, wi, idx.cpu(), q.cpu(), kv.cpu(), lse, scale, heads=2 * H)
+
+
 # ----------------------------------------------------------------------------- dispatch (meta device)
 def _meta(H):
     q = torch.empty(1, 64, H, 576, dtype=torch.bfloat16, device="meta")

@@ -63,6 +63,23 @@ def test_context_parallel_2_sparse_triton_kernels(tmp_path, monkeypatch):
     _check(results, 1, {"cp": 2})
 
 
+@pytest.mark.slow
+@pytest.mark.integration
+def test_tensor_parallel_2_sparse_triton_kernels_sum_the_kl_target(tmp_path, monkeypatch):
+    # TP 2 on the Triton kernels (interpreted): each rank's sparse MLA forward sums its own heads'
+    # P, the two sums are all-reduced into the indexer KL's target (`TensorParallelHeads.sum_heads`;
+    # no head's q or lse gathered), under full recompute (the all-reduce runs again in the
+    # recompute forward), against one process on the PyTorch references over every head
+    monkeypatch.setenv("DSA_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rc, results, log = launch_selftest(2, ["--tp", "2", "--zero", "1", "--seq-len", "64", "--topk", "16", "--steps", "1",
+                                           "--global-batch", "2", "--recompute", "full", "--reference-kernels", "ref",
+                                           "--indexer-loss-atol", "2e-6"],
+                                       str(tmp_path / "r.jsonl"))
+    assert rc == 0, log
+    _check(results, 1, {"tp": 2, "dp": 1})
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 def test_context_parallel_2_dense_warmup_full_recompute(tmp_path, monkeypatch):

@@ -40,14 +40,16 @@ class AllHeads:
     """Head placement of an MLA layer that holds every attention head (one process). Tensor
     parallelism replaces it from outside (`dsa_train.parallel.tensor.TensorParallelHeads`)."""
 
-    local_sums_all_heads = True  # a sum over this process's heads is the layer's (the sparse KL's target)
-
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         """A tensor read by every local head (latent KV): its gradient sums over head shards."""
         return x
 
     def gather(self, x: torch.Tensor, dim: int = 2) -> torch.Tensor:
         """Values of every head of the layer (no gradient), from this process's heads along `dim`."""
+        return x
+
+    def sum_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """A sum over every head of the layer (no gradient), from this process's heads' partial sum."""
         return x
 
 
@@ -209,15 +211,24 @@ class MLA(nn.Module):
         if sparse:
             topk_indices = select_topk(q_idx.detach(), k_idx_all.detach(), w_idx.detach(), doc_start, request.topk, cp,
                                        request.index_scores)
-            # eq. 4's target Sigma_h P from the attention's own forward (not under tensor parallelism)
-            want = request.indexer_loss and self.heads.local_sums_all_heads
+            # eq. 4's target Sigma_h P from the attention's own forward (Triton path; the chunked one
+            # returns None and its KL forms the target from every head's q and lse)
             out_latent, lse, *p_sum = K.sparse_mla(q_abs, kv_all, topk_indices, self.scale, self.kv_lora_rank,
-                                                   return_target=want)
+                                                   return_target=request.indexer_loss)
             if request.indexer_loss:
-                kl, stats = K.sparse_indexer_kl(
-                    q_idx, k_idx_all, w_idx, topk_indices, self.heads.gather(q_abs.detach()), kv_all.detach(),
-                    self.heads.gather(lse.detach()), self.scale, target=p_sum[0] if p_sum else None,
-                )
+                target = p_sum[0] if p_sum else None
+                if target is not None:
+                    # the local heads' sum, summed over the heads' shards (tensor parallelism: one
+                    # all-reduce of [B, T, K] fp32 instead of gathering q [B, T, H, 576] and lse)
+                    kl, stats = K.sparse_indexer_kl(
+                        q_idx, k_idx_all, w_idx, topk_indices, q_abs.detach(), kv_all.detach(), lse.detach(),
+                        self.scale, target=self.heads.sum_heads(target), heads=self.num_heads,
+                    )
+                else:
+                    kl, stats = K.sparse_indexer_kl(
+                        q_idx, k_idx_all, w_idx, topk_indices, self.heads.gather(q_abs.detach()), kv_all.detach(),
+                        self.heads.gather(lse.detach()), self.scale,
+                    )
                 record_kl(aux, kl, stats["kl_uniform"], B * T_loc)
             if request.recall_queries is not None:
                 record_topk_recall(aux, self.scale, q_abs.detach(), kv_all.detach(), topk_indices, doc_start, request, cp)

@@ -41,6 +41,13 @@ def all_gather_nograd(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
+@torch.no_grad()
+def all_reduce_nograd(x: torch.Tensor, group) -> torch.Tensor:
+    """x summed over `group`, in place (x must be a tensor nothing else reads: a fresh output)."""
+    dist.all_reduce(x, group=group)
+    return x
+
+
 class _CopyToGroup(torch.autograd.Function):
     """Identity forward; backward all-reduces (sums) the gradient over the group (megatron's
     `copy_to_tensor_model_parallel_region` for tensors used by per-rank heads)."""

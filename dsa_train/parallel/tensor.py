@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dsa_train.model.moe import MLP, MoE
-from dsa_train.parallel.comm import all_gather_nograd, copy_to_group
+from dsa_train.parallel.comm import all_gather_nograd, all_reduce_nograd, copy_to_group
 from dsa_train.parallel.groups import ParallelState
 from dsa_train.sharding import Sharding, set_sharding
 
@@ -137,8 +137,6 @@ def average_over_group(param: torch.Tensor, group, size: int) -> None:
 class TensorParallelHeads:
     """Head placement of an MLA layer whose heads are split over the TP group (`MLA.heads`)."""
 
-    local_sums_all_heads = False  # a sum over local heads is one shard's: the KL forms its own target
-
     def __init__(self, state: ParallelState):
         self.group = state.tp_group
 
@@ -149,6 +147,11 @@ class TensorParallelHeads:
     def gather(self, x: torch.Tensor, dim: int = 2) -> torch.Tensor:
         """Every head's values (no gradient): the indexer's KL target sums attention over all heads."""
         return all_gather_nograd(x, dim, self.group)
+
+    def sum_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's sum over heads from this rank's heads' partial sum (no gradient): the sparse
+        KL's target Sigma_h P, all-reduced over the TP group (every rank gets the same bits)."""
+        return all_reduce_nograd(x, self.group)
 
 
 def shard_tensor_parallel(model: nn.Module, state: ParallelState) -> None:

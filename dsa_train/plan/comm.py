@@ -128,6 +128,8 @@ class StepShape:
     recompute: str  # parallel.recompute
     indexer_loss: bool  # the stage's loss has the indexer KL (eq. 3 / eq. 4)
     mqa_form: bool  # attention in the absorbed form (sparse, or context parallel)
+    topk: int  # selected keys per query (the sparse KL's target has one fp32 value per selected key)
+    target_from_attention: bool  # the sparse KL's target comes from the sparse MLA forward (CUDA path)
     zero_stage: int
     grad_reduce_bytes: int  # bytes per element of the data-parallel gradient reduction
     dense_trainable: float  # trainable elements on this rank, replicated over DP x CP
@@ -137,9 +139,12 @@ class StepShape:
     router_bias_update: bool
 
 
-def step_shape(cfg, stage, sizes, trainable: tuple[float, float], reduced: tuple[float, float]) -> StepShape:
+def step_shape(cfg, stage, sizes, trainable: tuple[float, float], reduced: tuple[float, float],
+               topk: int = 0) -> StepShape:
     """`trainable`: (dense, expert) trainable elements on this rank; `reduced`: of them, those with
-    a gradient in this stage."""
+    a gradient in this stage; `topk`: the stage's selected keys per query (`Stage.topk_for`)."""
+    from dsa_train.plan.trace import kernel_path_of
+
     pb = 2 if cfg.model.dtype.value == "bfloat16" else 4
     B, T = cfg.data.micro_batch_size, cfg.data.seq_len
     return StepShape(
@@ -147,6 +152,8 @@ def step_shape(cfg, stage, sizes, trainable: tuple[float, float], reduced: tuple
         tokens_local=B * T // sizes.context, dtype_bytes=pb, main_trains=stage.kind.main_backward,
         uses_mtp=stage.uses_mtp, recompute=cfg.parallel.recompute, zero_stage=cfg.parallel.zero_stage,
         indexer_loss=stage.uses_indexer_loss, mqa_form=stage.sparse or sizes.context > 1,
+        topk=topk if stage.sparse else 0,
+        target_from_attention=stage.sparse and kernel_path_of(cfg) != "cpu",
         grad_reduce_bytes=gradient_reduce_bytes(cfg.parallel.zero_stage, pb, cfg.optim.grad_accum_dtype),
         dense_trainable=trainable[0], expert_trainable=trainable[1], dense_reduced=reduced[0],
         expert_reduced=reduced[1],
@@ -216,7 +223,9 @@ def tp_collectives(c, sizes, s: StepShape) -> list[Collective]:
     """Tensor parallel (`parallel/tensor.py`, megatron-core's linears), per layer and micro-batch.
     Forward: the row-parallel outputs all-reduced (o_proj; the down projection of a dense MLP or
     of the shared experts), [T_loc, hidden]; where the indexer loss needs every head, the
-    attention queries and log-sum-exps gathered (`TensorParallelHeads.gather`). Backward (main
+    attention queries and log-sum-exps gathered (`TensorParallelHeads.gather`), except in the
+    sparse stage on the CUDA path: there the sparse KL's target (the local heads' Sigma_h P,
+    [T_loc, k] fp32, from the attention's forward) is all-reduced instead (`sum_heads`). Backward (main
     model trains): the column-parallel inputs' gradients (q_b_proj, kv_b_proj in the MHA form,
     gate and up projections) and the shared latent and k_rope (`heads.shared`) all-reduced; the replicated
     indexer's parameter gradients averaged (five tensors a layer). The 671B recipes run TP 1:
@@ -232,7 +241,8 @@ def tp_collectives(c, sizes, s: StepShape) -> list[Collective]:
         heads = [T * H * (c.kv_lora_rank + c.qk_rope_head_dim) * pb, T * H * 4]
     else:  # MHA: q and k [T, H, 192], lse
         heads = [T * H * qk * pb, T * H * qk * pb, T * H * 4]
-    gathers = [(b, main) for b in heads] if s.indexer_loss else []
+    gathers = [(b, main) for b in heads] if s.indexer_loss and not s.target_from_attention else []
+    targets = [(T * s.topk * 4, main)] if s.indexer_loss and s.target_from_attention else []
     outputs = layers + mlp_layers  # o_proj + down projections
     recomputed = s.recompute in ("full", "attention")
     # a recomputed layer re-runs its gathers; its all-reduces only when the main model trains
@@ -257,8 +267,10 @@ def tp_collectives(c, sizes, s: StepShape) -> list[Collective]:
     mb = s.micro_batches
     return (_rows("tp_forward", "all_reduce", "tp", "forward", [(T * h * pb, outputs)], mb)
             + _rows("tp_gather_forward", "all_gather", "tp", "forward", gathers, mb)
+            + _rows("tp_kl_target_forward", "all_reduce", "tp", "forward", targets, mb)
             + _rows("tp_recompute", "all_reduce", "tp", "recompute", rec_reduce, mb)
             + _rows("tp_gather_recompute", "all_gather", "tp", "recompute", gathers if recomputed else [], mb)
+            + _rows("tp_kl_target_recompute", "all_reduce", "tp", "recompute", targets if recomputed else [], mb)
             + _rows("tp_backward", "all_reduce", "tp", "backward", bwd, mb))
 
 

@@ -36,7 +36,7 @@ class _SparseKL(torch.autograd.Function):
     again in the backward (`_sparse_run`)."""
 
     @staticmethod
-    def forward(ctx, q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale, target=None):
+    def forward(ctx, q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale, target=None, heads=None):
         B, T = q_idx.shape[:2]
         # fp32 q/k on the compiled path -> bf16 (the target's dots would be TF32; `compute_dtype`)
         cdt = compute_dtype("sparse_indexer_kl", q_idx, k_idx, q_main, kv_main)
@@ -49,7 +49,7 @@ class _SparseKL(torch.autograd.Function):
         else:
             main = (kernel_input(q_main.detach(), cdt), kernel_input(kv_main.detach(), cdt),
                     lse_main.detach().float().contiguous())
-        H = q_main.shape[2]
+        H = heads or q_main.shape[2]  # the layer's heads (tensor parallelism: more than q_main holds)
         if target is not None:  # `_sparse_run` as a custom op
             kl, klu = sparse_kl_stats_target(qi, ki, wi, idx, n_slots, main[0], H, scale)
         else:
@@ -66,13 +66,13 @@ class _SparseKL(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dkl, _dklu):
         if not ctx.need:
-            return (None,) * 9
+            return (None,) * 10
         qi, ki, wi, idx, n_slots, *main = ctx.saved_tensors
         if len(main) == 1:  # the attention's target
             grads = sparse_kl_grads_target(qi, ki, wi, idx, n_slots, main[0], ctx.H, ctx.scale)
         else:
             grads = sparse_kl_grads(qi, ki, wi, idx, n_slots, *main, ctx.scale)
-        return (*_grads_out(grads, dkl, ctx.dtypes), None, None, None, None, None, None)
+        return (*_grads_out(grads, dkl, ctx.dtypes), None, None, None, None, None, None, None)
 
 
 def _sparse_run(qi, ki, wi, idx, n_slots, main: tuple, H: int, scale, need: bool):
@@ -163,16 +163,21 @@ def _stats(kl, klu, B, T):
 
 
 def sparse_indexer_kl_triton(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, scale: float,
-                             chunk_size: int | None = None, target=None):
+                             chunk_size: int | None = None, target=None, heads: int | None = None):
     """Same contract as `sparse_indexer_kl_ref` (chunk_size accepted and ignored). The query
     rows (q_idx, w_idx, indices, q_main, lse_main: T of them) may be fewer than the key rows
     (k_idx, kv_main: N), as under context parallelism: a rank's queries over the gathered
     sequence; indices are key rows in [0, N). The gradient of k_idx has k_idx's shape.
     target [B, T, K] fp32: Sigma_h P per slot over all H = q_main.shape[2] heads, from the sparse
     MLA forward (`sparse_mla(..., return_target=True)`); then q_main is read only for H, and kv_main
-    / lse_main not at all (no KV gather, no main logits). None: formed here (the separate gather)."""
+    / lse_main not at all (no KV gather, no main logits). None: formed here (the separate gather).
+    heads (with target only): the layer's H where q_main holds only this rank's heads (tensor
+    parallelism; target then sums every rank's heads: `TensorParallelHeads.sum_heads`)."""
     B, T = q_idx.shape[:2]
     n_keys = k_idx.shape[1]
+    if heads is not None and (target is None or heads < q_main.shape[2]):
+        raise ValueError(f"sparse_indexer_kl: heads={heads} needs the target summed over that many heads "
+                         f"(q_main holds {q_main.shape[2]}); without a target pass every head's q_main and lse_main")
     if target is not None and tuple(target.shape) != tuple(indices.shape):
         raise ValueError(f"sparse_indexer_kl: target {tuple(target.shape)} must be the indices' shape "
                          f"{tuple(indices.shape)} (Sigma_h P per slot, from sparse_mla(..., return_target=True))")
@@ -182,7 +187,8 @@ def sparse_indexer_kl_triton(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_
                          f"{tuple(q_main.shape)} the query rows of q_idx {tuple(q_idx.shape)}; pass the "
                          f"gathered k_idx and kv_main together")
     check_indices(indices, n_keys, "sparse_indexer_kl")
-    kl_sum, klu_sum = _SparseKL.apply(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, float(scale), target)
+    kl_sum, klu_sum = _SparseKL.apply(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_main, float(scale), target,
+                                      heads)
     return kl_sum, _stats(kl_sum, klu_sum, B, T)
 
 
