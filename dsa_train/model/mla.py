@@ -53,6 +53,19 @@ class AllHeads:
         return x
 
 
+def sparse_kl(layer, q_idx, k_idx_all, w_idx, topk_indices, q_abs, kv_all, lse, p_sum: list):
+    """Eq. 4 for one MLA layer. p_sum [target or None] from `sparse_mla(..., return_target=True)`:
+    a target is the local heads' Sigma_h P, summed over the heads' shards by `layer.heads.sum_heads`
+    (tensor parallelism: one all-reduce of [B, T, K] fp32, no q [B, T, H, 576] or lse gathered);
+    None (the chunked path): the KL forms the target from every head's q and lse, gathered."""
+    target = p_sum[0] if p_sum else None
+    if target is not None:
+        return K.sparse_indexer_kl(q_idx, k_idx_all, w_idx, topk_indices, q_abs.detach(), kv_all.detach(), lse.detach(),
+                                   layer.scale, target=layer.heads.sum_heads(target), heads=layer.num_heads)
+    return K.sparse_indexer_kl(q_idx, k_idx_all, w_idx, topk_indices, layer.heads.gather(q_abs.detach()),
+                               kv_all.detach(), layer.heads.gather(lse.detach()), layer.scale)
+
+
 @dataclass
 class AttentionRequest:
     """What one forward pass asks of every attention layer."""
@@ -216,19 +229,7 @@ class MLA(nn.Module):
             out_latent, lse, *p_sum = K.sparse_mla(q_abs, kv_all, topk_indices, self.scale, self.kv_lora_rank,
                                                    return_target=request.indexer_loss)
             if request.indexer_loss:
-                target = p_sum[0] if p_sum else None
-                if target is not None:
-                    # the local heads' sum, summed over the heads' shards (tensor parallelism: one
-                    # all-reduce of [B, T, K] fp32 instead of gathering q [B, T, H, 576] and lse)
-                    kl, stats = K.sparse_indexer_kl(
-                        q_idx, k_idx_all, w_idx, topk_indices, q_abs.detach(), kv_all.detach(), lse.detach(),
-                        self.scale, target=self.heads.sum_heads(target), heads=self.num_heads,
-                    )
-                else:
-                    kl, stats = K.sparse_indexer_kl(
-                        q_idx, k_idx_all, w_idx, topk_indices, self.heads.gather(q_abs.detach()), kv_all.detach(),
-                        self.heads.gather(lse.detach()), self.scale,
-                    )
+                kl, stats = sparse_kl(self, q_idx, k_idx_all, w_idx, topk_indices, q_abs, kv_all, lse, p_sum)
                 record_kl(aux, kl, stats["kl_uniform"], B * T_loc)
             if request.recall_queries is not None:
                 record_topk_recall(aux, self.scale, q_abs.detach(), kv_all.detach(), topk_indices, doc_start, request, cp)

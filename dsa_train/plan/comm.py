@@ -140,11 +140,10 @@ class StepShape:
 
 
 def step_shape(cfg, stage, sizes, trainable: tuple[float, float], reduced: tuple[float, float],
-               topk: int = 0) -> StepShape:
+               topk: int = 0, kernel_path: str = "cpu") -> StepShape:
     """`trainable`: (dense, expert) trainable elements on this rank; `reduced`: of them, those with
-    a gradient in this stage; `topk`: the stage's selected keys per query (`Stage.topk_for`)."""
-    from dsa_train.plan.trace import kernel_path_of
-
+    a gradient in this stage; `topk`: the stage's selected keys per query (`Stage.topk_for`);
+    `kernel_path`: "cuda" or "cpu" (`plan.trace.kernel_path_of`)."""
     pb = 2 if cfg.model.dtype.value == "bfloat16" else 4
     B, T = cfg.data.micro_batch_size, cfg.data.seq_len
     return StepShape(
@@ -153,7 +152,7 @@ def step_shape(cfg, stage, sizes, trainable: tuple[float, float], reduced: tuple
         uses_mtp=stage.uses_mtp, recompute=cfg.parallel.recompute, zero_stage=cfg.parallel.zero_stage,
         indexer_loss=stage.uses_indexer_loss, mqa_form=stage.sparse or sizes.context > 1,
         topk=topk if stage.sparse else 0,
-        target_from_attention=stage.sparse and kernel_path_of(cfg) != "cpu",
+        target_from_attention=stage.sparse and kernel_path != "cpu",
         grad_reduce_bytes=gradient_reduce_bytes(cfg.parallel.zero_stage, pb, cfg.optim.grad_accum_dtype),
         dense_trainable=trainable[0], expert_trainable=trainable[1], dense_reduced=reduced[0],
         expert_reduced=reduced[1],

@@ -326,7 +326,8 @@ def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
     if main_trains and not stage.uses_mtp:
         reduced_dense -= n.mtp_replicated + n.mtp_tp_split / sizes.tensor
         reduced_expert -= n.expert * n.mtp_moe_layers * (n.n_experts / sizes.expert)
-    shape = step_shape(cfg, stage, sizes, (t_dense, t_expert), (reduced_dense, reduced_expert), topk)
+    shape = step_shape(cfg, stage, sizes, (t_dense, t_expert), (reduced_dense, reduced_expert), topk,
+                       ws["path"])
     rows = step_collectives(c, sizes, shape, REDUCE_BUCKET)
     spans = group_spans(sizes, ranks_per_node(cfg), opts.rank)
     p.communication = price(rows, spans, cfg.cluster.network)
