@@ -234,7 +234,7 @@ class Stage:
         return self.step_flops(model_config, seq_len, issued=False).model
 
     def step_flops(self, model_config: DSAConfig, seq_len: int, context: int = 1, recompute: str = "none",
-                   micro_batch: int = 1, issued: bool = True):
+                   micro_batch: int = 1, issued: bool = True, tensor: int = 1):
         """This stage's step per token, part by part: the FLOPs users count beside the FLOPs and bytes
         the CUDA path issues under this layout (`dsa_train.model.step_flops.StepFlops`; the plan times
         the issued column, the trainer's MFU divides the model column by the step's time)."""
@@ -245,7 +245,7 @@ class Stage:
             main_backward=self.kind.main_backward, lm_head=self.kind.lm_head,
             kl_recomputes_main_scores=self.kind.kl_recomputes_main_scores, indexer_loss=self.uses_indexer_loss,
             context=context, recompute=recompute, micro_batch=micro_batch, index_scores=self.index_scores,
-            issued=issued,
+            issued=issued, tensor=tensor,
         )
 
     def describe(self, trainable_tensors: int) -> str:

@@ -141,11 +141,22 @@ def test_671b_sparse_step_counts_what_runs():
     assert p["sparse_mla_forward"].recomputed == pytest.approx(p["sparse_mla_forward"].issued / 2)
     # the backward issues at least S, dP, dq, dkv (TileLang's count), more than the convention's 2x
     assert p["sparse_mla_backward"].issued >= L * 2 * H * keys * (3 * 576 + 2 * 512) > 2 * mla
-    for name in ("attention_projections", "mlp", "moe", "absorption"):
-        assert p[name].issued == pytest.approx(p[name].model * 4 / 3), name  # fwd + bwd + recompute fwd
+    # fwd + bwd + recompute fwd; the absorbed form runs kv_b as the absorption (not a linear); the
+    # row-chunked MLPs' backward forms gate and up again (the dense MLP's, the shared experts')
+    h, I, Is = c.hidden_size, c.intermediate_size, c.moe_intermediate_size * c.n_shared_experts
+    kv_b = L * 2 * c.kv_lora_rank * H * (c.qk_nope_head_dim + c.v_head_dim)
+    dense, moe_layers = c.first_k_dense_replace, L - c.first_k_dense_replace
+    again = {"mlp": dense * 2 / 3 * 2 * 3 * h * I, "moe": moe_layers * 2 / 3 * 2 * 3 * h * Is}
+    assert p["attention_projections"].issued == pytest.approx((p["attention_projections"].model - 3 * kv_b) * 4 / 3)
+    for name in ("mlp", "moe", "absorption"):
+        assert p[name].issued == pytest.approx(p[name].model * 4 / 3 + again.get(name, 0.0)), name
     assert p["lm_head"].issued == p["lm_head"].model  # outside the checkpointed layers
-    # the indexer: forward + weight gradients (detached input) + the recompute's forward
-    assert p["indexer_projections"].issued == pytest.approx(p["indexer_projections"].model)
+    # the indexer: forward + weight gradients (detached input) + the recompute's forward; and the
+    # Hadamard rotation of q_I / k_I (a [d_I, d_I] matmul per head and for the key): forward, its input
+    # gradient, the recompute's forward
+    rot = L * 2 * c.index_head_dim**2 * (c.index_n_heads + 1)
+    assert c.index_hadamard
+    assert p["indexer_projections"].issued == pytest.approx(p["indexer_projections"].model + 3 * rot)
     assert p["kl_target"].model == 0 < p["kl_target"].issued
     assert p["select"].issued == 0 < p["select"].hbm_bytes
     # the memo keeps 1 GiB of indices: 32 layers of 4096 x 2048 int32; the other 29 score again

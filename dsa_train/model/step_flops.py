@@ -87,6 +87,11 @@ class StepPart:
     issued: float  # FLOPs the step issues on CUDA
     hbm_bytes: float = 0.0  # bytes a kernel part moves (0: a matmul part, timed by its FLOPs)
     recomputed: float = 0.0  # of `issued`, the FLOPs the activation recompute runs again
+    # of `issued` (and `hbm_bytes`), the share tensor parallelism splits over its group (the heads'
+    # projections and attention, dense MLPs, shared experts); the rest every TP rank runs whole for
+    # the group's tokens (the indexer, its scores / select / KL, the routed experts and router, the
+    # LM head, q_a / kv_a): `dsa_train.plan.compute.compute_seconds(..., tensor=TP)`
+    tp_split: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -115,17 +120,20 @@ class StepFlops:
 def step_flops(cfg: DSAConfig, seq_len: int, attention: str = "sparse", topk: int | None = None, *,
                main_backward: bool = True, lm_head: bool = True, kl_recomputes_main_scores: bool = False,
                indexer_loss: bool = True, context: int = 1, recompute: str = "none", micro_batch: int = 1,
-               index_scores: str = "bf16", issued: bool = True) -> StepFlops:
+               index_scores: str = "bf16", issued: bool = True, tensor: int = 1) -> StepFlops:
     """The step's parts per token (module docstring). The stage's kind gives `main_backward`,
     `lm_head` and `kl_recomputes_main_scores` (`dsa_train.stage.Stage.step_flops`); the layout
     `context` (CP size), `recompute` (`parallel.recompute`) and `micro_batch` (sequences per
-    micro-batch: the score chunks and the top-k memo's budget). `issued=False`: the model column
-    only (no kernel planning; the issued column is then 0)."""
+    micro-batch: the score chunks and the top-k memo's budget), `tensor` (TP size: without it the
+    dense MLPs and shared experts run row-chunked, `model.moe._RowChunkedMLP`, whose backward forms
+    gate and up again). `issued=False`: the model column only (no kernel planning; the issued column
+    is then 0)."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}; got {recompute!r}")
     k = topk or cfg.index_topk
     if attention == "sparse" and main_backward and lm_head and not kl_recomputes_main_scores:
-        parts = _sparse_parts(cfg, seq_len, k, indexer_loss, recompute, context, micro_batch, index_scores, issued)
+        parts = _sparse_parts(cfg, seq_len, k, indexer_loss, recompute, context, micro_batch, index_scores, issued,
+                              row_chunked=tensor == 1)
     elif attention == "dense" and not main_backward and not lm_head and kl_recomputes_main_scores:
         parts = _warmup_parts(cfg, seq_len, context, recompute, issued)
     else:
@@ -140,51 +148,92 @@ def _keys(seq_len: int, k: int) -> float:
 
 
 def _layer_split(cfg: DSAConfig, i: int) -> dict[str, float]:
-    """2 x the matmul parameters of layer i: attention projections, MLP (dense or MoE), indexer."""
+    """2 x the matmul parameters of layer i: attention projections, MLP (dense or MoE), indexer; and
+    of those, the ones tensor parallelism splits over its group (`parallel/tensor.py`: q_b (or q),
+    kv_b and o_proj of the attention, a dense MLP, the shared experts; not q_a / kv_a, the routed
+    experts, the router or the indexer): `attention_tp`, `mlp_tp`."""
     h, H = cfg.hidden_size, cfg.num_attention_heads
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     q = h * cfg.q_lora_rank + cfg.q_lora_rank * H * qk if cfg.q_lora_rank else h * H * qk
-    kv = h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * H * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    kv_a = h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    kv = kv_a + cfg.kv_lora_rank * H * (cfg.qk_nope_head_dim + cfg.v_head_dim)
     attn = q + kv + H * cfg.v_head_dim * h
     p = layer_linear_params(cfg, i)
-    return {"attention": 2.0 * attn, "mlp": 2.0 * (p["main"] - attn), "indexer": 2.0 * p["indexer"]}
+    mlp = p["main"] - attn
+    if cfg.is_moe_layer(i):
+        mlp_tp = 3 * h * cfg.moe_intermediate_size * cfg.n_shared_experts  # the shared experts only
+    else:
+        mlp_tp = mlp
+    return {"attention": 2.0 * attn, "mlp": 2.0 * mlp, "indexer": 2.0 * p["indexer"],
+            "attention_tp": 2.0 * (attn - h * (cfg.q_lora_rank or 0) - kv_a), "mlp_tp": 2.0 * mlp_tp,
+            "kv_b": 2.0 * (kv - kv_a)}
+
+
+def _hadamard(cfg: DSAConfig) -> float:
+    """FLOPs per token and layer of the indexer's Hadamard rotation of q_I and k_I (`index_hadamard`:
+    a [d_I, d_I] matmul per head and for the key), forward; its backward (the input gradient, the
+    matrix is a buffer) issues as many again."""
+    return 2.0 * cfg.index_head_dim**2 * (cfg.index_n_heads + 1) if getattr(cfg, "index_hadamard", False) else 0.0
+
+
+def _share(part: float, split: float) -> float:
+    """The TP-split share of a part (1.0 for an empty part)."""
+    return split / part if part else 1.0
 
 
 # ------------------------------------------------------------------------------ sparse training
 def _sparse_parts(c: DSAConfig, T: int, k: int, indexer_loss: bool, recompute: str, context: int,
-                  micro_batch: int, index_scores: str, issued: bool) -> dict[str, StepPart]:
+                  micro_batch: int, index_scores: str, issued: bool, row_chunked: bool = True) -> dict[str, StepPart]:
     L, H = c.num_hidden_layers, c.num_attention_heads
     r_attn = 1.0 if recompute in ("full", "attention") else 0.0
     keys = _keys(T, k)
     d_qk, d_v = c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank
     proj = {"attention": 0.0, "mlp": 0.0, "moe": 0.0, "indexer": 0.0}
+    split = {"attention": 0.0, "mlp": 0.0, "moe": 0.0}  # of proj, what TP splits (`_layer_split`)
     rec = {"attention": 0.0, "mlp": 0.0, "moe": 0.0}
+    again = {"mlp": 0.0, "moe": 0.0}  # the row-chunked MLPs' backward recompute (not the checkpoint's)
+    kv_b = 0.0
     for i in range(L):
         s = _layer_split(c, i)
         kind = "moe" if c.is_moe_layer(i) else "mlp"
         proj["attention"] += s["attention"]
         proj[kind] += s["mlp"]
         proj["indexer"] += s["indexer"]
-        rec["attention"] += r_attn * s["attention"]
+        # the absorbed (MQA) form runs kv_b's weight as the absorption's two products (`absorption`),
+        # not as a linear: the issued column leaves it out here
+        kv_b += s["kv_b"]
+        split["attention"] += s["attention_tp"] - s["kv_b"]
+        split[kind] += s["mlp_tp"]
+        rec["attention"] += r_attn * (s["attention"] - s["kv_b"])
         rec[kind] += s["mlp"] * (recompute == "full" or (recompute == "moe" and kind == "moe"))
+        if row_chunked:  # its backward forms gate and up again: 2 of the MLP's 3 forward GEMMs
+            again[kind] += 2.0 / 3.0 * s["mlp_tp"]  # a dense MLP whole, of a MoE layer the shared experts
+    issued_attn = proj["attention"] - kv_b
+    tp = {name: _share(proj[name], split[name]) for name in split}
+    tp["attention"] = _share(issued_attn, split["attention"])
     absorb = L * 2.0 * 2.0 * H * c.qk_nope_head_dim * c.kv_lora_rank
     mla_fwd = L * 2.0 * H * keys * (d_qk + d_v)
     a = attention_flops_per_token(c, T, "sparse", k)
     scores, scores_bwd = L * a["indexer"], L * a["indexer_backward"]
     parts = {
-        "attention_projections": StepPart(3 * proj["attention"], 3 * proj["attention"] + rec["attention"],
-                                          recomputed=rec["attention"]),
-        "mlp": StepPart(3 * proj["mlp"], 3 * proj["mlp"] + rec["mlp"], recomputed=rec["mlp"]),
-        "moe": StepPart(3 * proj["moe"], 3 * proj["moe"] + rec["moe"], recomputed=rec["moe"]),
-        "lm_head": StepPart(3 * 2.0 * c.hidden_size * c.vocab_size, 3 * 2.0 * c.hidden_size * c.vocab_size),
+        "attention_projections": StepPart(3 * proj["attention"], 3 * issued_attn + rec["attention"],
+                                          recomputed=rec["attention"], tp_split=tp["attention"]),
+        "mlp": StepPart(3 * proj["mlp"], 3 * proj["mlp"] + rec["mlp"] + again["mlp"], recomputed=rec["mlp"],
+                        tp_split=tp["mlp"]),
+        "moe": StepPart(3 * proj["moe"], 3 * proj["moe"] + rec["moe"] + again["moe"], recomputed=rec["moe"],
+                        tp_split=_share(3 * proj["moe"] + rec["moe"] + again["moe"],
+                                        tp["moe"] * (3 * proj["moe"] + rec["moe"]) + again["moe"])),
+        "lm_head": StepPart(3 * 2.0 * c.hidden_size * c.vocab_size, 3 * 2.0 * c.hidden_size * c.vocab_size,
+                            tp_split=0.0),
         "absorption": StepPart(3 * absorb, (3 + r_attn) * absorb, recomputed=r_attn * absorb),
     }
     grads = 2.0 if indexer_loss else 1.0  # forward, and weight gradients when the KL trains it
-    idx_proj = proj["indexer"]
-    parts["indexer_projections"] = StepPart(3 * idx_proj, (grads + r_attn) * idx_proj, recomputed=r_attn * idx_proj)
+    idx_proj, rot = proj["indexer"], L * _hadamard(c)  # the rotation: forward, input gradient (if trained)
+    parts["indexer_projections"] = StepPart(3 * idx_proj, (grads + r_attn) * (idx_proj + rot),
+                                            recomputed=r_attn * (idx_proj + rot), tp_split=0.0)
     if not issued:
         parts.update(sparse_mla_forward=StepPart(mla_fwd, 0.0), sparse_mla_backward=StepPart(2 * mla_fwd, 0.0),
-                     index_scores=StepPart(scores, 0.0), sparse_kl=StepPart(scores_bwd, 0.0))
+                     index_scores=StepPart(scores, 0.0, tp_split=0.0), sparse_kl=StepPart(scores_bwd, 0.0, tp_split=0.0))
         return parts
     w = _sparse_kernel_work(c, T, k, micro_batch, index_scores)
     per_layer = keys / k  # the analysis is per row with all k slots valid; rows t < k walk t + 1
@@ -195,24 +244,26 @@ def _sparse_parts(c: DSAConfig, T: int, k: int, indexer_loss: bool, recompute: s
     replayed = min(L, DEFAULT_BUDGET_BYTES // max(idx_bytes, 1)) if r_attn else 0
     select_runs = L + (L - replayed) * r_attn
 
-    def kernel(name, model, runs, again=0.0, scale=per_layer):
+    def kernel(name, model, runs, again=0.0, scale=per_layer, tp_split=1.0):
         f, b = w[name]
-        return StepPart(model, runs * f * scale, runs * b * scale, recomputed=again * f * scale)
+        return StepPart(model, runs * f * scale, runs * b * scale, recomputed=again * f * scale, tp_split=tp_split)
 
+    # the attention's kernels and the KL target (the local heads' sums, all-reduced) split over TP;
+    # the indexer's scores, select and KL run whole on every TP rank
     parts["sparse_mla_forward"] = kernel("mla_fwd", mla_fwd, (1 + r_attn) * L, r_attn * L)
     parts["sparse_mla_backward"] = kernel("mla_bwd", 2 * mla_fwd, L)
     if indexer_loss:
         parts["kl_target"] = kernel("target", 0.0, (1 + r_attn) * L, r_attn * L)
-    parts["index_scores"] = kernel("scores", scores, select_runs, select_runs - L, 1.0)
-    parts["select"] = kernel("select", 0.0, select_runs, select_runs - L, 1.0)
+    parts["index_scores"] = kernel("scores", scores, select_runs, select_runs - L, 1.0, tp_split=0.0)
+    parts["select"] = kernel("select", 0.0, select_runs, select_runs - L, 1.0, tp_split=0.0)
     if indexer_loss:
         f_s, b_s = w["kl_stats"]
         f_g, b_g = w["kl_grad"]
         runs = 1 + r_attn
         parts["sparse_kl"] = StepPart(scores_bwd, L * per_layer * (runs * f_s + f_g), L * per_layer * (runs * b_s + b_g),
-                                      recomputed=L * per_layer * r_attn * f_s)
+                                      recomputed=L * per_layer * r_attn * f_s, tp_split=0.0)
     else:  # no KL: the indexer's scores train nothing, the convention's backward of them is not run
-        parts["sparse_kl"] = StepPart(scores_bwd, 0.0)
+        parts["sparse_kl"] = StepPart(scores_bwd, 0.0, tp_split=0.0)
     return parts
 
 
@@ -292,29 +343,35 @@ def _warmup_parts(c: DSAConfig, T: int, context: int, recompute: str, issued: bo
     L = c.num_hidden_layers
     cp = context > 1
     attn = attention_flops_per_token(c, T, "dense")
-    main_fwd = idx_proj = rec = 0.0
+    main_fwd = main_split = idx_proj = rec = rec_split = 0.0
     up = 2.0 * R * H * (nope + v)  # kv_b: one key / value up-projection
     absorb = 2.0 * H * nope * R  # q_nope W_UK: the KL's query in the absorbed form
     for i in range(L):
         p = layer_linear_params(c, i)
+        s = _layer_split(c, i)
         main_fwd += 2.0 * p["main"]
+        main_split += s["attention_tp"] + s["mlp_tp"]
         idx_proj += 2.0 * p["indexer"]
         if recompute in ("full", "attention"):
-            q_proj = 2.0 * (h * ql + ql * H * (nope + rope)) if ql else 2.0 * h * H * (nope + rope)
-            rec += q_proj + 2.0 * h * (R + rope) + (absorb if cp else up) + 2.0 * p["indexer"]
+            q_split = 2.0 * (ql or h) * H * (nope + rope)  # q_b (or q): split over TP; q_a is not
+            q_proj = 2.0 * h * ql + q_split if ql else q_split
+            rec += q_proj + 2.0 * h * (R + rope) + (absorb if cp else up) + 2.0 * p["indexer"] + _hadamard(c)
+            rec_split += q_split + (absorb if cp else up)
     cp_up = L * ((2 * context + 1) / 2 - 1) * up + L * absorb if cp else 0.0
     scores = L * attn["indexer"]
+    # TP splits the heads' work (projections, attention, up-projections) and dense MLPs / shared
+    # experts; the indexer and the dense KL (every head gathered on each TP rank) run whole
     parts = {
-        "main_forward": StepPart(main_fwd, main_fwd),
+        "main_forward": StepPart(main_fwd, main_fwd, tp_split=_share(main_fwd, main_split)),
         "attention": StepPart(L * attn["main"], L * attn["main"]),
         "cp_up_projection": StepPart(0.0, cp_up),
-        "indexer": StepPart(3 * idx_proj, 2 * idx_proj),
-        "recompute": StepPart(0.0, rec, recomputed=rec),
+        "indexer": StepPart(3 * idx_proj, 2 * (idx_proj + L * _hadamard(c)), tp_split=0.0),
+        "recompute": StepPart(0.0, rec, recomputed=rec, tp_split=_share(rec, rec_split)),
     }
     kl = _dense_kl_work(c, T, cp) if issued else {"kl_stats": (0.0, 0.0), "kl_grad": (0.0, 0.0)}
     # the convention: the KL target's pass over the main scores, the indexer's scores x3
-    parts["kl_stats"] = StepPart(L * attn["main"] + scores, L * kl["kl_stats"][0], L * kl["kl_stats"][1])
-    parts["kl_grad"] = StepPart(L * attn["indexer_backward"], L * kl["kl_grad"][0], L * kl["kl_grad"][1])
+    parts["kl_stats"] = StepPart(L * attn["main"] + scores, L * kl["kl_stats"][0], L * kl["kl_stats"][1], tp_split=0.0)
+    parts["kl_grad"] = StepPart(L * attn["indexer_backward"], L * kl["kl_grad"][0], L * kl["kl_grad"][1], tp_split=0.0)
     return parts
 
 
@@ -359,10 +416,12 @@ def _other_parts(c: DSAConfig, T: int, attention: str, k: int, main_backward: bo
     indexer = (3 * sum(2.0 * layer_linear_params(c, i)["indexer"] for i in range(L))
                + L * (attn["indexer"] + attn["indexer_backward"]))
     rec = layers if (main_backward and recompute == "full") else 0.0
-    parts = {"main": StepPart(x * layers, x * layers + rec, recomputed=rec), "indexer": StepPart(indexer, indexer)}
+    split = sum(_layer_split(c, i)["attention_tp"] + _layer_split(c, i)["mlp_tp"] for i in range(L)) + L * attn["main"]
+    parts = {"main": StepPart(x * layers, x * layers + rec, recomputed=rec, tp_split=_share(layers, split)),
+             "indexer": StepPart(indexer, indexer, tp_split=0.0)}
     if lm_head:
         head = 2.0 * c.hidden_size * c.vocab_size
-        parts["lm_head"] = StepPart(x * head, x * head)
-    if kl_recomputes_main_scores:
-        parts["kl_target"] = StepPart(L * attn["main"], L * attn["main"])
+        parts["lm_head"] = StepPart(x * head, x * head, tp_split=0.0)
+    if kl_recomputes_main_scores:  # the KL's target over every head, gathered on each TP rank
+        parts["kl_target"] = StepPart(L * attn["main"], L * attn["main"], tp_split=0.0)
     return parts

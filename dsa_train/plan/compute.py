@@ -21,15 +21,19 @@ HBM_BYTES_PER_S = 3.35e12  # H100 SXM HBM3 (`dsa_kernels.analysis.H100`), the de
 
 
 def compute_seconds(step, tokens_per_rank: float, peak_flops: float, mfu: float,
-                    hbm_bytes_per_s: float = HBM_BYTES_PER_S) -> dict:
-    """Seconds per step of one rank for `step` (a `StepFlops`): per part, and in all."""
+                    hbm_bytes_per_s: float = HBM_BYTES_PER_S, tensor: int = 1) -> dict:
+    """Seconds per step of one rank for `step` (a `StepFlops`): per part, and in all.
+    `tokens_per_rank`: the step's tokens over the world size. Under tensor parallelism (`tensor` > 1)
+    a TP group's ranks hold the same tokens (tensor x tokens_per_rank): a part's TP-split share
+    (`StepPart.tp_split`) is divided over them, the rest runs whole on every one of them."""
     rate = peak_flops * mfu
     parts = {}
     for name, p in step.parts.items():
-        flops_s = tokens_per_rank * p.issued / rate
-        bytes_s = tokens_per_rank * p.hbm_bytes / hbm_bytes_per_s
+        tokens = tokens_per_rank * (p.tp_split + tensor * (1.0 - p.tp_split))  # that part's tokens' worth
+        flops_s = tokens * p.issued / rate
+        bytes_s = tokens * p.hbm_bytes / hbm_bytes_per_s
         parts[name] = {"seconds": max(flops_s, bytes_s), "bound": "memory" if bytes_s > flops_s else "compute",
                        "model_flops": p.model, "issued_flops": p.issued, "hbm_bytes": p.hbm_bytes,
-                       "recomputed_flops": p.recomputed}
+                       "recomputed_flops": p.recomputed, "tp_split": p.tp_split}
     return {"compute_s": sum(p["seconds"] for p in parts.values()), "parts": parts,
             "model_flops_s": tokens_per_rank * step.model / rate}

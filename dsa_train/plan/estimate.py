@@ -317,9 +317,10 @@ def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
     from dsa_train.plan.compute import compute_seconds
 
     tokens = stage.config.global_batch_size * cfg.data.seq_len
-    step = stage.step_flops(c, cfg.data.seq_len, sizes.context, cfg.parallel.recompute, cfg.data.micro_batch_size)
+    step = stage.step_flops(c, cfg.data.seq_len, sizes.context, cfg.parallel.recompute, cfg.data.micro_batch_size,
+                            tensor=sizes.tensor)
     timing = compute_seconds(step, tokens / sizes.world, opts.peak_tflops * 1e12, opts.mfu,
-                             getattr(opts, "hbm_tbps", 3.35) * 1e12)
+                             getattr(opts, "hbm_tbps", 3.35) * 1e12, tensor=sizes.tensor)
     compute = timing["compute_s"]
     # what gets a gradient to reduce: the trainable parameters less the MTP layer's where it does not run
     reduced_dense, reduced_expert = t_dense, t_expert
@@ -475,7 +476,18 @@ def traced_plan(cfg, opts, plan: dict) -> dict:
         "communication": comm,
         "planned_comm_bytes": sum(r["planned_bytes"] for r in comm), "traced_comm_bytes": sum(r["traced_bytes"] for r in comm),
         "planned_comm_s": sum(r["planned_s"] for r in comm), "traced_comm_s": sum(r["traced_s"] for r in comm),
+        "traced_matmul_flops": traced["matmul_flops"],
+        "planned_matmul_flops": planned_matmul_flops(cfg, stage, traced["layout"]["tp"], traced["layout"]["cp"]),
     }
+
+
+def planned_matmul_flops(cfg, stage: dict, tensor: int, context: int) -> dict:
+    """The plan's matmul parts (those it times by FLOPs alone: no kernel bytes) as one rank issues
+    them for one micro-batch (`data.micro_batch_size` x `data.seq_len` / CP tokens; a part's TP-split
+    share divided over the TP group, the rest whole): what `--trace` counts with aten's FLOP formulas."""
+    tokens = cfg.data.micro_batch_size * cfg.data.seq_len / context
+    return {name: tokens * p["issued_flops"] * (p["tp_split"] / tensor + 1.0 - p["tp_split"])
+            for name, p in stage["step_detail"]["parts"].items() if not p["hbm_bytes"]}
 
 
 def format_trace(t: dict) -> str:
@@ -490,6 +502,10 @@ def format_trace(t: dict) -> str:
         out.append(f"    dsa_buffers at the peak {n / GiB:8.3f} GiB  {site}")
     if t["kernel_ops"]:
         out.append("  kernel ops traced (calls): " + ", ".join(f"{k.split('::')[-1]} {n}" for k, n in t["kernel_ops"].items()))
+    traced_mm, planned_mm = sum(t["traced_matmul_flops"].values()), sum(t["planned_matmul_flops"].values())
+    out.append(f"matmul FLOPs of one micro-batch on this rank: {traced_mm / 1e9:.2f} GFLOP traced (aten's formulas), "
+               f"{planned_mm / 1e9:.2f} planned (the parts timed by FLOPs: "
+               + ", ".join(t["planned_matmul_flops"]) + ")")
     out.append(f"communication per step ({t['traced_collective_calls']} collectives traced in one micro-batch and "
                f"the update; x {t['micro_batches']} micro-batches): {t['traced_comm_bytes'] / 1e9:.1f} GB traced, "
                f"{t['planned_comm_bytes'] / 1e9:.1f} GB planned; {t['traced_comm_s']:.1f} s traced, "

@@ -86,13 +86,13 @@ def _attention_layer(c, stage, sizes, T: int, B: int, dtype, rank: int) -> None:
             idx = K.indexer_topk(qi.detach(), ki.detach(), wi.detach(), doc_start, stage.topk_for(c),
                                  query_positions=positions, scoring=stage.index_scores)[0]
         q_abs, kv_all = x(B, T_loc, Hl, D, grad=main_trains), x(B, T, D, grad=main_trains)
-        want = indexer_loss and tp == 1  # the KL's target from the attention's forward (AllHeads only)
-        out, lse, *p_sum = K.sparse_mla(q_abs, kv_all, idx, scale, R, return_target=want)
+        # the KL's target from the attention's forward: the local heads' sums (all-reduced under TP)
+        out, lse, *p_sum = K.sparse_mla(q_abs, kv_all, idx, scale, R, return_target=indexer_loss)
         if main_trains:
             losses.append(out.float().sum())
         if indexer_loss:
-            kl, _ = K.sparse_indexer_kl(qi, ki, wi, idx, x(B, T_loc, H, D), kv_all.detach(), x(B, T_loc, H, dt=f32),
-                                        scale, target=p_sum[0] if p_sum else None)
+            kl, _ = K.sparse_indexer_kl(qi, ki, wi, idx, q_abs.detach(), kv_all.detach(), lse.detach(), scale,
+                                        target=p_sum[0], heads=H)
             losses.append(kl)
     elif not main_trains:  # MLA._forward_frozen: the dense warm-up (library attention, the dense KL)
         from dsa_kernels.ops.dense_attention import dense_attention_lse, mla_attention_rows

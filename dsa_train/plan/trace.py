@@ -429,6 +429,20 @@ def kernel_path_of(cfg, kernels: str | None = None) -> str:
     return "cpu" if getattr(cfg.device, "value", cfg.device) == "cpu" else "cuda"
 
 
+def grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of `torch._grouped_mm(a, b, offs=...)` (`model/grouped_experts.py`), from the shapes: each
+    row of a 2-D operand meets one group of the other, so 2 x (the rows' extent) x K x N in all:
+    [M, K] x [G, K, N] -> [M, N] (forward, dx); [K, M] x [M, N] -> [G, K, N] (dw, groups along M);
+    [G, M, K] x [K, N] -> [M, N]; [G, M, K] x [G, K, N] (batched)."""
+    if len(a_shape) == 2 and len(b_shape) == 3:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[2]
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    if len(a_shape) == 3 and len(b_shape) == 2:  # [G, M, K] x [K, N] (groups along N) -> [M, N]
+        return 2 * a_shape[1] * a_shape[2] * b_shape[1]
+    return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
+
+
 def trace_step(cfg, model_cfg, rank: int = 0, world: int | None = None, stage_name: str | None = None,
                kernels: str | None = None):
     """Trace one step of `stage_name` (default: the recipe's last stage) on rank `rank` of the model
@@ -469,7 +483,11 @@ def trace_step(cfg, model_cfg, rank: int = 0, world: int | None = None, stage_na
             else dtype
         path = kernel_path_of(cfg, kernels)
         on_cuda = trace_cuda_path() if path == "cuda" else contextlib.nullcontext()
-        with fake, trace, workspace_listener(trace.chunk_workspace), recorder, on_cuda:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        # the matmuls the rank runs: aten's FLOP formulas, plus the grouped expert GEMMs' (custom ops: 0)
+        flops = FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: grouped_mm_flops})
+        with fake, trace, workspace_listener(trace.chunk_workspace), recorder, on_cuda, flops:
             materialize(model, torch.device("cpu"), dtype)
             apply_dtype_policy(model, dtype)  # as the loader: model/dtypes.py
             for t in list(model.parameters()) + list(model.buffers()):
@@ -501,6 +519,7 @@ def trace_step(cfg, model_cfg, rank: int = 0, world: int | None = None, stage_na
                        "zero": cfg.parallel.zero_stage, "recompute": cfg.parallel.recompute},
             "seconds": time.perf_counter() - start, "collectives": recorder.calls, "kernels": path,
             "kernel_ops": dict(trace.kernel_ops),
+            "matmul_flops": {str(op): int(n) for op, n in flops.get_flop_counts().get("Global", {}).items()},
         }
     finally:
         close_fake_world()
