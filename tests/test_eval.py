@@ -230,3 +230,20 @@ def test_models_with_different_tokenizers_are_refused(tmp_path):
     with pytest.raises(EvalError, match="different tokenizers"):
         check_same_tokenizer(models)
     check_same_tokenizer(models[:1] * 2)
+
+
+def test_evaluate_batches_checks_positions_once_not_per_forward(model, batch, monkeypatch):
+    # the rows' length is checked against max_position_embeddings once; no forward reads its
+    # position_ids back (a device synchronization on a GPU); a length beyond the model is refused
+    from dsa_train.eval.run import EvalOptions, evaluate_batches
+
+    ids, labels, pos = batch
+    reads = []
+    real_max = torch.Tensor.max
+    monkeypatch.setattr(torch.Tensor, "max", lambda self, *a, **k: (reads.append(self.shape), real_max(self, *a, **k))[1])
+    opts = EvalOptions(modes=["dense", "sparse"], layer_metrics=False)
+    results, _ = evaluate_batches(model, 8, [{"input_ids": ids, "labels": labels, "position_ids": pos}], T, opts)
+    assert set(results) == {"dense", "sparse"} and not [s for s in reads if tuple(s) == tuple(pos.shape)], reads
+    monkeypatch.setattr(model.config, "max_position_embeddings", T - 1)
+    with pytest.raises(ValueError, match=f"eval rows of {T} tokens are beyond max_position_embeddings {T - 1}"):
+        evaluate_batches(model, 8, [{"input_ids": ids, "labels": labels, "position_ids": pos}], T, opts)

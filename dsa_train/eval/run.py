@@ -131,28 +131,31 @@ def check_same_tokenizer(models: list[LoadedModel]) -> None:
 
 
 def check_lengths(seq_lens: list[int], models: list[LoadedModel], modes: list[str]) -> None:
-    """Sparse modes compare with dense only where T > k (at T <= k every key is selected)."""
-    if not set(modes) & SPARSE_MODES:
-        return
+    """Sparse modes compare with dense only where T > k (at T <= k every key is selected); every
+    mode reads positions only below the models' max_position_embeddings."""
     for m in models:
+        limit = m.model.config.max_position_embeddings
+        if max(seq_lens) > limit:
+            raise EvalError(f"--seq-len {max(seq_lens)} is beyond {m.name}'s max_position_embeddings {limit}",
+                            f"use --seq-len up to {limit}")
+        if not set(modes) & SPARSE_MODES:
+            continue
         short = [t for t in seq_lens if t <= m.topk]
         if short:
             raise EvalError(f"--seq-len {' '.join(map(str, short))} is not longer than top-k {m.topk} of {m.name}: "
                             f"sparse attention would select every key",
                             f"use --seq-len above {m.topk}, or a smaller --topk")
-        limit = m.model.config.max_position_embeddings
-        if max(seq_lens) > limit:
-            raise EvalError(f"--seq-len {max(seq_lens)} is beyond {m.name}'s max_position_embeddings {limit}",
-                            f"use --seq-len up to {limit}")
 
 
 # ---------------------------------------------------------------------------- forwards
 @torch.no_grad()
 def mode_logits(model: torch.nn.Module, mode: str, topk: int, input_ids: torch.Tensor,
-                position_ids: torch.Tensor | None = None, measure=None, fp8_ue8m0: bool = False) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, measure=None, fp8_ue8m0: bool = False,
+                positions_checked: bool = False) -> torch.Tensor:
     """Logits [B, T, V] of one attention mode. `measure(i, attn, tensors)` (dense mode only) sees
     every layer's input during the forward (`attention.layer_hooks`). sparse_fp8: the top-k of
-    FP8 index scores (power-of-two scales with fp8_ue8m0)."""
+    FP8 index scores (power-of-two scales with fp8_ue8m0). positions_checked: the caller knows the
+    positions are below max_position_embeddings (no read of position_ids back to the host)."""
     if mode == "oracle":
         on_layer = lambda i, attn, lt: oracle_attention_output(attn, lt, topk)  # noqa: E731
     else:
@@ -160,7 +163,7 @@ def mode_logits(model: torch.nn.Module, mode: str, topk: int, input_ids: torch.T
     with layer_hooks(model, on_layer) if on_layer is not None else nullcontext():
         fp8 = {"index_scores": "fp8_ue8m0" if fp8_ue8m0 else "fp8"} if mode == "sparse_fp8" else {}
         out = model(input_ids, attention="sparse" if mode in ("sparse", "sparse_fp8") else "dense", topk=topk,
-                    position_ids=position_ids, **fp8)
+                    position_ids=position_ids, positions_checked=positions_checked, **fp8)
     return out.logits
 
 
@@ -186,16 +189,24 @@ def evaluate_batches(model: torch.nn.Module, topk: int, batches: list[dict[str, 
     {"input_ids", "labels", "position_ids"}: [1, T], on the model's device). The one evaluation loop
     of `dsa-train eval` and of the recipe's `eval` group (dsa_train/eval/in_training.py)."""
     edges = opts.buckets or default_buckets(topk, seq_len)
+    # rows of seq_len tokens whose positions restart at each document: below seq_len, so checked once
+    # here (not read back in every forward)
+    limit = model.config.max_position_embeddings
+    if seq_len > limit:
+        raise ValueError(f"eval rows of {seq_len} tokens are beyond max_position_embeddings {limit}; "
+                         f"evaluate at most {limit} tokens per row")
     results = {mode: ModeResult(LossByPosition(list(edges))) for mode in opts.modes}
     measure = LayerMeasurements(topk, fp8=True, ue8m0=opts.fp8_ue8m0) if opts.layer_metrics else None
     for batch in batches:
         ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
         for mode in opts.modes:
-            logits = mode_logits(model, mode, topk, ids, pos, measure, opts.fp8_ue8m0)
+            if ids.shape[-1] > seq_len:
+                raise ValueError(f"an eval row of {ids.shape[-1]} tokens in a batch of seq_len {seq_len}")
+            logits = mode_logits(model, mode, topk, ids, pos, measure, opts.fp8_ue8m0, positions_checked=True)
             results[mode].losses.add(token_losses(logits, labels), labels, pos)
             _advance(progress)
         if measure is not None and "dense" not in opts.modes:  # the measurements' dense forward
-            mode_logits(model, "dense", topk, ids, pos, measure)
+            mode_logits(model, "dense", topk, ids, pos, measure, positions_checked=True)
     return results, (measure.layers if measure is not None else {})
 
 
