@@ -352,3 +352,26 @@ def test_analysis_of_the_two_ways_at_the_671b_shapes():
     assert fused.issued_flops - plain.issued_flops == kernel.issued_flops
     assert fused.gather_bytes - plain.gather_bytes == 2 * kernel.gather_bytes  # two 64-head blocks
     assert fused.read_bytes - plain.read_bytes > kernel.read_bytes
+
+
+def test_gpu_checks_kl_with_the_attention_target_rows_pass_on_the_interpreter(monkeypatch):
+    # gpu-check's rows for the KL with the attention's target (each way, and TP 2's head shards),
+    # which only a CUDA run executes, run here on the interpreted kernels against the reference
+    from dsa_kernels import sparse_indexer_kl_ref
+    from dsa_train.gpucheck.correctness import _kl_with_attention_target
+
+    monkeypatch.setenv("DSA_KERNELS", "triton")
+    q, kv, idx, scale, d_v = _case(*CASES["odd"], seed=9)
+    q = torch.cat([q, q.flip(2)], dim=2)  # 6 heads
+    B, T = q.shape[:2]
+    g = torch.Generator().manual_seed(8)
+    ins = [torch.randn(B, T, 2, 16, generator=g), torch.randn(B, kv.shape[1], 16, generator=g),
+           torch.randn(B, T, 2, generator=g)]
+    _, lse = sparse_mla_ref(q, kv, idx, scale, d_v)
+    ref_ins = [x.clone().requires_grad_() for x in ins]
+    rkl, rstats = sparse_indexer_kl_ref(*ref_ins, idx, q, kv, lse, scale)
+    rgrads = torch.autograd.grad(rkl, ref_ins)
+    rows = _kl_with_attention_target([x.requires_grad_() for x in ins], idx, q, kv, scale, d_v, rkl, rstats, rgrads)
+    assert {k for k in rows if k.endswith("(tp2 head shards)")} == {f"{n} (tp2 head shards)" for n in
+                                                                    ("kl", "kl_uniform", "dq_I", "dk_I", "dw")}
+    assert all(r["ok"] for r in rows.values()), {k: r for k, r in rows.items() if not r["ok"]}

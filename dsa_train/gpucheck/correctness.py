@@ -596,6 +596,19 @@ def _kl_with_attention_target(ins, idx, qm, kvm, scale: float, d_v: int, rkl, rs
         kl, stats = K.sparse_indexer_kl(*leaves, idx, qm, kvm, lse, scale, target=p_sum)
         grads = torch.autograd.grad(kl, leaves)
         out.update({f"{k} ({how})": v for k, v in _kl_results(kl, stats, grads, rkl, rstats, rgrads).items()})
+    # tensor parallelism 2: each half of the heads' forward sums its own P, the two sums added (what
+    # `TensorParallelHeads.sum_heads` all-reduces), the KL told the layer's head count
+    H = qm.shape[2]
+    if H % 2 == 0:
+        with torch.no_grad():
+            halves = [K.sparse_mla(qm[:, :, h : h + H // 2].contiguous(), kvm, idx, scale, d_v, return_target=True)
+                      for h in (0, H // 2)]
+        if halves[0][2] is not None:
+            leaves = [x.detach().clone().requires_grad_() for x in ins]
+            kl, stats = K.sparse_indexer_kl(*leaves, idx, qm[:, :, : H // 2], kvm, halves[0][1], scale,
+                                            target=halves[0][2] + halves[1][2], heads=H)
+            grads = torch.autograd.grad(kl, leaves)
+            out.update({f"{k} (tp2 head shards)": v for k, v in _kl_results(kl, stats, grads, rkl, rstats, rgrads).items()})
     return out
 
 
