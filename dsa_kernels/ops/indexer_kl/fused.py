@@ -46,8 +46,8 @@ import triton
 import triton.language as tl
 
 from ..._triton_common import Launch, pow2
-from .kernel import (LOG2E, _query_block, _target_tile, dense_kl_buffers, dense_kl_inputs, dense_kl_strides,
-                     plan_dense_lse)
+from .kernel import (LOG2E, _kl_sums_step, _kl_values, _online_lse_step, _query_block, _target_tile,
+                     dense_kl_buffers, dense_kl_inputs, dense_kl_strides, plan_dense_lse)
 
 SCRATCH_ELEMS = 1 << 26  # elements of the per-program a_j scratch per launch (128 MB in bf16)
 
@@ -100,10 +100,7 @@ def _indexer_lse_kernel(
             sc += wj.to(tl.float32)[:, None] * tl.maximum(tl.dot(qi, tl.trans(ki)), 0.0)
         valid = (offs_n[None, :] <= (Q0 + offs_m)[:, None]) & (offs_n[None, :] >= ds[:, None]) & mask_m[:, None]
         sc = tl.where(valid, sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(sc - m_safe[:, None]), 1)
-        m_i = m_new
+        m_i, l_i = _online_lse_step(m_i, l_i, sc, 1)
     lse_i = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), 0.0)
     tl.store(LSEI + b * T + offs_m, lse_i, mask=mask_m)
 
@@ -168,11 +165,7 @@ def _dense_kl_fused_kernel(
                 tl.store(scr + j * BLOCK_M * BLOCK_N + offs_tile, a.to(SCR.dtype.element_ty))
             sc += wj.to(tl.float32)[:, None] * tl.maximum(a, 0.0)
         sc = tl.where(valid, sc, float("-inf"))
-        pos = p > 0
-        a_sum += tl.sum(tl.where(pos, p * tl.log(tl.where(pos, p, 1.0)), 0.0), 1)
-        b_sum += tl.sum(tl.where(pos, p * tl.where(valid, sc, 0.0), 0.0), 1)
-        p_sum += tl.sum(p, 1)
-        n_valid += tl.sum(valid.to(tl.int32), 1)
+        a_sum, b_sum, p_sum, n_valid = _kl_sums_step(a_sum, b_sum, p_sum, n_valid, p, sc, valid, 1)
         if GRAD:
             g = tl.where(valid, p_norm[:, None] * tl.exp(sc - lse_i[:, None]) - p, 0.0)  # dKL / dI
             tl.debug_barrier()  # the scratch tiles, stored by other threads, are visible
@@ -193,9 +186,7 @@ def _dense_kl_fused_kernel(
                           mask=mask_n[None, :] & mask_di[:, None], sem="relaxed")
             tl.debug_barrier()  # every thread has read the scratch before the next tile overwrites it
 
-    has = n_valid > 0
-    kl = tl.where(has, a_sum - b_sum + p_sum * lse_i, 0.0)
-    klu = a_sum + tl.log(tl.maximum(n_valid, 1).to(tl.float32))
+    kl, klu = _kl_values(a_sum, b_sum, p_sum, n_valid, lse_i)
     tl.store(KL + b * T + offs_m, kl, mask=mask_m)
     tl.store(KLU + b * T + offs_m, klu, mask=mask_m)
     tl.store(PSUM + b * T + offs_m, p_sum, mask=mask_m)

@@ -48,6 +48,50 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 
+# ----------------------------------------------------------------------------- row statistics
+# Shared by the sparse kernel (one token's [BLOCK_K] slots: AXIS = 0, scalar statistics) and the
+# dense ones (`_dense_kl_kernel`, fused.py's; [BLOCK_M, BLOCK_N] tiles: AXIS = 1, [BLOCK_M]
+# statistics). AXIS is the key axis the statistics sum over.
+@triton.jit
+def _online_lse_step(m_i, l_i, sc, AXIS: tl.constexpr):
+    """One tile of a running (natural-log) logsumexp of the indexer scores sc (-inf = no key) ->
+    (m_i, l_i); a row without a finite score so far keeps m_i = -inf, without NaN."""
+    m_new = tl.maximum(m_i, tl.max(sc, AXIS))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(sc - tl.expand_dims(m_safe, AXIS)), AXIS)
+    return m_new, l_i
+
+
+@triton.jit
+def _kl_sums_step(a_sum, b_sum, p_sum, n_valid, p, sc, valid, AXIS: tl.constexpr):
+    """One tile's A = sum p log p, B = sum p I (over p > 0), P = sum p and the valid keys' count,
+    added to the running sums -> (a_sum, b_sum, p_sum, n_valid)."""
+    pos = p > 0
+    a_sum += tl.sum(tl.where(pos, p * tl.log(tl.where(pos, p, 1.0)), 0.0), AXIS)
+    b_sum += tl.sum(tl.where(pos, p * tl.where(valid, sc, 0.0), 0.0), AXIS)
+    p_sum += tl.sum(p, AXIS)
+    n_valid += tl.sum(valid.to(tl.int32), AXIS)
+    return a_sum, b_sum, p_sum, n_valid
+
+
+@triton.jit
+def _kl_values(a_sum, b_sum, p_sum, n_valid, lse_i):
+    """-> (KL = A - B + P lse_I, 0 for a row without a valid key; KL to the uniform distribution
+    over the row's valid keys, A + log(count))."""
+    kl = tl.where(n_valid > 0, a_sum - b_sum + p_sum * lse_i, 0.0)
+    klu = a_sum + tl.log(tl.maximum(n_valid, 1).to(tl.float32))
+    return kl, klu
+
+
+@triton.jit
+def _kl_finish(m_i, l_i, a_sum, b_sum, p_sum, n_valid):
+    """A row's statistics -> (lse_I (0 for a row without a valid key), KL, KL to uniform)."""
+    has = n_valid > 0
+    lse_i = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), 0.0)
+    kl, klu = _kl_values(a_sum, b_sum, p_sum, n_valid, lse_i)
+    return lse_i, kl, klu
+
+
 # ----------------------------------------------------------------------------- sparse (eq. 4)
 @triton.jit
 def _sparse_kl_kernel(
@@ -102,20 +146,10 @@ def _sparse_kl_kernel(
         a = tl.dot(qi, tl.trans(ki))  # [BLOCK_HI, BLOCK_K]
         sc = tl.sum(wi[:, None] * tl.maximum(a, 0.0), 0)
         sc = tl.where(valid, sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(sc - m_safe), 0)
-        m_i = m_new
-        pos = p > 0
-        a_sum += tl.sum(tl.where(pos, p * tl.log(tl.where(pos, p, 1.0)), 0.0), 0)
-        b_sum += tl.sum(tl.where(pos, p * tl.where(valid, sc, 0.0), 0.0), 0)
-        p_sum += tl.sum(p, 0)
-        n_valid += tl.sum(valid.to(tl.int32), 0)
+        m_i, l_i = _online_lse_step(m_i, l_i, sc, 0)
+        a_sum, b_sum, p_sum, n_valid = _kl_sums_step(a_sum, b_sum, p_sum, n_valid, p, sc, valid, 0)
 
-    has = n_valid > 0
-    lse_i = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), 0.0)
-    kl = tl.where(has, a_sum - b_sum + p_sum * lse_i, 0.0)
-    klu = a_sum + tl.log(tl.maximum(n_valid, 1).to(tl.float32))
+    lse_i, kl, klu = _kl_finish(m_i, l_i, a_sum, b_sum, p_sum, n_valid)
     tl.store(KL + b * T + t, kl)
     tl.store(KLU + b * T + t, klu)
 
@@ -292,20 +326,10 @@ def _dense_kl_stats(
             stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
             stride_qib, stride_qit, stride_qih, stride_kib, stride_kit, stride_wib, stride_wit,
             T, Q0, N_KEYS, H, HI, scale_log2, inv_h, D, DI, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DI)
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(sc - m_safe[:, None]), 1)
-        m_i = m_new
-        pos = p > 0
-        a_sum += tl.sum(tl.where(pos, p * tl.log(tl.where(pos, p, 1.0)), 0.0), 1)
-        b_sum += tl.sum(tl.where(pos, p * tl.where(valid, sc, 0.0), 0.0), 1)
-        p_sum += tl.sum(p, 1)
-        n_valid += tl.sum(valid.to(tl.int32), 1)
+        m_i, l_i = _online_lse_step(m_i, l_i, sc, 1)
+        a_sum, b_sum, p_sum, n_valid = _kl_sums_step(a_sum, b_sum, p_sum, n_valid, p, sc, valid, 1)
 
-    has = n_valid > 0
-    lse_i = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), 0.0)
-    kl = tl.where(has, a_sum - b_sum + p_sum * lse_i, 0.0)
-    klu = a_sum + tl.log(tl.maximum(n_valid, 1).to(tl.float32))
+    lse_i, kl, klu = _kl_finish(m_i, l_i, a_sum, b_sum, p_sum, n_valid)
     tl.store(KL + b * T + offs_m, kl, mask=mask_m)
     tl.store(KLU + b * T + offs_m, klu, mask=mask_m)
     tl.store(LSEI + b * T + offs_m, lse_i, mask=mask_m)
