@@ -15,6 +15,7 @@ import dsa_kernels as K  # noqa: E402
 from dsa_kernels.ops.dense_attention import DenseAttentionFunction, dense_attention_fwd_ref  # noqa: E402
 
 from .test_kernels_reference import full_valid, packed_doc_start  # noqa: E402
+from .test_kernels_triton import assert_model_step_triton_matches_ref  # noqa: E402
 
 
 def naive_attention(q, k, v, scale, doc_start):
@@ -179,23 +180,6 @@ def test_dispatcher_takes_triton_for_mha_form_and_reference_for_mqa(monkeypatch)
 def test_model_dense_step_through_triton_kernels(monkeypatch):
     """The model's dense path (MHA form, packed documents, LM + eq. 3 loss) through the dispatcher:
     Triton kernels (interpreter) and PyTorch path give the same losses and gradients."""
-    import dsa_train
-
-    def run(mode):
-        monkeypatch.setenv("DSA_KERNELS", mode)
-        torch.manual_seed(0)
-        cfg = dsa_train.tiny_config(index_n_heads=4, num_hidden_layers=1, num_nextn_predict_layers=0)
-        model = dsa_train.DSAForCausalLM(cfg)
-        x = torch.randint(0, 4096, (1, 20), generator=torch.Generator().manual_seed(0))
-        pos = torch.cat([torch.arange(13), torch.arange(7)])[None]
-        out = model(x, attention="dense", labels=x, indexer_loss=True, position_ids=pos)
-        (out.lm_loss + out.indexer_loss).backward()
-        return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-    out_t, g_t = run("triton")
-    out_r, g_r = run("ref")
-    torch.testing.assert_close(out_t.lm_loss, out_r.lm_loss, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out_t.indexer_loss, out_r.indexer_loss, rtol=1e-5, atol=1e-5)
-    assert g_t.keys() == g_r.keys() and any("kv_b_proj" in n for n in g_r)
-    for n in g_r:
-        torch.testing.assert_close(g_t[n], g_r[n], rtol=1e-3, atol=1e-5, msg=n)
+    names = assert_model_step_triton_matches_ref(monkeypatch, "dense", [13, 7], num_hidden_layers=1,
+                                                 num_nextn_predict_layers=0)
+    assert any("kv_b_proj" in n for n in names)
