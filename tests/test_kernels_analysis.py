@@ -124,35 +124,33 @@ def _programs(launch):
     return a["T"], a["H"], [0] * a["T"]  # one document: doc start 0 for every row
 
 
-def walk_dense_fwd(launch) -> Tally:
-    a, t = launch.args, Tally()
+def _dense_attention_walk(launch):
+    """The start of a dense attention walk -> (the launch's args, a new Tally, T, H, the doc starts,
+    BLOCK_M, BLOCK_N, and the columns the kernel loads of the head dim's parts A, B and of v)."""
+    a = launch.args
     T, H, ds = _programs(launch)
-    bm, bn = a["BLOCK_M"], a["BLOCK_N"]
     da, db, dv = count(0, a["BLOCK_DA"], a["DA"]), count(0, a["BLOCK_DB"], a["DB"]), count(0, a["BLOCK_DV"], a["DV"])
-    for pid_m in range(-(-T // bm)):
-        for _bh in range(B * H):
-            offs_m = range(pid_m * bm, pid_m * bm + bm)
-            rows = count(pid_m * bm, bm, T)
-            t.load(rows, a["DS"])
-            lo = min(ds[m] if m < T else BIG for m in offs_m)
-            hi = min(pid_m * bm + bm, T)
-            t.load(rows * (da + db), a["Q"])
-            for n0 in range((lo // bn) * bn, hi, bn):
-                keys = count(n0, bn, T)
-                t.load(keys * (da + db), a["K"])
-                t.dot(bm, bn, a["BLOCK_DA"]), t.dot(bm, bn, a["BLOCK_DB"])
-                t.useful += causal_valid(offs_m, range(n0, n0 + bn), T, ds) * 2 * (a["DA"] + a["DB"] + a["DV"])
-                t.load(keys * dv, a["V"])
-                t.dot(bm, a["BLOCK_DV"], bn)
-            t.store(rows * dv, a["O"]), t.store(rows, a["LSE"])
+    return a, Tally(), T, H, ds, a["BLOCK_M"], a["BLOCK_N"], da, db, dv
+
+
+def walk_dense_fwd(launch) -> Tally:
+    a, t, T, H, ds, bm, bn, da, db, dv = _dense_attention_walk(launch)
+    for offs_m, rows, key_tiles in query_blocks(a, B * H, ds):
+        t.load(rows, a["DS"])
+        t.load(rows * (da + db), a["Q"])
+        for n0 in key_tiles:
+            keys = count(n0, bn, T)
+            t.load(keys * (da + db), a["K"])
+            t.dot(bm, bn, a["BLOCK_DA"]), t.dot(bm, bn, a["BLOCK_DB"])
+            t.useful += causal_valid(offs_m, range(n0, n0 + bn), T, ds) * 2 * (a["DA"] + a["DB"] + a["DV"])
+            t.load(keys * dv, a["V"])
+            t.dot(bm, a["BLOCK_DV"], bn)
+        t.store(rows * dv, a["O"]), t.store(rows, a["LSE"])
     return t
 
 
 def walk_dense_dkdv(launch) -> Tally:
-    a, t = launch.args, Tally()
-    T, H, ds = _programs(launch)
-    bm, bn = a["BLOCK_M"], a["BLOCK_N"]
-    da, db, dv = count(0, a["BLOCK_DA"], a["DA"]), count(0, a["BLOCK_DB"], a["DB"]), count(0, a["BLOCK_DV"], a["DV"])
+    a, t, T, H, ds, bm, bn, da, db, dv = _dense_attention_walk(launch)
     doc_end = [T] * T
     for pid_n in range(-(-T // bn)):
         for _bh in range(B * H):
@@ -177,27 +175,19 @@ def walk_dense_dkdv(launch) -> Tally:
 
 
 def walk_dense_dq(launch) -> Tally:
-    a, t = launch.args, Tally()
-    T, H, ds = _programs(launch)
-    bm, bn = a["BLOCK_M"], a["BLOCK_N"]
-    da, db, dv = count(0, a["BLOCK_DA"], a["DA"]), count(0, a["BLOCK_DB"], a["DB"]), count(0, a["BLOCK_DV"], a["DV"])
-    for pid_m in range(-(-T // bm)):
-        for _bh in range(B * H):
-            offs_m = range(pid_m * bm, pid_m * bm + bm)
-            rows = count(pid_m * bm, bm, T)
-            t.load(rows, a["DS"])
-            lo = min(ds[m] if m < T else BIG for m in offs_m)
-            hi = min(pid_m * bm + bm, T)
-            t.load(rows * (da + db), a["Q"]), t.load(rows * dv, a["DO"])
-            t.load(rows, a["LSE"]), t.load(rows, a["DELTA"])
-            for n0 in range((lo // bn) * bn, hi, bn):
-                keys = count(n0, bn, T)
-                t.load(keys * (da + db), a["K"]), t.load(keys * dv, a["V"])
-                t.dot(bm, bn, a["BLOCK_DA"]), t.dot(bm, bn, a["BLOCK_DB"])  # S
-                t.dot(bm, bn, a["BLOCK_DV"])  # dP = dO v^T
-                t.dot(bm, a["BLOCK_DA"], bn), t.dot(bm, a["BLOCK_DB"], bn)  # dQ += dS k
-                t.useful += causal_valid(offs_m, range(n0, n0 + bn), T, ds) * 2 * (2 * (a["DA"] + a["DB"]) + a["DV"])
-            t.store(rows * (da + db), a["DQ"])
+    a, t, T, H, ds, bm, bn, da, db, dv = _dense_attention_walk(launch)
+    for offs_m, rows, key_tiles in query_blocks(a, B * H, ds):
+        t.load(rows, a["DS"])
+        t.load(rows * (da + db), a["Q"]), t.load(rows * dv, a["DO"])
+        t.load(rows, a["LSE"]), t.load(rows, a["DELTA"])
+        for n0 in key_tiles:
+            keys = count(n0, bn, T)
+            t.load(keys * (da + db), a["K"]), t.load(keys * dv, a["V"])
+            t.dot(bm, bn, a["BLOCK_DA"]), t.dot(bm, bn, a["BLOCK_DB"])  # S
+            t.dot(bm, bn, a["BLOCK_DV"])  # dP = dO v^T
+            t.dot(bm, a["BLOCK_DA"], bn), t.dot(bm, a["BLOCK_DB"], bn)  # dQ += dS k
+            t.useful += causal_valid(offs_m, range(n0, n0 + bn), T, ds) * 2 * (2 * (a["DA"] + a["DB"]) + a["DV"])
+        t.store(rows * (da + db), a["DQ"])
     return t
 
 
@@ -252,10 +242,11 @@ def _dense_kl_launches(D: int, key_heads: int, grad: bool):
 
 
 def query_blocks(a, batch: int, ds):
-    """`kernel._query_block` over the grid: per query block (of the launch's T rows) and batch row
-    -> (offs_m, rows, key_tiles): the block's row positions, how many are below T, and the starts
+    """`kernel._query_block` (and the dense attention kernels' `_query_key_range`) over the grid: per
+    query block (of the launch's T rows) and batch row (or batch x head) -> (offs_m, rows, key_tiles): the block's row positions, how many are below T, and the starts
     of the key tiles it walks (from its first doc start, rounded down to a tile, to its causal end).
-    Shared by the dense KL walks here and the fused kernels' (tests/test_kernels_dense_kl_fused.py)."""
+    Shared by the dense attention and dense KL walks here and the fused kernels'
+    (tests/test_kernels_dense_kl_fused.py)."""
     T, bm, bn = a["T"], a["BLOCK_M"], a["BLOCK_N"]
     for pid_m in range(-(-T // bm)):
         offs_m = range(pid_m * bm, pid_m * bm + bm)
