@@ -39,6 +39,7 @@ DOT_FREE_KERNELS = {
     "_composite_keys_kernel": "top-k composite keys: an elementwise bit map of the scores, no tl.dot",
     "_topk_repair_kernel": "top-k repair after torch.topk: compares, prefix sums and a bit-by-bit fallback, no tl.dot",
     "_count_ties_kernel": "top-k tie count: compares and a sum per block of scores, no tl.dot",
+    "_fp8_quant_kernel": "FP8 quantization of q_I / k_I: a group amax, a division and a cast per value, no tl.dot",
 }
 
 # The op names the report uses, in report order.

@@ -242,7 +242,7 @@ def _dense_kl_launches(D: int, key_heads: int, grad: bool):
 
 
 def query_blocks(a, batch: int, ds):
-    """`kernel._query_block` (and the dense attention kernels' `_query_key_range`) over the grid: per
+    """`kernel._query_block` (and the dense attention kernels' query / key range) over the grid: per
     query block (of the launch's T rows) and batch row (or batch x head) -> (offs_m, rows, key_tiles): the block's row positions, how many are below T, and the starts
     of the key tiles it walks (from its first doc start, rounded down to a tile, to its causal end).
     Shared by the dense attention and dense KL walks here and the fused kernels'

@@ -18,8 +18,9 @@ def _topk_workspace(q, k, w, doc_start, topk, chunk_size, query_positions, fp8=F
     """What `indexer_topk_triton` keeps alive besides its outputs, at the largest chunk: the query
     chunks' [B, C, T] fp32 score blocks (two with the overlap on and more than one chunk: the one
     being selected and the next one being scored, `pipeline.live_score_blocks`), the radix select's
-    candidate buffers, its prefilled selection and the stable sort's order, and (B > 1 with several
-    chunks: the outputs' row slices are strided) a contiguous copy of the selection."""
+    candidate buffers, its prefilled selection and the stable sort's order, (B > 1 with several
+    chunks: the outputs' row slices are strided) a contiguous copy of the selection, and with FP8
+    scoring the e4m3 q_I / k_I and their scales."""
     from .kernel import CANDIDATE_CAP, DEFAULT_SCORE_BUDGET
     from .pipeline import live_score_blocks
 
@@ -32,7 +33,11 @@ def _topk_workspace(q, k, w, doc_start, topk, chunk_size, query_positions, fp8=F
     sel = (q.new_empty((B, C, topk), dtype=torch.int32), f32_empty(q, B, C, topk),
            q.new_empty((B, C, topk), dtype=torch.int64))
     copy = (q.new_empty((B, C, topk), dtype=torch.int32), f32_empty(q, B, C, topk)) if B > 1 and n_chunks > 1 else ()
-    del scores, cand, sel, copy
+    # FP8 scoring: q_I / k_I in e4m3 and their scales (`quant.quantize_rows_triton`), alive through the call
+    G = -(-q.shape[-1] // 128)
+    quant = (q.new_empty(q.shape, dtype=torch.float8_e4m3fn), f32_empty(q, *q.shape[:-1], G),
+             k.new_empty(k.shape, dtype=torch.float8_e4m3fn), f32_empty(k, *k.shape[:-1], G)) if fp8 else ()
+    del scores, cand, sel, copy, quant
 
 
 @kernel_op("dsa_kernels::indexer_topk", fake=_topk_fake, workspace=_topk_workspace)

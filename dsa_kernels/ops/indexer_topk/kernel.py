@@ -54,9 +54,8 @@ import triton.language as tl
 from ... import autotune
 from ...analysis import Work
 from ..._triton_common import Launch, compute_dtype, interpreted, kernel_input, pow2, target_capability
-from .fp8 import quantize_index_inputs
+from .quant import quantize_rows_triton
 from .pipeline import chunk_windows, overlap_enabled, run_chunks
-from .reference import FP8_GROUP, quantize_fp8_groups
 
 DEFAULT_SCORE_BUDGET = 1 << 26  # fp32 elements of one query chunk's [B, C, W] score block
 
@@ -814,8 +813,8 @@ def indexer_topk_triton(
     doc_start = doc_start.contiguous()
     pos_dev, pos = _query_positions(query_positions, Tq, T, q.device)
     qs = ks = None
-    if fp8:  # a slice of tokens at a time: bounded fp32 temporaries at long T
-        q, qs, k, ks = quantize_index_inputs(q, k, ue8m0)
+    if fp8:  # one pass each (`quant.py`: read q_I / k_I once, write e4m3 and the scales)
+        (q, qs), (k, ks) = quantize_rows_triton(q, ue8m0), quantize_rows_triton(k, ue8m0)
     chunk = chunk_size or max(1, min(Tq, score_budget_elems // max(B * T, 1)))
     # key window start per position (min over the batch): the call's one read of the device, before the loop
     ds_cpu = doc_start.min(dim=0).values.cpu()
@@ -843,8 +842,7 @@ def index_scores_triton(q, k, w, doc_start, q0: int, q1: int, fp8: bool = False,
     q, k = _score_inputs("index_scores", q, k, fp8)
     qs = ks = None
     if fp8:
-        q, qs = quantize_fp8_groups(q, FP8_GROUP, ue8m0)
-        k, ks = quantize_fp8_groups(k, FP8_GROUP, ue8m0)
+        (q, qs), (k, ks) = quantize_rows_triton(q, ue8m0), quantize_rows_triton(k, ue8m0)
     k0 = int(doc_start[:, q0:q1].min())
     pos = torch.arange(q.shape[1], device=q.device, dtype=torch.int32)
     return _score_chunk(q, k, w.float().contiguous(), doc_start.contiguous(), pos, q0, q1, k0, q1, qs, ks,

@@ -9,6 +9,7 @@ from ...analysis import Work
 from ...registry import SHAPES_671B, KernelCase, register
 from ..._triton_common import target_capability
 from .composite import COMPOSITE_BUDGET_ELEMS, plan_composite_keys
+from .quant import plan_fp8_quant
 from .kernel import (DEFAULT_SCORE_BUDGET, SCORE_CONFIG_SPACE, candidate_buffers, plan_scores, plan_select,
                      gluon_scores_work, score_config_space, scores_work, select_config_space, select_work)
 from .repair import count_work, plan_count_ties, plan_topk_repair, repair_work
@@ -55,6 +56,13 @@ def _scores():
         launch = plan_scores(q, k, w, ds, scores16, pos, q0, q1, k0, config=name)
         cases.append(KernelCase("bf16 q/k, bf16 score block " + label + _config(launch), launch,
                                 work=scores_work(launch)))
+    # the FP8 path's quantization of q_I (and k_I, the same kernel over fewer rows), fp32 and ue8m0 scales
+    for ue8m0 in (False, True):
+        q2 = q.view(B * T * s["H_I"], s["D_I"])
+        q8_bits = torch.empty(B * T * s["H_I"], s["D_I"], dtype=torch.uint8, **meta)
+        launch = plan_fp8_quant(q2, q8_bits, qs.view(B * T * s["H_I"], 1), ue8m0)
+        cases.append(KernelCase(f"q_I to e4m3, {'ue8m0' if ue8m0 else 'fp32'} scales " + _config(launch), launch,
+                                work=quant_work(launch, s["H_I"])))
     # the Gluon kernel's configs on sm_90 (bf16 q/k only: FP8 stays on the Triton kernel)
     for name, kind in score_config_space(target_capability(q)):
         if kind != "gluon":
@@ -106,6 +114,15 @@ def _topk():
         cases.append(KernelCase(name + "torch.topk repair, counted ties " + _config(launch), launch,
                                 work=repair_work(launch)))
     return cases
+
+
+def quant_work(launch, rows_per_token: int) -> Work:
+    """Per token of the FP8 quantization (`quant.py`): its rows (q_I: one per indexer head) of D
+    channels read once, e4m3 values and one fp32 scale per 128 channels written; no FLOPs."""
+    a = launch.args
+    D, G = a["D"], a["G"]
+    return Work(useful_flops=0.0, issued_flops=0.0, read_bytes=rows_per_token * D * a["X"].element_size(),
+                write_bytes=rows_per_token * (D + 4 * G))
 
 
 def composite_work(launch) -> Work:
