@@ -47,6 +47,7 @@ the start (DeepSpeed creates them at initialization).
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -78,6 +79,7 @@ class MemoryTrace(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
+        self.matmul_flops: dict[str, int] = defaultdict(int)  # aten op -> FLOPs (`_matmul_formulas`)
         self.live: dict[int, list] = {}  # storage key -> [nbytes, category]
         self.current: dict[str, int] = defaultdict(int)
         self.peak_total = 0
@@ -203,6 +205,9 @@ class MemoryTrace(TorchDispatchMode):
         if func.namespace == "dsa_kernels":
             self.kernel_ops[func._schema.name] += 1
         out = func(*args, **kwargs)
+        formula = _matmul_formulas().get(func._overloadpacket)
+        if formula is not None:  # the matmuls the rank runs (aten's FLOP formulas; custom ops: none)
+            self.matmul_flops[str(func._overloadpacket)] += int(formula(*args, **kwargs, out_val=out))
         category, site = self._category_of_new(func)
         for t in _tensors(out):
             self.add(t, category, site)
@@ -429,6 +434,17 @@ def kernel_path_of(cfg, kernels: str | None = None) -> str:
     return "cpu" if getattr(cfg.device, "value", cfg.device) == "cpu" else "cuda"
 
 
+@functools.lru_cache(maxsize=None)
+def _matmul_formulas() -> dict:
+    """aten op packet -> FLOPs of a call from its arguments: `torch.utils.flop_counter`'s registry
+    (mm, bmm, addmm, convolution, attention ops, ...) and the grouped expert GEMMs'. Counted in
+    `MemoryTrace` itself, not by FlopCounterMode, whose module tracker hooks every module's inputs
+    and outputs (the 671B trace kept 107 GiB of activations alive under it)."""
+    from torch.utils.flop_counter import flop_registry, shape_wrapper
+
+    return {**flop_registry, torch.ops.aten._grouped_mm: shape_wrapper(grouped_mm_flops)}
+
+
 def grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     """FLOPs of `torch._grouped_mm(a, b, offs=...)` (`model/grouped_experts.py`), from the shapes: each
     row of a 2-D operand meets one group of the other, so 2 x (the rows' extent) x K x N in all:
@@ -483,11 +499,7 @@ def trace_step(cfg, model_cfg, rank: int = 0, world: int | None = None, stage_na
             else dtype
         path = kernel_path_of(cfg, kernels)
         on_cuda = trace_cuda_path() if path == "cuda" else contextlib.nullcontext()
-        from torch.utils.flop_counter import FlopCounterMode
-
-        # the matmuls the rank runs: aten's FLOP formulas, plus the grouped expert GEMMs' (custom ops: 0)
-        flops = FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: grouped_mm_flops})
-        with fake, trace, workspace_listener(trace.chunk_workspace), recorder, on_cuda, flops:
+        with fake, trace, workspace_listener(trace.chunk_workspace), recorder, on_cuda:
             materialize(model, torch.device("cpu"), dtype)
             apply_dtype_policy(model, dtype)  # as the loader: model/dtypes.py
             for t in list(model.parameters()) + list(model.buffers()):
@@ -519,7 +531,7 @@ def trace_step(cfg, model_cfg, rank: int = 0, world: int | None = None, stage_na
                        "zero": cfg.parallel.zero_stage, "recompute": cfg.parallel.recompute},
             "seconds": time.perf_counter() - start, "collectives": recorder.calls, "kernels": path,
             "kernel_ops": dict(trace.kernel_ops),
-            "matmul_flops": {str(op): int(n) for op, n in flops.get_flop_counts().get("Global", {}).items()},
+            "matmul_flops": {str(op): int(n) for op, n in trace.matmul_flops.items()},
         }
     finally:
         close_fake_world()
