@@ -45,39 +45,31 @@ def test_context_parallel_2_sparse_selection_crosses_ranks(tmp_path):
     _check(results, 1, {"cp": 2})
 
 
-@pytest.mark.slow
-@pytest.mark.integration
-def test_context_parallel_2_sparse_triton_kernels(tmp_path, monkeypatch):
-    # the same CP run on the Triton kernels (interpreted on the CPU: DSA_KERNELS=triton and
-    # TRITON_INTERPRET=1 in the ranks' environment), against a single process on the PyTorch
-    # references: top-k at the rank's query positions, sparse MLA and the sparse indexer KL over
-    # the gathered keys (fewer queries than keys), gradients through the CP gather. The indexer
-    # loss (a KL near 1e-4 here, a difference of terms of size log(keys) ~ 4) gets 2e-6 absolute
-    # slack (~4 fp32 ulps of 4): kernels and references round those terms in different orders
-    monkeypatch.setenv("DSA_KERNELS", "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    rc, results, log = launch_selftest(2, ["--cp", "2", "--zero", "2", "--seq-len", "64", "--topk", "16", "--steps", "1",
-                                  "--global-batch", "2", "--reference-kernels", "ref", "--indexer-loss-atol", "2e-6"],
-                              str(tmp_path / "r.jsonl"))
-    assert rc == 0, log
-    _check(results, 1, {"cp": 2})
+# the sparse stage on the Triton kernels (interpreted on the CPU: DSA_KERNELS=triton and
+# TRITON_INTERPRET=1 in the ranks' environment), against a single process on the PyTorch references.
+# CP 2: top-k at the rank's query positions, sparse MLA and the sparse indexer KL over the gathered
+# keys (fewer queries than keys), gradients through the CP gather. TP 2: each rank's sparse MLA
+# forward sums its own heads' P, the two sums are all-reduced into the indexer KL's target
+# (`TensorParallelHeads.sum_heads`; no head's q or lse gathered), under full recompute (the
+# all-reduce runs again in the recompute forward). The indexer loss (a KL near 1e-4 here, a
+# difference of terms of size log(keys) ~ 4) gets 2e-6 absolute slack (~4 fp32 ulps of 4):
+# kernels and references round those terms in different orders
+TRITON_LAYOUTS = {"cp2": (["--cp", "2", "--zero", "2"], {"cp": 2}),
+                  "tp2_full_recompute": (["--tp", "2", "--zero", "1", "--recompute", "full"], {"tp": 2, "dp": 1})}
 
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_tensor_parallel_2_sparse_triton_kernels_sum_the_kl_target(tmp_path, monkeypatch):
-    # TP 2 on the Triton kernels (interpreted): each rank's sparse MLA forward sums its own heads'
-    # P, the two sums are all-reduced into the indexer KL's target (`TensorParallelHeads.sum_heads`;
-    # no head's q or lse gathered), under full recompute (the all-reduce runs again in the
-    # recompute forward), against one process on the PyTorch references over every head
+@pytest.mark.parametrize("layout", list(TRITON_LAYOUTS))
+def test_sparse_stage_on_the_triton_kernels(tmp_path, monkeypatch, layout):
+    args, expect = TRITON_LAYOUTS[layout]
     monkeypatch.setenv("DSA_KERNELS", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    rc, results, log = launch_selftest(2, ["--tp", "2", "--zero", "1", "--seq-len", "64", "--topk", "16", "--steps", "1",
-                                           "--global-batch", "2", "--recompute", "full", "--reference-kernels", "ref",
-                                           "--indexer-loss-atol", "2e-6"],
+    rc, results, log = launch_selftest(2, [*args, "--seq-len", "64", "--topk", "16", "--steps", "1", "--global-batch", "2",
+                                           "--reference-kernels", "ref", "--indexer-loss-atol", "2e-6"],
                                        str(tmp_path / "r.jsonl"))
     assert rc == 0, log
-    _check(results, 1, {"tp": 2, "dp": 1})
+    _check(results, 1, expect)
 
 
 @pytest.mark.integration
