@@ -214,7 +214,8 @@ def activation_bytes_per_token(c, sizes, stage: Stage, recompute: str, dtype_byt
     # (nothing of it kept for the backward) it can exceed what a recomputed block keeps.
     if c.n_routed_experts and (recompute != "none" or not main_trains):
         largest_block = max(largest_block, b * (5 * (c.num_experts_per_tok or 0) * h + h))
-    head = (b + 8) * c.vocab_size / sizes.tensor * 0 + (b + 8) * c.vocab_size if stage.uses_lm and main_trains else 0.0
+    # the LM head is not vocabulary-parallel (every rank holds the whole [T_loc, V] logits)
+    head = (b + 8) * c.vocab_size if stage.uses_lm and main_trains else 0.0
     # DSA buffers per layer: top-k indices of local queries, CP-gathered latent KV + indexer key
     dsa_layer_tokens = 4 * topk if sparse else 0.0
     cp_gather_full = b * ((r + rope) + dI) if sizes.context > 1 else 0.0  # per *full-sequence* token
