@@ -211,8 +211,13 @@ def activation_bytes_per_token(c, sizes, stage: Stage, recompute: str, dtype_byt
     if recompute == "full":  # a whole layer runs again: its attention's tensors stay live while its MLP runs
         mlps = [moe if c.is_moe_layer(i) else dense_mlp for i in range(c.num_hidden_layers)]
         largest_block = attn + indexer + max(mlps, default=0.0)
+        # what a recomputed dense / MoE layer keeps while its row-chunked MLP (dense MLP, shared
+        # experts) runs its backward: the layer's saved tensors (the MoE's routed part is done or
+        # not yet started: its gradients are not live then)
+        layer_saved = {"dense": attn + indexer + dense_mlp, "shared": attn + indexer + moe}
     else:
         largest_block = max(attn + indexer, moe, dense_mlp) if recompute != "none" else 0.0
+        layer_saved = {"dense": largest_block, "shared": largest_block}
     # a MoE block's forward working set (expert parallel, measured by the trace at its combine):
     # the k dispatched copies of each token sorted by expert, the experts' output, its copy in the
     # received order, the all-to-all's return buffer and the weighted product (5 x k x hidden),
@@ -241,12 +246,14 @@ def activation_bytes_per_token(c, sizes, stage: Stage, recompute: str, dtype_byt
     cp_gather_full = b * ((r + rope) + dI) if sizes.context > 1 else 0.0  # per *full-sequence* token
     return {
         "layers": sum(per_layer), "recompute_block": largest_block, "head": head, "head_backward": head_backward,
+        "layer_saved": layer_saved,
         "dsa_indices": dsa_layer_tokens * c.num_hidden_layers if recompute != "full" else dsa_layer_tokens,
         "cp_gather": cp_gather_full * (c.num_hidden_layers if recompute != "full" else 1),
     }
 
 
-def mlp_backward_working_set(c, sizes, rows: int, elem_bytes: int, main_trains: bool) -> int:
+def mlp_backward_working_set(c, sizes, rows: int, elem_bytes: int, main_trains: bool,
+                             kinds: tuple[str, ...] = ("dense", "shared")) -> int:
     """Bytes the row-chunked MLP's backward (`dsa_train.model.moe._RowChunkedMLP`: the dense layers'
     MLP, the shared experts) holds beyond what its layer keeps, for the larger of the two: its three
     weight gradients in the model dtype (and two weight-sized copies), its blocks' [rows, I] temporaries, dx and a block's three
@@ -258,9 +265,9 @@ def mlp_backward_working_set(c, sizes, rows: int, elem_bytes: int, main_trains: 
 
     h, b = c.hidden_size, elem_bytes
     inters = []
-    if any(not c.is_moe_layer(i) for i in range(c.num_hidden_layers)):
+    if "dense" in kinds and any(not c.is_moe_layer(i) for i in range(c.num_hidden_layers)):
         inters.append(c.intermediate_size // sizes.tensor)
-    if c.n_routed_experts and c.n_shared_experts:
+    if "shared" in kinds and c.n_routed_experts and c.n_shared_experts:
         inters.append(c.moe_intermediate_size * c.n_shared_experts // sizes.tensor)
     block = _RowChunkedMLP.backward_rows_per_block(rows, h, b)
     # 3 + 2: the weight gradients, and the transposed weight copies F.linear makes where the trace runs
@@ -328,9 +335,12 @@ def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
     step_phase = g["parameters"] + g["gradients"] + g["optimizer"] + step_temporaries
     # a third phase: a dense layer's (or shared expert's) MLP backward, after the LM head's: the kept
     # layer inputs, the block being recomputed, the DSA buffers and that MLP's working set
+    # (the logits stay live through the whole backward; the block is the layer whose MLP it is)
     mlp_ws = mlp_backward_working_set(c, sizes, int(T_loc), pb, main_trains) / GiB
-    mlp_phase = (g["parameters"] + g["gradients"] + g["optimizer"] + g["dsa_buffers"]
-                 + T_loc * (act["layers"] + act["head"] + act["recompute_block"]) / GiB + mlp_ws)
+    mlp_phase = (g["parameters"] + g["gradients"] + g["optimizer"] + g["dsa_buffers"] + T_loc * (act["layers"] + act["head"]) / GiB
+                 + max(T_loc * act["layer_saved"][kind] / GiB
+                       + mlp_backward_working_set(c, sizes, int(T_loc), pb, main_trains, (kind,)) / GiB
+                       for kind in ("dense", "shared")))
     p.step_detail_gib = {"optimizer_step_temporaries": step_temporaries, "optimizer_step_phase": step_phase,
                          "mlp_backward_working_set": mlp_ws, "mlp_backward_phase": mlp_phase}
     # step time: every part of the step as the CUDA path issues it (`Stage.step_flops`: FLOPs at the MFU,
