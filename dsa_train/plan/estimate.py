@@ -14,7 +14,7 @@ Per rank and per stage (the largest stage decides whether it fits):
                when activations are freed: the peak is the largest of the forward/backward phase
                (the sum of the categories), the step phase (model state + temporaries) and the MLP
                backward phase (a dense layer's or shared expert's row-chunked MLP backward: model
-               state, the kept layer inputs, a recomputed block, the DSA buffers and that MLP's own
+               state, the kept layer inputs and logits, the recomputed layer whose MLP it is, the DSA buffers and that MLP's own
                working set, `mlp_backward_working_set`; in `step_detail_gib`);
   activations  what the backward keeps for one micro-batch of T / CP local tokens: per layer the
                tensors saved by the model's ops (only those on a path to a trainable parameter:
