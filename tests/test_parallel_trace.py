@@ -88,6 +88,11 @@ def test_trace_of_671b_recipe_agrees_with_plan(recipe, tmp_path):
     # DSA buffers (top-k indices, the recompute's memo of them, the kernels' working sets) bound the trace's
     for key in ("activations", "dsa_buffers"):
         assert traced[key] <= planned[key], (key, t)
+        # and their own maxima over the step (the total's peak can fall where one is below its maximum)
+        assert t["traced_max"][key] <= planned[key], (key, t["traced_max"], planned)
+    # ... closely: the activations planned within 20% of their traced maximum (measured: +12% for the
+    # warm-up, +15% for the sparse stage at this shrunk size; +10% at full size: docs/distributed.md)
+    assert planned["activations"] <= 1.2 * t["traced_max"]["activations"], (t["traced_max"], planned)
     if recipe == "v3.2_sparse":  # the indices at the peak: the layer in flight's and the memo's, no other
         sites = t["peak_dsa_sites"]
         assert sites.get("indexer_topk outputs", 0) > 0.9 * traced["dsa_buffers"], sites

@@ -14,13 +14,15 @@ Per rank and per stage (the largest stage decides whether it fits):
                when activations are freed: the peak is the largest of the forward/backward phase
                (the sum of the categories), the step phase (model state + temporaries) and the MLP
                backward phase (a dense layer's or shared expert's row-chunked MLP backward: model
-               state, the kept layer inputs, a recomputed block, the DSA buffers and that MLP's own
+               state, the kept layer inputs and logits, the recomputed layer whose MLP it is, the DSA buffers and that MLP's own
                working set, `mlp_backward_working_set`; in `step_detail_gib`);
   activations  what the backward keeps for one micro-batch of T / CP local tokens: per layer the
                tensors saved by the model's ops (only those on a path to a trainable parameter:
                the dense warm-up keeps the indexer's only), minus what `parallel.recompute`
-               recomputes (plus one block's worth while it is recomputed), plus the LM head's
-               logits and their fp32 cross-entropy copies;
+               recomputes (plus one block's worth while it is recomputed: with `full`, a whole
+               layer, attention and MLP), plus the LM head's logits (the chunked cross-entropy
+               keeps no fp32 copy of them) and the larger of a recomputed block and the head's
+               backward (the logits' gradient): the two never overlap;
   DSA buffers  per layer the top-k indices (T_loc x k int32) and, with CP, the all-gathered
                latent KV (T x 576) and indexer keys (T x 128); plus the kernels' transient working
                set (`kernel_workspace` in the output): on a CUDA recipe the largest of the CUDA
@@ -206,26 +208,52 @@ def activation_bytes_per_token(c, sizes, stage: Stage, recompute: str, dtype_byt
         elif recompute == "moe" and c.is_moe_layer(i) and main_trains:
             m = b * h
         per_layer.append(a + m)
-    largest_block = max(attn + indexer, moe, dense_mlp) if recompute != "none" else 0.0
+    if recompute == "full":  # a whole layer runs again: its attention's tensors stay live while its MLP runs
+        mlps = [moe if c.is_moe_layer(i) else dense_mlp for i in range(c.num_hidden_layers)]
+        largest_block = attn + indexer + max(mlps, default=0.0)
+        # what a recomputed dense / MoE layer keeps while its row-chunked MLP (dense MLP, shared
+        # experts) runs its backward: the layer's saved tensors (the MoE's routed part is done or
+        # not yet started: its gradients are not live then)
+        layer_saved = {"dense": attn + indexer + dense_mlp, "shared": attn + indexer + moe}
+    else:
+        largest_block = max(attn + indexer, moe, dense_mlp) if recompute != "none" else 0.0
+        layer_saved = {"dense": largest_block, "shared": largest_block}
     # a MoE block's forward working set (expert parallel, measured by the trace at its combine):
     # the k dispatched copies of each token sorted by expert, the experts' output, its copy in the
     # received order, the all-to-all's return buffer and the weighted product (5 x k x hidden),
     # plus the combined output. It exists in every forward; when layers are recomputed or frozen
     # (nothing of it kept for the backward) it can exceed what a recomputed block keeps.
     if c.n_routed_experts and (recompute != "none" or not main_trains):
-        largest_block = max(largest_block, b * (5 * (c.num_experts_per_tok or 0) * h + h))
-    head = (b + 8) * c.vocab_size / sizes.tensor * 0 + (b + 8) * c.vocab_size if stage.uses_lm and main_trains else 0.0
+        moe_ws = b * (5 * (c.num_experts_per_tok or 0) * h + h)
+        if recompute == "full" and main_trains:  # beside the recomputed layer's attention
+            # and in its backward, the gradients of three [k x T_loc, hidden] tensors (the weighted
+            # product, the experts' output, the dispatched copies) beside what the MoE keeps
+            moe_backward = moe + b * 3 * (c.num_experts_per_tok or 0) * h
+            largest_block = max(largest_block, attn + indexer + max(moe_ws, moe_backward))
+        else:
+            largest_block = max(largest_block, moe_ws)
+    # the LM head (not vocabulary-parallel: every rank holds the whole [T_loc, V] logits). The loss
+    # (`dsa_train.loss.cross_entropy_sum`) works in fp32 row chunks and saves only the logits and an
+    # fp32 log-sum-exp per row; the logits stay live through the whole backward (the step's output
+    # holds them), once more for the MTP head's. `head_backward`: what exists only for a moment, never
+    # while a layer is recomputed: the logits' gradient in the head's backward, or the fp32 copy of
+    # the no-label micro-batch's zero loss (`dsa_train.trainer.step`), whichever is larger
+    lm = stage.uses_lm and main_trains
+    head = (1 + stage.uses_mtp) * (b * c.vocab_size + 4) if lm else 0.0
+    head_backward = max(b, 4) * c.vocab_size if lm else 0.0
     # DSA buffers per layer: top-k indices of local queries, CP-gathered latent KV + indexer key
     dsa_layer_tokens = 4 * topk if sparse else 0.0
     cp_gather_full = b * ((r + rope) + dI) if sizes.context > 1 else 0.0  # per *full-sequence* token
     return {
-        "layers": sum(per_layer), "recompute_block": largest_block, "head": head,
+        "layers": sum(per_layer), "recompute_block": largest_block, "head": head, "head_backward": head_backward,
+        "layer_saved": layer_saved,
         "dsa_indices": dsa_layer_tokens * c.num_hidden_layers if recompute != "full" else dsa_layer_tokens,
         "cp_gather": cp_gather_full * (c.num_hidden_layers if recompute != "full" else 1),
     }
 
 
-def mlp_backward_working_set(c, sizes, rows: int, elem_bytes: int, main_trains: bool) -> int:
+def mlp_backward_working_set(c, sizes, rows: int, elem_bytes: int, main_trains: bool,
+                             kinds: tuple[str, ...] = ("dense", "shared")) -> int:
     """Bytes the row-chunked MLP's backward (`dsa_train.model.moe._RowChunkedMLP`: the dense layers'
     MLP, the shared experts) holds beyond what its layer keeps, for the larger of the two: its three
     weight gradients in the model dtype (and two weight-sized copies), its blocks' [rows, I] temporaries, dx and a block's three
@@ -237,9 +265,9 @@ def mlp_backward_working_set(c, sizes, rows: int, elem_bytes: int, main_trains: 
 
     h, b = c.hidden_size, elem_bytes
     inters = []
-    if any(not c.is_moe_layer(i) for i in range(c.num_hidden_layers)):
+    if "dense" in kinds and any(not c.is_moe_layer(i) for i in range(c.num_hidden_layers)):
         inters.append(c.intermediate_size // sizes.tensor)
-    if c.n_routed_experts and c.n_shared_experts:
+    if "shared" in kinds and c.n_routed_experts and c.n_shared_experts:
         inters.append(c.moe_intermediate_size * c.n_shared_experts // sizes.tensor)
     block = _RowChunkedMLP.backward_rows_per_block(rows, h, b)
     # 3 + 2: the weight gradients, and the transposed weight copies F.linear makes where the trace runs
@@ -287,7 +315,8 @@ def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
     T_loc = cfg.data.micro_batch_size * cfg.data.seq_len / sizes.context
     topk = stage.topk_for(c)
     act = activation_bytes_per_token(c, sizes, stage, cfg.parallel.recompute, pb, cfg.data.seq_len, topk)
-    g["activations"] = T_loc * (act["layers"] + act["recompute_block"] + act["head"]) / GiB
+    # the head's backward and a layer's recompute come one after the other (the head's first)
+    g["activations"] = T_loc * (act["layers"] + act["head"] + max(act["recompute_block"], act["head_backward"])) / GiB
     # the kernels' transient working set at this rank's shapes, on the path the recipe's device runs
     ws = kernel_working_set(cfg, c, stage, sizes, getattr(opts, "rank", 0))
     p.kernel_workspace = ws
@@ -306,9 +335,12 @@ def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
     step_phase = g["parameters"] + g["gradients"] + g["optimizer"] + step_temporaries
     # a third phase: a dense layer's (or shared expert's) MLP backward, after the LM head's: the kept
     # layer inputs, the block being recomputed, the DSA buffers and that MLP's working set
+    # (the logits stay live through the whole backward; the block is the layer whose MLP it is)
     mlp_ws = mlp_backward_working_set(c, sizes, int(T_loc), pb, main_trains) / GiB
-    mlp_phase = (g["parameters"] + g["gradients"] + g["optimizer"] + g["dsa_buffers"]
-                 + T_loc * (act["layers"] + act["recompute_block"]) / GiB + mlp_ws)
+    mlp_phase = (g["parameters"] + g["gradients"] + g["optimizer"] + g["dsa_buffers"] + T_loc * (act["layers"] + act["head"]) / GiB
+                 + max(T_loc * act["layer_saved"][kind] / GiB
+                       + mlp_backward_working_set(c, sizes, int(T_loc), pb, main_trains, (kind,)) / GiB
+                       for kind in ("dense", "shared")))
     p.step_detail_gib = {"optimizer_step_temporaries": step_temporaries, "optimizer_step_phase": step_phase,
                          "mlp_backward_working_set": mlp_ws, "mlp_backward_phase": mlp_phase}
     # step time: every part of the step as the CUDA path issues it (`Stage.step_flops`: FLOPs at the MFU,
@@ -469,7 +501,7 @@ def traced_plan(cfg, opts, plan: dict) -> dict:
         "world_size": traced["world_size"], "rank": traced["rank"], "stage": stage["stage"],
         "traced_peak_bytes": traced["peak_total"], "planned_peak_bytes": int(stage["total_gib"] * GiB) - nccl,
         "planned_nccl_bytes": nccl, "gpu_memory_bytes": int(opts.gpu_gb * GiB), "traced": traced["peak"],
-        "planned": planned, "layout": traced["layout"], "trace_seconds": round(traced["seconds"], 1),
+        "planned": planned, "traced_max": traced["category_max"], "layout": traced["layout"], "trace_seconds": round(traced["seconds"], 1),
         "peak_at": traced["peak_at"], "peak_dsa_sites": traced["peak_dsa_sites"],
         "kernels": traced["kernels"], "kernel_ops": traced["kernel_ops"], "fits": traced["peak_total"] + nccl <= opts.gpu_gb * GiB * opts.usable,
         "micro_batches": stage["step_detail"]["micro_batches"], "traced_collective_calls": len(traced["collectives"]),

@@ -19,7 +19,8 @@ Rank R (default 0) of the recipe's full world size, in one CPU process, without 
 A TorchDispatchMode counts every live storage by category (parameters, gradients, optimizer
 state, activations, DSA buffers: the top-k indices, the kernels' working sets and what dsa_kernels/
 allocates, as the plan counts them (`_DSA_OPS`), communication buffers: what collectives write) and
-keeps the categories at the peak, the DSA buffers also by allocation site (`peak_dsa_sites`).
+keeps the categories at the peak, the DSA buffers also by allocation site (`peak_dsa_sites`), and
+each category's own maximum over the step (`category_max`).
 
 Data-dependent values (the MoE's per-rank token counts, `.item()` of metrics) have no value
 under FakeTensorMode: token counts are taken as balanced routing (every expert gets
@@ -95,6 +96,12 @@ class MemoryTrace(TorchDispatchMode):
         # the DSA buffers by where they were allocated (source line and function): live now, at the peak
         self.dsa_sites: dict[str, int] = defaultdict(int)
         self.peak_dsa_sites: dict[str, int] = {}
+        # each category's own maximum over the step (the plan's terms are per-category upper bounds;
+        # the total's peak may fall where one category is below its maximum): a log of allocations
+        # (seq, bytes), frees (seq, -bytes) and transients (0, bytes, category), replayed with each
+        # storage's last category (a gradient or collective buffer is retagged after it is made)
+        self.events: list[tuple] = []
+        self.category_of: dict[int, str] = {}  # allocation seq -> its (last) category
 
     # -------------------------------------------------------------- accounting
     @staticmethod
@@ -111,6 +118,8 @@ class MemoryTrace(TorchDispatchMode):
         site = (site or "?") if category == "dsa_buffers" else ""
         self.live[k] = [n, category, self.seq, site]
         self.current[category] += n
+        self.events.append((self.seq, n))
+        self.category_of[self.seq] = category
         if site:
             self.dsa_sites[site] += n
         weakref.finalize(st, self._free, k)
@@ -133,6 +142,7 @@ class MemoryTrace(TorchDispatchMode):
     def _bump(self, nbytes: int, category: str, site: str = "") -> None:
         """A transient allocation of `nbytes` on top of what is live now: a peak candidate."""
         total = sum(self.current.values()) + nbytes
+        self.events.append((0, nbytes, category))
         if total > self.peak_total:
             self._new_peak(total, (nbytes, category, site or "?"))
 
@@ -154,8 +164,27 @@ class MemoryTrace(TorchDispatchMode):
         entry = self.live.pop(k, None)
         if entry is not None:
             self.current[entry[1]] -= entry[0]
+            self.events.append((entry[2], -entry[0]))
             if entry[3]:
                 self.dsa_sites[entry[3]] -= entry[0]
+
+    def category_max(self, start: int = 0) -> dict[str, int]:
+        """Each category's maximum over the events from `start` on (a storage counted in its last
+        category all its life, as `retag` does for the peak)."""
+        current: dict[str, int] = defaultdict(int)
+        best: dict[str, int] = defaultdict(int)
+        for i, e in enumerate(self.events):
+            if i == start:  # what is live when the counting starts
+                best.update(current)
+            if len(e) == 3:  # a transient on top of what is live
+                if i >= start:
+                    best[e[2]] = max(best[e[2]], current[e[2]] + e[1])
+                continue
+            category = self.category_of.get(e[0], "")
+            current[category] += e[1]
+            if i >= start:
+                best[category] = max(best[category], current[category])
+        return dict(best)
 
     def retag(self, t: torch.Tensor, category: str) -> None:
         entry = self.live.get(self.key(t))
@@ -164,6 +193,7 @@ class MemoryTrace(TorchDispatchMode):
         elif entry[1] != category:
             self.current[entry[1]] -= entry[0]
             self.current[category] += entry[0]
+            self.category_of[entry[2]] = category
             if entry[2] <= self.peak_seq:  # live now and allocated before the peak: live at the peak
                 self.peak[entry[1]] = self.peak.get(entry[1], 0) - entry[0]
                 self.peak[category] = self.peak.get(category, 0) + entry[0]
@@ -511,6 +541,9 @@ def trace_step(cfg, model_cfg, rank: int = 0, world: int | None = None, stage_na
             ids = torch.zeros(B, T, dtype=torch.long)
             batch = {"input_ids": ids, "labels": ids.clone(),
                      "position_ids": torch.arange(T).expand(B, T).contiguous()}
+            # the maxima count from the step on (materializing the model allocates its parameters
+            # as activations before they are retagged)
+            step_start = len(trace.events)
             # the trainer's step: one micro-batch (its collectives count micro_batches times),
             # metrics reduced over the layout, then the update and the router's bias step
             forward_backward(_TraceEngine(model), [batch], stage, reduction=parallel_reduction(state))
@@ -524,6 +557,7 @@ def trace_step(cfg, model_cfg, rank: int = 0, world: int | None = None, stage_na
         return {
             "world_size": world, "rank": rank, "stage": stage_name, "layers": model_cfg.num_hidden_layers,
             "peak": peak, "peak_total": int(trace.peak_total), "peak_at": trace.peak_where,
+            "category_max": {c: int(v) for c, v in ((c, trace.category_max(step_start).get(c, 0)) for c in CATEGORIES)},
             # the DSA buffers live at the peak by allocation site (bytes, largest first)
             "peak_dsa_sites": dict(sorted(((k, int(v)) for k, v in trace.peak_dsa_sites.items() if v),
                                           key=lambda kv: -kv[1])),
