@@ -14,15 +14,16 @@ Per rank and per stage (the largest stage decides whether it fits):
                when activations are freed: the peak is the largest of the forward/backward phase
                (the sum of the categories), the step phase (model state + temporaries) and the MLP
                backward phase (a dense layer's or shared expert's row-chunked MLP backward: model
-               state, the kept layer inputs and logits, the recomputed layer whose MLP it is, the DSA buffers and that MLP's own
+               state, the kept layer inputs, the recomputed layer whose MLP it is, the DSA buffers and that MLP's own
                working set, `mlp_backward_working_set`; in `step_detail_gib`);
   activations  what the backward keeps for one micro-batch of T / CP local tokens: per layer the
                tensors saved by the model's ops (only those on a path to a trainable parameter:
                the dense warm-up keeps the indexer's only), minus what `parallel.recompute`
                recomputes (plus one block's worth while it is recomputed: with `full`, a whole
-               layer, attention and MLP), plus the LM head's logits (the chunked cross-entropy
-               keeps no fp32 copy of them) and the larger of a recomputed block and the head's
-               backward (the logits' gradient): the two never overlap;
+               layer, attention and MLP), or, if larger, the LM head's logits (the chunked
+               cross-entropy keeps no fp32 copy of them) with the head's backward (the logits'
+               gradient): the logits are freed once that backward has read them, before any
+               layer is recomputed;
   DSA buffers  per layer the top-k indices (T_loc x k int32) and, with CP, the all-gathered
                latent KV (T x 576) and indexer keys (T x 128); plus the kernels' transient working
                set (`kernel_workspace` in the output): on a CUDA recipe the largest of the CUDA
@@ -234,10 +235,10 @@ def activation_bytes_per_token(c, sizes, stage: Stage, recompute: str, dtype_byt
             largest_block = max(largest_block, moe_ws)
     # the LM head (not vocabulary-parallel: every rank holds the whole [T_loc, V] logits). The loss
     # (`dsa_train.loss.cross_entropy_sum`) works in fp32 row chunks and saves only the logits and an
-    # fp32 log-sum-exp per row; the logits stay live through the whole backward (the step's output
-    # holds them), once more for the MTP head's. `head_backward`: what exists only for a moment, never
-    # while a layer is recomputed: the logits' gradient in the head's backward, or the fp32 copy of
-    # the no-label micro-batch's zero loss (`dsa_train.trainer.step`), whichever is larger
+    # fp32 log-sum-exp per row; the logits live until the head's backward has read them (the step
+    # drops its outputs before the backward: `dsa_train.trainer.step`), once more for the MTP head's.
+    # `head_backward`: beside them in that backward, never while a layer is recomputed: the logits'
+    # gradient, or the fp32 copy of the no-label micro-batch's zero loss, whichever is larger
     lm = stage.uses_lm and main_trains
     head = (1 + stage.uses_mtp) * (b * c.vocab_size + 4) if lm else 0.0
     head_backward = max(b, 4) * c.vocab_size if lm else 0.0
@@ -316,7 +317,7 @@ def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
     topk = stage.topk_for(c)
     act = activation_bytes_per_token(c, sizes, stage, cfg.parallel.recompute, pb, cfg.data.seq_len, topk)
     # the head's backward and a layer's recompute come one after the other (the head's first)
-    g["activations"] = T_loc * (act["layers"] + act["head"] + max(act["recompute_block"], act["head_backward"])) / GiB
+    g["activations"] = T_loc * (act["layers"] + max(act["recompute_block"], act["head"] + act["head_backward"])) / GiB
     # the kernels' transient working set at this rank's shapes, on the path the recipe's device runs
     ws = kernel_working_set(cfg, c, stage, sizes, getattr(opts, "rank", 0))
     p.kernel_workspace = ws
@@ -335,9 +336,9 @@ def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
     step_phase = g["parameters"] + g["gradients"] + g["optimizer"] + step_temporaries
     # a third phase: a dense layer's (or shared expert's) MLP backward, after the LM head's: the kept
     # layer inputs, the block being recomputed, the DSA buffers and that MLP's working set
-    # (the logits stay live through the whole backward; the block is the layer whose MLP it is)
+    # (the logits are gone by then: freed after the head's backward; the block is the layer whose MLP it is)
     mlp_ws = mlp_backward_working_set(c, sizes, int(T_loc), pb, main_trains) / GiB
-    mlp_phase = (g["parameters"] + g["gradients"] + g["optimizer"] + g["dsa_buffers"] + T_loc * (act["layers"] + act["head"]) / GiB
+    mlp_phase = (g["parameters"] + g["gradients"] + g["optimizer"] + g["dsa_buffers"] + T_loc * act["layers"] / GiB
                  + max(T_loc * act["layer_saved"][kind] / GiB
                        + mlp_backward_working_set(c, sizes, int(T_loc), pb, main_trains, (kind,)) / GiB
                        for kind in ("dense", "shared")))

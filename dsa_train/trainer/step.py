@@ -57,9 +57,13 @@ def forward_backward(
             # no valid label here: a zero term keeps the backward (and, on many ranks, the
             # collectives inside it) in step with the micro-batches that have some
             loss = 0.0 * out.logits.float().sum()
+        stats = out.stats
+        # the outputs are not held through the backward: the logits ([T, vocab], ~1 GiB a rank at
+        # 671B) then live only until the LM head's backward has read them (the loss saved them)
+        del out
         if loss is not None and loss.requires_grad:
             engine.backward(loss)
-        sums.add(out.stats)
+        sums.add(stats)
     return stage.add_step_loss(sums.values(reduction, device=micro_batches[0]["input_ids"].device))
 
 
