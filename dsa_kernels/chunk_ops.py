@@ -39,6 +39,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 _WORKSPACE_LISTENERS: list[Callable[[tuple, Callable[[], object]], None]] = []
+# qualname -> flops(*args): the matmul FLOPs an op issues inside (the memory trace's matmul count,
+# `MemoryTrace.matmul_flops`, sees no aten op inside a custom op; those with matmuls declare them)
+MATMUL_FLOPS: dict[str, Callable[..., int]] = {}
 
 
 @contextlib.contextmanager
@@ -59,13 +62,17 @@ def _signature(a):
     return a
 
 
-def fake_dispatched_op(qualname: str, fake: Callable, workspace: Callable | None = None):
+def fake_dispatched_op(qualname: str, fake: Callable, workspace: Callable | None = None,
+                       flops: Callable[..., int] | None = None):
     """Register the decorated function as the custom op `qualname`, entered only with fake tensors
     (real ones call the function itself): `fake(*args)` gives its outputs; `workspace(*args)`, if
-    given, is offered to the trace's workspace listeners as the op's transient working set."""
+    given, is offered to the trace's workspace listeners as the op's transient working set;
+    `flops(*args)`, if given, is the matmul FLOPs of a call (`MATMUL_FLOPS`)."""
 
     def deco(fn):
         op = torch.library.custom_op(qualname, mutates_args=())(fn)
+        if flops is not None:
+            MATMUL_FLOPS[qualname] = flops
 
         @op.register_fake
         def _fake(*args, **kwargs):
@@ -88,7 +95,7 @@ def fake_dispatched_op(qualname: str, fake: Callable, workspace: Callable | None
     return deco
 
 
-def chunk_loop_op(qualname: str, fake: Callable, worst_chunk: Callable):
+def chunk_loop_op(qualname: str, fake: Callable, worst_chunk: Callable, flops: Callable[..., int] | None = None):
     """Register the decorated chunk loop as the custom op `qualname` (see the module doc): its
-    working set is its worst chunk's."""
-    return fake_dispatched_op(qualname, fake, worst_chunk)
+    working set is its worst chunk's; `flops`: its matmul FLOPs (`fake_dispatched_op`)."""
+    return fake_dispatched_op(qualname, fake, worst_chunk, flops)

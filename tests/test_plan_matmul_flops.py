@@ -5,7 +5,8 @@ indexer's projections and Hadamard rotation) must be what the CUDA path issues o
 micro-batch -- under tensor parallelism (split heads, dense MLPs and shared experts; the indexer,
 routed experts and LM head whole on every TP rank), context parallelism and full recompute, and
 with the row-chunked MLP's backward recompute (TP 1). Custom ops (the Triton kernels, library
-attention) count no aten FLOPs: the warm-up's library attention is the one difference."""
+attention) count no aten FLOPs: the warm-up's library attention is the one difference (its keys'
+up-projections under context parallelism are counted: the op declares them)."""
 
 import json
 import os
@@ -39,9 +40,14 @@ def test_sparse_stage_matmuls_are_the_plans(layout):
     assert abs(traced / planned - 1) < 1e-6, (t["layout"], t["traced_matmul_flops"], t["planned_matmul_flops"])
 
 
-def test_warmup_matmuls_are_the_plans_but_the_library_attention():
-    t = _trace("~stages.sparse", "parallel.tensor_parallel=2")
-    assert t["stage"] == "warmup" and t["layout"]["tp"] == 2
+@pytest.mark.parametrize("layout", [("parallel.tensor_parallel=2",), ("parallel.context_parallel=2",)])
+def test_warmup_matmuls_are_the_plans_but_the_library_attention(layout):
+    """Under CP the keys' up-projections run inside the library attention's custom op
+    (`mla_attention_rows`, which declares them: `dsa_kernels.chunk_ops.MATMUL_FLOPS`)."""
+    t = _trace("~stages.sparse", *layout)
+    assert t["stage"] == "warmup" and (t["layout"]["tp"], t["layout"]["cp"]) != (1, 1)
+    if t["layout"]["cp"] > 1:
+        assert t["traced_matmul_flops"]["dsa_kernels::mla_attention_rows"] > 0
     planned = t["planned_matmul_flops"]
     traced = sum(t["traced_matmul_flops"].values())
     assert planned["attention"] > 0

@@ -236,8 +236,13 @@ class MemoryTrace(TorchDispatchMode):
             self.kernel_ops[func._schema.name] += 1
         out = func(*args, **kwargs)
         formula = _matmul_formulas().get(func._overloadpacket)
-        if formula is not None:  # the matmuls the rank runs (aten's FLOP formulas; custom ops: none)
+        if formula is not None:  # the matmuls the rank runs (aten's FLOP formulas)
             self.matmul_flops[str(func._overloadpacket)] += int(formula(*args, **kwargs, out_val=out))
+        elif func.namespace == "dsa_kernels":  # a custom op's own matmuls, where it declares them
+            from dsa_kernels.chunk_ops import MATMUL_FLOPS
+
+            if func._schema.name in MATMUL_FLOPS:
+                self.matmul_flops[func._schema.name] += int(MATMUL_FLOPS[func._schema.name](*args, **kwargs))
         category, site = self._category_of_new(func)
         for t in _tensors(out):
             self.add(t, category, site)

@@ -240,7 +240,17 @@ def _rows_worst_block(q, latent, k_rope, w_kv, scale, doc_start, q_offset, nope_
         _up_project(latent[:, :S], k_rope[:, :S], w_kv, H, nope_dim)
 
 
-@chunk_loop_op("dsa_kernels::mla_attention_rows", fake=_rows_outputs, worst_chunk=_rows_worst_block)
+def _rows_up_projection_flops(q, latent, k_rope, w_kv, scale, doc_start, q_offset, nope_dim, key_block) -> int:
+    """The matmul FLOPs of a call on the CUDA path (`_rows_efficient`) where each row is one
+    document (its most): every key before the run's end up-projected once (kv_b: [R] -> [H (nope + v)]),
+    2 B (q_offset + C) R H (nope + v); the attention itself is the library kernel's (not a matmul
+    the trace counts)."""
+    B, C = q.shape[0], q.shape[1]
+    return 2 * B * (int(q_offset) + C) * latent.shape[-1] * w_kv.shape[0]
+
+
+@chunk_loop_op("dsa_kernels::mla_attention_rows", fake=_rows_outputs, worst_chunk=_rows_worst_block,
+               flops=_rows_up_projection_flops)
 def mla_attention_rows_op(q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, w_kv: torch.Tensor, scale: float,
                           doc_start: torch.Tensor, q_offset: int, nope_dim: int, key_block: int
                           ) -> tuple[torch.Tensor, torch.Tensor]:
