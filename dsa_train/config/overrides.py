@@ -128,6 +128,22 @@ def check_overrides(argv: list[str], recipes: Path) -> None:
         raise ConfigError.of(problems)
 
 
+def recipe_args(parser, argv: list[str]):
+    """A subcommand's command line -> (its options, recipe name, Hydra overrides): `parser`'s own
+    options, then `--config-name R` / `recipe=R` / `key=value ...`. An option neither knows is
+    argparse's one-line error (it would otherwise reach Hydra as an override it cannot parse)."""
+    args, rest = parser.parse_known_args(argv)
+    unknown = [a for a in rest if a.startswith("-") and a not in ("--config-name", "-cn")
+               and not a.startswith("--config-name=")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} -- `{parser.prog} --help` lists the options; "
+                     "recipe keys are key=value (e.g. cluster.nodes=2)")
+    if rest and rest[-1] in ("--config-name", "-cn"):
+        parser.error(f"{rest[-1]} needs a recipe name, e.g. {rest[-1]} demo (`dsa-train --help` lists the recipes)")
+    recipe, overrides = split_recipe_args(rest)
+    return args, recipe, overrides
+
+
 def split_recipe_args(args: list[str]) -> tuple[str, list[str]]:
     """-> (recipe name, Hydra overrides) from `--config-name R` / `recipe=R` / `key=value ...`."""
     from dsa_train.config import DEFAULT_RECIPE
@@ -136,7 +152,7 @@ def split_recipe_args(args: list[str]) -> tuple[str, list[str]]:
     it = iter(args)
     for arg in it:
         if arg in ("--config-name", "-cn"):
-            recipe = next(it)
+            recipe = next(it, recipe)
         elif arg.startswith("--config-name="):
             recipe = arg.split("=", 1)[1]
         elif arg.startswith("recipe="):

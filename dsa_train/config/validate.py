@@ -97,6 +97,9 @@ def resolve_sizes(parallel: ParallelConfig, world_size: int) -> ParallelSizes:
     for key, v in (("tensor_parallel", tp), ("context_parallel", cp), ("expert_parallel", ep)):
         if v < 1:
             raise ConfigError(f"parallel.{key}={v}: must be >= 1")
+    if world_size < 1:
+        raise ConfigError(f"world size {world_size}: a layout needs at least one rank",
+                          fix="launch one or more ranks (cluster.nodes and cluster.procs_per_node / gpus_per_node >= 1)")
     if parallel.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage={parallel.zero_stage}: must be 0, 1, 2 or 3")
     if world_size % (tp * cp) != 0:
@@ -322,6 +325,11 @@ def _validate(cfg: TrainConfig) -> None:
     _check_signals(cfg.fault_tolerance.preemption_signals)
     _require(len(cfg.optim.betas) == 2, "optim.betas", "needs two values")
     _require(cfg.optim.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables)")
+    _require(cfg.cluster.nodes >= 1, "cluster.nodes", f"must be >= 1, got {cfg.cluster.nodes}")
+    _require(cfg.cluster.gpus_per_node >= 0, "cluster.gpus_per_node",
+             f"must be >= 0 (0: CPU nodes, with procs_per_node), got {cfg.cluster.gpus_per_node}")
+    _require(cfg.cluster.procs_per_node is None or cfg.cluster.procs_per_node >= 1, "cluster.procs_per_node",
+             f"must be >= 1 or null (one per GPU), got {cfg.cluster.procs_per_node}")
     _require(cfg.cluster.max_restarts >= 0, "cluster.max_restarts", "must be >= 0 (0: a crashed rank ends the job)")
     _require(cfg.cluster.open_files is None or cfg.cluster.open_files >= 1024, "cluster.open_files",
              f"must be >= 1024 or null (the node's hard limit), got {cfg.cluster.open_files}")

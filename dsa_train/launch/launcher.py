@@ -24,7 +24,7 @@ restart the workers in place (`cluster.max_restarts`); a restart after a preempt
 
 from __future__ import annotations
 
-from dsa_train.config.overrides import split_recipe_args
+from dsa_train.config.overrides import recipe_args
 import argparse
 import os
 import shlex
@@ -203,8 +203,7 @@ def slurm_main(argv: list[str]) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the script, do not write or submit it")
     p.add_argument("--output", help="write the script here (default <run_dir>/launch/<run_name>.sbatch)")
     p.add_argument("--python", default=None, help="python on the nodes (default: this interpreter)")
-    args, rest = p.parse_known_args(argv)
-    recipe, overrides = split_recipe_args(rest)
+    args, recipe, overrides = recipe_args(p, argv)
     from dsa_train.config import ConfigError
 
     try:
@@ -239,13 +238,18 @@ def torchrun_main(argv: list[str]) -> int:
     p.add_argument("--run-id", default="dsa-train")
     p.add_argument("--max-restarts", type=int, default=3,
                    help="restart all workers from the last checkpoint this many times after a rank fails")
-    args, rest = p.parse_known_args(argv)
+    args, recipe, overrides = recipe_args(p, argv)
+    for flag, value, least in (("--nproc-per-node", args.nproc_per_node, 1), ("--nnodes", args.nnodes, 1),
+                               ("--max-restarts", args.max_restarts, 0), ("--master-port", args.master_port, 1)):
+        if value is not None and value < least:
+            p.error(f"{flag} {value}: must be >= {least}")
+    if not args.master_port <= 65535:
+        p.error(f"--master-port {args.master_port}: must be a TCP port, 1..65535 (default 29500)")
     nproc = args.nproc_per_node
     if nproc is None:
         import torch
 
         nproc = max(torch.cuda.device_count(), 1)
-    recipe, overrides = split_recipe_args(rest)
     problems = check_recipe(recipe, overrides, nproc * args.nnodes)
     if problems:  # one message from the launcher; no worker is started (nothing to restart)
         print(f"dsa-train launch torchrun: {problems}", file=sys.stderr)
@@ -292,17 +296,13 @@ def check_recipe(recipe: str, overrides: list[str], world_size: int) -> str | No
     """The recipe's problems (unknown keys, values, the layout against `world_size`, CUDA on this
     node) as one message, or None: checked here, before any worker starts, so that a configuration
     error is reported once instead of by every rank and every torchrun restart."""
-    from dsa_train.config import ConfigError, recipes_dir
-    from dsa_train.config.overrides import check_overrides
-    from dsa_train.config.recipes import compose_recipe, to_train_config
+    from dsa_train.config import ConfigError
+    from dsa_train.config.recipes import compose_checked, to_train_config
 
     try:
-        check_overrides(["--config-name", recipe, *overrides], recipes_dir())
-        to_train_config(compose_recipe(recipe, overrides), check_environment=True, world_size=world_size)
+        to_train_config(compose_checked(recipe, overrides), check_environment=True, world_size=world_size)
     except ConfigError as err:
         return f"invalid recipe: {err}"
-    except Exception as err:  # Hydra: a recipe or group option that does not exist
-        return f"invalid recipe: {str(err).splitlines()[0]}"
     return None
 
 

@@ -408,6 +408,12 @@ def make_plan(cfg, opts, world: int | None = None) -> dict:
 
     cl = cfg.cluster
     world = world or cl.nodes * (cl.procs_per_node or cl.gpus_per_node)
+    rank = getattr(opts, "rank", 0)
+    if not 0 <= rank < world:
+        from dsa_train.config import ConfigError
+
+        raise ConfigError(f"--rank {rank}: the layout has {world} ranks",
+                          fix=f"pass --rank 0..{world - 1} (or --world N with more ranks)")
     sizes = resolve_sizes(cfg.parallel, world)
     model_cfg, source = model_config_of(cfg)
     check_model_divisibility(sizes, model_cfg)
@@ -420,7 +426,7 @@ def make_plan(cfg, opts, world: int | None = None) -> dict:
         "layout": {"world": world, "nodes": cl.nodes, "tp": sizes.tensor, "cp": sizes.context, "ep": sizes.expert,
                    "dp": sizes.data, "zero": cfg.parallel.zero_stage, "recompute": cfg.parallel.recompute},
         "seq_len": cfg.data.seq_len, "micro_batch_size": cfg.data.micro_batch_size,
-        "stages": [asdict(s) for s in stages], "peak_gib": peak, "gpu_gib": opts.gpu_gb,
+        "stages": [asdict(s) for s in stages], "peak_gib": peak, "gpu_gib": opts.gpu_gb, "usable": opts.usable,
         "fits": peak <= opts.gpu_gb * opts.usable,
     }
 
@@ -462,7 +468,7 @@ def format_plan(plan: dict) -> str:
                        f"{r['wire_bytes'] / 1e9:9.2f} {r['seconds']:8.2f}")
     verdict = "fits" if plan["fits"] else "does NOT fit"
     out.append(f"  peak {plan['peak_gib']:.1f} GiB/rank: {verdict} in {plan['gpu_gib']} GB GPUs "
-               f"(with 10% headroom for allocator and CUDA context)")
+               f"(with {1 - plan['usable']:.0%} headroom for allocator and CUDA context)")
     return "\n".join(out)
 
 
@@ -480,7 +486,23 @@ def parse_opts(argv):
     p.add_argument("--trace", action="store_true",
                    help="also trace one training step of rank --rank at the full world size (dsa_train.plan.trace)")
     p.add_argument("--rank", type=int, default=0, help="the rank --trace builds (default 0)")
-    return p.parse_known_args(argv)
+    from dsa_train.config.overrides import recipe_args
+
+    opts, recipe, overrides = recipe_args(p, argv)
+    bounds = {"--peak-tflops": (opts.peak_tflops, "> 0", opts.peak_tflops > 0),
+              "--mfu": (opts.mfu, "in (0, 1]", 0 < opts.mfu <= 1),
+              "--gpu-gb": (opts.gpu_gb, "> 0", opts.gpu_gb > 0),
+              "--hbm-tbps": (opts.hbm_tbps, "> 0", opts.hbm_tbps > 0),
+              "--usable": (opts.usable, "in (0, 1]", 0 < opts.usable <= 1),
+              "--world": (opts.world, ">= 1", opts.world is None or opts.world >= 1),
+              "--rank": (opts.rank, ">= 0", opts.rank >= 0)}
+    for flag, (value, rule, ok) in bounds.items():
+        if not ok:
+            default = p.get_default(flag[2:].replace("-", "_"))
+            p.error(f"{flag} {value}: must be {rule} (default: "
+                    f"{'cluster.nodes x cluster.procs_per_node' if default is None else default})")
+    opts.recipe_args = ["--config-name", recipe, *overrides]
+    return opts, opts.recipe_args
 
 
 def traced_plan(cfg, opts, plan: dict) -> dict:
@@ -552,7 +574,7 @@ def format_trace(t: dict) -> str:
 def main(argv: list[str]) -> int:
     from omegaconf import OmegaConf
 
-    from dsa_train.config import ConfigError, compose_recipe
+    from dsa_train.config import ConfigError, compose_checked, to_train_config
     from dsa_train.config.overrides import split_recipe_args
 
     opts, rest = parse_opts(argv)
@@ -563,11 +585,14 @@ def main(argv: list[str]) -> int:
         return 2
     recipe, overrides = split_recipe_args(rest)
     try:
-        # no validation of data sources / checkpoint paths: a plan needs neither
-        composed = compose_recipe(recipe, overrides)
+        # the recipe's values checked as for training; not its data sources or checkpoint paths
+        # against this machine (`check_environment`): a plan needs neither
+        composed = compose_checked(recipe, overrides)
         if OmegaConf.is_missing(composed.model, "pretrained"):
             composed.model.pretrained = "<model.pretrained>"
-        cfg = OmegaConf.to_object(composed)
+        if OmegaConf.is_missing(composed.data, "sources") or not composed.data.sources:
+            composed.data.sources = ["<data.sources>"]
+        cfg = to_train_config(composed)
         plan = make_plan(cfg, opts, world=opts.world)
     except ConfigError as err:
         print(f"dsa-train plan: {err}", file=sys.stderr)

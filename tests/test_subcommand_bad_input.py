@@ -1,0 +1,81 @@
+"""Bad input to `dsa-train plan` and `dsa-train launch`: one line naming the problem and a fix, no
+traceback, nothing written or started. Before, these subcommands composed the recipe without the
+training command's checks: an unknown recipe, an override Hydra cannot parse or an unknown option
+was a Hydra traceback, `plan` skipped the recipe's value checks (data.seq_len=-5 crashed inside
+the plan) and took any --world / --rank / --mfu / --peak-tflops (--peak-tflops 0: ZeroDivisionError;
+--rank past the world: StopIteration)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsa_train.cli import main
+
+
+def _one_line(capsys, argv: list[str]) -> str:
+    try:
+        code = main(argv)
+    except SystemExit as err:  # argparse's own errors
+        code = err.code
+    err = capsys.readouterr().err
+    assert code == 2, (code, err)
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith(("usage:", " "))]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["plan", "--config-name", "demoo"], "--config-name demoo: no such recipe"),
+    (["plan", "--config-name"], "--config-name needs a recipe name"),
+    (["plan", "data.seq_len=-5"], "data.seq_len: must be >= 2, got -5"),
+    (["plan", "data.seq_len=abc"], "data.seq_len=abc"),
+    (["plan", "stages.sparse.stpes=3"], "did you mean stages.sparse.steps?"),
+    (["plan", "stages.sparse.topk=0"], "stages.sparse.topk: must be >= 1"),
+    (["plan", "cluster.nodes=0"], "cluster.nodes: must be >= 1, got 0"),
+    (["plan", "--nodes", "2"], "unrecognized arguments: --nodes"),
+    (["plan", "--world", "0"], "--world 0: must be >= 1"),
+    (["plan", "--world", "-3"], "--world -3: must be >= 1"),
+    (["plan", "--world", "2", "--rank", "5", "parallel.data_parallel=-1"], "--rank 5: the layout has 2 ranks"),
+    (["plan", "--peak-tflops", "0"], "--peak-tflops 0.0: must be > 0"),
+    (["plan", "--mfu", "2"], "--mfu 2.0: must be in (0, 1]"),
+    (["plan", "--usable", "3"], "--usable 3.0: must be in (0, 1]"),
+    (["plan", "--gpu-gb", "-1"], "--gpu-gb -1.0: must be > 0"),
+    (["plan", "--hbm-tbps", "0"], "--hbm-tbps 0.0: must be > 0"),
+])
+def test_plan_refuses_in_one_line(capsys, argv, expected):
+    assert expected in _one_line(capsys, argv)
+
+
+def test_plan_of_a_671b_recipe_needs_no_data_or_checkpoint(capsys):
+    """The values are checked as for training, but not the recipe's ??? data sources and
+    checkpoint path: a plan reads neither."""
+    assert main(["plan", "--json", "--config-name", "v3.2_warmup"]) == 0
+    assert '"fits": true' in capsys.readouterr().out
+
+
+def test_plan_headroom_line_follows_usable(capsys):
+    assert main(["plan", "--usable", "0.8"]) == 0
+    assert "with 20% headroom" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["launch", "slurm", "--dry-run", "--nodes", "0"], "unrecognized arguments: --nodes"),
+    (["launch", "slurm", "--dry-run", "--config-name", "nope"], "--config-name nope: no such recipe"),
+    (["launch", "slurm", "--dry-run", "data.seq_len=abc"], "data.seq_len=abc"),
+    (["launch", "slurm", "--dry-run", "cluster.nodes=0"], "cluster.nodes: must be >= 1, got 0"),
+    (["launch", "slurm", "--dry-run", "cluster.procs_per_node=0"], "cluster.procs_per_node: must be >= 1 or null"),
+    (["launch", "torchrun", "--nproc-per-node", "2", "--bogus"], "unrecognized arguments: --bogus"),
+    (["launch", "torchrun", "--nproc-per-node", "0"], "--nproc-per-node 0: must be >= 1"),
+    (["launch", "torchrun", "--nproc-per-node", "1", "--master-port", "70000"], "--master-port 70000"),
+    (["launch", "torchrun", "--nproc-per-node", "2", "--config-name", "nope"], "--config-name nope: no such recipe"),
+    (["launch", "torchrun", "--nproc-per-node", "2", "stages.sparse.stpes=1"], "did you mean stages.sparse.steps?"),
+])
+def test_launch_refuses_in_one_line_and_starts_nothing(capsys, monkeypatch, tmp_path, argv, expected):
+    import dsa_train.launch.launcher as launcher
+
+    monkeypatch.chdir(tmp_path)
+    started = []
+    monkeypatch.setattr(launcher, "run_torchrun", lambda *a, **k: started.append(a) or 0)
+    assert expected in _one_line(capsys, argv)
+    assert not started and not any(tmp_path.iterdir())
