@@ -247,3 +247,14 @@ def test_evaluate_batches_checks_positions_once_not_per_forward(model, batch, mo
     monkeypatch.setattr(model.config, "max_position_embeddings", T - 1)
     with pytest.raises(ValueError, match=f"eval rows of {T} tokens are beyond max_position_embeddings {T - 1}"):
         evaluate_batches(model, 8, [{"input_ids": ids, "labels": labels, "position_ids": pos}], T, opts)
+
+
+def test_evaluate_batches_refuses_a_row_longer_than_its_seq_len_naming_the_fix(model, batch):
+    # the positions are taken as checked from seq_len: a longer row is refused before any forward,
+    # with the seq_len that would cover it
+    from dsa_train.eval.run import EvalOptions, evaluate_batches
+
+    ids, labels, pos = batch
+    opts = EvalOptions(modes=["dense"], layer_metrics=False)
+    with pytest.raises(ValueError, match=f"row of {T} tokens is longer than seq_len {T - 1}; pass seq_len={T}"):
+        evaluate_batches(model, 8, [{"input_ids": ids, "labels": labels, "position_ids": pos}], T - 1, opts)
