@@ -155,6 +155,16 @@ class TensorParallelHeads:
         KL's target Sigma_h P, all-reduced over the TP group (every rank gets the same bits)."""
         return all_reduce_nograd(x, self.group)
 
+    def replicated(self):
+        """Around the indexer's top-k, which every TP rank runs on the same inputs: the ranks must
+        select the same keys in the same slots (their heads attend over one key set, and `sum_heads`
+        adds their targets slot by slot), so its kernels run their default configs, untimed
+        (`dsa_kernels.autotune.untimed`): a timed choice can differ between ranks, and the index
+        score configs differ in the last bits, which reorders close scores."""
+        from dsa_kernels import autotune
+
+        return autotune.untimed()
+
 
 def shard_tensor_parallel(model: nn.Module, state: ParallelState) -> None:
     tp = state.sizes.tensor
