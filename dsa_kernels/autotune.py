@@ -5,9 +5,11 @@ An op's launcher names the configs of its space for the GPU's compute capability
 config's launch. `pick` returns the launch to run, planning only that one (all of them while timing):
 
 - the default, without timing anything, when the tensors are not on a GPU (the interpreter, the
-  CPU), when the space has one config, when `DSA_AUTOTUNE=0`, or under
+  CPU), when the space has one config, when `DSA_AUTOTUNE=0`, under
   `torch.use_deterministic_algorithms(True)` (a timed choice can differ between runs and ranks,
-  and another key tile sums the online softmax in another order);
+  and another key tile sums the online softmax in another order), or inside `untimed()` (work
+  several ranks must do with the same bits: the indexer's top-k replicated over tensor
+  parallelism, `dsa_train.parallel.tensor.TensorParallelHeads.replicated`);
 - otherwise the fastest candidate by `triton.testing.do_bench` (CUDA events, after the device has
   finished what is queued on every stream: `_quiet_device`; the candidates only
   write the launch's own outputs, so timing them is harmless for kernels that overwrite them; a
@@ -23,6 +25,8 @@ per config for the target architecture), so whatever `pick` chooses has passed t
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import json
 import os
@@ -32,6 +36,20 @@ from typing import Callable, Sequence
 from ._triton_common import env_flag
 
 _MEMORY: dict[str, str] = {}
+_UNTIMED: contextvars.ContextVar[bool] = contextvars.ContextVar("dsa_autotune_untimed", default=False)
+
+
+@contextlib.contextmanager
+def untimed():
+    """Within it `pick` returns every space's default, untimed, as off the GPU: for work whose bits
+    must be the same on several ranks. A timed choice can differ between ranks (timing noise, a
+    cache written by another rank), and configs agree only within their verification tolerance
+    (the index score configs sum in other orders: last-bit differences, which reorder close scores)."""
+    token = _UNTIMED.set(True)
+    try:
+        yield
+    finally:
+        _UNTIMED.reset(token)
 
 
 def cache_path() -> Path:
@@ -81,7 +99,8 @@ def pick(kernel: str, key: tuple, names: Sequence[str], build: Callable[[str], o
         raise ValueError(f"{kernel}: no config to choose from")
     import torch
 
-    if not on_gpu or len(names) == 1 or not enabled() or torch.are_deterministic_algorithms_enabled():
+    if (not on_gpu or len(names) == 1 or not enabled() or _UNTIMED.get()
+            or torch.are_deterministic_algorithms_enabled()):
         return names[0], build(names[0])
     import triton
 

@@ -200,3 +200,27 @@ def test_train_step_hooks_run_between_backward_and_update_and_can_skip_it():
     metrics = train_step(engine, [batch(1)], Stage.of("test", SPARSE), hooks=[applied])
     assert applied.seen[-1] == ("after_update", False, True) and metrics["grad_norm"] > 0
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_the_step_drops_its_outputs_before_the_backward():
+    """forward_backward keeps no micro-batch output through its backward: the logits ([T, vocab],
+    ~1 GiB a rank at 671B) are freed once the LM head's backward has read them, not held until the
+    whole backward returns (trainer/step.py; the plan counts them only beside the head's backward)."""
+    import weakref
+
+    model = tiny_model()
+    seen = []
+
+    class Probe:  # what forward_backward needs of a TrainingEngine, watching the logits
+        def forward(self, *args, **kwargs):
+            out = model(*args, **kwargs)
+            self.logits = weakref.ref(out.logits)
+            return out
+
+        def backward(self, loss):
+            assert self.logits() is not None  # alive into the backward (the loss saved them)
+            loss.backward()
+            seen.append(self.logits() is None)
+
+    forward_backward(Probe(), split_rows(batch(2)), Stage.of("test", SPARSE))
+    assert seen == [True, True]

@@ -247,3 +247,27 @@ def test_evaluate_batches_checks_positions_once_not_per_forward(model, batch, mo
     monkeypatch.setattr(model.config, "max_position_embeddings", T - 1)
     with pytest.raises(ValueError, match=f"eval rows of {T} tokens are beyond max_position_embeddings {T - 1}"):
         evaluate_batches(model, 8, [{"input_ids": ids, "labels": labels, "position_ids": pos}], T, opts)
+
+
+def test_evaluate_batches_refuses_a_row_longer_than_its_seq_len_naming_the_fix(model, batch):
+    # the positions are taken as checked from seq_len: a longer row is refused before any forward,
+    # with the seq_len that would cover it
+    from dsa_train.eval.run import EvalOptions, evaluate_batches
+
+    ids, labels, pos = batch
+    opts = EvalOptions(modes=["dense"], layer_metrics=False)
+    with pytest.raises(ValueError, match=f"row of {T} tokens is longer than seq_len {T - 1}; pass seq_len={T}"):
+        evaluate_batches(model, 8, [{"input_ids": ids, "labels": labels, "position_ids": pos}], T - 1, opts)
+
+
+def test_lengths_beyond_the_models_positions_are_refused_in_every_mode(model, tmp_path):
+    # d517cc9: the position bound is checked for dense-only evaluations too (it ran only with a
+    # sparse mode), since no forward reads the positions back any more
+    from dsa_train.eval.run import EvalError, check_lengths
+
+    limit = model.config.max_position_embeddings
+    models = [LoadedModel("m", tmp_path, model, None, 8)]
+    for modes in (["dense"], ["dense", "sparse"]):
+        with pytest.raises(EvalError, match=f"--seq-len {limit + 1} is beyond m's max_position_embeddings {limit}"):
+            check_lengths([64, limit + 1], models, modes)
+        check_lengths([64, limit], models, modes)

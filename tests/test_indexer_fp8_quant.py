@@ -59,3 +59,15 @@ def test_strided_rows_and_empty_inputs():
     _same(x.to(DEV), False)
     q, s = quantize_rows_triton(torch.empty(0, 4, 128, dtype=torch.bfloat16, device=DEV))
     assert q.shape == (0, 4, 128) and s.shape == (0, 4, 1)
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_infinite_and_extreme_values(ue8m0):
+    # +-inf: the group's scale inf, its finite values 0 and its infinities NaN (inf / inf), as in torch;
+    # fp32 denormals (the amax floor); values near fp32's maximum (a finite scale, ue8m0's largest powers)
+    row = torch.zeros(4, 128)
+    row[0, :3] = torch.tensor([float("inf"), 1.0, -2.0])
+    row[1, :2] = torch.tensor([-float("inf"), 3.0])
+    row[2] = 1e-41
+    row[3] = torch.linspace(-3e38, 3e38, 128)
+    _same(row.to(DEV), ue8m0)

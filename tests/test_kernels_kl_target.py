@@ -162,7 +162,7 @@ def test_tensor_parallel_target_summed_over_head_shards_equals_every_heads(how):
     # without heads the local shard's 3 would divide the target summed over 6: refused, not wrong
     with pytest.raises(ValueError, match="heads=6 needs the target"):
         sparse_indexer_kl_triton(*leaves, idx, local_q, kv, shards[0][1], scale, heads=H)
-    with pytest.raises(ValueError, match="heads=2 needs the target summed"):
+    with pytest.raises(ValueError, match="heads=2 is fewer than the 3 heads q_main holds; pass the layer's head count"):
         sparse_indexer_kl_triton(*leaves, idx, local_q, kv, shards[0][1], scale, target=summed, heads=2)
 
 

@@ -199,9 +199,10 @@ def evaluate_batches(model: torch.nn.Module, topk: int, batches: list[dict[str, 
     measure = LayerMeasurements(topk, fp8=True, ue8m0=opts.fp8_ue8m0) if opts.layer_metrics else None
     for batch in batches:
         ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
+        if ids.shape[-1] > seq_len:  # its positions would not be covered by the check above
+            raise ValueError(f"an eval row of {ids.shape[-1]} tokens is longer than seq_len {seq_len}; "
+                             f"pass seq_len={ids.shape[-1]} (the rows' length) or cut the rows to {seq_len} tokens")
         for mode in opts.modes:
-            if ids.shape[-1] > seq_len:
-                raise ValueError(f"an eval row of {ids.shape[-1]} tokens in a batch of seq_len {seq_len}")
             logits = mode_logits(model, mode, topk, ids, pos, measure, opts.fp8_ue8m0, positions_checked=True)
             results[mode].losses.add(token_losses(logits, labels), labels, pos)
             _advance(progress)

@@ -20,6 +20,7 @@ Attention modes:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -51,6 +52,11 @@ class AllHeads:
     def sum_heads(self, x: torch.Tensor) -> torch.Tensor:
         """A sum over every head of the layer (no gradient), from this process's heads' partial sum."""
         return x
+
+    def replicated(self):
+        """A context for work every process holding some of the layer's heads must do with the same
+        bits (the indexer's top-k): one process has nothing to agree on."""
+        return contextlib.nullcontext()
 
 
 def sparse_kl(layer, q_idx, k_idx_all, w_idx, topk_indices, q_abs, kv_all, lse, p_sum: list):
@@ -222,8 +228,9 @@ class MLA(nn.Module):
         q_abs, kv = self.mqa_qkv(q_nope, q_rope, latent, k_rope)
         kv_all = kv if cp is None else cp.gather(kv)  # [B, T, 576]: all attention activations exchanged
         if sparse:
-            topk_indices = select_topk(q_idx.detach(), k_idx_all.detach(), w_idx.detach(), doc_start, request.topk, cp,
-                                       request.index_scores)
+            with self.heads.replicated():  # tensor parallelism: every rank selects the same keys in the same order
+                topk_indices = select_topk(q_idx.detach(), k_idx_all.detach(), w_idx.detach(), doc_start, request.topk,
+                                           cp, request.index_scores)
             # eq. 4's target Sigma_h P from the attention's own forward (Triton path; the chunked one
             # returns None and its KL forms the target from every head's q and lse)
             out_latent, lse, *p_sum = K.sparse_mla(q_abs, kv_all, topk_indices, self.scale, self.kv_lora_rank,

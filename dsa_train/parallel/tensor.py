@@ -2,11 +2,13 @@
 
 MLA: `q_b_proj` (or `q_proj`) and `kv_b_proj` column-parallel by heads, `o_proj` row-parallel;
 each TP rank runs H / TP heads (MLA's forward runs whatever heads it holds; `TensorParallelHeads`
-sums the shared latent's gradient over TP and gathers every head's values for the KL target) (MHA and absorbed MQA forms alike: W_UK / W_UV are per-head
-views of its kv_b_proj shard). The low-rank projections (q_a_proj, kv_a_proj_with_mqa), their
-norms and the lightning indexer are replicated; the indexer sees the same detached inputs on
-every TP rank, its KL target is built from all heads (queries and log-sum-exps gathered over
-TP, no gradient), and its gradients are averaged over TP. Dense MLPs and shared experts: gate/up
+sums the shared latent's gradient over TP and gives the indexer's KL target over every head) (MHA
+and absorbed MQA forms alike: W_UK / W_UV are per-head views of its kv_b_proj shard). The low-rank
+projections (q_a_proj, kv_a_proj_with_mqa), their norms and the lightning indexer are replicated;
+the indexer sees the same detached inputs on every TP rank, its KL target covers all heads (no
+gradient): in the sparse stage on the Triton path the local heads' Sigma_h P from the attention's
+forward, all-reduced over TP (`sum_heads`); otherwise (the dense KL, the CPU path) every head's
+queries and log-sum-exps gathered over TP (`gather`); its gradients are averaged over TP. Dense MLPs and shared experts: gate/up
 column-parallel, down row-parallel. Routed experts stay whole (replicated over TP; use expert
 parallelism to spread them). Embeddings, norms, router and LM head are replicated.
 """
@@ -152,6 +154,16 @@ class TensorParallelHeads:
         """The layer's sum over heads from this rank's heads' partial sum (no gradient): the sparse
         KL's target Sigma_h P, all-reduced over the TP group (every rank gets the same bits)."""
         return all_reduce_nograd(x, self.group)
+
+    def replicated(self):
+        """Around the indexer's top-k, which every TP rank runs on the same inputs: the ranks must
+        select the same keys in the same slots (their heads attend over one key set, and `sum_heads`
+        adds their targets slot by slot), so its kernels run their default configs, untimed
+        (`dsa_kernels.autotune.untimed`): a timed choice can differ between ranks, and the index
+        score configs differ in the last bits, which reorders close scores."""
+        from dsa_kernels import autotune
+
+        return autotune.untimed()
 
 
 def shard_tensor_parallel(model: nn.Module, state: ParallelState) -> None:

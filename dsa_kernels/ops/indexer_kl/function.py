@@ -175,9 +175,12 @@ def sparse_indexer_kl_triton(q_idx, k_idx, w_idx, indices, q_main, kv_main, lse_
     parallelism; target then sums every rank's heads: `TensorParallelHeads.sum_heads`)."""
     B, T = q_idx.shape[:2]
     n_keys = k_idx.shape[1]
-    if heads is not None and (target is None or heads < q_main.shape[2]):
+    if heads is not None and target is None:
         raise ValueError(f"sparse_indexer_kl: heads={heads} needs the target summed over that many heads "
                          f"(q_main holds {q_main.shape[2]}); without a target pass every head's q_main and lse_main")
+    if heads is not None and heads < q_main.shape[2]:
+        raise ValueError(f"sparse_indexer_kl: heads={heads} is fewer than the {q_main.shape[2]} heads q_main holds; "
+                         f"pass the layer's head count over every rank, the heads the target sums (or no heads)")
     if target is not None and tuple(target.shape) != tuple(indices.shape):
         raise ValueError(f"sparse_indexer_kl: target {tuple(target.shape)} must be the indices' shape "
                          f"{tuple(indices.shape)} (Sigma_h P per slot, from sparse_mla(..., return_target=True))")
