@@ -15,8 +15,7 @@ from dsa_train.lazy import lazy_exports
 
 # module -> the names it defines that this package re-exports
 _MODULES = {
-    "dsa_train.config.recipes": ("DEFAULT_RECIPE", "compose_checked", "compose_recipe", "load_recipe", "recipes_dir",
-                                 "to_train_config"),
+    "dsa_train.config.recipes": ("DEFAULT_RECIPE", "compose_recipe", "load_recipe", "recipes_dir", "to_train_config"),
     "dsa_train.config.schema": (
         "Attention", "CheckpointConfig", "ClusterConfig", "DataConfig", "Decay", "Device", "DType", "LoggingConfig",
         "ModelConfig", "OptimConfig", "ParallelConfig", "StageConfig", "Trainable", "TrainConfig", "WandbMode",
@@ -28,8 +27,7 @@ _EXPORTS = {name: module for module, names in _MODULES.items() for name in names
 __all__ = sorted([*_EXPORTS, "ConfigError", "ParallelSizes", "resolve_sizes", "validate"])
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on first use
-    from dsa_train.config.recipes import (DEFAULT_RECIPE, compose_checked, compose_recipe, load_recipe, recipes_dir,
-                                          to_train_config)
+    from dsa_train.config.recipes import DEFAULT_RECIPE, compose_recipe, load_recipe, recipes_dir, to_train_config
     from dsa_train.config.schema import (Attention, CheckpointConfig, ClusterConfig, DataConfig, Decay, Device, DType,
                                          LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, StageConfig,
                                          Trainable, TrainConfig, WandbMode)

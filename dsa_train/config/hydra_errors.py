@@ -209,3 +209,20 @@ def _composition_problem(err: BaseException, name: str) -> ConfigError:
 
 def _first_line(err: BaseException) -> str:
     return next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+
+
+def compose_checked(recipe: str, overrides: list[str] | None = None) -> DictConfig:
+    """`compose_recipe` for a subcommand's command line (`dsa-train plan`, `launch`): an unknown key
+    (with suggestions) and what Hydra refuses (no such recipe, a value of the wrong type, an override
+    that does not parse) are one ConfigError, as for training (`precompose`)."""
+    from dsa_train.config.overrides import check_overrides
+    from dsa_train.config.recipes import compose_recipe, recipes_dir
+
+    overrides = list(overrides or [])
+    argv = ["--config-name", recipe, *overrides]
+    check_overrides(argv, recipes_dir())
+    try:
+        return compose_recipe(recipe, overrides)
+    except Exception:
+        precompose(argv, recipes_dir(), recipe)  # raises the ConfigError of what failed
+        raise

@@ -40,23 +40,6 @@ def compose_recipe(recipe: str = DEFAULT_RECIPE, overrides: list[str] | None = N
         return compose(config_name=recipe, overrides=list(overrides or []))
 
 
-def compose_checked(recipe: str = DEFAULT_RECIPE, overrides: list[str] | None = None) -> DictConfig:
-    """`compose_recipe` for a subcommand's command line (`dsa-train plan`, `launch`): an unknown key
-    (with suggestions) and what Hydra refuses (no such recipe, a value of the wrong type, an override
-    that does not parse) are one ConfigError, as for training (`hydra_errors.precompose`)."""
-    from dsa_train.config.hydra_errors import precompose
-    from dsa_train.config.overrides import check_overrides
-
-    overrides = list(overrides or [])
-    argv = ["--config-name", recipe, *overrides]
-    check_overrides(argv, recipes_dir())
-    try:
-        return compose_recipe(recipe, overrides)
-    except Exception:
-        precompose(argv, recipes_dir(), recipe)  # raises the ConfigError of what failed
-        raise
-
-
 def to_train_config(cfg: DictConfig, check_environment: bool = False, world_size: int | None = None) -> TrainConfig:
     """Resolve interpolations, convert to dataclasses, apply the profile and run the semantic
     checks (with `check_environment`, also those against this machine and launch). One
@@ -92,4 +75,4 @@ def _missing_keys(node, prefix: str = "") -> list[str]:
 
 
 def load_recipe(recipe: str = DEFAULT_RECIPE, overrides: list[str] | None = None) -> TrainConfig:
-    return to_train_config(compose_checked(recipe, overrides))
+    return to_train_config(compose_recipe(recipe, overrides))

@@ -60,9 +60,10 @@ def torchrun_command(
 
 def render_sbatch(recipe: str, overrides: list[str], python: str | None = None, workdir: str | None = None) -> tuple[str, Path]:
     """The sbatch script for the recipe (+ overrides) and where it is written."""
-    from dsa_train.config import ConfigError, load_recipe, resolve_sizes
+    from dsa_train.config import ConfigError, resolve_sizes, to_train_config
+    from dsa_train.config.hydra_errors import compose_checked
 
-    cfg = load_recipe(recipe, overrides)
+    cfg = to_train_config(compose_checked(recipe, overrides))
     cl = cfg.cluster
     nproc = cl.procs_per_node or cl.gpus_per_node
     if nproc < 1:
@@ -297,7 +298,8 @@ def check_recipe(recipe: str, overrides: list[str], world_size: int) -> str | No
     node) as one message, or None: checked here, before any worker starts, so that a configuration
     error is reported once instead of by every rank and every torchrun restart."""
     from dsa_train.config import ConfigError
-    from dsa_train.config.recipes import compose_checked, to_train_config
+    from dsa_train.config.hydra_errors import compose_checked
+    from dsa_train.config.recipes import to_train_config
 
     try:
         to_train_config(compose_checked(recipe, overrides), check_environment=True, world_size=world_size)

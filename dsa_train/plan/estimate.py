@@ -574,7 +574,8 @@ def format_trace(t: dict) -> str:
 def main(argv: list[str]) -> int:
     from omegaconf import OmegaConf
 
-    from dsa_train.config import ConfigError, compose_checked, to_train_config
+    from dsa_train.config import ConfigError, to_train_config
+    from dsa_train.config.hydra_errors import compose_checked
     from dsa_train.config.overrides import split_recipe_args
 
     opts, rest = parse_opts(argv)
