@@ -79,3 +79,15 @@ def test_launch_refuses_in_one_line_and_starts_nothing(capsys, monkeypatch, tmp_
     monkeypatch.setattr(launcher, "run_torchrun", lambda *a, **k: started.append(a) or 0)
     assert expected in _one_line(capsys, argv)
     assert not started and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["gpu-check", "--device", "cpu", "--small", "--budget-s", "-5"], "--budget-s -5: must be > 0"),
+    (["prepare-data", "--source", "bundled", "--out", "OUT", "--seq-len", "1"], "--seq-len must be >= 2, got 1"),
+])
+def test_other_subcommands_refuse_values_that_would_do_nothing(capsys, monkeypatch, tmp_path, argv, expected):
+    """Before: gpu-check with a negative budget skipped every check and wrote reports; prepare-data
+    wrote one-token rows, which no training run can read (data.seq_len >= 2)."""
+    monkeypatch.chdir(tmp_path)
+    assert expected in _one_line(capsys, [a if a != "OUT" else str(tmp_path / "out") for a in argv])
+    assert not any(tmp_path.iterdir())

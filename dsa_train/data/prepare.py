@@ -67,8 +67,8 @@ def prepare_data(sources: Sequence[str] | str, tokenizer: Tokenizer | str | None
         ``out_dir``. Written to a temporary sibling and renamed, so a crash never leaves a
         half-written dataset that looks complete.
     """
-    if seq_len < 1:
-        raise DataSourceError(f"prepare-data: --seq-len must be >= 1, got {seq_len}", fix="pass e.g. --seq-len 4096")
+    if seq_len < 2:  # as data.seq_len: a row of one token has no next token to predict
+        raise DataSourceError(f"prepare-data: --seq-len must be >= 2, got {seq_len}", fix="pass e.g. --seq-len 4096")
     sources = [sources] if isinstance(sources, str) else list(sources)
     out_dir = Path(out_dir)
     check_out_dir(out_dir, sources, overwrite)  # before any work

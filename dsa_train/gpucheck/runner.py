@@ -254,7 +254,11 @@ def _reexec_interpreted(argv: list[str]) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if not args.budget_s > 0:
+        p.error(f"--budget-s {args.budget_s:g}: must be > 0 seconds (default {DEFAULT_BUDGET_S:g}: the checks "
+                "that do not fit are skipped)")
     opts = Options(device=args.device, small=args.small, out=args.out)
     if args.dry_run:
         checks = select(collect(opts), args.only)
