@@ -86,6 +86,10 @@ class MemoryTrace(TorchDispatchMode):
         self.peak_total = 0
         self.peak: dict[str, int] = {}
         self.phase = "activations"  # or "optimizer"
+        # the plan's phase the step is in ("forward_backward", then "optimizer_step" from the
+        # update on: `TracedZeroStep.step`); `peak_phase`: the one the peak fell in
+        self.step_phase = "forward_backward"
+        self.peak_phase = self.step_phase
         self.balanced: dict[int, int] = {}  # storage key -> balanced element value (MoE counts)
         self._transient = 0  # bytes a chunk-loop op held during the current dispatch
         self.peak_where = ""  # where the peak was reached (source line)
@@ -138,6 +142,7 @@ class MemoryTrace(TorchDispatchMode):
                 self.peak_dsa_sites[site] = self.peak_dsa_sites.get(site, 0) + n
         self.peak_where = _where()
         self.peak_seq = self.seq
+        self.peak_phase = self.step_phase
 
     def _bump(self, nbytes: int, category: str, site: str = "") -> None:
         """A transient allocation of `nbytes` on top of what is live now: a peak candidate."""
@@ -336,7 +341,9 @@ class TracedZeroStep:
         self.master_params = [torch.nn.Parameter(m) for m in self.masters]
         for mp, (g, part) in zip(self.master_params, self.grads):
             mp.grad = g.narrow(0, 0, part)
-        self.optimizer = torch.optim.AdamW(self.master_params, lr=1e-5, foreach=True)
+        # one param group per flat partition, stepped one after the other (DeepSpeed's
+        # `_optimizer_step(i)`): the update's temporaries are one group's at a time
+        self.optimizer = torch.optim.AdamW([{"params": [mp]} for mp in self.master_params], lr=1e-5, foreach=True)
         # DeepSpeed's ZeRO-1/2 optimizer creates the AdamW moments at initialization
         # (`initialize_optimizer_states`), so they are live through forward and backward
         trace.phase = "optimizer"
@@ -387,13 +394,14 @@ class TracedZeroStep:
             self._pending[g] = 0
 
     def step(self) -> None:
+        self.trace.step_phase = "optimizer_step"  # the plan's optimizer step phase from here on
         if self.zero < 2:  # ZeRO-0/1: the gradients are reduced at the step, a bucket at a time
             for g, (params, _) in enumerate(self.groups):
                 total = sum(p.numel() for p in params)
                 for start in range(0, total, self.bucket):
                     self._reduce_elements(g, min(self.bucket, total - start))
         self.trace.phase = "optimizer"
-        self.optimizer.step()  # AdamW moments are created here (fp32, the partition's size)
+        self.optimizer.step()  # the moments exist already; the update's temporaries are tagged optimizer
         self.trace.phase = "activations"
         # updated partitions back into the (bf16) parameters: all-gathered over each group,
         # `bucket` elements of output per call (DeepSpeed's allgather_bucket_size)
@@ -557,6 +565,7 @@ def trace_step(cfg, model_cfg, rank: int = 0, world: int | None = None, stage_na
         return {
             "world_size": world, "rank": rank, "stage": stage_name, "layers": model_cfg.num_hidden_layers,
             "peak": peak, "peak_total": int(trace.peak_total), "peak_at": trace.peak_where,
+            "peak_phase": trace.peak_phase,
             "category_max": {c: int(v) for c, v in ((c, trace.category_max(step_start).get(c, 0)) for c in CATEGORIES)},
             # the DSA buffers live at the peak by allocation site (bytes, largest first)
             "peak_dsa_sites": dict(sorted(((k, int(v)) for k, v in trace.peak_dsa_sites.items() if v),
