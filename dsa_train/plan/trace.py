@@ -219,12 +219,18 @@ class MemoryTrace(TorchDispatchMode):
             return "comm_buffers", ""
         if self.phase == "optimizer":
             return "optimizer", ""
+        # the nearest of the project's frames decides: code in dsa_kernels/ allocates DSA buffers,
+        # the model's code activations -- also where the model runs beneath a kernel's frame: a
+        # recompute that an activation checkpoint runs when a kernel's backward unpacks its saved
+        # tensors (`ctx.saved_tensors` in the dense KL's backward: the recomputed layer's tensors)
         f = sys._getframe(2)
         while f is not None:
             name = f.f_code.co_filename
             if "dsa_train" in name or "kernels" in name:
                 if any(part in name for part in _DSA_FILES):
                     return "dsa_buffers", f"{_short(name)}:{f.f_lineno} ({f.f_code.co_name})"
+                if "dsa_train" in name and not name.endswith(("plan/trace.py", "plan/trace_comm.py")):
+                    return "activations", ""
             f = f.f_back
         return "activations", ""
 
