@@ -41,9 +41,11 @@ def test_trace_of_the_dense_pretraining_stage_matches_the_plan():
     activations are small, so the step's peak falls in the optimizer step, where AdamW's update
     temporaries (one fp32 copy of the param group being stepped; the groups one at a time, as
     DeepSpeed's ZeRO-2) are live beside its state: the optimizer at the peak and its maximum are
-    the plan's state plus those temporaries."""
+    the plan's state plus those temporaries. Its DSA buffers are the dense attention reference's
+    query chunks alone (no indexer, no top-k: no DSA op runs), as the plan sizes them at its shapes."""
     cmd = [sys.executable, "-m", "dsa_train.cli", "plan", "--trace", "--json", "--world", "2", "--config-name", "demo",
-           "parallel=zero2", "parallel.expert_parallel=2", "data.seq_len=64", "model.dtype=bfloat16"]
+           "parallel=zero2", "parallel.expert_parallel=2", "data.seq_len=64", "model.dtype=bfloat16",
+           "~stages.warmup", "~stages.sparse"]  # the pre-training stage alone: the one traced
     out = subprocess.run(cmd, env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
     t = json.loads(out.stdout.strip().splitlines()[-1])
@@ -53,6 +55,8 @@ def test_trace_of_the_dense_pretraining_stage_matches_the_plan():
     assert abs(traced["optimizer"] / planned_max["optimizer"] - 1) < 0.02, (traced, planned_max)
     assert abs(t["traced_max"]["optimizer"] / planned_max["optimizer"] - 1) < 0.02, (t["traced_max"], planned_max)
     assert abs(traced["parameters"] / planned["parameters"] - 1) < 0.02, t
+    assert t["kernel_ops"] == {}, t["kernel_ops"]
+    assert abs(t["traced_max"]["dsa_buffers"] / planned["dsa_buffers"] - 1) < 0.02, (t["traced_max"], planned)
 
 
 def assert_communication_agrees(t: dict) -> set:

@@ -31,7 +31,8 @@ Per rank and per stage (the largest stage decides whether it fits):
                path's kernel launchers' own `workspace` functions at this rank's shapes (the top-k's
                [B, C, T] fp32 score block, the sparse MLA backward's fp32 dkv, the CP attention
                rows' key block, ...: dsa_train.plan.kernel_workspace, the figures `--trace` adds);
-               on a CPU recipe three fp32 blocks of the reference kernels' 2^24-element chunks;
+               on a CPU recipe what the PyTorch reference kernels hold, the same layer on that
+               path (their query chunks' fp32 blocks; a dense stage's: the dense attention's);
   NCCL buffers NCCL's own GPU memory (outside PyTorch's allocator, in both phases): per
                communicator the step uses and per all-to-all peer (`cluster.network.nccl_*`);
                none for a `device: cpu` recipe (gloo).
@@ -146,21 +147,19 @@ class StagePlan:
 
 def kernel_working_set(cfg, model_cfg, stage: Stage, sizes, rank: int = 0) -> dict:
     """The DSA buffers' kernel term: the largest transient working set among the kernels the step
-    runs. A CUDA recipe (`kernel_path_of`): its kernel launchers' own `workspace` functions at this
-    rank's shapes (`dsa_train.plan.kernel_workspace`, the figures `plan --trace` adds); a CPU recipe:
-    a few fp32 blocks of the reference kernels' query chunks (2^24 elements each)."""
-    from dsa_train.plan.trace import kernel_path_of
-
-    path = kernel_path_of(cfg)
-    if path == "cpu":
-        return {"path": path, "op": "the reference kernels' query chunks (3 fp32 blocks of 2^24 elements)",
-                "bytes": 4 * KERNEL_CHUNK_ELEMS * 3, "ops": {}}
+    runs, one attention layer run at this rank's shapes on the recipe's path (`kernel_path_of`;
+    `dsa_train.plan.kernel_workspace`, the figures `plan --trace` adds). A CUDA recipe: its kernel
+    launchers' own `workspace` functions; a CPU recipe: what the PyTorch reference kernels hold
+    (their query chunks' fp32 blocks, each at most KERNEL_CHUNK_ELEMS elements; a dense stage's is
+    the dense attention reference's: no indexer, no top-k)."""
     import torch
 
     from dsa_train.plan.kernel_workspace import kernel_workspace
+    from dsa_train.plan.trace import kernel_path_of
 
+    path = kernel_path_of(cfg)
     ws = kernel_workspace(model_cfg, stage, sizes, cfg.data.seq_len, cfg.data.micro_batch_size,
-                          getattr(torch, cfg.model.dtype.value), rank)
+                          getattr(torch, cfg.model.dtype.value), rank, cuda=path == "cuda")
     return {"path": path, **ws}
 
 
