@@ -105,6 +105,10 @@ def test_trace_of_671b_recipe_agrees_with_plan(recipe, tmp_path):
     # model state is live all step: the same at the traced peak as in the plan
     for key in ("parameters", "optimizer"):
         assert abs(traced[key] / planned[key] - 1) < 0.02, (key, t)
+    # the peak is in the forward / backward; the optimizer's maximum is in the step: its state plus
+    # the update's temporary (one fp32 copy of the group stepped, the groups one at a time)
+    assert t["peak_phase"] == "forward_backward", t["peak_phase"]
+    assert abs(t["traced_max"]["optimizer"] / t["planned_max"]["optimizer"] - 1) < 0.02, (t["traced_max"], t["planned_max"])
     # gradients: the plan's term is its maximum over the step (partition + reduce bucket + the
     # largest parameter's model-dtype gradient); the trace's is what is live at its peak
     assert traced["gradients"] <= 1.2 * planned["gradients"], t

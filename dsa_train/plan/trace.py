@@ -15,12 +15,17 @@ Rank R (default 0) of the recipe's full world size, in one CPU process, without 
      master weights and AdamW moments for this rank's partition (dense parameters over DP x CP,
      experts over expert-DP), gradients reduced into fp32 buffers -- this rank's partition under
      ZeRO-2 (plus one reduce bucket), the whole trainable set under ZeRO-1 -- AdamW (foreach) on
-     the partition, and the updated partition all-gathered back into the bf16 parameters.
+     the partition, one param group per flat partition (dense, experts) stepped one after the
+     other as DeepSpeed does, and the updated partition all-gathered back into the bf16 parameters.
 A TorchDispatchMode counts every live storage by category (parameters, gradients, optimizer
 state, activations, DSA buffers: the top-k indices, the kernels' working sets and what dsa_kernels/
-allocates, as the plan counts them (`_DSA_OPS`), communication buffers: what collectives write) and
-keeps the categories at the peak, the DSA buffers also by allocation site (`peak_dsa_sites`), and
-each category's own maximum over the step (`category_max`).
+allocates, as the plan counts them (`_DSA_OPS`), communication buffers: what collectives write;
+an allocation belongs to the nearest project frame on its stack: the model's code beneath a
+kernel's frame, as an activation checkpoint's recompute run from a kernel's backward, makes
+activations) and keeps the categories at the peak, the DSA buffers also by allocation site
+(`peak_dsa_sites`), the plan's phase the peak fell in (`peak_phase`: forward_backward or
+optimizer_step, from the update's start), and each category's own maximum over the step
+(`category_max`).
 
 Data-dependent values (the MoE's per-rank token counts, `.item()` of metrics) have no value
 under FakeTensorMode: token counts are taken as balanced routing (every expert gets
