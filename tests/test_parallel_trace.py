@@ -2,7 +2,7 @@
 (bf16, the 671B recipes' dtype), built on the meta device under torch's fake process group and
 traced for one training step under FakeTensorMode. Its per-category peak agrees with the analytic
 plan where both count the same thing: the rank's parameters, its ZeRO-2 gradient partition plus
-the reduce bucket, and its AdamW state (fp32 master + moments, plan incl. the update's temporaries);
+the reduce bucket, and its AdamW state (fp32 master + moments; in the optimizer step, plus the update's temporary);
 and the plan's communication per step agrees with the traced step's collectives.
 (The 671B traces take longer than minutes on this CPU: docs/distributed.md.)"""
 
@@ -34,6 +34,29 @@ def test_trace_of_an_ep2_zero2_rank_matches_the_plan():
     assert t["traced_peak_bytes"] == sum(traced.values())
     keys = assert_communication_agrees(t)
     assert {"all_to_all ep forward", "all_to_all ep backward", "reduce dense_dp backward"} <= keys, keys
+
+
+def test_trace_of_the_dense_pretraining_stage_matches_the_plan():
+    """The demo's dense pre-training stage (the largest when it is kept, the one traced): its
+    activations are small, so the step's peak falls in the optimizer step, where AdamW's update
+    temporaries (one fp32 copy of the param group being stepped; the groups one at a time, as
+    DeepSpeed's ZeRO-2) are live beside its state: the optimizer at the peak and its maximum are
+    the plan's state plus those temporaries. Its DSA buffers are the dense attention reference's
+    query chunks alone (no indexer, no top-k: no DSA op runs), as the plan sizes them at its shapes."""
+    cmd = [sys.executable, "-m", "dsa_train.cli", "plan", "--trace", "--json", "--world", "2", "--config-name", "demo",
+           "parallel=zero2", "parallel.expert_parallel=2", "data.seq_len=64", "model.dtype=bfloat16",
+           "~stages.warmup", "~stages.sparse"]  # the pre-training stage alone: the one traced
+    out = subprocess.run(cmd, env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    t = json.loads(out.stdout.strip().splitlines()[-1])
+    assert t["stage"] == "pretrain" and t["peak_phase"] == "optimizer_step", (t["stage"], t["peak_phase"])
+    traced, planned, planned_max = t["traced"], t["planned"], t["planned_max"]
+    assert planned_max["optimizer"] > planned["optimizer"]  # the temporaries
+    assert abs(traced["optimizer"] / planned_max["optimizer"] - 1) < 0.02, (traced, planned_max)
+    assert abs(t["traced_max"]["optimizer"] / planned_max["optimizer"] - 1) < 0.02, (t["traced_max"], planned_max)
+    assert abs(traced["parameters"] / planned["parameters"] - 1) < 0.02, t
+    assert t["kernel_ops"] == {}, t["kernel_ops"]
+    assert abs(t["traced_max"]["dsa_buffers"] / planned["dsa_buffers"] - 1) < 0.02, (t["traced_max"], planned)
 
 
 def assert_communication_agrees(t: dict) -> set:
@@ -82,6 +105,10 @@ def test_trace_of_671b_recipe_agrees_with_plan(recipe, tmp_path):
     # model state is live all step: the same at the traced peak as in the plan
     for key in ("parameters", "optimizer"):
         assert abs(traced[key] / planned[key] - 1) < 0.02, (key, t)
+    # the peak is in the forward / backward; the optimizer's maximum is in the step: its state plus
+    # the update's temporary (one fp32 copy of the group stepped, the groups one at a time)
+    assert t["peak_phase"] == "forward_backward", t["peak_phase"]
+    assert abs(t["traced_max"]["optimizer"] / t["planned_max"]["optimizer"] - 1) < 0.02, (t["traced_max"], t["planned_max"])
     # gradients: the plan's term is its maximum over the step (partition + reduce bucket + the
     # largest parameter's model-dtype gradient); the trace's is what is live at its peak
     assert traced["gradients"] <= 1.2 * planned["gradients"], t

@@ -26,3 +26,29 @@ def test_category_max_counts_each_storage_in_its_last_category():
     trace.add(d, "activations")
     assert trace.category_max(start)["activations"] == 24
     assert trace.category_max(start)["gradients"] == 64
+
+
+def _function_in(path: str, src: str, name: str, **glob):
+    """A function whose frames carry the source file name `path` (as the trace sees the stack)."""
+    scope = dict(glob)
+    exec(compile(src, path, "exec"), scope)
+    return scope[name]
+
+
+def test_an_allocation_is_categorized_by_the_nearest_project_frame():
+    """What the model's code allocates is activations even beneath a kernel's frame (an activation
+    checkpoint's recompute runs inside the kernel's backward when it unpacks its saved tensors:
+    the 671B warm-up's recomputed layer was counted as 2.67 GiB of DSA buffers that way); what the
+    kernels' own code allocates is DSA buffers."""
+    from dsa_train.plan.trace import MemoryTrace
+
+    model_code = _function_in("/x/dsa_train/model/layer.py", "def layer():\n    return torch.empty(1000)\n",
+                              "layer", torch=torch)
+    kernel_code = _function_in(
+        "/x/dsa_kernels/ops/kl/function.py",
+        "def backward(recompute):\n    mine = torch.empty(10)\n    return mine, recompute()\n", "backward", torch=torch)
+    trace = MemoryTrace()
+    with trace:
+        mine, recomputed = kernel_code(model_code)
+    categories = {n: c for n, c, *_ in trace.live.values()}
+    assert categories[4 * 10] == "dsa_buffers" and categories[4 * 1000] == "activations", categories

@@ -10,7 +10,8 @@ Per rank and per stage (the largest stage decides whether it fits):
                DP x CP, experts over expert-DP) plus one reduce bucket;
   optimizer    AdamW m and v (fp32) and the fp32 master (DeepSpeed keeps one with ZeRO >= 1 or
                bf16), partitioned by ZeRO >= 1 (all created at initialization, live throughout);
-               the update's two temporaries per param group exist only during the optimizer step,
+               the update's temporary (one fp32 tensor the size of the param group it steps:
+               torch's foreach AdamW; DeepSpeed steps its groups one at a time) exists only during the optimizer step,
                when activations are freed: the peak is the largest of the forward/backward phase
                (the sum of the categories), the step phase (model state + temporaries) and the MLP
                backward phase (a dense layer's or shared expert's row-chunked MLP backward: model
@@ -30,7 +31,8 @@ Per rank and per stage (the largest stage decides whether it fits):
                path's kernel launchers' own `workspace` functions at this rank's shapes (the top-k's
                [B, C, T] fp32 score block, the sparse MLA backward's fp32 dkv, the CP attention
                rows' key block, ...: dsa_train.plan.kernel_workspace, the figures `--trace` adds);
-               on a CPU recipe three fp32 blocks of the reference kernels' 2^24-element chunks;
+               on a CPU recipe what the PyTorch reference kernels hold, the same layer on that
+               path (their query chunks' fp32 blocks; a dense stage's: the dense attention's);
   NCCL buffers NCCL's own GPU memory (outside PyTorch's allocator, in both phases): per
                communicator the step uses and per all-to-all peer (`cluster.network.nccl_*`);
                none for a `device: cpu` recipe (gloo).
@@ -64,6 +66,9 @@ from dsa_train.stage import Stage
 
 GiB = 2**30
 KERNEL_CHUNK_ELEMS = 1 << 24  # dsa_kernels/masking.query_chunk_size budget
+# fp32 tensors the size of a param group that torch's foreach AdamW step allocates and frees
+# (`exp_avg_sq_sqrt`; tests/test_plan_optimizer_step.py measures it on the installed torch)
+ADAMW_STEP_TEMPORARIES = 1
 # the step line's communication summary: seconds of the kinds whose names start so
 COMM_SUMMARY = {"moe_all_to_all_s": "moe_all_to_all", "grad_reduce_s": ("gradient_reduction", "parameter_all_gather"),
                 "cp_gather_s": "cp_gather", "tp_s": "tp_"}
@@ -142,21 +147,19 @@ class StagePlan:
 
 def kernel_working_set(cfg, model_cfg, stage: Stage, sizes, rank: int = 0) -> dict:
     """The DSA buffers' kernel term: the largest transient working set among the kernels the step
-    runs. A CUDA recipe (`kernel_path_of`): its kernel launchers' own `workspace` functions at this
-    rank's shapes (`dsa_train.plan.kernel_workspace`, the figures `plan --trace` adds); a CPU recipe:
-    a few fp32 blocks of the reference kernels' query chunks (2^24 elements each)."""
-    from dsa_train.plan.trace import kernel_path_of
-
-    path = kernel_path_of(cfg)
-    if path == "cpu":
-        return {"path": path, "op": "the reference kernels' query chunks (3 fp32 blocks of 2^24 elements)",
-                "bytes": 4 * KERNEL_CHUNK_ELEMS * 3, "ops": {}}
+    runs, one attention layer run at this rank's shapes on the recipe's path (`kernel_path_of`;
+    `dsa_train.plan.kernel_workspace`, the figures `plan --trace` adds). A CUDA recipe: its kernel
+    launchers' own `workspace` functions; a CPU recipe: what the PyTorch reference kernels hold
+    (their query chunks' fp32 blocks, each at most KERNEL_CHUNK_ELEMS elements; a dense stage's is
+    the dense attention reference's: no indexer, no top-k)."""
     import torch
 
     from dsa_train.plan.kernel_workspace import kernel_workspace
+    from dsa_train.plan.trace import kernel_path_of
 
+    path = kernel_path_of(cfg)
     ws = kernel_workspace(model_cfg, stage, sizes, cfg.data.seq_len, cfg.data.micro_batch_size,
-                          getattr(torch, cfg.model.dtype.value), rank)
+                          getattr(torch, cfg.model.dtype.value), rank, cuda=path == "cuda")
     return {"path": path, **ws}
 
 
@@ -304,15 +307,18 @@ def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
     g["gradients"] = 4 * (grad_elems + (min(REDUCE_BUCKET, t_dense + t_expert) if zero >= 1 else 0)) / GiB
     master = 4 if (zero >= 1 or pb == 2) else 0
     opt_elems = (t_dense / shard_d + t_expert / shard_e) if zero >= 1 else (t_dense + t_expert)
-    # + the update's temporaries: torch's foreach AdamW allocates two fp32 tensors the size of
-    # the param group it steps (DeepSpeed ZeRO: one flat partition per group; dense and expert
-    # groups are stepped one after the other)
+    # + the update's temporaries (the optimizer step phase only): torch's foreach AdamW
+    # (`_multi_tensor_adam`, the default on CUDA) allocates ADAMW_STEP_TEMPORARIES fp32 tensors the
+    # size of the param group it steps and updates everything else in place; DeepSpeed ZeRO-1/2
+    # keeps one flat fp32 partition per param group and steps the groups one after the other
+    # (`_optimizer_step(i)`), its fp32 gradient partition being the partition's `.grad` as is
+    # (no copy with fp32 accumulation); the largest group is at most the dense or the expert partition
     if zero >= 1:
         largest_group = max(t_dense / shard_d, t_expert / shard_e)
     else:
         largest_group = t_dense + t_expert
     g["optimizer"] = (8 + master) * opt_elems / GiB
-    step_temporaries = 2 * 4 * largest_group / GiB
+    step_temporaries = ADAMW_STEP_TEMPORARIES * 4 * largest_group / GiB
     T_loc = cfg.data.micro_batch_size * cfg.data.seq_len / sizes.context
     topk = stage.topk_for(c)
     act = activation_bytes_per_token(c, sizes, stage, cfg.parallel.recompute, pb, cfg.data.seq_len, topk)
@@ -517,6 +523,10 @@ def traced_plan(cfg, opts, plan: dict) -> dict:
     traced = trace_step(cfg, model_cfg, rank=opts.rank, world=plan["layout"]["world"], stage_name=stage["stage"])
     planned = {k: int(v * GiB) for k, v in stage["gib"].items() if k != "nccl_buffers"}
     nccl = int(stage["gib"]["nccl_buffers"] * GiB)
+    # each category's maximum over the step as the plan has it (beside the trace's `category_max`):
+    # the optimizer's is its state plus the update's temporaries, in the optimizer step phase
+    planned_max = dict(planned)
+    planned_max["optimizer"] += int(stage["step_detail_gib"]["optimizer_step_temporaries"] * GiB)
     comm = compare_communication(
         stage["communication"],
         traced_communication(traced["collectives"], stage["step_detail"]["micro_batches"], cfg.cluster.network))
@@ -524,7 +534,8 @@ def traced_plan(cfg, opts, plan: dict) -> dict:
         "world_size": traced["world_size"], "rank": traced["rank"], "stage": stage["stage"],
         "traced_peak_bytes": traced["peak_total"], "planned_peak_bytes": int(stage["total_gib"] * GiB) - nccl,
         "planned_nccl_bytes": nccl, "gpu_memory_bytes": int(opts.gpu_gb * GiB), "traced": traced["peak"],
-        "planned": planned, "traced_max": traced["category_max"], "layout": traced["layout"], "trace_seconds": round(traced["seconds"], 1),
+        "planned": planned, "traced_max": traced["category_max"], "planned_max": planned_max,
+        "peak_phase": traced["peak_phase"], "layout": traced["layout"], "trace_seconds": round(traced["seconds"], 1),
         "peak_at": traced["peak_at"], "peak_dsa_sites": traced["peak_dsa_sites"],
         "kernels": traced["kernels"], "kernel_ops": traced["kernel_ops"], "fits": traced["peak_total"] + nccl <= opts.gpu_gb * GiB * opts.usable,
         "micro_batches": stage["step_detail"]["micro_batches"], "traced_collective_calls": len(traced["collectives"]),
@@ -547,12 +558,14 @@ def planned_matmul_flops(cfg, stage: dict, tensor: int, context: int) -> dict:
 
 def format_trace(t: dict) -> str:
     out = [f"trace: rank {t['rank']} of {t['world_size']}, stage {t['stage']}, {t['kernels']} kernel path, one step "
-           f"({t['trace_seconds']} s): peak {t['traced_peak_bytes'] / GiB:.2f} GiB traced, "
-           f"{t['planned_peak_bytes'] / GiB:.2f} GiB planned (+ {t['planned_nccl_bytes'] / GiB:.2f} GiB NCCL buffers)"]
+           f"({t['trace_seconds']} s): peak {t['traced_peak_bytes'] / GiB:.2f} GiB traced (in the "
+           f"{t['peak_phase'].replace('_', ' ')} phase), {t['planned_peak_bytes'] / GiB:.2f} GiB planned "
+           f"(+ {t['planned_nccl_bytes'] / GiB:.2f} GiB NCCL buffers); per category: at the traced peak, "
+           f"and each one's maximum over the step"]
     for k in t["traced"]:
-        plan = t["planned"].get(k)
-        out.append(f"  {k:13s} traced {t['traced'][k] / GiB:8.3f} GiB   planned "
-                   + (f"{plan / GiB:8.3f} GiB" if plan is not None else "       - (in gradients)"))
+        plan, plan_max = t["planned"].get(k), t["planned_max"].get(k)
+        out.append(f"  {k:13s} traced {t['traced'][k] / GiB:8.3f} GiB (max {t['traced_max'][k] / GiB:8.3f})   planned "
+                   + (f"{plan / GiB:8.3f} GiB (max {plan_max / GiB:8.3f})" if plan is not None else "       - (in gradients)"))
     for site, n in list(t.get("peak_dsa_sites", {}).items())[:8]:  # what the DSA buffers at the peak are
         out.append(f"    dsa_buffers at the peak {n / GiB:8.3f} GiB  {site}")
     if t["kernel_ops"]:

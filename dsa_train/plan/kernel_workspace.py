@@ -26,9 +26,16 @@ from dsa_train.plan.trace import MemoryTrace
 class _PerOpWorkspace(MemoryTrace):
     """The trace's counter, remembering each custom op's largest working set."""
 
-    def __init__(self):
+    def __init__(self, count_indices: bool = True):
         super().__init__()
         self.by_op: dict[str, int] = {}
+        self.count_indices = count_indices  # False: the top-k's indices are the plan's own term
+
+    def _category_of_new(self, func) -> tuple[str, str]:
+        category, site = super()._category_of_new(func)
+        if not self.count_indices and category == "dsa_buffers" and site.endswith(" outputs"):
+            return "activations", ""
+        return category, site
 
     def chunk_workspace(self, key: tuple, run_worst_chunk) -> None:
         super().chunk_workspace(key, run_worst_chunk)
@@ -36,20 +43,34 @@ class _PerOpWorkspace(MemoryTrace):
 
 
 def kernel_workspace(c, stage, sizes, seq_len: int, micro_batch: int, dtype: torch.dtype = torch.bfloat16,
-                     rank: int = 0) -> dict:
+                     rank: int = 0, cuda: bool = True) -> dict:
     """{"op": the custom op with the largest working set, "bytes": its bytes, "ops": {op: bytes} of
     every DSA custom op the layer dispatched (0: none offered)} -- see the module doc. `c` a
-    DSAConfig, `stage` a `dsa_train.stage.Stage`, `sizes` the layout (`tensor`, `context`)."""
+    DSAConfig, `stage` a `dsa_train.stage.Stage`, `sizes` the layout (`tensor`, `context`).
+    `cuda` False: the same layer on the PyTorch (CPU) path, whose reference kernels allocate their
+    query chunks' blocks plainly: "bytes" is then the most the layer's DSA buffers reach as the
+    trace counts them (the chunk loops' working sets, what dsa_kernels/ allocates -- for a dense
+    stage the dense attention reference's chunks; not the top-k's indices, the plan's per-layer
+    term), "ops" each
+    chunk-loop op's working set and that maximum as "dsa_kernels/ (PyTorch path)"."""
+    import contextlib
+
     from dsa_kernels.chunk_ops import workspace_listener
     from dsa_kernels.custom_ops import trace_cuda_path
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    counter = _PerOpWorkspace()
-    with FakeTensorMode(), counter, workspace_listener(counter.chunk_workspace), trace_cuda_path():
+    counter = _PerOpWorkspace(count_indices=cuda)
+    path = trace_cuda_path() if cuda else contextlib.nullcontext()
+    with FakeTensorMode(), counter, workspace_listener(counter.chunk_workspace), path:
         _attention_layer(c, stage, sizes, seq_len, micro_batch, dtype, rank)
     ops = {name: counter.by_op.get(name, 0) for name in counter.kernel_ops}
+    if not cuda:
+        ops[CPU_PATH_OP] = counter.category_max().get("dsa_buffers", 0)
     op = max(ops, key=ops.get) if ops else ""
     return {"op": op, "bytes": ops.get(op, 0), "ops": ops}
+
+
+CPU_PATH_OP = "dsa_kernels/ (PyTorch path)"  # kernel_workspace(cuda=False)'s layer total
 
 
 def _attention_layer(c, stage, sizes, T: int, B: int, dtype, rank: int) -> None:
@@ -90,9 +111,13 @@ def _attention_layer(c, stage, sizes, T: int, B: int, dtype, rank: int) -> None:
         out, lse, *p_sum = K.sparse_mla(q_abs, kv_all, idx, scale, R, return_target=indexer_loss)
         if main_trains:
             losses.append(out.float().sum())
-        if indexer_loss:
+        if indexer_loss and p_sum and p_sum[0] is not None:
             kl, _ = K.sparse_indexer_kl(qi, ki, wi, idx, q_abs.detach(), kv_all.detach(), lse.detach(), scale,
                                         target=p_sum[0], heads=H)
+            losses.append(kl)
+        elif indexer_loss:  # the chunked (CPU) path: the target from every head's q and lse, gathered
+            kl, _ = K.sparse_indexer_kl(qi, ki, wi, idx, x(B, T_loc, H, D), kv_all.detach(), x(B, T_loc, H, dt=f32),
+                                        scale)
             losses.append(kl)
     elif not main_trains:  # MLA._forward_frozen: the dense warm-up (library attention, the dense KL)
         from dsa_kernels.ops.dense_attention import dense_attention_lse, mla_attention_rows

@@ -15,12 +15,17 @@ Rank R (default 0) of the recipe's full world size, in one CPU process, without 
      master weights and AdamW moments for this rank's partition (dense parameters over DP x CP,
      experts over expert-DP), gradients reduced into fp32 buffers -- this rank's partition under
      ZeRO-2 (plus one reduce bucket), the whole trainable set under ZeRO-1 -- AdamW (foreach) on
-     the partition, and the updated partition all-gathered back into the bf16 parameters.
+     the partition, one param group per flat partition (dense, experts) stepped one after the
+     other as DeepSpeed does, and the updated partition all-gathered back into the bf16 parameters.
 A TorchDispatchMode counts every live storage by category (parameters, gradients, optimizer
 state, activations, DSA buffers: the top-k indices, the kernels' working sets and what dsa_kernels/
-allocates, as the plan counts them (`_DSA_OPS`), communication buffers: what collectives write) and
-keeps the categories at the peak, the DSA buffers also by allocation site (`peak_dsa_sites`), and
-each category's own maximum over the step (`category_max`).
+allocates, as the plan counts them (`_DSA_OPS`), communication buffers: what collectives write;
+an allocation belongs to the nearest project frame on its stack: the model's code beneath a
+kernel's frame, as an activation checkpoint's recompute run from a kernel's backward, makes
+activations) and keeps the categories at the peak, the DSA buffers also by allocation site
+(`peak_dsa_sites`), the plan's phase the peak fell in (`peak_phase`: forward_backward or
+optimizer_step, from the update's start), and each category's own maximum over the step
+(`category_max`).
 
 Data-dependent values (the MoE's per-rank token counts, `.item()` of metrics) have no value
 under FakeTensorMode: token counts are taken as balanced routing (every expert gets
@@ -86,6 +91,10 @@ class MemoryTrace(TorchDispatchMode):
         self.peak_total = 0
         self.peak: dict[str, int] = {}
         self.phase = "activations"  # or "optimizer"
+        # the plan's phase the step is in ("forward_backward", then "optimizer_step" from the
+        # update on: `TracedZeroStep.step`); `peak_phase`: the one the peak fell in
+        self.step_phase = "forward_backward"
+        self.peak_phase = self.step_phase
         self.balanced: dict[int, int] = {}  # storage key -> balanced element value (MoE counts)
         self._transient = 0  # bytes a chunk-loop op held during the current dispatch
         self.peak_where = ""  # where the peak was reached (source line)
@@ -138,6 +147,7 @@ class MemoryTrace(TorchDispatchMode):
                 self.peak_dsa_sites[site] = self.peak_dsa_sites.get(site, 0) + n
         self.peak_where = _where()
         self.peak_seq = self.seq
+        self.peak_phase = self.step_phase
 
     def _bump(self, nbytes: int, category: str, site: str = "") -> None:
         """A transient allocation of `nbytes` on top of what is live now: a peak candidate."""
@@ -214,12 +224,18 @@ class MemoryTrace(TorchDispatchMode):
             return "comm_buffers", ""
         if self.phase == "optimizer":
             return "optimizer", ""
+        # the nearest of the project's frames decides: code in dsa_kernels/ allocates DSA buffers,
+        # the model's code activations -- also where the model runs beneath a kernel's frame: a
+        # recompute that an activation checkpoint runs when a kernel's backward unpacks its saved
+        # tensors (`ctx.saved_tensors` in the dense KL's backward: the recomputed layer's tensors)
         f = sys._getframe(2)
         while f is not None:
             name = f.f_code.co_filename
             if "dsa_train" in name or "kernels" in name:
                 if any(part in name for part in _DSA_FILES):
                     return "dsa_buffers", f"{_short(name)}:{f.f_lineno} ({f.f_code.co_name})"
+                if "dsa_train" in name and not name.endswith(("plan/trace.py", "plan/trace_comm.py")):
+                    return "activations", ""
             f = f.f_back
         return "activations", ""
 
@@ -341,7 +357,9 @@ class TracedZeroStep:
         self.master_params = [torch.nn.Parameter(m) for m in self.masters]
         for mp, (g, part) in zip(self.master_params, self.grads):
             mp.grad = g.narrow(0, 0, part)
-        self.optimizer = torch.optim.AdamW(self.master_params, lr=1e-5, foreach=True)
+        # one param group per flat partition, stepped one after the other (DeepSpeed's
+        # `_optimizer_step(i)`): the update's temporaries are one group's at a time
+        self.optimizer = torch.optim.AdamW([{"params": [mp]} for mp in self.master_params], lr=1e-5, foreach=True)
         # DeepSpeed's ZeRO-1/2 optimizer creates the AdamW moments at initialization
         # (`initialize_optimizer_states`), so they are live through forward and backward
         trace.phase = "optimizer"
@@ -392,13 +410,14 @@ class TracedZeroStep:
             self._pending[g] = 0
 
     def step(self) -> None:
+        self.trace.step_phase = "optimizer_step"  # the plan's optimizer step phase from here on
         if self.zero < 2:  # ZeRO-0/1: the gradients are reduced at the step, a bucket at a time
             for g, (params, _) in enumerate(self.groups):
                 total = sum(p.numel() for p in params)
                 for start in range(0, total, self.bucket):
                     self._reduce_elements(g, min(self.bucket, total - start))
         self.trace.phase = "optimizer"
-        self.optimizer.step()  # AdamW moments are created here (fp32, the partition's size)
+        self.optimizer.step()  # the moments exist already; the update's temporaries are tagged optimizer
         self.trace.phase = "activations"
         # updated partitions back into the (bf16) parameters: all-gathered over each group,
         # `bucket` elements of output per call (DeepSpeed's allgather_bucket_size)
@@ -562,6 +581,7 @@ def trace_step(cfg, model_cfg, rank: int = 0, world: int | None = None, stage_na
         return {
             "world_size": world, "rank": rank, "stage": stage_name, "layers": model_cfg.num_hidden_layers,
             "peak": peak, "peak_total": int(trace.peak_total), "peak_at": trace.peak_where,
+            "peak_phase": trace.peak_phase,
             "category_max": {c: int(v) for c, v in ((c, trace.category_max(step_start).get(c, 0)) for c in CATEGORIES)},
             # the DSA buffers live at the peak by allocation site (bytes, largest first)
             "peak_dsa_sites": dict(sorted(((k, int(v)) for k, v in trace.peak_dsa_sites.items() if v),
