@@ -250,7 +250,10 @@ class MemoryTrace(TorchDispatchMode):
         self._transient = 0
         if func.namespace == "dsa_kernels":
             self.kernel_ops[func._schema.name] += 1
-        out = func(*args, **kwargs)
+        if func is aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+            out = _grouped_mm_other_dtype(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         formula = _matmul_formulas().get(func._overloadpacket)
         if formula is not None:  # the matmuls the rank runs (aten's FLOP formulas)
             self.matmul_flops[str(func._overloadpacket)] += int(formula(*args, **kwargs, out_val=out))
@@ -497,6 +500,16 @@ def _matmul_formulas() -> dict:
     from torch.utils.flop_counter import flop_registry, shape_wrapper
 
     return {**flop_registry, torch.ops.aten._grouped_mm: shape_wrapper(grouped_mm_flops)}
+
+
+def _grouped_mm_other_dtype(func, args, kwargs):
+    """`torch._grouped_mm` on fp32 / fp16 operands under FakeTensorMode: the CPU kernel takes any
+    float dtype (`model/grouped_experts.py`: a CPU recipe in fp32, the demo's), but torch's meta
+    function accepts bf16 only, so the fake call raises. The output's shape from a bf16 call,
+    in the operands' dtype."""
+    a, b, *rest = args
+    out = func(a.to(torch.bfloat16), b.to(torch.bfloat16), *rest, **kwargs)
+    return out.to(a.dtype)
 
 
 def grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
