@@ -62,6 +62,16 @@ def test_cli_main_and_reopen(tmp_path, small_corpus):
     assert json.loads((out / "index.json").read_text())["add_bos"] is False
 
 
+def test_progress_into_a_log_file_is_whole_lines(tmp_path, small_corpus, capsys):
+    """Stderr not a terminal (a log file, a pipe): no carriage returns, so the progress line and the
+    summary do not run together ("... 5 tokensprepare-data: wrote ...")."""
+    path, _ = small_corpus
+    assert prepare_main(["--source", str(path), "--out", str(tmp_path / "out"), "--seq-len", "64"]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err and err.endswith("\n")
+    assert [line for line in err.splitlines() if line.startswith("prepare-data: wrote")]
+
+
 def test_tokenizer_mismatch_on_open_is_a_clear_error(tmp_path, tokenizer, small_corpus):
     path, _ = small_corpus
     out = prepare_data([str(path)], tokenizer, tmp_path / "prepared", seq_len=64,

@@ -97,6 +97,7 @@ def _write(sources, tokenizer, out_dir: Path, tmp_dir: Path, seq_len, dataset, d
     stats = DocumentStats()
     doc_offsets = [0]
     with open(tmp_dir / TOKENS_FILE, "wb") as tokens_file:
+        tty, last_line = sys.stderr.isatty(), time.monotonic()
         for texts in iter_texts(dataset, stats, sources=sources):
             framed = [frame_document(ids, tokenizer.bos_id, tokenizer.eos_id, add_bos, add_eos)
                       for ids in tokenizer.encode_batch(texts)]
@@ -104,9 +105,10 @@ def _write(sources, tokenizer, out_dir: Path, tmp_dir: Path, seq_len, dataset, d
                 doc_offsets.append(doc_offsets[-1] + len(doc))
             chunk = np.concatenate([np.asarray(doc, dtype=np.int64) for doc in framed])
             tokens_file.write(chunk.astype(dtype).tobytes())
-            if log:
+            if log and (tty or time.monotonic() - last_line >= 30):  # a log file: a line per 30 s
+                last_line = time.monotonic()
                 print(f"prepare-data: {stats.n_documents} documents, {doc_offsets[-1]} tokens",
-                      file=sys.stderr, end="\r")
+                      file=sys.stderr, end="\r" if tty else "\n")
     if stats.n_documents == 0:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise DataSourceError(f"Sources {sources} hold no non-empty documents "
@@ -148,7 +150,7 @@ def _write(sources, tokenizer, out_dir: Path, tmp_dir: Path, seq_len, dataset, d
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp_dir, out_dir)
     if log:
-        print(f"\rprepare-data: wrote {out_dir}: {stats.n_documents} documents "
+        print(("\r" if sys.stderr.isatty() else "") + f"prepare-data: wrote {out_dir}: {stats.n_documents} documents "
               f"({stats.n_empty_skipped} empty skipped), {n_tokens} tokens, "
               f"{index['num_sequences_at_seq_len']} sequences of {seq_len}", file=sys.stderr)
     return out_dir
