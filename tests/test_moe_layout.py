@@ -51,6 +51,24 @@ def test_set_layout_without_dispatcher_keeps_every_expert():
     assert sorted(moe.experts.keys()) == ["0", "1", "2", "3"] and isinstance(moe.dispatcher, LocalDispatcher)
 
 
+def test_stacked_weights_under_the_trace_view_only_what_shares_a_storage():
+    """Under FakeTensorMode (`dsa-train plan --trace`) storages have no address (data_ptr is 0, with
+    a warning torch calls "almost definitely a bug"): evenly strided views of one buffer are still a
+    view, separate tensors of the same shape a stacked copy, and no warning is printed."""
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dsa_train.model.grouped_experts import _strided_view
+
+    with FakeTensorMode(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flat = torch.empty(3, 4, 6)
+        view = _strided_view([flat[i] for i in range(3)])
+        assert view is not None and view.shape == (3, 4, 6) and view.untyped_storage()._cdata == flat.untyped_storage()._cdata
+        assert _strided_view([torch.empty(4, 6) for _ in range(3)]) is None
+
+
 def test_stacked_weights_view_a_flat_buffer_without_copy():
     """Experts laid out one after another in one flat buffer (as DeepSpeed's ZeRO-1/2 flattening
     leaves them: gate, up, down of expert 0, then expert 1, ...) give the grouped GEMM a view, not a

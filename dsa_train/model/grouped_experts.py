@@ -119,8 +119,13 @@ class _Stacked(torch.autograd.Function):
 
 def _strided_view(weights) -> torch.Tensor | None:
     first = weights[0]
-    try:  # meta and fake tensors (the traced plan) have no storage address: stacked
-        same_storage = all(w.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for w in weights)
+    try:  # fake tensors (the traced plan) have no storage address (data_ptr 0, with a warning):
+        # their storages compared as objects; meta tensors: stacked (below)
+        if is_fake(first):
+            key = lambda w: w.untyped_storage()._cdata  # noqa: E731
+        else:
+            key = lambda w: w.untyped_storage().data_ptr()  # noqa: E731
+        same_storage = all(key(w) == key(first) for w in weights)
     except (RuntimeError, NotImplementedError):
         return None
     if first.device.type == "meta" or not same_storage or any(w.shape != first.shape or w.stride() != first.stride()
