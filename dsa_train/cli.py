@@ -249,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0
     if argv and argv[0] in SUBCOMMANDS:
+        from dsa_train.runtime import quiet_third_party
+
+        quiet_third_party()  # megatron-core's import-time "Transformer Engine and Apex" lines (plan, launch, ...)
         # every subcommand's project errors end here as one line (dsa_train/errors.py)
         return run_reporting(lambda: run_subcommand(argv[0], argv[1:]))
     return train_app(argv)

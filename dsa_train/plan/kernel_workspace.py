@@ -62,7 +62,7 @@ def kernel_workspace(c, stage, sizes, seq_len: int, micro_batch: int, dtype: tor
     counter = _PerOpWorkspace(count_indices=cuda)
     path = trace_cuda_path() if cuda else contextlib.nullcontext()
     with FakeTensorMode(), counter, workspace_listener(counter.chunk_workspace), path:
-        _attention_layer(c, stage, sizes, seq_len, micro_batch, dtype, rank)
+        _attention_layer(c, stage, sizes, seq_len, micro_batch, dtype, rank, cuda)
     ops = {name: counter.by_op.get(name, 0) for name in counter.kernel_ops}
     if not cuda:
         ops[CPU_PATH_OP] = counter.category_max().get("dsa_buffers", 0)
@@ -73,7 +73,7 @@ def kernel_workspace(c, stage, sizes, seq_len: int, micro_batch: int, dtype: tor
 CPU_PATH_OP = "dsa_kernels/ (PyTorch path)"  # kernel_workspace(cuda=False)'s layer total
 
 
-def _attention_layer(c, stage, sizes, T: int, B: int, dtype, rank: int) -> None:
+def _attention_layer(c, stage, sizes, T: int, B: int, dtype, rank: int, cuda: bool = True) -> None:
     """One attention layer's DSA calls, forward and backward (see `kernel_workspace`)."""
     import dsa_kernels as K
 
@@ -127,10 +127,10 @@ def _attention_layer(c, stage, sizes, T: int, B: int, dtype, rank: int) -> None:
             with torch.no_grad():
                 dense_attention_lse(x(B, T, Hl, nope + rope), x(B, T, Hl, nope + rope), x(B, T, Hl, dv), scale,
                                     doc_start)
-            if indexer_loss:
+            if indexer_loss:  # as `MLA._frozen_kl`: the dispatcher picks the reference on the PyTorch path
                 qi, ki, wi = indexer(T)
-                kl, _ = dense_indexer_kl_triton(qi, ki, wi, x(B, T, H, nope + rope), x(B, T, H, nope + rope), scale,
-                                                doc_start, lse_main=x(B, T, H, dt=f32))
+                kl, _ = K.dense_indexer_kl(qi, ki, wi, x(B, T, H, nope + rope), x(B, T, H, nope + rope), scale,
+                                           doc_start, lse_main=x(B, T, H, dt=f32))
                 losses.append(kl)
         else:
             handle = _CPHandle(cp, rank, positions)
@@ -143,11 +143,16 @@ def _attention_layer(c, stage, sizes, T: int, B: int, dtype, rank: int) -> None:
             for j0, a, n in cp_runs(handle, T):
                 with torch.no_grad():
                     mla_attention_rows(q[:, j0:j0 + n], latent_all, k_rope_all, w_kv, scale, doc_start, a, nope)
-                if indexer_loss:
+                if indexer_loss and cuda:
                     kl, _ = dense_indexer_kl_triton(qi[:, j0:j0 + n], ki, wi[:, j0:j0 + n], q_main[:, j0:j0 + n],
                                                     kv_all[:, :, None, :], scale, doc_start,
                                                     lse_main=x(B, n, H, dt=f32), q_offset=a)
                     losses.append(kl)
+            if indexer_loss and not cuda:  # as `MLA._frozen_kl` on the PyTorch path: every local query at once
+                from dsa_train.model.mla import kl_at_positions
+
+                kl, _ = kl_at_positions(scale, qi, ki, wi, q_main, x(B, T_loc, H, dt=f32), kv_all, doc_start, positions)
+                losses.append(kl)
     elif cp == 1:  # MLA.forward, dense and trained: the MHA form's Triton attention, the dense KL (eq. 3)
         q, k = x(B, T, Hl, nope + rope, grad=True), x(B, T, Hl, nope + rope, grad=True)
         out, lse = K.dense_attention(q, k, x(B, T, Hl, dv, grad=True), scale, doc_start)
