@@ -329,7 +329,10 @@ def _tensors(obj):
 
 # ------------------------------------------------------------------ ZeRO optimizer step
 class TracedZeroStep:
-    """DeepSpeed ZeRO-1/2's memory layout for one step, with real ops on (fake) tensors."""
+    """DeepSpeed ZeRO-1/2's memory layout for one step, with real ops on (fake) tensors. ZeRO-0 with
+    fp32 parameters (a CPU recipe: the demo, repro_small) keeps no master copy: the optimizer steps
+    the parameters themselves and their gradients stay in `p.grad` (the single-process `Engine`;
+    DeepSpeed without ZeRO and without fp16 / bf16), reduced over the data-parallel ranks at the step."""
 
     def __init__(self, trainable, state, zero_stage: int, trace: MemoryTrace, bucket: int, reduce_dtype: torch.dtype,
                  recorder=None):
@@ -344,6 +347,21 @@ class TracedZeroStep:
         self.reduce_dtype, self.recorder = reduce_dtype, recorder
         self._pending = [0, 0]  # gradient elements in the reduce bucket, per group (ZeRO-2)
         self.bucket = bucket
+        self._reduce_buffer = None
+        self.direct = zero_stage == 0 and all(p.dtype == torch.float32 for _, p in trainable)
+        if self.direct:
+            self.optimizer = torch.optim.AdamW([{"params": params} for params, _ in self.groups if params], lr=1e-5,
+                                               foreach=True)
+            trace.phase = "optimizer"  # the moments, live through forward and backward after the first step
+            for params, _ in self.groups:
+                for p in params:
+                    self.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                               "exp_avg_sq": torch.zeros_like(p)}
+            trace.phase = "activations"
+            for params, _ in self.groups:
+                for p in params:
+                    p.register_post_accumulate_grad_hook(lambda p: self.trace.retag(p.grad, "gradients"))
+            return
         trace.phase = "optimizer"
         self.masters, self.grads = [], []
         for params, shard in self.groups:
@@ -370,7 +388,6 @@ class TracedZeroStep:
             self.optimizer.state[mp] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(mp),
                                         "exp_avg_sq": torch.zeros_like(mp)}
         trace.phase = "activations"
-        self._reduce_buffer = None
         for params, _ in self.groups:
             for p in params:
                 p.register_post_accumulate_grad_hook(self._reduce)
