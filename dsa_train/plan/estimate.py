@@ -24,8 +24,9 @@ Per rank and per stage (the largest stage decides whether it fits):
                layer, attention and MLP), or, if larger, the LM head's logits (the chunked
                cross-entropy keeps no fp32 copy of them) with the head's backward (the logits'
                gradient and the loss backward's fp32 row chunk, at most 2^22 logits: a fixed
-               size per micro-batch once the rows exceed it): the logits are freed once that
-               backward has read them, before any layer is recomputed;
+               size per micro-batch once the rows exceed it; in the loss's forward two such
+               chunks): the logits are freed once that backward has read them, before any
+               layer is recomputed;
   DSA buffers  per layer the top-k indices (T_loc x k int32) and, with CP, the all-gathered
                latent KV (T x 576) and indexer keys (T x 128); plus the kernels' transient working
                set (`kernel_workspace` in the output): on a CUDA recipe the largest of the CUDA
@@ -241,14 +242,15 @@ def activation_bytes_per_token(c, sizes, stage: Stage, recompute: str, dtype_byt
     # (`dsa_train.loss.cross_entropy_sum`) works in fp32 row chunks and saves only the logits and an
     # fp32 log-sum-exp per row; the logits live until the head's backward has read them (the step
     # drops its outputs before the backward: `dsa_train.trainer.step`), once more for the MTP head's.
-    # `head_backward`: beside them in that backward, never while a layer is recomputed: the logits'
-    # gradient (model dtype, `_CrossEntropySum.backward`'s `grad`) and that backward's fp32 row chunk
-    # (softmax - onehot of `head_chunk_rows` rows at a time: `head_chunk_row` bytes a row; the whole
-    # logits where they are fewer rows, a fixed size per micro-batch past that, 16 MiB: the demo's
-    # traced maximum, 256 local tokens x 4096 vocab, is this 4 MiB block beside two 2 MiB [T, V]
-    # bf16 tensors), or, if larger, the fp32 copy of the no-label micro-batch's zero loss
-    # (`trainer/step.py`, 4 x vocab a token; its logits are freed without a loss backward):
-    # `head_backward_bytes` sums them for a micro-batch
+    # Beside them, never while a layer is recomputed (`head_working_set_bytes` sums these for a
+    # micro-batch): in the backward (`head_backward`) the logits' gradient (model dtype,
+    # `_CrossEntropySum.backward`'s `grad`) and that backward's fp32 row chunk (softmax - onehot of
+    # `head_chunk_rows` rows at a time, `head_chunk_row` bytes a row: the whole logits where they are
+    # fewer rows, a fixed size per micro-batch past that, 16 MiB; the demo's traced maximum, 256 local
+    # tokens x 4096 vocab, is this 4 MiB block beside two 2 MiB [T, V] bf16 tensors); in the forward two
+    # such chunks (the fp32 rows and `torch.logsumexp`'s shifted copy of them, `aten::sub` inside it);
+    # or, if larger, the fp32 copy of the no-label micro-batch's zero loss (`trainer/step.py`, 4 x
+    # vocab a token; its logits are freed without a loss backward)
     lm = stage.uses_lm and main_trains
     head = (1 + stage.uses_mtp) * (b * c.vocab_size + 4) if lm else 0.0
     head_backward = b * c.vocab_size if lm else 0.0
@@ -277,13 +279,14 @@ def cross_entropy_chunk_rows(vocab: int) -> int:
     return max(1, inspect.signature(cross_entropy_sum).parameters["chunk_elems"].default // vocab)
 
 
-def head_backward_bytes(act: dict, tokens: float) -> float:
-    """The LM head's backward for one micro-batch of `tokens` local tokens, beside its kept logits
-    (`activation_bytes_per_token`'s `head`): the logits' gradient and the loss backward's fp32 row
-    chunk (at most `head_chunk_rows` rows: a fixed size past them), or the no-label micro-batch's fp32
-    copy of the logits, whichever is larger."""
+def head_working_set_bytes(act: dict, tokens: float) -> float:
+    """What the LM head's loss holds for one micro-batch of `tokens` local tokens beside the kept
+    logits (`activation_bytes_per_token`'s `head`), the largest of: its backward (the logits'
+    gradient and an fp32 row chunk, at most `head_chunk_rows` rows: a fixed size past them), its
+    forward (two fp32 row chunks: the rows and logsumexp's shifted copy) and the no-label
+    micro-batch's fp32 copy of the logits."""
     chunk = min(tokens, act["head_chunk_rows"]) * act["head_chunk_row"]
-    return max(tokens * act["head_backward"] + chunk, tokens * act["head_no_label"])
+    return max(tokens * act["head_backward"] + chunk, 2 * chunk, tokens * act["head_no_label"])
 
 
 def mlp_backward_working_set(c, sizes, rows: int, elem_bytes: int, main_trains: bool,
@@ -354,7 +357,7 @@ def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
     act = activation_bytes_per_token(c, sizes, stage, cfg.parallel.recompute, pb, cfg.data.seq_len, topk)
     # the head's backward and a layer's recompute come one after the other (the head's first)
     g["activations"] = (T_loc * act["layers"] + max(T_loc * act["recompute_block"],
-                                                    T_loc * act["head"] + head_backward_bytes(act, T_loc))) / GiB
+                                                    T_loc * act["head"] + head_working_set_bytes(act, T_loc))) / GiB
     # the kernels' transient working set at this rank's shapes, on the path the recipe's device runs
     ws = kernel_working_set(cfg, c, stage, sizes, getattr(opts, "rank", 0))
     p.kernel_workspace = ws
