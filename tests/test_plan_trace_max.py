@@ -52,3 +52,23 @@ def test_an_allocation_is_categorized_by_the_nearest_project_frame():
         mine, recomputed = kernel_code(model_code)
     categories = {n: c for n, c, *_ in trace.live.values()}
     assert categories[4 * 10] == "dsa_buffers" and categories[4 * 1000] == "activations", categories
+
+
+def test_logsumexp_counts_its_own_temporary():
+    """`torch.logsumexp` allocates a copy of its input inside itself (`(x - amax).exp_()`), which
+    its outputs do not show: the trace adds it as a transient of the op's category (the loss's
+    forward holds it beside its fp32 row chunk: the demo's activations' maximum). The size is the
+    installed torch's, measured by its profiler on real tensors."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dsa_train.plan.trace import MemoryTrace, _logsumexp_temporary
+
+    x = torch.randn(64, 512)  # 128 KiB, made before the trace: not counted
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.logsumexp(x, dim=-1)
+    largest = max(e.self_cpu_memory_usage for e in prof.key_averages())
+    assert largest == _logsumexp_temporary(x) == x.numel() * 4, (largest, _logsumexp_temporary(x))
+    trace = MemoryTrace()
+    with trace:
+        y = torch.logsumexp(x, dim=-1)
+    assert trace.category_max()["activations"] == y.untyped_storage().nbytes() + x.numel() * 4

@@ -23,7 +23,9 @@ Per rank and per stage (the largest stage decides whether it fits):
                recomputes (plus one block's worth while it is recomputed: with `full`, a whole
                layer, attention and MLP), or, if larger, the LM head's logits (the chunked
                cross-entropy keeps no fp32 copy of them) with the head's backward (the logits'
-               gradient): the logits are freed once that backward has read them, before any
+               gradient and the loss backward's fp32 row chunk, at most 2^22 logits: a fixed
+               size per micro-batch once the rows exceed it; in the loss's forward two such
+               chunks): the logits are freed once that backward has read them, before any
                layer is recomputed;
   DSA buffers  per layer the top-k indices (T_loc x k int32) and, with CP, the all-gathered
                latent KV (T x 576) and indexer keys (T x 128); plus the kernels' transient working
@@ -240,20 +242,51 @@ def activation_bytes_per_token(c, sizes, stage: Stage, recompute: str, dtype_byt
     # (`dsa_train.loss.cross_entropy_sum`) works in fp32 row chunks and saves only the logits and an
     # fp32 log-sum-exp per row; the logits live until the head's backward has read them (the step
     # drops its outputs before the backward: `dsa_train.trainer.step`), once more for the MTP head's.
-    # `head_backward`: beside them in that backward, never while a layer is recomputed: the logits'
-    # gradient, or the fp32 copy of the no-label micro-batch's zero loss, whichever is larger
+    # Beside them, never while a layer is recomputed (`head_working_set_bytes` sums these for a
+    # micro-batch): in the backward (`head_backward`) the logits' gradient (model dtype,
+    # `_CrossEntropySum.backward`'s `grad`) and that backward's fp32 row chunk (softmax - onehot of
+    # `head_chunk_rows` rows at a time, `head_chunk_row` bytes a row: the whole logits where they are
+    # fewer rows, a fixed size per micro-batch past that, 16 MiB; the demo's traced maximum, 256 local
+    # tokens x 4096 vocab, is this 4 MiB block beside two 2 MiB [T, V] bf16 tensors); in the forward two
+    # such chunks (the fp32 rows and `torch.logsumexp`'s shifted copy of them, `aten::sub` inside it);
+    # or, if larger, the fp32 copy of the no-label micro-batch's zero loss (`trainer/step.py`, 4 x
+    # vocab a token; its logits are freed without a loss backward)
     lm = stage.uses_lm and main_trains
     head = (1 + stage.uses_mtp) * (b * c.vocab_size + 4) if lm else 0.0
-    head_backward = max(b, 4) * c.vocab_size if lm else 0.0
+    head_backward = b * c.vocab_size if lm else 0.0
+    head_chunk_row = 4 * c.vocab_size if lm else 0.0
+    head_no_label = 4 * c.vocab_size if lm else 0.0
     # DSA buffers per layer: top-k indices of local queries, CP-gathered latent KV + indexer key
     dsa_layer_tokens = 4 * topk if sparse else 0.0
     cp_gather_full = b * ((r + rope) + dI) if sizes.context > 1 else 0.0  # per *full-sequence* token
     return {
         "layers": sum(per_layer), "recompute_block": largest_block, "head": head, "head_backward": head_backward,
+        "head_chunk_row": head_chunk_row, "head_chunk_rows": cross_entropy_chunk_rows(c.vocab_size),
+        "head_no_label": head_no_label,
         "layer_saved": layer_saved,
         "dsa_indices": dsa_layer_tokens * c.num_hidden_layers if recompute != "full" else dsa_layer_tokens,
         "cp_gather": cp_gather_full * (c.num_hidden_layers if recompute != "full" else 1),
     }
+
+
+def cross_entropy_chunk_rows(vocab: int) -> int:
+    """Rows of the logits the loss turns into fp32 at a time (`dsa_train.loss.cross_entropy_sum`:
+    its `chunk_elems` default over the vocabulary, at least one)."""
+    import inspect
+
+    from dsa_train.loss import cross_entropy_sum
+
+    return max(1, inspect.signature(cross_entropy_sum).parameters["chunk_elems"].default // vocab)
+
+
+def head_working_set_bytes(act: dict, tokens: float) -> float:
+    """What the LM head's loss holds for one micro-batch of `tokens` local tokens beside the kept
+    logits (`activation_bytes_per_token`'s `head`), the largest of: its backward (the logits'
+    gradient and an fp32 row chunk, at most `head_chunk_rows` rows: a fixed size past them), its
+    forward (two fp32 row chunks: the rows and logsumexp's shifted copy) and the no-label
+    micro-batch's fp32 copy of the logits."""
+    chunk = min(tokens, act["head_chunk_rows"]) * act["head_chunk_row"]
+    return max(tokens * act["head_backward"] + chunk, 2 * chunk, tokens * act["head_no_label"])
 
 
 def mlp_backward_working_set(c, sizes, rows: int, elem_bytes: int, main_trains: bool,
@@ -323,7 +356,8 @@ def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
     topk = stage.topk_for(c)
     act = activation_bytes_per_token(c, sizes, stage, cfg.parallel.recompute, pb, cfg.data.seq_len, topk)
     # the head's backward and a layer's recompute come one after the other (the head's first)
-    g["activations"] = T_loc * (act["layers"] + max(act["recompute_block"], act["head"] + act["head_backward"])) / GiB
+    g["activations"] = (T_loc * act["layers"] + max(T_loc * act["recompute_block"],
+                                                    T_loc * act["head"] + head_working_set_bytes(act, T_loc))) / GiB
     # the kernels' transient working set at this rank's shapes, on the path the recipe's device runs
     ws = kernel_working_set(cfg, c, stage, sizes, getattr(opts, "rank", 0))
     p.kernel_workspace = ws

@@ -25,7 +25,9 @@ kernel's frame, as an activation checkpoint's recompute run from a kernel's back
 activations) and keeps the categories at the peak, the DSA buffers also by allocation site
 (`peak_dsa_sites`), the plan's phase the peak fell in (`peak_phase`: forward_backward or
 optimizer_step, from the update's start), and each category's own maximum over the step
-(`category_max`).
+(`category_max`). An op's own temporaries are not among its outputs: where one is known it is added
+as a transient of the op's category (`torch.logsumexp`'s copy of its input, `_logsumexp_temporary`:
+the loss's forward holds it beside its fp32 row chunk).
 
 Data-dependent values (the MoE's per-rank token counts, `.item()` of metrics) have no value
 under FakeTensorMode: token counts are taken as balanced routing (every expert gets
@@ -265,6 +267,8 @@ class MemoryTrace(TorchDispatchMode):
         category, site = self._category_of_new(func)
         for t in _tensors(out):
             self.add(t, category, site)
+        if func is aten.logsumexp.default:  # a temporary of the op's own, not among its outputs
+            self._bump(_logsumexp_temporary(args[0]), category, f"{site or 'logsumexp'} temporary")
         if self._transient:  # a chunk-loop op's (or a kernel launcher's) working set, live only during the op
             self._bump(self._transient, "dsa_buffers", f"{func._schema.name} working set")
             self._transient = 0
@@ -294,6 +298,13 @@ class MemoryTrace(TorchDispatchMode):
         if t.is_floating_point():
             return 1.0
         return value if value is not None else 1
+
+
+def _logsumexp_temporary(x: torch.Tensor) -> int:
+    """Bytes `torch.logsumexp(x)` allocates and frees inside itself (aten's `logsumexp_out_impl`, CPU
+    and CUDA: `(x - amax).exp_()`, one copy of a floating input, summed into the output); the
+    loss's forward holds it beside its fp32 row chunk (the plan's `head_working_set_bytes`)."""
+    return x.numel() * x.element_size() if x.is_floating_point() else 0
 
 
 def _short(filename: str) -> str:
