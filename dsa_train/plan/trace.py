@@ -361,8 +361,10 @@ class TracedZeroStep:
         self._reduce_buffer = None
         self.direct = zero_stage == 0 and all(p.dtype == torch.float32 for _, p in trainable)
         if self.direct:
-            self.optimizer = torch.optim.AdamW([{"params": params} for params, _ in self.groups if params], lr=1e-5,
-                                               foreach=True)
+            from dsa_train.trainer.optimizer import weight_decay_groups
+
+            # the engines' groups (matrices, vectors), stepped by foreach AdamW (CUDA's default)
+            self.optimizer = torch.optim.AdamW(weight_decay_groups(list(trainable), 0.1), lr=1e-5, foreach=True)
             trace.phase = "optimizer"  # the moments, live through forward and backward after the first step
             for params, _ in self.groups:
                 for p in params:
