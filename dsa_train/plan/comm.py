@@ -281,19 +281,36 @@ def _rows(kind, op, group, phase, parts, micro_batches) -> list[Collective]:
     return [Collective(kind, op, group, phase, calls * micro_batches, sum(b * n for b, n in parts) / calls)]
 
 
+def _replica_groups(sizes, s: StepShape, dense: float, expert: float):
+    """(group, size, elements) of the gradients / parameters DeepSpeed reduces or gathers: dense over
+    DP x CP, routed experts over expert-DP. With expert_parallel=1 the routed experts are ordinary
+    parameters (`parallel.expert.shard_experts` gives them no expert group), reduced and gathered
+    with the dense ones, in the same buckets over DP x CP."""
+    if sizes.expert <= 1:
+        return [("dense_dp", sizes.dense_dp, dense + expert)]
+    return [("dense_dp", sizes.dense_dp, dense), ("expert_dp", sizes.expert_dp, expert)]
+
+
 def gradient_reduction(sizes, s: StepShape, bucket: int) -> list[Collective]:
-    """DeepSpeed's data-parallel gradient reduction (`reduce` of each bucket slice to the rank
-    owning its partition): dense gradients over DP x CP, routed experts' over expert-DP, in
-    `grad_reduce_bytes`. ZeRO-2 reduces in its backward hooks, on every micro-batch; ZeRO-0/1
-    once, at the step (`managed_gradient_accumulation: false`: the step is the boundary). Parameters
-    without a gradient (the MTP layer of a stage that does not run it) are not reduced."""
+    """The data-parallel gradient reduction: an `all_reduce` of each bucket of gradients (the whole
+    bucket, every rank receiving the sum) over the group, in `grad_reduce_bytes`, at every ZeRO
+    stage, as DeepSpeed 0.19 and the trainer issue it (recorded on a real 2-rank step:
+    `tests/test_comm_deepspeed.py`, docs/distributed.md "Communication"):
+      ZeRO-0  once, at the step: fp32 by the trainer's `DeepSpeedEngine.reduce_gradients` (DeepSpeed's
+              reduction is switched off), bf16 by DeepSpeed's `buffered_allreduce_fallback`;
+      ZeRO-1  once, at the step: the ZeRO optimizer's `reduce_gradients` fills `reduce_bucket_size`
+              buckets and `average_tensor` all-reduces each (`use_multi_rank_bucket_allreduce`,
+              DeepSpeed's default, takes the all-reduce over the per-partition `reduce`); each rank
+              keeps its partition's slice;
+      ZeRO-2  the same all-reduce, from its backward hooks, a bucket at a time on every micro-batch.
+    Parameters without a gradient (the MTP layer of a stage that does not run it) are not reduced."""
     per_micro_batch = s.zero_stage >= 2
     phase, repeat = ("backward", s.micro_batches) if per_micro_batch else ("step", 1)
     rows = []
-    for group, n, elems in (("dense_dp", sizes.dense_dp, s.dense_reduced), ("expert_dp", sizes.expert_dp, s.expert_reduced)):
+    for group, n, elems in _replica_groups(sizes, s, s.dense_reduced, s.expert_reduced):
         if n > 1 and elems > 0:
             calls = math.ceil(elems / bucket)
-            rows.append(Collective(f"gradient_reduction_{group}", "reduce", group, phase, calls * repeat,
+            rows.append(Collective(f"gradient_reduction_{group}", "all_reduce", group, phase, calls * repeat,
                                    elems * s.grad_reduce_bytes / calls))
     return rows
 
@@ -305,7 +322,7 @@ def parameter_all_gather(sizes, s: StepShape, bucket: int) -> list[Collective]:
     if s.zero_stage not in (1, 2):
         return []
     rows = []
-    for group, n, elems in (("dense_dp", sizes.dense_dp, s.dense_trainable), ("expert_dp", sizes.expert_dp, s.expert_trainable)):
+    for group, n, elems in _replica_groups(sizes, s, s.dense_trainable, s.expert_trainable):
         if n > 1 and elems > 0:
             calls = math.ceil(elems / bucket)
             rows.append(Collective(f"parameter_all_gather_{group}", "all_gather", group, "step", calls,

@@ -357,6 +357,7 @@ class TracedZeroStep:
         self.process_groups = [state.dense_dp_group, state.expert_dp_group]
         self.reduce_dtype, self.recorder = reduce_dtype, recorder
         self._pending = [0, 0]  # gradient elements in the reduce bucket, per group (ZeRO-2)
+        self._arrived = [0, 0]  # gradient elements of the step, per group (ZeRO-0/1 reduce them at the step)
         self.bucket = bucket
         self._reduce_buffer = None
         self.direct = zero_stage == 0 and all(p.dtype == torch.float32 for _, p in trainable)
@@ -373,7 +374,7 @@ class TracedZeroStep:
             trace.phase = "activations"
             for params, _ in self.groups:
                 for p in params:
-                    p.register_post_accumulate_grad_hook(lambda p: self.trace.retag(p.grad, "gradients"))
+                    p.register_post_accumulate_grad_hook(self._keep)
             return
         trace.phase = "optimizer"
         self.masters, self.grads = [], []
@@ -405,6 +406,11 @@ class TracedZeroStep:
             for p in params:
                 p.register_post_accumulate_grad_hook(self._reduce)
 
+    def _keep(self, p: torch.Tensor) -> None:
+        """ZeRO-0 fp32: the gradient stays in `p.grad` until the step reduces it."""
+        self.trace.retag(p.grad, "gradients")
+        self._arrived[1 if sharding_of(p).expert else 0] += p.numel()
+
     def _reduce(self, p: torch.Tensor) -> None:
         """As ZeRO's gradient hooks: the gradient goes into a reduce bucket (fp32), is reduced over
         the data-parallel ranks and lands in the fp32 gradient buffer; the parameter's own
@@ -414,6 +420,7 @@ class TracedZeroStep:
             self._reduce_buffer = torch.empty(min(self.bucket, total), dtype=torch.float32)
             self.trace.retag(self._reduce_buffer, "comm_buffers")
         self.trace.retag(p.grad, "gradients")  # the model-dtype gradient autograd just produced
+        self._arrived[1 if sharding_of(p).expert else 0] += p.numel()
         n = min(p.numel(), self._reduce_buffer.numel())
         self._reduce_buffer[:n].copy_(p.grad.reshape(-1)[:n])
         p.grad = None
@@ -425,8 +432,8 @@ class TracedZeroStep:
                 self._pending[g] -= self.bucket
 
     def _reduce_elements(self, g: int, n: int) -> None:
-        """DeepSpeed's reduction of `n` gradient elements of group `g` (a `reduce` of the bucket's
-        slices to their partitions' owners; one call per bucket here) in its communication dtype."""
+        """DeepSpeed's reduction of `n` gradient elements of group `g` (an `all_reduce` of the bucket,
+        `plan.comm.gradient_reduction`; one call per bucket here) in its communication dtype."""
         groups = self.groups[g]
         if groups[1] <= 1 or n <= 0:
             return
@@ -434,7 +441,7 @@ class TracedZeroStep:
             self._reduce_buffer = torch.empty(min(self.bucket, max(n, 1)), dtype=self.reduce_dtype)
             self.trace.retag(self._reduce_buffer, "comm_buffers")
         group = self.process_groups[g]
-        dist.reduce(self._reduce_buffer[:n], dst=dist.get_global_rank(group, 0), group=group)
+        dist.all_reduce(self._reduce_buffer[:n], group=group)
 
     def end_of_backward(self) -> None:
         """ZeRO-2's epilogue: the partly filled buckets are reduced."""
@@ -444,9 +451,8 @@ class TracedZeroStep:
 
     def step(self) -> None:
         self.trace.step_phase = "optimizer_step"  # the plan's optimizer step phase from here on
-        if self.zero < 2:  # ZeRO-0/1: the gradients are reduced at the step, a bucket at a time
-            for g, (params, _) in enumerate(self.groups):
-                total = sum(p.numel() for p in params)
+        if self.zero < 2:  # ZeRO-0/1: the gradients the backward produced, reduced at the step a bucket at a time
+            for g, total in enumerate(self._arrived):
                 for start in range(0, total, self.bucket):
                     self._reduce_elements(g, min(self.bucket, total - start))
         self.trace.phase = "optimizer"

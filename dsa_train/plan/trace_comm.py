@@ -96,7 +96,14 @@ class CollectiveRecorder(TorchDispatchMode):
         payload = _nbytes(args[arg]) * (span.size if times_size else 1)
         self.calls.append({"op": op, "group": self.roles.get(key, "other"), "group_size": span.size,
                            "group_on_node": span.on_node, "phase": self._phase or _autograd_phase(),
-                           "payload_bytes": payload})
+                           "payload_bytes": payload, "dtype": _dtype(args[arg])})
+
+
+def _dtype(obj) -> str:
+    """The dtype of the payload's (first) tensor, e.g. "float32"."""
+    while isinstance(obj, (list, tuple)) and obj:
+        obj = obj[0]
+    return str(obj.dtype).removeprefix("torch.") if isinstance(obj, torch.Tensor) else ""
 
 
 def _is_group(a) -> bool:
