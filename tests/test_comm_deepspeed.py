@@ -1,9 +1,11 @@
 """The plan's data-parallel gradient reduction (and ZeRO-1's parameter all-gather) against what a
 real 2-rank DeepSpeed step issues: the demo recipe (fp32, data.seq_len=64, its sparse stage) at DP 2
-on the CPU (gloo), ZeRO-0 and ZeRO-1, every collective recorded by `tests/deepspeed_comm_record.py`.
-The plan modelled both as a `reduce` of each bucket to its partition's owner (and the EP 1 routed
-experts as a second group); DeepSpeed 0.19 and the trainer all-reduce every bucket over DP x CP
-(docs/distributed.md, "Communication")."""
+on the CPU (gloo), ZeRO-0 and ZeRO-1, in fp32 and bf16, every collective recorded by
+`tests/deepspeed_comm_record.py`. The plan modelled both as a `reduce` of each bucket to its
+partition's owner (and the EP 1 routed experts as a second group); DeepSpeed 0.19 and the trainer
+all-reduce every bucket over DP x CP, and in bf16 at ZeRO-0 DeepSpeed's BF16_Optimizer all-reduces
+its whole flat gradient buffers (the parameters without a gradient too) (docs/distributed.md,
+"Communication")."""
 
 import json
 import os
@@ -23,19 +25,20 @@ DATA_PARALLEL_KINDS = ("gradient_reduction", "parameter_all_gather")
 SCALAR_BYTES = 1024  # the step's metric sums, token counts, norms and overflow flags: a few bytes each
 
 
-@pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def recorded(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("comm") / "comm.json"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "tests.deepspeed_comm_record", "--zero", "0,1", "--out", str(out), "--", *RECIPE]
+           "-m", "tests.deepspeed_comm_record", "--zero", "0,1", "--out", str(out), "--", *RECIPE,
+           f"model.dtype={request.param}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "dtype": request.param}
 
 
-def planned_rows(capsys, zero: int, stage: str) -> list[dict]:
-    assert plan_main([*RECIPE, "--world", "2", f"parallel.zero_stage={zero}", "--json"]) == 0
+def planned_rows(capsys, zero: int, stage: str, dtype: str) -> list[dict]:
+    assert plan_main([*RECIPE, "--world", "2", f"parallel.zero_stage={zero}", f"model.dtype={dtype}", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     (s,) = [s for s in plan["stages"] if s["stage"] == stage]
     return s["communication"]
@@ -51,9 +54,9 @@ def test_plan_gradient_reduction_matches_a_real_deepspeed_step(recorded, capsys,
             row = real[f"{c['op']} {c['group']} {c['phase']}"]
             row["calls"] += 1
             row["bytes"] += c["payload_bytes"]
-            assert c["dtype"] == "float32", c  # fp32 model: fp32 gradients and parameters
+            assert c["dtype"] == recorded["dtype"], c  # ZeRO-0/1 reduce in the model dtype
     planned: dict = defaultdict(lambda: {"calls": 0, "bytes": 0, "kinds": []})
-    for r in planned_rows(capsys, zero, recorded["stage"]):
+    for r in planned_rows(capsys, zero, recorded["stage"], recorded["dtype"]):
         if r["kind"].startswith(DATA_PARALLEL_KINDS):
             row = planned[f"{r['op']} {r['group']} {r['phase']}"]
             row["calls"] += r["calls"]

@@ -303,11 +303,15 @@ def gradient_reduction(sizes, s: StepShape, bucket: int) -> list[Collective]:
               DeepSpeed's default, takes the all-reduce over the per-partition `reduce`); each rank
               keeps its partition's slice;
       ZeRO-2  the same all-reduce, from its backward hooks, a bucket at a time on every micro-batch.
-    Parameters without a gradient (the MTP layer of a stage that does not run it) are not reduced."""
+    Parameters without a gradient (the MTP layer of a stage that does not run it) are not reduced,
+    except at ZeRO-0 in bf16: DeepSpeed's BF16_Optimizer all-reduces each param group's whole flat
+    gradient buffer (`get_grads_for_reduction`), every trainable parameter's slot."""
     per_micro_batch = s.zero_stage >= 2
     phase, repeat = ("backward", s.micro_batches) if per_micro_batch else ("step", 1)
+    flat_buffers = s.zero_stage == 0 and s.dtype_bytes == 2
+    dense, expert = (s.dense_trainable, s.expert_trainable) if flat_buffers else (s.dense_reduced, s.expert_reduced)
     rows = []
-    for group, n, elems in _replica_groups(sizes, s, s.dense_reduced, s.expert_reduced):
+    for group, n, elems in _replica_groups(sizes, s, dense, expert):
         if n > 1 and elems > 0:
             calls = math.ceil(elems / bucket)
             rows.append(Collective(f"gradient_reduction_{group}", "all_reduce", group, phase, calls * repeat,

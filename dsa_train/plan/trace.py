@@ -452,7 +452,10 @@ class TracedZeroStep:
     def step(self) -> None:
         self.trace.step_phase = "optimizer_step"  # the plan's optimizer step phase from here on
         if self.zero < 2:  # ZeRO-0/1: the gradients the backward produced, reduced at the step a bucket at a time
-            for g, total in enumerate(self._arrived):
+            # (ZeRO-0 in bf16: DeepSpeed's BF16_Optimizer reduces its whole flat gradient buffers)
+            flat = self.zero == 0 and not self.direct
+            arrived = [sum(p.numel() for p in params) for params, _ in self.groups] if flat else self._arrived
+            for g, total in enumerate(arrived):
                 for start in range(0, total, self.bucket):
                     self._reduce_elements(g, min(self.bucket, total - start))
         self.trace.phase = "optimizer"
