@@ -6,7 +6,8 @@ Run under torchrun on the CPU (gloo, DeepSpeed's CPU accelerator):
         -m tests.deepspeed_comm_record --zero 0,1,2 --out comm.json -- --config-name demo data.seq_len=64
 
 For each ZeRO stage: the recipe's model (`model_config_of`, as `dsa-train plan` sizes it), the
-stage `dsa-train plan --trace` traces (the recipe's last), the trainer's `DeepSpeedEngine`, one
+recipe's last stage (the demo's sparse stage, the one its `plan --trace` traces), the trainer's
+`DeepSpeedEngine` (the router's bias update, a trainer hook, is not run), one
 micro-batch's forward and backward (`forward_backward`, metrics reduced over the layout) and the
 engine's `step`. `plan.trace_comm.CollectiveRecorder` records each c10d call (op, group role and
 size, payload in the plan's convention, dtype) with its phase: `backward` inside the engine's

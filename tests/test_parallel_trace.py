@@ -168,10 +168,10 @@ def test_trace_of_671b_recipe_agrees_with_plan(recipe, tmp_path):
     keys = assert_communication_agrees(t)
     if recipe == "v3.2_sparse":
         assert {"all_to_all ep forward", "all_to_all ep recompute", "all_to_all ep backward", "all_gather cp forward",
-                "all_gather cp recompute", "reduce_scatter cp backward", "reduce dense_dp backward",
-                "reduce expert_dp backward"} <= keys, keys
+                "all_gather cp recompute", "reduce_scatter cp backward", "all_reduce dense_dp backward",
+                "all_reduce expert_dp backward"} <= keys, keys
     else:
-        assert {"all_to_all ep forward", "all_gather cp recompute", "reduce dense_dp step"} <= keys, keys
+        assert {"all_to_all ep forward", "all_gather cp recompute", "all_reduce dense_dp step"} <= keys, keys
         assert not {"all_to_all ep recompute", "all_to_all ep backward"} & keys, keys
 
 
