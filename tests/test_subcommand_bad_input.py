@@ -91,3 +91,15 @@ def test_other_subcommands_refuse_values_that_would_do_nothing(capsys, monkeypat
     monkeypatch.chdir(tmp_path)
     assert expected in _one_line(capsys, [a if a != "OUT" else str(tmp_path / "out") for a in argv])
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("recipe", ["v3.2_sparse", "v3.2_warmup"])
+def test_plan_of_a_one_process_profile_plans_one_rank(capsys, recipe):
+    """`profile=smoke` runs the recipe in one process: its plan is of one rank. The plan applies the
+    profile (`to_train_config`), which sets every parallel size to 1; with the cluster group's world
+    (1024 ranks) that layout was refused ('parallel.data_parallel=1 but world size 1024 ...')."""
+    import json
+
+    assert main(["plan", "--json", "--config-name", recipe, "profile=smoke"]) in (0, 1)
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["layout"]["world"] == 1 and plan["layout"]["dp"] == 1

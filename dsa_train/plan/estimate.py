@@ -447,7 +447,9 @@ def make_plan(cfg, opts, world: int | None = None) -> dict:
     from dsa_train.parallel.groups import check_model_divisibility
 
     cl = cfg.cluster
-    world = world or cl.nodes * (cl.procs_per_node or cl.gpus_per_node)
+    # a one-process profile (profile=smoke) runs on one rank whatever the cluster group says
+    one_process = getattr(getattr(cfg, "profile", None), "one_process", False)
+    world = world or (1 if one_process else cl.nodes * (cl.procs_per_node or cl.gpus_per_node))
     rank = getattr(opts, "rank", 0)
     if not 0 <= rank < world:
         from dsa_train.config import ConfigError
