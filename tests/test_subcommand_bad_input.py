@@ -37,6 +37,10 @@ def _one_line(capsys, argv: list[str]) -> str:
     (["plan", "--world", "0"], "--world 0: must be >= 1"),
     (["plan", "--world", "-3"], "--world -3: must be >= 1"),
     (["plan", "--world", "2", "--rank", "5", "parallel.data_parallel=-1"], "--rank 5: the layout has 2 ranks"),
+    # the layout's fix names the plan's option, not a launch (a plan launches nothing)
+    (["plan", "--world", "3"], "set parallel.data_parallel=3 (or -1 to infer it), or pass --world 1"),
+    (["plan", "--world", "3", "parallel.context_parallel=2", "parallel.data_parallel=-1"],
+     "pass --world a multiple of 2 or lower tensor/context parallel"),
     (["plan", "--peak-tflops", "0"], "--peak-tflops 0.0: must be > 0"),
     (["plan", "--mfu", "2"], "--mfu 2.0: must be in (0, 1]"),
     (["plan", "--usable", "3"], "--usable 3.0: must be in (0, 1]"),

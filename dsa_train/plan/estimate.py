@@ -456,7 +456,7 @@ def make_plan(cfg, opts, world: int | None = None) -> dict:
 
         raise ConfigError(f"--rank {rank}: the layout has {world} ranks",
                           fix=f"pass --rank 0..{world - 1} (or --world N with more ranks)")
-    sizes = resolve_sizes(cfg.parallel, world)
+    sizes = resolve_sizes(cfg.parallel, world, launch="pass --world {}")
     model_cfg, source = model_config_of(cfg)
     check_model_divisibility(sizes, model_cfg)
     check_network(cfg.cluster.network)
