@@ -107,3 +107,25 @@ def test_plan_of_a_one_process_profile_plans_one_rank(capsys, recipe):
     assert main(["plan", "--json", "--config-name", recipe, "profile=smoke"]) in (0, 1)
     plan = json.loads(capsys.readouterr().out)
     assert plan["layout"]["world"] == 1 and plan["layout"]["dp"] == 1
+
+
+@pytest.mark.parametrize("args, recipe, overrides", [
+    (["--config-name", "demo", "parallel=zero2"], "demo", ["parallel=zero2"]),
+    (["--config-name=demo", "~stages.pretrain", "optim.betas=[-0.9,0.99]"], "demo",
+     ["~stages.pretrain", "optim.betas=[-0.9,0.99]"]),
+    (["-cn", "demo", "stages.sparse.lr=2e-4", "run_name='a b'", "--max-restarts", "0"], "demo",
+     ["stages.sparse.lr=2e-4", "run_name='a b'"]),
+    (["recipe=demo", "+logging.wandb.tags=[x]"], "demo", ["+logging.wandb.tags=[x]"]),
+])
+def test_launch_torchrun_passes_every_valid_override_through(monkeypatch, tmp_path, args, recipe, overrides):
+    """The other side of the one-line refusals: Hydra group choices, +key / ~key, values that start
+    with '-' inside an override and quoted values reach the workers' command line as given."""
+    import dsa_train.launch.launcher as launcher
+
+    monkeypatch.chdir(tmp_path)
+    started = []
+    monkeypatch.setattr(launcher, "run_torchrun", lambda cmd, env: started.append(cmd) or 0)
+    monkeypatch.setattr(launcher, "check_recipe", lambda *a: None)  # the recipe's own checks: tested above
+    assert main(["launch", "torchrun", "--nproc-per-node", "2", *args]) == 0
+    (cmd,) = started
+    assert cmd[cmd.index(launcher.TRAIN_MODULE) + 1:] == ["--config-name", recipe, *overrides]
