@@ -46,6 +46,7 @@ def _one_line(capsys, argv: list[str]) -> str:
     (["plan", "--usable", "3"], "--usable 3.0: must be in (0, 1]"),
     (["plan", "--gpu-gb", "-1"], "--gpu-gb -1.0: must be > 0"),
     (["plan", "--hbm-tbps", "0"], "--hbm-tbps 0.0: must be > 0"),
+    (["plan", "run_name=${nope}"], "run_name: Interpolation key 'nope' not found"),
 ])
 def test_plan_refuses_in_one_line(capsys, argv, expected):
     assert expected in _one_line(capsys, argv)
@@ -74,6 +75,9 @@ def test_plan_headroom_line_follows_usable(capsys):
     (["launch", "torchrun", "--nproc-per-node", "1", "--master-port", "70000"], "--master-port 70000"),
     (["launch", "torchrun", "--nproc-per-node", "2", "--config-name", "nope"], "--config-name nope: no such recipe"),
     (["launch", "torchrun", "--nproc-per-node", "2", "stages.sparse.stpes=1"], "did you mean stages.sparse.steps?"),
+    # an interpolation that does not resolve (before: a traceback; the launcher's check once caught it)
+    (["launch", "torchrun", "--nproc-per-node", "1", "run_name=${nope}"], "run_name: Interpolation key 'nope' not found"),
+    (["launch", "slurm", "--dry-run", "run_name=${nope}"], "run_name: Interpolation key 'nope' not found"),
 ])
 def test_launch_refuses_in_one_line_and_starts_nothing(capsys, monkeypatch, tmp_path, argv, expected):
     import dsa_train.launch.launcher as launcher
