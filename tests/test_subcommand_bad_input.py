@@ -120,6 +120,7 @@ def test_plan_of_a_one_process_profile_plans_one_rank(capsys, recipe):
     (["-cn", "demo", "stages.sparse.lr=2e-4", "run_name='a b'", "--max-restarts", "0"], "demo",
      ["stages.sparse.lr=2e-4", "run_name='a b'"]),
     (["recipe=demo", "+logging.wandb.tags=[x]"], "demo", ["+logging.wandb.tags=[x]"]),
+    (["-cn=demo", "data.seq_len=64"], "demo", ["data.seq_len=64"]),  # Hydra's -cn=X (refused as an unknown option)
 ])
 def test_launch_torchrun_passes_every_valid_override_through(monkeypatch, tmp_path, args, recipe, overrides):
     """The other side of the one-line refusals: Hydra group choices, +key / ~key, values that start
