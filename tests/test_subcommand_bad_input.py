@@ -34,6 +34,7 @@ def _one_line(capsys, argv: list[str]) -> str:
     (["plan", "stages.sparse.topk=0"], "stages.sparse.topk: must be >= 1"),
     (["plan", "cluster.nodes=0"], "cluster.nodes: must be >= 1, got 0"),
     (["plan", "--nodes", "2"], "unrecognized arguments: --nodes"),
+    (["plan", "-cd=mine", "--config-name", "x"], "-cd: dsa-train plan reads the recipes in"),
     (["plan", "--world", "0"], "--world 0: must be >= 1"),
     (["plan", "--world", "-3"], "--world -3: must be >= 1"),
     (["plan", "--world", "2", "--rank", "5", "parallel.data_parallel=-1"], "--rank 5: the layout has 2 ranks"),
@@ -71,6 +72,8 @@ def test_plan_headroom_line_follows_usable(capsys):
     (["launch", "slurm", "--dry-run", "cluster.nodes=0"], "cluster.nodes: must be >= 1, got 0"),
     (["launch", "slurm", "--dry-run", "cluster.procs_per_node=0"], "cluster.procs_per_node: must be >= 1 or null"),
     (["launch", "torchrun", "--nproc-per-node", "2", "--bogus"], "unrecognized arguments: --bogus"),
+    # training's --config-dir (docs/recipes.md): not 'recipe keys are key=value', but where recipes are read
+    (["launch", "slurm", "--dry-run", "--config-dir", "mine", "--config-name", "x"], "--config-dir: dsa-train launch slurm reads the recipes in"),
     (["launch", "torchrun", "--nproc-per-node", "0"], "--nproc-per-node 0: must be >= 1"),
     (["launch", "torchrun", "--nproc-per-node", "1", "--master-port", "70000"], "--master-port 70000"),
     (["launch", "torchrun", "--nproc-per-node", "2", "--config-name", "nope"], "--config-name nope: no such recipe"),
