@@ -71,7 +71,10 @@ class _CrossEntropySum(torch.autograd.Function):
         valid = (labels != IGNORE_INDEX)[:, None]
         target = labels.clamp(min=0).long()[:, None]
         for r0 in range(0, logits.shape[0], ctx.chunk):
-            probs = torch.exp_(logits[r0 : r0 + ctx.chunk].float().sub_(lse[r0 : r0 + ctx.chunk, None]))
+            # a copy in every dtype (`.float()` of fp32 logits is the logits themselves, which
+            # the in-place ops below would overwrite)
+            probs = logits[r0 : r0 + ctx.chunk].to(torch.float32, copy=True)
+            probs = torch.exp_(probs.sub_(lse[r0 : r0 + ctx.chunk, None]))
             probs.scatter_add_(1, target[r0 : r0 + ctx.chunk], torch.full_like(probs[:, :1], -1.0))
             probs.mul_(valid[r0 : r0 + ctx.chunk] * grad_total)
             grad[r0 : r0 + ctx.chunk] = probs

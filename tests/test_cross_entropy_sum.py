@@ -32,3 +32,20 @@ def test_cross_entropy_sum_matches_torch(dtype, rows_per_chunk):
     torch.testing.assert_close(c_ce, ce, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(c_grad, grad, rtol=1e-5, atol=1e-6)
     assert bool((c_grad[0, 3] == 0).all())  # an ignored label gets no gradient
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_leaves_the_logits_as_they_were(dtype):
+    """The backward's fp32 row chunk is a copy in every dtype: on fp32 logits (every CPU recipe, the
+    smoke profile) `.float()` returned the logits themselves, so the backward wrote softmax - onehot
+    into the model's output `logits` in place, and an op that saved them for its own backward (tanh,
+    a soft cap) then failed ('modified by an inplace operation')."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 5, 11, generator=g, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 5), generator=g)
+    logits = torch.tanh(h)  # saves its output for its backward
+    before = logits.detach().clone()
+    ce, _ = cross_entropy_sum(logits, labels, chunk_elems=3 * 11)
+    ce.backward()
+    assert torch.equal(logits.detach(), before)
+    assert h.grad is not None and torch.isfinite(h.grad).all()

@@ -28,6 +28,14 @@ def test_category_max_counts_each_storage_in_its_last_category():
     assert trace.category_max(start)["gradients"] == 64
 
 
+def _in_package(package: str, file: str) -> str:
+    """`file`'s path inside the imported `package`'s directory (the file need not exist)."""
+    import importlib
+    import os
+
+    return os.path.join(os.path.dirname(os.path.abspath(importlib.import_module(package).__file__)), file)
+
+
 def _function_in(path: str, src: str, name: str, **glob):
     """A function whose frames carry the source file name `path` (as the trace sees the stack)."""
     scope = dict(glob)
@@ -42,16 +50,37 @@ def test_an_allocation_is_categorized_by_the_nearest_project_frame():
     kernels' own code allocates is DSA buffers."""
     from dsa_train.plan.trace import MemoryTrace
 
-    model_code = _function_in("/x/dsa_train/model/layer.py", "def layer():\n    return torch.empty(1000)\n",
+    model_code = _function_in(_in_package("dsa_train", "model/layer.py"), "def layer():\n    return torch.empty(1000)\n",
                               "layer", torch=torch)
     kernel_code = _function_in(
-        "/x/dsa_kernels/ops/kl/function.py",
+        _in_package("dsa_kernels", "ops/kl/function.py"),
         "def backward(recompute):\n    mine = torch.empty(10)\n    return mine, recompute()\n", "backward", torch=torch)
     trace = MemoryTrace()
     with trace:
         mine, recomputed = kernel_code(model_code)
     categories = {n: c for n, c, *_ in trace.live.values()}
     assert categories[4 * 10] == "dsa_buffers" and categories[4 * 1000] == "activations", categories
+
+
+def test_a_path_that_merely_names_the_project_is_not_the_projects_code():
+    """A checkout called dsa_train/ (the project's name) holds its .venv, so torch's own Python files
+    have "dsa_train" in their path: a torch frame between the allocation and the kernel's frame
+    (here a function in such a torch file, as `torch.nn.functional`'s are) is not the model's code.
+    Matched by substring, everything beneath torch's Python functions was activations there."""
+    from dsa_train.plan.trace import MemoryTrace
+
+    torch_code = _function_in("/home/u/dsa_train/.venv/lib/python3.12/site-packages/torch/nn/functional.py",
+                              "def op(n):\n    return torch.empty(n)\n", "op", torch=torch)
+    kernel_code = _function_in(_in_package("dsa_kernels", "ops/kl/function.py"),
+                               "def forward(op):\n    return op(10)\n", "forward")
+    model_code = _function_in(_in_package("dsa_train", "model/layer.py"),
+                              "def layer(op):\n    return op(1000)\n", "layer")
+    trace = MemoryTrace()
+    with trace:
+        kept = kernel_code(torch_code), model_code(torch_code)
+    categories = {n: c for n, c, *_ in trace.live.values()}
+    assert categories == {4 * 10: "dsa_buffers", 4 * 1000: "activations"}, categories
+    assert len(kept) == 2
 
 
 def test_logsumexp_counts_its_own_temporary():

@@ -34,14 +34,20 @@ def _one_line(capsys, argv: list[str]) -> str:
     (["plan", "stages.sparse.topk=0"], "stages.sparse.topk: must be >= 1"),
     (["plan", "cluster.nodes=0"], "cluster.nodes: must be >= 1, got 0"),
     (["plan", "--nodes", "2"], "unrecognized arguments: --nodes"),
+    (["plan", "-cd=mine", "--config-name", "x"], "-cd: dsa-train plan reads the recipes in"),
     (["plan", "--world", "0"], "--world 0: must be >= 1"),
     (["plan", "--world", "-3"], "--world -3: must be >= 1"),
     (["plan", "--world", "2", "--rank", "5", "parallel.data_parallel=-1"], "--rank 5: the layout has 2 ranks"),
+    # the layout's fix names the plan's option, not a launch (a plan launches nothing)
+    (["plan", "--world", "3"], "set parallel.data_parallel=3 (or -1 to infer it), or pass --world 1"),
+    (["plan", "--world", "3", "parallel.context_parallel=2", "parallel.data_parallel=-1"],
+     "pass --world a multiple of 2 or lower tensor/context parallel"),
     (["plan", "--peak-tflops", "0"], "--peak-tflops 0.0: must be > 0"),
     (["plan", "--mfu", "2"], "--mfu 2.0: must be in (0, 1]"),
     (["plan", "--usable", "3"], "--usable 3.0: must be in (0, 1]"),
     (["plan", "--gpu-gb", "-1"], "--gpu-gb -1.0: must be > 0"),
     (["plan", "--hbm-tbps", "0"], "--hbm-tbps 0.0: must be > 0"),
+    (["plan", "run_name=${nope}"], "run_name: Interpolation key 'nope' not found"),
 ])
 def test_plan_refuses_in_one_line(capsys, argv, expected):
     assert expected in _one_line(capsys, argv)
@@ -66,10 +72,15 @@ def test_plan_headroom_line_follows_usable(capsys):
     (["launch", "slurm", "--dry-run", "cluster.nodes=0"], "cluster.nodes: must be >= 1, got 0"),
     (["launch", "slurm", "--dry-run", "cluster.procs_per_node=0"], "cluster.procs_per_node: must be >= 1 or null"),
     (["launch", "torchrun", "--nproc-per-node", "2", "--bogus"], "unrecognized arguments: --bogus"),
+    # training's --config-dir (docs/recipes.md): not 'recipe keys are key=value', but where recipes are read
+    (["launch", "slurm", "--dry-run", "--config-dir", "mine", "--config-name", "x"], "--config-dir: dsa-train launch slurm reads the recipes in"),
     (["launch", "torchrun", "--nproc-per-node", "0"], "--nproc-per-node 0: must be >= 1"),
     (["launch", "torchrun", "--nproc-per-node", "1", "--master-port", "70000"], "--master-port 70000"),
     (["launch", "torchrun", "--nproc-per-node", "2", "--config-name", "nope"], "--config-name nope: no such recipe"),
     (["launch", "torchrun", "--nproc-per-node", "2", "stages.sparse.stpes=1"], "did you mean stages.sparse.steps?"),
+    # an interpolation that does not resolve (before: a traceback; the launcher's check once caught it)
+    (["launch", "torchrun", "--nproc-per-node", "1", "run_name=${nope}"], "run_name: Interpolation key 'nope' not found"),
+    (["launch", "slurm", "--dry-run", "run_name=${nope}"], "run_name: Interpolation key 'nope' not found"),
 ])
 def test_launch_refuses_in_one_line_and_starts_nothing(capsys, monkeypatch, tmp_path, argv, expected):
     import dsa_train.launch.launcher as launcher
@@ -91,3 +102,38 @@ def test_other_subcommands_refuse_values_that_would_do_nothing(capsys, monkeypat
     monkeypatch.chdir(tmp_path)
     assert expected in _one_line(capsys, [a if a != "OUT" else str(tmp_path / "out") for a in argv])
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("recipe", ["v3.2_sparse", "v3.2_warmup"])
+def test_plan_of_a_one_process_profile_plans_one_rank(capsys, recipe):
+    """`profile=smoke` runs the recipe in one process: its plan is of one rank. The plan applies the
+    profile (`to_train_config`), which sets every parallel size to 1; with the cluster group's world
+    (1024 ranks) that layout was refused ('parallel.data_parallel=1 but world size 1024 ...')."""
+    import json
+
+    assert main(["plan", "--json", "--config-name", recipe, "profile=smoke"]) in (0, 1)
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["layout"]["world"] == 1 and plan["layout"]["dp"] == 1
+
+
+@pytest.mark.parametrize("args, recipe, overrides", [
+    (["--config-name", "demo", "parallel=zero2"], "demo", ["parallel=zero2"]),
+    (["--config-name=demo", "~stages.pretrain", "optim.betas=[-0.9,0.99]"], "demo",
+     ["~stages.pretrain", "optim.betas=[-0.9,0.99]"]),
+    (["-cn", "demo", "stages.sparse.lr=2e-4", "run_name='a b'", "--max-restarts", "0"], "demo",
+     ["stages.sparse.lr=2e-4", "run_name='a b'"]),
+    (["recipe=demo", "+logging.wandb.tags=[x]"], "demo", ["+logging.wandb.tags=[x]"]),
+    (["-cn=demo", "data.seq_len=64"], "demo", ["data.seq_len=64"]),  # Hydra's -cn=X (refused as an unknown option)
+])
+def test_launch_torchrun_passes_every_valid_override_through(monkeypatch, tmp_path, args, recipe, overrides):
+    """The other side of the one-line refusals: Hydra group choices, +key / ~key, values that start
+    with '-' inside an override and quoted values reach the workers' command line as given."""
+    import dsa_train.launch.launcher as launcher
+
+    monkeypatch.chdir(tmp_path)
+    started = []
+    monkeypatch.setattr(launcher, "run_torchrun", lambda cmd, env: started.append(cmd) or 0)
+    monkeypatch.setattr(launcher, "check_recipe", lambda *a: None)  # the recipe's own checks: tested above
+    assert main(["launch", "torchrun", "--nproc-per-node", "2", *args]) == 0
+    (cmd,) = started
+    assert cmd[cmd.index(launcher.TRAIN_MODULE) + 1:] == ["--config-name", recipe, *overrides]

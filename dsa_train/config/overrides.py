@@ -134,7 +134,13 @@ def recipe_args(parser, argv: list[str]):
     argparse's one-line error (it would otherwise reach Hydra as an override it cannot parse)."""
     args, rest = parser.parse_known_args(argv)
     unknown = [a for a in rest if a.startswith("-") and a not in ("--config-name", "-cn")
-               and not a.startswith("--config-name=")]
+               and not a.startswith(("--config-name=", "-cn="))]
+    dirs = [a for a in unknown if a.split("=", 1)[0] in ("--config-dir", "-cd", "--config-path", "-cp")]
+    if dirs:  # training's Hydra flags for recipes elsewhere: the subcommands compose from recipes/ only
+        from dsa_train.config.recipes import recipes_dir
+
+        parser.error(f"{dirs[0].split('=', 1)[0]}: {parser.prog} reads the recipes in {recipes_dir()} only; "
+                     "copy your recipe there and pass --config-name <its name>")
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)} -- `{parser.prog} --help` lists the options; "
                      "recipe keys are key=value (e.g. cluster.nodes=2)")
@@ -153,7 +159,7 @@ def split_recipe_args(args: list[str]) -> tuple[str, list[str]]:
     for arg in it:
         if arg in ("--config-name", "-cn"):
             recipe = next(it, recipe)
-        elif arg.startswith("--config-name="):
+        elif arg.startswith(("--config-name=", "-cn=")):
             recipe = arg.split("=", 1)[1]
         elif arg.startswith("recipe="):
             recipe = arg.split("=", 1)[1]

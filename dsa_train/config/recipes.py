@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue, ValidationError
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
 from dsa_train.config.schema import TrainConfig
 from dsa_train.config.store import register_configs
@@ -57,6 +57,11 @@ def to_train_config(cfg: DictConfig, check_environment: bool = False, world_size
             train_cfg = OmegaConf.to_object(cfg)
         except (MissingMandatoryValue, ValidationError):
             return None  # a missing field that cannot be null: reported above
+        except OmegaConfBaseException as err:  # an interpolation that does not resolve: run_name='${nope}'
+            message = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+            problem(f"{getattr(err, 'full_key', None) or 'the recipe'}: {message} — an interpolation ${{...}} "
+                    "names a key of the composed recipe (`dsa-train --cfg job` prints it)")
+            return None
         assert isinstance(train_cfg, TrainConfig), type(train_cfg)
         apply_profile(train_cfg)
         validate(train_cfg)

@@ -90,9 +90,10 @@ class ParallelSizes:
         return self.dense_dp // self.expert
 
 
-def resolve_sizes(parallel: ParallelConfig, world_size: int) -> ParallelSizes:
+def resolve_sizes(parallel: ParallelConfig, world_size: int, launch: str = "launch {} ranks") -> ParallelSizes:
     """Check the recipe's `parallel` group against the world size; infer data_parallel=-1.
-    Raises ConfigError naming the sizes and the fix."""
+    Raises ConfigError naming the sizes and the fix; `launch`: how the caller's user gets another
+    world size ({} the ranks; `dsa-train plan`: --world N)."""
     tp, cp, ep, dp = parallel.tensor_parallel, parallel.context_parallel, parallel.expert_parallel, parallel.data_parallel
     for key, v in (("tensor_parallel", tp), ("context_parallel", cp), ("expert_parallel", ep)):
         if v < 1:
@@ -105,7 +106,7 @@ def resolve_sizes(parallel: ParallelConfig, world_size: int) -> ParallelSizes:
     if world_size % (tp * cp) != 0:
         raise ConfigError(
             f"world size {world_size} is not divisible by parallel.tensor_parallel * parallel.context_parallel = "
-            f"{tp} * {cp} = {tp * cp}; launch a multiple of {tp * cp} ranks or lower tensor/context parallel"
+            f"{tp} * {cp} = {tp * cp}; {launch.format(f'a multiple of {tp * cp}')} or lower tensor/context parallel"
         )
     inferred = world_size // (tp * cp)
     if dp == -1:
@@ -113,8 +114,8 @@ def resolve_sizes(parallel: ParallelConfig, world_size: int) -> ParallelSizes:
     elif dp != inferred:
         raise ConfigError(
             f"parallel.data_parallel={dp} but world size {world_size} / (tensor_parallel {tp} * context_parallel "
-            f"{cp}) = {inferred}; set parallel.data_parallel={inferred} (or -1 to infer it), or launch "
-            f"{tp * cp * dp} ranks"
+            f"{cp}) = {inferred}; set parallel.data_parallel={inferred} (or -1 to infer it), or "
+            f"{launch.format(tp * cp * dp)}"
         )
     if (cp * dp) % ep != 0:
         raise ConfigError(

@@ -447,14 +447,16 @@ def make_plan(cfg, opts, world: int | None = None) -> dict:
     from dsa_train.parallel.groups import check_model_divisibility
 
     cl = cfg.cluster
-    world = world or cl.nodes * (cl.procs_per_node or cl.gpus_per_node)
+    # a one-process profile (profile=smoke) runs on one rank whatever the cluster group says
+    one_process = getattr(getattr(cfg, "profile", None), "one_process", False)
+    world = world or (1 if one_process else cl.nodes * (cl.procs_per_node or cl.gpus_per_node))
     rank = getattr(opts, "rank", 0)
     if not 0 <= rank < world:
         from dsa_train.config import ConfigError
 
         raise ConfigError(f"--rank {rank}: the layout has {world} ranks",
                           fix=f"pass --rank 0..{world - 1} (or --world N with more ranks)")
-    sizes = resolve_sizes(cfg.parallel, world)
+    sizes = resolve_sizes(cfg.parallel, world, launch="pass --world {}")
     model_cfg, source = model_config_of(cfg)
     check_model_divisibility(sizes, model_cfg)
     check_network(cfg.cluster.network)

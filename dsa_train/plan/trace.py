@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import sys
 import time
 import weakref
@@ -66,6 +67,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import dsa_kernels
 from dsa_train.model.dtypes import apply as apply_dtype_policy
 from dsa_train.parallel.buckets import REDUCE_BUCKET
 from dsa_train.sharding import sharding_of
@@ -78,7 +80,13 @@ CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "dsa_buffer
 # working sets, and what the kernels' host-side glue in dsa_kernels/ allocates. The attention's and
 # the KL's outputs kept for the backward, and the indexer's projections, are activations (the plan's
 # per-layer terms); the CP gathers are collectives' outputs (communication buffers here).
-_DSA_FILES = ("dsa_kernels/",)  # plain allocations from these source files are DSA buffers
+# plain allocations from these packages' source files are DSA buffers (by the package's own
+# directory: a path that merely contains the name, e.g. torch's files in a checkout called
+# dsa_train/, is not the project's)
+_DSA_FILES = (os.path.join(os.path.dirname(os.path.abspath(dsa_kernels.__file__)), ""),)
+# the model's code: allocations from these source files (the trace's own excepted) are activations
+_MODEL_FILES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
+_TRACE_FILES = (os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace_comm.py"))
 _DSA_OPS = ("indexer_topk", "indexer_topk_at_positions")  # custom ops whose outputs are DSA buffers
 
 
@@ -233,11 +241,10 @@ class MemoryTrace(TorchDispatchMode):
         f = sys._getframe(2)
         while f is not None:
             name = f.f_code.co_filename
-            if "dsa_train" in name or "kernels" in name:
-                if any(part in name for part in _DSA_FILES):
-                    return "dsa_buffers", f"{_short(name)}:{f.f_lineno} ({f.f_code.co_name})"
-                if "dsa_train" in name and not name.endswith(("plan/trace.py", "plan/trace_comm.py")):
-                    return "activations", ""
+            if name.startswith(_DSA_FILES):
+                return "dsa_buffers", f"{_short(name)}:{f.f_lineno} ({f.f_code.co_name})"
+            if name.startswith(_MODEL_FILES) and name not in _TRACE_FILES:
+                return "activations", ""
             f = f.f_back
         return "activations", ""
 
