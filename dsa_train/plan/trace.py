@@ -373,12 +373,8 @@ class TracedZeroStep:
 
             # the engines' groups (matrices, vectors), stepped by foreach AdamW (CUDA's default)
             self.optimizer = torch.optim.AdamW(weight_decay_groups(list(trainable), 0.1), lr=1e-5, foreach=True)
-            trace.phase = "optimizer"  # the moments, live through forward and backward after the first step
-            for params, _ in self.groups:
-                for p in params:
-                    self.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                               "exp_avg_sq": torch.zeros_like(p)}
-            trace.phase = "activations"
+            # the moments, live through forward and backward after the first step
+            self._moments([p for params, _ in self.groups for p in params])
             for params, _ in self.groups:
                 for p in params:
                     p.register_post_accumulate_grad_hook(self._keep)
@@ -404,14 +400,18 @@ class TracedZeroStep:
         self.optimizer = torch.optim.AdamW([{"params": [mp]} for mp in self.master_params], lr=1e-5, foreach=True)
         # DeepSpeed's ZeRO-1/2 optimizer creates the AdamW moments at initialization
         # (`initialize_optimizer_states`), so they are live through forward and backward
-        trace.phase = "optimizer"
-        for mp in self.master_params:
-            self.optimizer.state[mp] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(mp),
-                                        "exp_avg_sq": torch.zeros_like(mp)}
-        trace.phase = "activations"
+        self._moments(self.master_params)
         for params, _ in self.groups:
             for p in params:
                 p.register_post_accumulate_grad_hook(self._reduce)
+
+    def _moments(self, params) -> None:
+        """AdamW's state of `params` (the step counter, both moments), tagged optimizer."""
+        self.trace.phase = "optimizer"
+        for p in params:
+            self.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                       "exp_avg_sq": torch.zeros_like(p)}
+        self.trace.phase = "activations"
 
     def _keep(self, p: torch.Tensor) -> None:
         """ZeRO-0 fp32: the gradient stays in `p.grad` until the step reduces it."""
