@@ -224,3 +224,30 @@ def test_the_step_drops_its_outputs_before_the_backward():
 
     forward_backward(Probe(), split_rows(batch(2)), Stage.of("test", SPARSE))
     assert seen == [True, True]
+
+
+def test_a_micro_batch_without_labels_still_runs_its_backward():
+    """A micro-batch whose labels are all ignored has no loss term, yet its backward runs (a zero
+    term): on many ranks the backward's collectives (gradient buckets, EP all-to-alls) must be
+    issued by every rank for every micro-batch, or the ranks fall out of step and hang."""
+    lm_only = StageConfig(attention=Attention.dense, trainable=Trainable.all, lm_loss_coef=1.0,
+                          indexer_loss_coef=0.0, lr=1e-3, steps=1)
+    stage = Stage.of("test", lm_only)
+    rows = split_rows(batch(2))
+    rows[1]["labels"] = torch.full_like(rows[1]["labels"], -100)
+    model = tiny_model()
+    backwards = []
+
+    class Probe:  # what forward_backward needs of a TrainingEngine, counting the backwards
+        def forward(self, *args, **kwargs):
+            return model(*args, **kwargs)
+
+        def backward(self, loss):
+            loss.backward()
+            backwards.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+    forward_backward(Probe(), rows, stage)
+    assert len(backwards) == 2  # one per micro-batch, the label-less one included
+    first, second = backwards
+    assert first.keys() == second.keys() and first  # the same parameters reached by both backwards
+    assert all(torch.equal(first[n], second[n]) for n in first)  # and the second added nothing
