@@ -1,12 +1,135 @@
-"""Code that only a CUDA run executes, run on the CPU: the routed experts' loop path (fp32 on
-CUDA: no grouped GEMM there) with the host counts expert parallelism gives it."""
+"""Code that only a CUDA run executes, run on the CPU: the MoE layer's CUDA stream paths
+(`HostCopy`: the routing counts copied into pinned memory without blocking; `SideStream`: the
+shared experts on a side stream) with the device predicate forced and torch.cuda's stream API
+replaced by a recorder, and the routed experts' loop path (fp32 on CUDA: no grouped GEMM there)
+with the host counts expert parallelism gives it."""
+
+import contextlib
 
 import pytest
 import torch
 
 from dsa_train.model import grouped_experts as ge
 from dsa_train.model import moe
+from dsa_train.model.config import tiny_config
 from dsa_train.trainer.op_counts import StepCounts
+
+
+class _FakeStream:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def wait_stream(self, other):
+        self.log.append(("wait_stream", self.name, other.name))
+
+    def __repr__(self):
+        return self.name
+
+
+class _FakeCuda:
+    """torch.cuda's stream API as a recorder: which stream is current, what waits on what, which
+    tensor is marked used on which stream, what an event records and waits for."""
+
+    def __init__(self, monkeypatch):
+        self.log = []
+        self.main = _FakeStream(self.log, "main")
+        self.current = self.main
+        self.sides = 0
+        fake = self
+
+        class Stream(_FakeStream):
+            def __init__(self, device=None):
+                fake.sides += 1
+                super().__init__(fake.log, f"side{fake.sides}")
+
+        class Event:
+            def record(self, stream=None):
+                fake.log.append(("event_record", (stream or fake.current).name))
+
+            def synchronize(self):
+                fake.log.append(("event_synchronize",))
+
+        @contextlib.contextmanager
+        def stream(s):
+            saved, fake.current = fake.current, s
+            fake.log.append(("enter", s.name))
+            try:
+                yield
+            finally:
+                fake.current = saved
+                fake.log.append(("exit", s.name))
+
+        def record_stream(t, s):
+            fake.log.append(("record_stream", tuple(t.shape), s.name))
+
+        def pinned_empty(shape, dtype):
+            fake.log.append(("pinned_empty", tuple(shape)))
+            return torch.empty(shape, dtype=dtype)
+
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "stream", stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake.current)
+        monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
+        monkeypatch.setattr(moe, "uses_cuda_streams", lambda t: True)
+        monkeypatch.setattr(moe, "pinned_empty", pinned_empty)
+
+
+def test_host_copy_waits_for_its_event_before_the_values_are_read(monkeypatch):
+    cuda = _FakeCuda(monkeypatch)
+    counts = torch.tensor([3, 0, 5, 2])
+    copy = moe.HostCopy(counts, balanced=[1, 1, 1, 1])
+    # into pinned memory, the event recorded on the stream the copy was queued on (the current one)
+    assert cuda.log == [("pinned_empty", (4,)), ("event_record", "main")]
+    assert copy.values() == [3, 0, 5, 2]
+    assert cuda.log[-1] == ("event_synchronize",)  # waited for before the read
+
+
+def _moe_layer():
+    torch.manual_seed(0)
+    cfg = tiny_config(num_hidden_layers=1)
+    layer = moe.MoE(cfg)
+    assert layer.shared_experts is not None
+    return layer, cfg
+
+
+def _forward_backward(layer, x):
+    x = x.detach().clone().requires_grad_()
+    layer.zero_grad()
+    out = layer(x)
+    out.square().sum().backward()
+    return out.detach(), x.grad, [p.grad.clone() for p in layer.shared_experts.parameters()]
+
+
+def test_shared_experts_on_a_side_stream_equal_the_cpu_order(monkeypatch):
+    """The CUDA order (shared experts started before the dispatch, on a side stream that waits for
+    the main stream; joined after the combine) gives the CPU path's output and gradients, and the
+    side stream is joined and its tensors marked used as the caching allocator needs."""
+    layer, cfg = _moe_layer()
+    x = torch.randn(2, 5, cfg.hidden_size)
+    want = _forward_backward(layer, x)
+
+    cuda = _FakeCuda(monkeypatch)
+    ran_on = []
+    layer.shared_experts.register_forward_hook(lambda *_: ran_on.append(cuda.current.name))
+    got = _forward_backward(layer, x)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    for g, w in zip(got[2], want[2]):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+    assert ran_on == ["side1"]  # the shared experts ran with the side stream current
+    tokens = (2 * 5, cfg.hidden_size)
+    side = [e for e in cuda.log if "side1" in e]
+    assert side == [
+        ("wait_stream", "side1", "main"),  # the side stream starts after the work that made x
+        ("enter", "side1"), ("exit", "side1"),
+        ("record_stream", tokens, "side1"),  # x, made on main, read on the side stream
+        ("wait_stream", "main", "side1"),  # the join, before main reads the shared output
+    ]
+    assert cuda.log.index(side[-1]) < cuda.log.index(("record_stream", tokens, "main"))  # the output, used on main
+    # the dispatch's routing counts: one pinned copy, waited for once
+    assert cuda.log.count(("event_synchronize",)) == 1
 
 
 def test_expert_loop_with_host_counts_reads_nothing_back(monkeypatch):
