@@ -154,5 +154,26 @@ def test_expert_loop_with_host_counts_reads_nothing_back(monkeypatch):
     torch.testing.assert_close(again, out, rtol=0, atol=0)
 
 
+def test_zero0_gradient_norm_reads_the_host_once(monkeypatch):
+    """ZeRO-0 fp32 (`DeepSpeedEngine.own_norm`) takes the norm of the reduced `p.grad` itself: the
+    squared norms summed on the gradients' device, one host read for the norm (a read per
+    parameter is a device synchronization per parameter on a GPU; on the CPU nothing shows it)."""
+    from types import SimpleNamespace
+
+    from dsa_train.trainer.deepspeed_engine import DeepSpeedEngine
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))
+    model(torch.randn(2, 4)).square().sum().backward()
+    params = list(model.named_parameters())
+    engine = SimpleNamespace(model=model, trainable=params,
+                             state=SimpleNamespace(sizes=SimpleNamespace(world=1, tensor=1, expert=1)))
+    with StepCounts() as host:
+        norm = DeepSpeedEngine.replica_grad_norm(engine)
+    assert sum(host.reads.values()) == 1, host.reads
+    want = torch.cat([p.grad.double().flatten() for _, p in params]).norm().item()
+    assert norm == pytest.approx(want, rel=1e-12)
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
