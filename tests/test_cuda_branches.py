@@ -175,5 +175,41 @@ def test_zero0_gradient_norm_reads_the_host_once(monkeypatch):
     assert norm == pytest.approx(want, rel=1e-12)
 
 
+def test_unknown_gpu_peak_is_a_one_line_error(monkeypatch):
+    """On a GPU whose peak FLOP/s the table lacks, without logging.peak_flops: a ConfigError naming
+    the key and the fix (one line from the command line, not a traceback; a plain ValueError was a
+    bug's traceback, and torchrun restarted it); the name lookup picks the H200 before the H20."""
+    from dsa_train.errors import DSATrainError
+    from dsa_train.logging import perf
+
+    gpu = torch.device("cuda", 0)
+    names = iter(["NVIDIA H200", "NVIDIA H20", "NVIDIA H100 80GB HBM3"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: next(names))
+    assert [perf.peak_flops_per_device(gpu, None) for _ in range(3)] == [989.4e12, 148e12, 989.4e12]
+    assert perf.peak_flops_per_device(gpu, 5e14) == 5e14  # configured: no lookup
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA RTX 6000 Ada Generation")
+    with pytest.raises(DSATrainError, match=r"logging.peak_flops: no peak FLOP/s known for GPU "
+                                            r"'NVIDIA RTX 6000 Ada Generation'.* — set logging.peak_flops="):
+        perf.peak_flops_per_device(gpu, None)
+
+
+@pytest.mark.integration
+def test_trainer_checks_the_gpu_peak_before_it_reads_data(tmp_path, monkeypatch):
+    """The peak FLOP/s error comes at start-up, before the data and the model (a 671B checkpoint
+    takes minutes to load). About 1 s: the trainer stops at its fifth line."""
+    from dsa_train.config import ConfigError, load_recipe
+    from dsa_train.trainer import trainer as trainer_module
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA RTX 6000 Ada Generation")
+    cfg = load_recipe("demo", [f"run_dir={tmp_path / 'run'}"])
+    monkeypatch.setattr(trainer_module, "resolve_device", lambda device: gpu)
+    monkeypatch.setattr(trainer_module, "build_dataloader",
+                        lambda *a, **k: pytest.fail("data read before the GPU's peak FLOP/s was known"))
+    with pytest.raises(ConfigError, match="logging.peak_flops"):
+        trainer_module.Trainer(cfg)
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
