@@ -211,5 +211,27 @@ def test_trainer_checks_the_gpu_peak_before_it_reads_data(tmp_path, monkeypatch)
         trainer_module.Trainer(cfg)
 
 
+def test_a_rank_without_its_gpu_stops_with_one_line(monkeypatch):
+    """NCCL start-up on a node that shows fewer GPUs than it runs ranks: one line naming LOCAL_RANK,
+    the GPU count and the fix, before torch.cuda.set_device (whose "invalid device ordinal" is a
+    traceback) or any process group."""
+    import torch.distributed as dist
+
+    from dsa_train.errors import DSATrainError
+    from dsa_train.parallel import groups
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(groups, "uses_nccl", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail("set_device reached"))
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: pytest.fail("process group started"))
+    monkeypatch.setenv("LOCAL_RANK", "4")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    with pytest.raises(DSATrainError, match=r"^LOCAL_RANK=4: this node shows 4 GPU\(s\) \(CUDA_VISIBLE_DEVICES=0,1,2,3\)"
+                                            r", one per rank — start at most 4 processes per node"):
+        groups.init_distributed()
+    groups.check_local_gpu(3)  # the last one there
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
