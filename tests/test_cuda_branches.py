@@ -233,5 +233,27 @@ def test_a_rank_without_its_gpu_stops_with_one_line(monkeypatch):
     groups.check_local_gpu(3)  # the last one there
 
 
+def test_cuda_rng_states_restore_on_a_process_that_sees_fewer_gpus(monkeypatch):
+    """A checkpoint's RNG states hold one CUDA generator state per GPU the saving rank saw; a resume
+    whose ranks see fewer (one GPU per rank) restores the ones it has, not an index error (torch's
+    `set_rng_state_all` indexes the device generators by position)."""
+    from dsa_train.trainer import rng
+
+    restored = []
+
+    def set_rng_state_all(states):
+        if len(states) > torch.cuda.device_count():
+            raise IndexError("tuple index out of range")  # torch.cuda.default_generators[i]
+        restored.extend(states)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_rng_state_all)
+    saved = {"python": __import__("random").getstate(), "numpy": __import__("numpy").random.get_state(),
+             "torch": torch.get_rng_state(), "cuda": [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]}
+    rng.load_rng_state(saved)
+    assert len(restored) == 1 and torch.equal(restored[0], saved["cuda"][0])
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
