@@ -255,5 +255,19 @@ def test_cuda_rng_states_restore_on_a_process_that_sees_fewer_gpus(monkeypatch):
     assert len(restored) == 1 and torch.equal(restored[0], saved["cuda"][0])
 
 
+def test_expert_weights_off_16_byte_alignment_get_an_aligned_copy():
+    """A flat buffer whose experts sit off 16-byte alignment (a parameter of odd size before them)
+    is not handed to the grouped GEMM as a view: CUDA's `_grouped_mm` refuses such an operand
+    ("expected data_ptr to be aligned to 16 bytes"; the CPU kernel takes it, so only a GPU run
+    would fail); the experts get the stacked copy. Aligned, they stay a view."""
+    for lead, viewed in ((3, False), (8, True)):  # bf16 elements before the experts: 6 or 16 bytes
+        flat = torch.randn(lead + 3 * 8 * 16, dtype=torch.bfloat16)
+        weights = [flat[lead + i * 128 : lead + (i + 1) * 128].view(8, 16) for i in range(3)]
+        stacked = ge.stacked_weights(weights)
+        assert (stacked.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()) == viewed, lead
+        assert stacked.data_ptr() % ge.GROUPED_MM_ALIGN_BYTES == 0
+        torch.testing.assert_close(stacked, torch.stack(weights), rtol=0, atol=0)
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))

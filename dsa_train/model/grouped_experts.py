@@ -137,6 +137,12 @@ def _strided_view(weights) -> torch.Tensor | None:
     step = offsets[1] - offsets[0] if len(weights) > 1 else first.numel()
     if step < first.numel() or any(b - a != step for a, b in zip(offsets, offsets[1:])):
         return None
+    # CUDA's grouped GEMM takes 16-byte aligned operands only ("expected data_ptr to be aligned to 16
+    # bytes"; the CPU kernel takes any): a flat buffer that leaves the experts off that (a parameter
+    # of odd size before them) gets the stacked copy, which is aligned
+    if not is_fake(first) and (first.data_ptr() % GROUPED_MM_ALIGN_BYTES
+                               or step * first.element_size() % GROUPED_MM_ALIGN_BYTES):
+        return None
     return first.as_strided((len(weights), *first.shape), (step, *first.stride()), first.storage_offset())
 
 
