@@ -30,6 +30,9 @@ GPU_PEAK_FLOPS = {
 
 
 def peak_flops_per_device(device: torch.device, configured: float | None) -> float:
+    """One device's peak FLOP/s: `configured` (logging.peak_flops) when set, else the GPU's from
+    GPU_PEAK_FLOPS by its name; a GPU not there is a ConfigError (one line: set logging.peak_flops),
+    which the trainer raises at start-up, before it loads anything."""
     if configured:
         return configured
     if device.type == "cuda":
@@ -37,7 +40,12 @@ def peak_flops_per_device(device: torch.device, configured: float | None) -> flo
         for key, flops in GPU_PEAK_FLOPS.items():
             if key in name:
                 return flops
-        raise ValueError(f"unknown peak FLOP/s for GPU {name!r}: set logging.peak_flops")
+        from dsa_train.config import ConfigError
+
+        raise ConfigError(f"logging.peak_flops: no peak FLOP/s known for GPU {name!r} (known: "
+                          f"{', '.join(GPU_PEAK_FLOPS)}; MFU divides by it)",
+                          fix="set logging.peak_flops=<one device's dense bf16 FLOP/s>, e.g. "
+                              "logging.peak_flops=989.4e12 for an H100 SXM")
     return CPU_PEAK_FLOPS_PER_THREAD * torch.get_num_threads()
 
 

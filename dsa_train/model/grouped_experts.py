@@ -11,6 +11,7 @@ picks, per dtype and device, grouped GEMMs, grouped GEMMs on zero-padded sizes, 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -68,15 +69,16 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def grouped_expert_mlp(x: torch.Tensor, offs: torch.Tensor, w_gate, w_up, w_down, path: str | None = None) -> torch.Tensor:
+def grouped_expert_mlp(x: torch.Tensor, offs: torch.Tensor | list[int], w_gate, w_up, w_down,
+                       path: str | None = None) -> torch.Tensor:
     """SwiGLU experts over tokens sorted by expert: x [N, h], offs [E] int32 (cumulative token
-    counts), w_gate/w_up [E, I, h], w_down [E, h, I] (nn.Linear layout). `path` (default: chosen
-    by `expert_gemm_path` for x's dtype and device) picks grouped GEMMs, padded grouped GEMMs or
-    a per-expert loop; all three compute the same function."""
+    counts; the loop also takes them as a host list), w_gate/w_up [E, I, h], w_down [E, h, I]
+    (nn.Linear layout). `path` (default: chosen by `expert_gemm_path` for x's dtype and device)
+    picks grouped GEMMs, padded grouped GEMMs or a per-expert loop; all three compute the same function."""
     h, inter = x.shape[-1], w_gate.shape[1]
     path = path or expert_gemm_path(x.dtype, x.device.type, h, inter)
     if path == "loop":
-        ends = offs.tolist()
+        ends = offs if isinstance(offs, list) else offs.tolist()  # device offsets: one host read
 
         def mlp(e: int) -> Callable[[torch.Tensor], torch.Tensor]:
             return lambda xe: (torch.nn.functional.silu(xe @ w_gate[e].t()) * (xe @ w_up[e].t())) @ w_down[e].t()
@@ -135,6 +137,12 @@ def _strided_view(weights) -> torch.Tensor | None:
     step = offsets[1] - offsets[0] if len(weights) > 1 else first.numel()
     if step < first.numel() or any(b - a != step for a, b in zip(offsets, offsets[1:])):
         return None
+    # CUDA's grouped GEMM takes 16-byte aligned operands only ("expected data_ptr to be aligned to 16
+    # bytes"; the CPU kernel takes any): a flat buffer that leaves the experts off that (a parameter
+    # of odd size before them) gets the stacked copy, which is aligned
+    if not is_fake(first) and (first.data_ptr() % GROUPED_MM_ALIGN_BYTES
+                               or step * first.element_size() % GROUPED_MM_ALIGN_BYTES):
+        return None
     return first.as_strided((len(weights), *first.shape), (step, *first.stride()), first.storage_offset())
 
 
@@ -162,9 +170,16 @@ def grouped_experts(experts: list, x_sorted: torch.Tensor, counts: list[int] | t
     where they share one evenly strided storage (`pack_expert_weights`)."""
     if not _grouped_mm_available():
         return per_expert(experts, x_sorted, counts.tolist() if isinstance(counts, torch.Tensor) else counts)
-    offs = expert_offsets(counts, x_sorted.device)
     stack = lambda name: stacked_weights([getattr(e, name).weight for e in experts])  # noqa: E731
-    return grouped_expert_mlp(x_sorted, offs, stack("gate_proj"), stack("up_proj"), stack("down_proj"))
+    w_gate, w_up, w_down = stack("gate_proj"), stack("up_proj"), stack("down_proj")
+    path = expert_gemm_path(x_sorted.dtype, x_sorted.device.type, x_sorted.shape[-1], w_gate.shape[1])
+    if path == "loop" and not isinstance(counts, torch.Tensor):
+        # the loop (fp32 on CUDA) with host counts (expert parallelism): sliced on the host, not
+        # sent to the device as offsets and read back (a device synchronization per layer)
+        offs = list(itertools.accumulate(counts))
+    else:
+        offs = expert_offsets(counts, x_sorted.device)
+    return grouped_expert_mlp(x_sorted, offs, w_gate, w_up, w_down, path=path)
 
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")

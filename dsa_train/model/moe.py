@@ -172,6 +172,18 @@ def tokens_per_expert(expert_ids: torch.Tensor, n_experts: int) -> torch.Tensor:
     return torch.zeros(n_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
 
 
+def uses_cuda_streams(t: torch.Tensor) -> bool:
+    """Whether work on `t` takes the CUDA stream paths of `HostCopy` and `SideStream`: a real CUDA
+    tensor (fake tensors, `dsa-train plan --trace`, have no values and no streams). One predicate,
+    so that tests run those paths on the CPU (tests/test_cuda_branches.py)."""
+    return t.is_cuda and not is_fake(t)
+
+
+def pinned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """Page-locked host memory: the target of a non-blocking device -> host copy."""
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
 class HostCopy:
     """A device tensor's integer values on the host: the copy starts now without blocking (CUDA:
     into pinned memory, ordered after the work queued so far) and `values()` waits for it -- the
@@ -183,11 +195,11 @@ class HostCopy:
         self.event, self.host, self.balanced = None, t, balanced
         if is_fake(t):
             self.host = None
-        elif t.is_cuda:
-            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        elif uses_cuda_streams(t):
+            self.host = pinned_empty(t.shape, t.dtype)
             self.host.copy_(t, non_blocking=True)
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(t.device))  # t's device's stream, where the copy runs
 
     def values(self) -> list[int]:
         if self.host is None:
@@ -288,7 +300,7 @@ class SideStream:
     @classmethod
     def start(cls, module: nn.Module, x: torch.Tensor) -> "SideStream":
         run = cls(module, x)
-        if x.is_cuda and not is_fake(x):
+        if uses_cuda_streams(x):
             run.stream = torch.cuda.Stream(device=x.device)
             run.stream.wait_stream(torch.cuda.current_stream(x.device))
             with torch.cuda.stream(run.stream):

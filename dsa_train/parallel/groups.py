@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from dsa_train.config import ConfigError, ParallelConfig, ParallelSizes, resolve_sizes
+from dsa_train.errors import DSATrainError
 from dsa_train.parallel import strict_devices
 
 
@@ -69,6 +70,23 @@ def process_group_args(nccl: bool, local_rank: int) -> dict:
     return {"backend": world_backend(False)}
 
 
+class MoreRanksThanGPUs(DSATrainError, RuntimeError):
+    """A node runs more ranks than it shows GPUs (one GPU per rank)."""
+
+
+def check_local_gpu(local_rank: int) -> None:
+    """The GPU of this node's rank `local_rank` exists: else one line naming the counts and the fix
+    (CUDA's own "invalid device ordinal" is a traceback, and torchrun would restart into it again)."""
+    gpus = torch.cuda.device_count()
+    if local_rank >= gpus:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        raise MoreRanksThanGPUs(
+            f"LOCAL_RANK={local_rank}: this node shows {gpus} GPU(s){shown}, one per rank",
+            fix=f"start at most {gpus} processes per node (dsa-train launch torchrun --nproc-per-node {gpus}) "
+                "or make more GPUs visible")
+
+
 def init_distributed(timeout_minutes: int = 30) -> None:
     """torch.distributed from the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
     if dist.is_initialized():
@@ -76,6 +94,7 @@ def init_distributed(timeout_minutes: int = 30) -> None:
     nccl = uses_nccl()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if nccl:
+        check_local_gpu(local_rank)
         torch.cuda.set_device(local_rank)
     dist.init_process_group(**process_group_args(nccl, local_rank), timeout=datetime.timedelta(minutes=timeout_minutes))
 

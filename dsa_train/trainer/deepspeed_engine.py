@@ -221,16 +221,17 @@ class DeepSpeedEngine:
     def replica_grad_norm(self) -> float:
         """Global L2 norm of the (already data-parallel-reduced) gradients in `p.grad`, each
         parameter counted once: a copy's squared norm is divided by its number of copies in the
-        world (dense: world / TP shards; experts: world / (EP x TP shards)) and one all-reduce sums."""
+        world (dense: world / TP shards; experts: world / (EP x TP shards)) and one all-reduce sums.
+        Summed on the gradients' device: one host read, the norm returned (a `.cpu()` per
+        parameter waited for the GPU once per parameter)."""
         import torch.distributed as dist
 
         sizes = self.state.sizes
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=next(iter(self.model.parameters())).device)
         for _, p in self.trainable:
             if p.grad is None:
                 continue
-            total += p.grad.detach().double().pow(2).sum().cpu() / copies_in_world(p, sizes)
-        total = total.to(next(iter(self.model.parameters())).device)
+            total += p.grad.detach().double().pow(2).sum() / copies_in_world(p, sizes)
         if sizes.world > 1:
             dist.all_reduce(total)
         return float(total.sqrt())

@@ -40,4 +40,6 @@ def load_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # one state per GPU the saving process saw; a process that sees fewer (a resume with one GPU
+        # per rank, CUDA_VISIBLE_DEVICES) restores those it has: device i's generator is device i's
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])

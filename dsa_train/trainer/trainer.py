@@ -125,6 +125,7 @@ class Trainer:
         self.stage_names = list(cfg.stages)
         self.stages = {name: Stage.of(name, stage) for name, stage in cfg.stages.items()}
         self.device = resolve_device(cfg.device)
+        self.peak_flops = peak_flops_per_device(self.device, cfg.logging.peak_flops)  # before any load: can fail
         self.run_dir = Path(cfg.run_dir)
         set_deterministic(cfg.deterministic)
         seed_everything(cfg.seed)
@@ -140,7 +141,6 @@ class Trainer:
         self.probes = probe_batches(cfg.data, cfg.probe_batches)
         # the recipe's eval group (None when off): the loader's held-out rows, at stage ends / every N steps
         self.evaluation = TrainingEval.of(cfg.eval, self.loader, cfg.data.seq_len, self.stages, self.model.config)
-        self.peak_flops = peak_flops_per_device(self.device, cfg.logging.peak_flops)
         self.state = TrainerState()
         self.resume_rng: dict | None = None
         self.step_start: tuple[dict, dict] | None = None  # data position and RNG states before the current step
