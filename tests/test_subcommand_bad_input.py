@@ -104,6 +104,43 @@ def test_other_subcommands_refuse_values_that_would_do_nothing(capsys, monkeypat
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("case, expected, wrong", [
+    ("missing source", "Fix the path in --source", "data.sources"),
+    ("text field", "set --text-field to the field holding the document text", "data.text_field"),
+    ("tokenizer", "or leave --tokenizer out for the bundled demo tokenizer", "null"),
+    ("prepared source", "is a prepare-data output (already tokenized)", "JSONDecodeError"),
+])
+def test_prepare_data_errors_name_its_flags(capsys, monkeypatch, tmp_path, case, expected, wrong):
+    """prepare-data takes the data settings as flags: its errors name them (before: "Fix the path in
+    data.sources", "set data.text_field", "or null for the bundled demo tokenizer", keys it has no
+    place for), and a prepare-data output given as a source is named as one (before: its index.json
+    was read as a JSON document: a JSONDecodeError)."""
+    monkeypatch.chdir(tmp_path)
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('{"content": "a document"}\n')
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    (prepared / "index.json").write_text('{\n  "format": "dsa_train.pretokenized"\n}')
+    argv = {"missing source": ["--source", str(tmp_path / "nope.jsonl")],
+            "text field": ["--source", str(docs)],
+            "tokenizer": ["--source", str(docs), "--text-field", "content", "--tokenizer", str(tmp_path / "nope")],
+            "prepared source": ["--source", str(prepared)]}[case]
+    line = _one_line(capsys, ["prepare-data", *argv, "--out", str(tmp_path / "out"), "--seq-len", "16"])
+    assert expected in line and wrong not in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_data_errors_keep_the_recipe_keys_outside_prepare_data(tmp_path):
+    """Under training (no subcommand naming its flags) the same errors name the recipe keys."""
+    from dsa_train.data.sources import DataSourceError, resolve_source
+    from dsa_train.data.tokenizer import TokenizerNotFound, resolve_tokenizer_json
+
+    with pytest.raises(DataSourceError, match="Fix the path in data.sources"):
+        resolve_source(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(TokenizerNotFound, match="leave data.tokenizer null"):
+        resolve_tokenizer_json(str(tmp_path / "nope"))
+
+
 @pytest.mark.parametrize("recipe", ["v3.2_sparse", "v3.2_warmup"])
 def test_plan_of_a_one_process_profile_plans_one_rank(capsys, recipe):
     """`profile=smoke` runs the recipe in one process: its plan is of one rank. The plan applies the
