@@ -130,6 +130,31 @@ def test_prepare_data_errors_name_its_flags(capsys, monkeypatch, tmp_path, case,
     assert not (tmp_path / "out").exists()
 
 
+def test_export_and_make_tiny_checkpoint_never_replace_a_model_they_did_not_write(capsys, tmp_path):
+    """OUT given as a real checkpoint (swapped arguments, a typo): `export` replaced the shards of any
+    model directory and `make-tiny-checkpoint` wrote a tiny random model over it. Now only an earlier
+    export (model_type deepseek_v32) or an earlier tiny checkpoint is replaced."""
+    from dsa_train.checkpoint.tiny import make_tiny_checkpoint
+
+    real = tmp_path / "DeepSeek-V3.1-Terminus"
+    real.mkdir()
+    (real / "config.json").write_text('{"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61}')
+    (real / "model-00001-of-00163.safetensors").write_bytes(b"weights")
+    before = sorted((p.name, p.read_bytes()) for p in real.iterdir())
+    tiny = tmp_path / "tiny"
+    make_tiny_checkpoint(tiny)
+    line = _one_line(capsys, ["export", str(tiny), str(real)])
+    assert "holds a model this command did not write (deepseek_v3, hidden 7168, 61 layers)" in line
+    assert "nothing was written — pass a new folder" in line
+    assert "holds a model this command did not write" in _one_line(capsys, ["make-tiny-checkpoint", str(real)])
+    assert sorted((p.name, p.read_bytes()) for p in real.iterdir()) == before
+    # what each command wrote itself is replaced, as before
+    assert main(["make-tiny-checkpoint", str(tiny)]) == 0
+    exported = tmp_path / "exported"
+    assert main(["export", str(tiny), str(exported)]) == 0 and main(["export", str(tiny), str(exported)]) == 0
+    assert "holds a model this command did not write" in _one_line(capsys, ["make-tiny-checkpoint", str(exported)])
+
+
 def test_the_data_errors_keep_the_recipe_keys_outside_prepare_data(tmp_path):
     """Under training (no subcommand naming its flags) the same errors name the recipe keys."""
     from dsa_train.data.sources import DataSourceError, resolve_source
