@@ -237,6 +237,25 @@ def test_data_errors_name_the_eval_flags_and_text_field_reads_another_field(tiny
     assert len(held.batches) == 2 and held.available >= 2
 
 
+def test_eval_of_local_data_needs_no_datasets_package(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    """A core install (no `datasets`, docs/install.md) evaluates the bundled corpus and local files, which
+    the data layer reads itself (as training does); before, `dsa-train eval` refused to start without
+    `datasets` whatever its --data. A hub source still needs it, in one line naming the extra."""
+    import sys
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"document {i} " + "word " * 60}) + "\n" for i in range(4)))
+    for package in ("datasets", "matplotlib"):  # a core install has neither (the plots are skipped, one line)
+        monkeypatch.setitem(sys.modules, package, None)  # not importable, find_spec gives None
+    assert main(["eval", str(tiny_checkpoint), "--data", str(docs), "--seq-len", "64", "--topk", "8",
+                 "--num-sequences", "1", "--modes", "dense", "--no-layer-metrics", "--out", str(tmp_path / "e"),
+                 "--no-progress"]) == 0
+    assert json.loads((tmp_path / "e" / "eval.json").read_text())["models"][0]["lengths"][0]["modes"]["dense"]["loss"] > 0
+    assert "plots" in capsys.readouterr().out and not any((tmp_path / "e").glob("*.png"))
+    err = bad_input(["eval", str(tiny_checkpoint), "--data", "some-owner/some-corpus", "--out", str(tmp_path / "f")], capsys)
+    assert "datasets" in err and "dsa-train[data]" in err
+
+
 def test_models_with_different_tokenizers_are_refused(tmp_path):
     other = tmp_path / "other_tokenizer"
     shutil.copytree(load_tokenizer(None).path.parent, other)

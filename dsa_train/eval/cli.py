@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from dsa_train.data.naming import flags_named
+from dsa_train.data.sources import needs_hf_datasets
 from dsa_train.runtime import require_train_extra
 
 from .data import DEFAULT_SEED
@@ -99,7 +100,8 @@ def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     opts = options(args)
     check_out(args.out)
-    require_train_extra("datasets", purpose="`dsa-train eval`'s data sources")
+    if needs_hf_datasets(args.data, streaming=False):  # local files and the bundled corpus are read without it
+        require_train_extra("datasets", purpose="`dsa-train eval`'s data sources")
     models = [args.model] + ([args.compare] if args.compare else [])
     with flags_named(DATA_FLAGS):  # a data error names --data / --text-field / --tokenizer, not data.sources ...
         doc = evaluate(models, opts, show_progress=None if not args.no_progress else False)
