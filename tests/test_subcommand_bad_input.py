@@ -81,6 +81,9 @@ def test_plan_headroom_line_follows_usable(capsys):
     # an interpolation that does not resolve (before: a traceback; the launcher's check once caught it)
     (["launch", "torchrun", "--nproc-per-node", "1", "run_name=${nope}"], "run_name: Interpolation key 'nope' not found"),
     (["launch", "slurm", "--dry-run", "run_name=${nope}"], "run_name: Interpolation key 'nope' not found"),
+    # a launcher that does not exist: one line (before: the whole usage text on stderr)
+    (["launch", "torchrunn", "--nproc-per-node", "2"], "torchrunn: no such launcher (did you mean torchrun?)"),
+    (["launch", "mpirun"], "mpirun: no such launcher — use `dsa-train launch torchrun ...`"),
 ])
 def test_launch_refuses_in_one_line_and_starts_nothing(capsys, monkeypatch, tmp_path, argv, expected):
     import dsa_train.launch.launcher as launcher
@@ -153,6 +156,19 @@ def test_export_and_make_tiny_checkpoint_never_replace_a_model_they_did_not_writ
     exported = tmp_path / "exported"
     assert main(["export", str(tiny), str(exported)]) == 0 and main(["export", str(tiny), str(exported)]) == 0
     assert "holds a model this command did not write" in _one_line(capsys, ["make-tiny-checkpoint", str(exported)])
+
+
+def test_slurm_warns_of_node_local_paths_but_not_of_the_bundled_corpus_or_a_hub_dataset(tmp_path):
+    """`data.sources=[bundled]` (the demo's) and a hub name were warned of as node-local paths when the
+    job started under /tmp: neither is a path of the job (the corpus is in the installed package)."""
+    from dsa_train.config import load_recipe
+    from dsa_train.launch.launcher import node_local_paths
+
+    (tmp_path / "docs.jsonl").write_text('{"text": "x"}\n')
+    cfg = load_recipe("demo", ["data.sources=[bundled,HuggingFaceFW/fineweb-edu,docs.jsonl]", "run_dir=/shared/runs/d"])
+    warned = node_local_paths(cfg, tmp_path)
+    assert [w.split("=")[0] for w in warned] == ["data.sources[2]"], warned
+    assert "docs.jsonl is on a node-local path" in warned[0]
 
 
 def test_the_data_errors_keep_the_recipe_keys_outside_prepare_data(tmp_path):

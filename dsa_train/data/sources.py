@@ -137,6 +137,14 @@ def _is_prepared_output(path: Path) -> bool:
     return is_prepared_index(path / INDEX_FILE)
 
 
+def is_local_source(spec: str, workdir: str | os.PathLike = ".") -> bool:
+    """Whether a `data.sources` entry names local files (relative ones from `workdir`), as
+    `resolve_source` reads it: not the bundled corpus, not a hub dataset."""
+    if spec == BUNDLED_SOURCE:
+        return False
+    return _looks_like_local_path(spec) or (Path(workdir) / os.path.expanduser(spec)).exists()
+
+
 def resolve_source(spec: str) -> list[ResolvedSource]:
     """Expand one source string into loadable units (one per file format found)."""
     if spec == BUNDLED_SOURCE:
