@@ -54,7 +54,11 @@ def test_inspect_exits_nonzero_when_the_checkpoint_cannot_load(tmp_path, capsys)
 
 def test_export_reports_a_bad_source_and_bad_sizes(tmp_path, capsys):
     assert dsa_train_main(["export", str(tmp_path), str(tmp_path / "out")]) == 2  # one line (dsa_train/errors.py)
-    assert "neither a Hugging Face model directory nor a training checkpoint" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "neither a Hugging Face model directory" in err and "pass a run directory (e.g. runs/demo)" in err
+    assert "model*.pt" not in err  # the earlier format's file name (a checkpoint now has state/)
+    assert dsa_train_main(["export", str(tmp_path / "nope"), str(tmp_path / "out")]) == 2
+    assert f"{tmp_path / 'nope'} does not exist — pass a run directory" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         dsa_train_main(["export", str(tmp_path), str(tmp_path / "out"), "--max-shard-size", "lots"])
     assert e.value.code == 2

@@ -95,6 +95,19 @@ def test_byte_ranges_are_hashed_while_written(tmp_path):
     assert all(torch.equal(out[k].piece((0, 0))[:32], pieces[k].piece((0, 0))) for k in pieces)
 
 
+def test_one_process_save_and_load_do_not_warn(tmp_path, recwarn):
+    """A one-process save and load (the demo, `dsa-train export`) printed DCP's "torch.distributed is
+    disabled, unavailable or uninitialized, assuming the intent is to save in a single process"
+    UserWarning with its source line, twice a run: one process is what was meant."""
+    pieces = {"model/w": GlobalPieces((4, 2), torch.float32, [((0, 0), torch.ones(4, 2))])}
+    writer, _ = sharded_state.save_pieces(tmp_path, pieces)
+    out = {"model/w": GlobalPieces((4, 2), torch.float32, [((0, 0), torch.zeros(4, 2))])}
+    sharded_state.load_pieces(tmp_path, out, writer.regions, RuntimeError)
+    full = dict(sharded_state.read_full_tensors(tmp_path, ["w"], regions=writer.regions))
+    assert torch.equal(out["model/w"].piece((0, 0)), torch.ones(4, 2)) and torch.equal(full["w"], torch.ones(4, 2))
+    assert not [str(w.message) for w in recwarn if "assuming the intent" in str(w.message)]
+
+
 @pytest.mark.slow
 @pytest.mark.integration
 def test_671b_rank_proposes_one_holder_per_replica_and_plans_fast():

@@ -219,6 +219,43 @@ def test_bad_input_gets_one_line(tiny_checkpoint, tmp_path, capsys):
     assert "vocab" in err.lower() and "1024" in err
 
 
+def test_data_errors_name_the_eval_flags_and_text_field_reads_another_field(tiny_checkpoint, tmp_path, capsys):
+    """`dsa-train eval --data` errors named the recipe keys (data.sources, data.text_field), which eval
+    has no place for, and a corpus whose text is under another field could not be evaluated at all:
+    `--text-field` reads it."""
+    from dsa_train.eval.data import heldout_sequences
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"content": f"document {i} " + "word " * 60}) + "\n" for i in range(8)))
+    err = bad_input(["eval", str(tiny_checkpoint), "--data", str(tmp_path / "nope.jsonl"), "--seq-len", "64",
+                     "--topk", "8", "--out", str(tmp_path / "e")], capsys)
+    assert "Fix the path in --data" in err and "data.sources" not in err
+    err = bad_input(["eval", str(tiny_checkpoint), "--data", str(docs), "--seq-len", "64", "--topk", "8",
+                     "--out", str(tmp_path / "e")], capsys)
+    assert "['content']" in err and "set --text-field to the field" in err and "data.text_field" not in err
+    held = heldout_sequences([str(docs)], load_tokenizer(None), 64, 2, text_field="content")
+    assert len(held.batches) == 2 and held.available >= 2
+
+
+def test_eval_of_local_data_needs_no_datasets_package(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    """A core install (no `datasets`, docs/install.md) evaluates the bundled corpus and local files, which
+    the data layer reads itself (as training does); before, `dsa-train eval` refused to start without
+    `datasets` whatever its --data. A hub source still needs it, in one line naming the extra."""
+    import sys
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"document {i} " + "word " * 60}) + "\n" for i in range(4)))
+    for package in ("datasets", "matplotlib"):  # a core install has neither (the plots are skipped, one line)
+        monkeypatch.setitem(sys.modules, package, None)  # not importable, find_spec gives None
+    assert main(["eval", str(tiny_checkpoint), "--data", str(docs), "--seq-len", "64", "--topk", "8",
+                 "--num-sequences", "1", "--modes", "dense", "--no-layer-metrics", "--out", str(tmp_path / "e"),
+                 "--no-progress"]) == 0
+    assert json.loads((tmp_path / "e" / "eval.json").read_text())["models"][0]["lengths"][0]["modes"]["dense"]["loss"] > 0
+    assert "plots" in capsys.readouterr().out and not any((tmp_path / "e").glob("*.png"))
+    err = bad_input(["eval", str(tiny_checkpoint), "--data", "some-owner/some-corpus", "--out", str(tmp_path / "f")], capsys)
+    assert "datasets" in err and "dsa-train[data]" in err
+
+
 def test_models_with_different_tokenizers_are_refused(tmp_path):
     other = tmp_path / "other_tokenizer"
     shutil.copytree(load_tokenizer(None).path.parent, other)

@@ -81,6 +81,9 @@ def test_plan_headroom_line_follows_usable(capsys):
     # an interpolation that does not resolve (before: a traceback; the launcher's check once caught it)
     (["launch", "torchrun", "--nproc-per-node", "1", "run_name=${nope}"], "run_name: Interpolation key 'nope' not found"),
     (["launch", "slurm", "--dry-run", "run_name=${nope}"], "run_name: Interpolation key 'nope' not found"),
+    # a launcher that does not exist: one line (before: the whole usage text on stderr)
+    (["launch", "torchrunn", "--nproc-per-node", "2"], "torchrunn: no such launcher (did you mean torchrun?)"),
+    (["launch", "mpirun"], "mpirun: no such launcher — use `dsa-train launch torchrun ...`"),
 ])
 def test_launch_refuses_in_one_line_and_starts_nothing(capsys, monkeypatch, tmp_path, argv, expected):
     import dsa_train.launch.launcher as launcher
@@ -102,6 +105,81 @@ def test_other_subcommands_refuse_values_that_would_do_nothing(capsys, monkeypat
     monkeypatch.chdir(tmp_path)
     assert expected in _one_line(capsys, [a if a != "OUT" else str(tmp_path / "out") for a in argv])
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("case, expected, wrong", [
+    ("missing source", "Fix the path in --source", "data.sources"),
+    ("text field", "set --text-field to the field holding the document text", "data.text_field"),
+    ("tokenizer", "or leave --tokenizer out for the bundled demo tokenizer", "null"),
+    ("prepared source", "is a prepare-data output (already tokenized)", "JSONDecodeError"),
+])
+def test_prepare_data_errors_name_its_flags(capsys, monkeypatch, tmp_path, case, expected, wrong):
+    """prepare-data takes the data settings as flags: its errors name them (before: "Fix the path in
+    data.sources", "set data.text_field", "or null for the bundled demo tokenizer", keys it has no
+    place for), and a prepare-data output given as a source is named as one (before: its index.json
+    was read as a JSON document: a JSONDecodeError)."""
+    monkeypatch.chdir(tmp_path)
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('{"content": "a document"}\n')
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    (prepared / "index.json").write_text('{\n  "format": "dsa_train.pretokenized"\n}')
+    argv = {"missing source": ["--source", str(tmp_path / "nope.jsonl")],
+            "text field": ["--source", str(docs)],
+            "tokenizer": ["--source", str(docs), "--text-field", "content", "--tokenizer", str(tmp_path / "nope")],
+            "prepared source": ["--source", str(prepared)]}[case]
+    line = _one_line(capsys, ["prepare-data", *argv, "--out", str(tmp_path / "out"), "--seq-len", "16"])
+    assert expected in line and wrong not in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_and_make_tiny_checkpoint_never_replace_a_model_they_did_not_write(capsys, tmp_path):
+    """OUT given as a real checkpoint (swapped arguments, a typo): `export` replaced the shards of any
+    model directory and `make-tiny-checkpoint` wrote a tiny random model over it. Now only an earlier
+    export (model_type deepseek_v32) or an earlier tiny checkpoint is replaced."""
+    from dsa_train.checkpoint.tiny import make_tiny_checkpoint
+
+    real = tmp_path / "DeepSeek-V3.1-Terminus"
+    real.mkdir()
+    (real / "config.json").write_text('{"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61}')
+    (real / "model-00001-of-00163.safetensors").write_bytes(b"weights")
+    before = sorted((p.name, p.read_bytes()) for p in real.iterdir())
+    tiny = tmp_path / "tiny"
+    make_tiny_checkpoint(tiny)
+    line = _one_line(capsys, ["export", str(tiny), str(real)])
+    assert "holds a model this command did not write (deepseek_v3, hidden 7168, 61 layers)" in line
+    assert "nothing was written — pass a new folder" in line
+    assert "holds a model this command did not write" in _one_line(capsys, ["make-tiny-checkpoint", str(real)])
+    assert sorted((p.name, p.read_bytes()) for p in real.iterdir()) == before
+    # what each command wrote itself is replaced, as before
+    assert main(["make-tiny-checkpoint", str(tiny)]) == 0
+    exported = tmp_path / "exported"
+    assert main(["export", str(tiny), str(exported)]) == 0 and main(["export", str(tiny), str(exported)]) == 0
+    assert "holds a model this command did not write" in _one_line(capsys, ["make-tiny-checkpoint", str(exported)])
+
+
+def test_slurm_warns_of_node_local_paths_but_not_of_the_bundled_corpus_or_a_hub_dataset(tmp_path):
+    """`data.sources=[bundled]` (the demo's) and a hub name were warned of as node-local paths when the
+    job started under /tmp: neither is a path of the job (the corpus is in the installed package)."""
+    from dsa_train.config import load_recipe
+    from dsa_train.launch.launcher import node_local_paths
+
+    (tmp_path / "docs.jsonl").write_text('{"text": "x"}\n')
+    cfg = load_recipe("demo", ["data.sources=[bundled,HuggingFaceFW/fineweb-edu,docs.jsonl]", "run_dir=/shared/runs/d"])
+    warned = node_local_paths(cfg, tmp_path)
+    assert [w.split("=")[0] for w in warned] == ["data.sources[2]"], warned
+    assert "docs.jsonl is on a node-local path" in warned[0]
+
+
+def test_the_data_errors_keep_the_recipe_keys_outside_prepare_data(tmp_path):
+    """Under training (no subcommand naming its flags) the same errors name the recipe keys."""
+    from dsa_train.data.sources import DataSourceError, resolve_source
+    from dsa_train.data.tokenizer import TokenizerNotFound, resolve_tokenizer_json
+
+    with pytest.raises(DataSourceError, match="Fix the path in data.sources"):
+        resolve_source(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(TokenizerNotFound, match="leave data.tokenizer null"):
+        resolve_tokenizer_json(str(tmp_path / "nope"))
 
 
 @pytest.mark.parametrize("recipe", ["v3.2_sparse", "v3.2_warmup"])

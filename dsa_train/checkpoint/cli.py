@@ -90,9 +90,9 @@ def run(args: argparse.Namespace) -> int:
         return 1 if report.error or report.bad_values else 0
     if args.command == "make-tiny-checkpoint":
         from .export import check_out
-        from .tiny import make_tiny_checkpoint
+        from .tiny import is_tiny_config, make_tiny_checkpoint
 
-        check_out(args.out)  # a new or empty folder, or an earlier model directory (replaced)
+        check_out(args.out, ours=is_tiny_config)  # a new or empty folder, or an earlier tiny checkpoint (replaced)
         r = make_tiny_checkpoint(args.out, seed=args.seed, dense_mlp=args.dense)
         print(f"wrote {r.path}: DeepSeek-V3.1-Terminus layout, {r.tensors} tensors ({r.fp8_tensors} FP8), "
               f"{len(r.files)} shards, {r.total_bytes / 1e6:.1f} MB")

@@ -19,7 +19,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -178,9 +178,16 @@ def _looks_like_export(out: Path) -> bool:
     return (out / CONFIG_FILE).is_file() and ((out / INDEX_FILE).is_file() or any(out.glob("model*.safetensors")))
 
 
-def check_out(out: str | os.PathLike, src: str | os.PathLike | None = None) -> None:
+def is_export_config(config: dict) -> bool:
+    """Whether a model directory's config.json is one an export writes (the V3.2 layout)."""
+    return config.get("model_type") == "deepseek_v32"
+
+
+def check_out(out: str | os.PathLike, src: str | os.PathLike | None = None,
+              ours: Callable[[dict], bool] = is_export_config) -> None:
     """`dsa-train export SRC OUT`, before any work: OUT is new, empty, or an earlier export (its
-    shards are replaced); never a file, a folder of the user's, or the source itself."""
+    shards are replaced); never a file, a folder of the user's, the source itself, or a model
+    directory this command did not write (`ours(config)` is False: a V3.1 checkpoint given as OUT)."""
     out_p, shown = Path(out).expanduser().resolve(), Path(out)
     if src is not None:
         src_p = Path(src).expanduser().resolve()
@@ -196,6 +203,18 @@ def check_out(out: str | os.PathLike, src: str | os.PathLike | None = None) -> N
             f"OUT {shown} is a folder that is not a model directory ({len(entries)} entries: "
             f"{', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}); it is never written into; nothing was written",
             fix=f"pass a new or empty folder, e.g. {out_p.parent / (out_p.name + '-export')}")
+    if out_p.is_dir() and _looks_like_export(out_p):
+        try:
+            config = json.loads((out_p / CONFIG_FILE).read_text())
+        except (OSError, ValueError):
+            config = {}
+        if not isinstance(config, dict) or not ours(config):
+            config = config if isinstance(config, dict) else {}
+            raise CheckpointError(
+                f"OUT {shown} holds a model this command did not write ({config.get('model_type', 'no model_type')}, "
+                f"hidden {config.get('hidden_size', '?')}, {config.get('num_hidden_layers', '?')} layers); "
+                "it is never replaced; nothing was written",
+                fix=f"pass a new folder, e.g. {out_p.parent / (out_p.name + '-export')}")
     remove_dead_temporaries(out_p.parent, f".{out_p.name}.partial-")  # of an export that was killed
 
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import warnings
 import zlib
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
@@ -492,6 +493,19 @@ class SnapshotStager:
         pass
 
 
+# DCP warns on every save and load without a process group that it is "assuming the intent is to
+# save/load in a single process": here that is the intent (no_dist is passed on purpose), and the
+# line, twice in every one-process run and every export, only worried the reader.
+_ONE_PROCESS_WARNING = r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent"
+
+
+def _one_process_quietly(call: Callable, *args, **kwargs):
+    """`call(*args, **kwargs)` (a DCP save or load with no_dist=True) without DCP's one-process warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_ONE_PROCESS_WARNING, category=UserWarning)
+        return call(*args, **kwargs)
+
+
 def save_pieces(directory: Path, pieces: dict[str, GlobalPieces], process_group=None,
                 on_write: Callable[[], None] | None = None, async_save: bool = False):
     """Write `pieces` (every rank calls this with its own) into the DCP directory `directory`.
@@ -513,8 +527,13 @@ def save_pieces(directory: Path, pieces: dict[str, GlobalPieces], process_group=
         fut = pool.submit(dcp.save, pieces, storage_writer=writer, planner=_save_planner(), no_dist=True)
         pool.shutdown(wait=False)
         return writer, fut
-    dcp.save(pieces, storage_writer=writer, planner=_save_planner(), process_group=process_group, no_dist=no_dist)
+    (_one_process_quietly if no_dist else _call)(dcp.save, pieces, storage_writer=writer, planner=_save_planner(),
+                                                 process_group=process_group, no_dist=no_dist)
     return writer, None
+
+
+def _call(call: Callable, *args, **kwargs):
+    return call(*args, **kwargs)
 
 
 def load_pieces(directory: Path, pieces: dict[str, GlobalPieces], regions: dict | None,
@@ -526,8 +545,10 @@ def load_pieces(directory: Path, pieces: dict[str, GlobalPieces], regions: dict 
     if not pieces:
         pieces = {}
     try:
-        dcp.load(pieces, storage_reader=verifying_reader(directory, regions, corrupt), planner=_load_planner(),
-                 process_group=process_group, no_dist=not _distributed())
+        no_dist = not _distributed()
+        (_one_process_quietly if no_dist else _call)(
+            dcp.load, pieces, storage_reader=verifying_reader(directory, regions, corrupt), planner=_load_planner(),
+            process_group=process_group, no_dist=no_dist)
     except CheckpointException as e:
         _raise_first_failure(e, corrupt)
 
@@ -594,7 +615,8 @@ def load_pieces_offline(directory: Path, tensors: dict[str, torch.Tensor], regio
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.load(tensors, storage_reader=verifying_reader(directory, regions, corrupt, metadata), no_dist=True)
+        _one_process_quietly(dcp.load, tensors, storage_reader=verifying_reader(directory, regions, corrupt, metadata),
+                             no_dist=True)
     except CheckpointException as e:
         _raise_first_failure(e, corrupt)
 

@@ -106,6 +106,12 @@ def random_weights(config: DSAConfig, seed: int) -> dict[str, torch.Tensor]:
     return state
 
 
+def is_tiny_config(config: dict) -> bool:
+    """Whether a model directory's config.json is a tiny checkpoint's (which make-tiny-checkpoint may
+    replace; a real checkpoint given as OUT by mistake is not)."""
+    return all(config.get(k) == TINY_TERMINUS[k] for k in ("model_type", "hidden_size", "num_hidden_layers"))
+
+
 def make_tiny_checkpoint(out: str | os.PathLike, seed: int = 0, dense_mlp: bool = False, **overrides) -> ExportResult:
     """Write the checkpoint; `overrides` replace config.json fields (sizes) for tests."""
     config_json = tiny_terminus_config_json(dense_mlp, **overrides)

@@ -412,7 +412,11 @@ def open_training_checkpoint(path: str | os.PathLike, config: str | os.PathLike 
     its tensors read on access."""
     step_dir = find_step_dir(path)
     if step_dir is None:
-        raise CheckpointError(f"{path} is neither a Hugging Face model directory nor a training checkpoint (no {MODEL_FILE_GLOB})")
+        problem = ("does not exist" if not Path(path).exists() else
+                   "is neither a Hugging Face model directory (config.json + *.safetensors) nor a training checkpoint "
+                   "(no step_* directory with a state/ in it or in its checkpoints/)")
+        raise CheckpointError(f"{path} {problem}", "pass a run directory (e.g. runs/demo), its checkpoints/ or one "
+                              "of its step_* directories, or a Hugging Face model directory")
     checksums = VERIFY_CHECKSUMS if checksums is None else checksums
     verify_model_files(step_dir, checksums)
     if is_sharded(step_dir):

@@ -29,7 +29,9 @@ from typing import Sequence
 import numpy as np
 
 from dsa_train.data.packing import frame_document, num_rows
-from dsa_train.data.sources import DataSourceError, DocumentStats, iter_texts, load_documents
+from dsa_train.data.naming import flags_named
+from dsa_train.data.sources import (FORMAT_NAME, INDEX_FILE, DataSourceError, DocumentStats, is_prepared_index,
+                                    iter_texts, load_documents)
 from dsa_train.data.tokenizer import Tokenizer, load_tokenizer
 from dsa_train.tempdirs import remove_dead_temporaries
 
@@ -41,9 +43,7 @@ class OutNotOurs(DataSourceError, FileExistsError):
     """--out is a folder prepare-data did not write (or one holding a source): never replaced."""
 
 
-FORMAT_NAME = "dsa_train.pretokenized"
 FORMAT_VERSION = 1
-INDEX_FILE = "index.json"
 TOKENS_FILE = "tokens.bin"
 DOC_OFFSETS_FILE = "doc_offsets.bin"
 
@@ -210,10 +210,7 @@ def _beside(path: Path) -> Path:
 
 
 def _is_our_index(path: Path) -> bool:
-    try:
-        return json.loads(path.read_text()).get("format") == FORMAT_NAME
-    except (OSError, ValueError, AttributeError):
-        return False
+    return is_prepared_index(path)
 
 
 def _remove_prepared(out_dir: Path) -> None:
@@ -230,6 +227,11 @@ def remove_stale_temporaries(out_dir: Path) -> list[Path]:
     for p in removed:
         logging.getLogger(__name__).warning("prepare-data: removed %s, left by an interrupted run", p)
     return removed
+
+
+# DataConfig field -> the flag that sets it here (dsa_train/data/naming.py)
+FLAGS = {"sources": "--source", "tokenizer": "--tokenizer", "text_field": "--text-field",
+         "txt_sample_by": "--txt-sample-by", "split": "--split"}
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -257,9 +259,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``dsa-train prepare-data``; returns the process exit code."""
     args = build_arg_parser().parse_args(argv)
     sources = [s for group in args.source for s in group]
-    prepare_data(sources, args.tokenizer, args.out, args.seq_len, text_field=args.text_field,
-                 txt_sample_by=args.txt_sample_by, add_bos=not args.no_bos,
-                 add_eos=not args.no_eos, split=args.split, overwrite=args.overwrite, log=True)
+    with flags_named(FLAGS):  # an error names --text-field, not the recipe's data.text_field
+        prepare_data(sources, args.tokenizer, args.out, args.seq_len, text_field=args.text_field,
+                     txt_sample_by=args.txt_sample_by, add_bos=not args.no_bos,
+                     add_eos=not args.no_eos, split=args.split, overwrite=args.overwrite, log=True)
     return 0
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Union
 
+from dsa_train.data.naming import setting
 from dsa_train.errors import DSATrainError
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ class DocumentStats:
         if not self.n_missing_text:
             return None
         return (f"{self.n_missing_text} record(s) had no {text_field!r} field (or null) and were skipped "
-                f"({self.n_documents} documents used); set data.text_field if the text is under another name")
+                f"({self.n_documents} documents used); set {setting('text_field')} if the text is under another name")
 
 
 def builder_for_file(path: str | Path) -> str | None:
@@ -119,6 +120,31 @@ def _group_files(spec: str, paths: list[str]) -> list[ResolvedSource]:
             for builder, files in sorted(by_builder.items())]
 
 
+# a `dsa-train prepare-data` output directory: its index.json names this format (data/prepare.py)
+FORMAT_NAME = "dsa_train.pretokenized"
+INDEX_FILE = "index.json"
+
+
+def is_prepared_index(path: Path) -> bool:
+    """Whether `path` is the index.json of a prepare-data output."""
+    try:
+        return json.loads(path.read_text()).get("format") == FORMAT_NAME
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _is_prepared_output(path: Path) -> bool:
+    return is_prepared_index(path / INDEX_FILE)
+
+
+def is_local_source(spec: str, workdir: str | os.PathLike = ".") -> bool:
+    """Whether a `data.sources` entry names local files (relative ones from `workdir`), as
+    `resolve_source` reads it: not the bundled corpus, not a hub dataset."""
+    if spec == BUNDLED_SOURCE:
+        return False
+    return _looks_like_local_path(spec) or (Path(workdir) / os.path.expanduser(spec)).exists()
+
+
 def resolve_source(spec: str) -> list[ResolvedSource]:
     """Expand one source string into loadable units (one per file format found)."""
     if spec == BUNDLED_SOURCE:
@@ -133,13 +159,19 @@ def resolve_source(spec: str) -> list[ResolvedSource]:
                 f"the pattern (use '**' for sub-directories) or list the files explicitly.")
         return resolved
     path = Path(expanded)
+    if path.is_dir() and _is_prepared_output(path):
+        raise DataSourceError(
+            f"Data source {path} is a prepare-data output (already tokenized): it is read on its own, not "
+            f"as documents among other sources",
+            fix=f"train on it as the only source, data.sources=[{spec}], or list the documents it was made "
+                f"from instead")
     if path.is_dir():
         files = sorted(str(p) for p in path.rglob("*") if p.is_file())
         resolved = _group_files(spec, files)
         if not resolved:
             raise DataSourceNotFound(
                 f"Data source directory {path} has no .txt/.jsonl/.json/.parquet files. Put the "
-                f"documents there or point data.sources at the files themselves.")
+                f"documents there or point {setting('sources')} at the files themselves.")
         return resolved
     if path.is_file():
         if builder_for_file(path) is None:
@@ -149,7 +181,7 @@ def resolve_source(spec: str) -> list[ResolvedSource]:
         return _group_files(spec, [str(path)])
     if _looks_like_local_path(spec):
         raise DataSourceNotFound(
-            f"Data source {path} does not exist. Fix the path in data.sources (relative paths "
+            f"Data source {path} does not exist. Fix the path in {setting('sources')} (relative paths "
             f"are resolved from the working directory {os.getcwd()}), or use 'bundled' for the "
             f"bundled demo corpus.")
     return [ResolvedSource(spec, "hub")]
@@ -161,7 +193,7 @@ def _check_file_not_empty(path: str) -> None:
                      and not Path(path).suffix.lower() in _COMPRESSION_SUFFIXES
                      and not Path(path).read_bytes().strip()):
         raise DataSourceError(
-            f"Data source file {path} is empty. Remove it from data.sources (or from its "
+            f"Data source file {path} is empty. Remove it from {setting('sources')} (or from its "
             f"directory/glob), or fill it with documents.")
 
 
@@ -177,7 +209,7 @@ def _select_text_column(dataset: TextDataset, source: ResolvedSource, text_field
             f"{source.spec} ({len(source.files)} files)" if source.files else source.spec)
         raise DataSourceError(
             f"Data source {where} has no field {text_field!r}; its fields are {sorted(columns)}. "
-            f"Fix: set data.text_field to the field holding the document text.")
+            f"Fix: set {setting('text_field')} to the field holding the document text.")
     dataset = dataset.select_columns([text_field])
     if text_field != "text":
         dataset = dataset.rename_column(text_field, "text")
@@ -304,7 +336,7 @@ class LocalDocuments:
         where = self.source.files[0] if len(self.source.files) == 1 else f"{self.source.spec} ({len(self.source.files)} files)"
         raise DataSourceError(
             f"Data source {where} has no field {self.text_field!r}; its fields are {sorted(seen)}. "
-            f"Fix: set data.text_field to the field holding the document text.")
+            f"Fix: set {setting('text_field')} to the field holding the document text.")
 
     def __iter__(self) -> Iterator[dict]:
         for text in self._texts():
@@ -361,7 +393,7 @@ def load_resolved_source(source: ResolvedSource, text_field: str = "text", *,
         where = first_bad_line(source)
         if where is not None:
             raise DataSourceError(f"data source {where}",
-                                  fix="fix or delete that line (or remove the file from data.sources), then run again")
+                                  fix=f"fix or delete that line (or remove the file from {setting('sources')}), then run again")
         documents = LocalDocuments(source, text_field, txt_sample_by)
         documents.check_field()
         return documents
@@ -377,7 +409,7 @@ def load_resolved_source(source: ResolvedSource, text_field: str = "text", *,
                 f"Could not load {source.spec!r}: it is not a local file or directory, and "
                 f"loading it as a Hugging Face hub dataset (split {split!r}) failed: "
                 f"{type(err).__name__}: {err}. Without network access, download it elsewhere "
-                f"and point data.sources at the local .jsonl/.parquet files.") from err
+                f"and point {setting('sources')} at the local .jsonl/.parquet files.") from err
         return _select_text_column(dataset, source, text_field, streaming)
 
     for path in source.files:
@@ -440,7 +472,7 @@ def unreadable_source_error(sources: list[ResolvedSource], err: BaseException) -
         where = first_bad_line(source) if source.builder != "hub" else None
         if where is not None:
             return DataSourceError(f"data source {where}",
-                                   fix="fix or delete that line (or remove the file from data.sources), then run again")
+                                   fix=f"fix or delete that line (or remove the file from {setting('sources')}), then run again")
     files = [f for s in sources for f in s.files] or [s.spec for s in sources]
     cause = getattr(err, "__cause__", None) or err
     return DataSourceError(f"data source {', '.join(files[:3])}{' ...' if len(files) > 3 else ''} cannot be read: "
@@ -498,7 +530,7 @@ def iter_texts(dataset: TextDataset, stats: DocumentStats | None = None,
                 continue
             if not isinstance(text, str):
                 raise DataSourceError(f"Document text must be a string, got {type(text).__name__}"
-                                      f": {str(text)[:80]!r}. Check data.text_field.")
+                                      f": {str(text)[:80]!r}. Check {setting('text_field')}.")
             texts.append(text)
         stats.n_documents += len(texts)
         if texts:

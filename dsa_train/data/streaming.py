@@ -25,6 +25,7 @@ import torch
 
 from dsa_train.data.dataset import collate_sequences
 from dsa_train.data.packing import frame_document, pack_row
+from dsa_train.data.naming import setting
 from dsa_train.data.sources import (DataSourceError, DocumentStats, is_empty_text, load_documents, resolve_source,
                                     unreadable_source_error)
 from dsa_train.data.tokenizer import Tokenizer
@@ -104,8 +105,8 @@ class StreamingPackedLoader:
                 self.stats.skip(text)
                 if text is None and self.stats.n_missing_text in (1, 1000):
                     log.warning("data: a record without the %r field (or null) was skipped (%d so far); "
-                                "set data.text_field if the text is under another name", self.text_field,
-                                self.stats.n_missing_text)
+                                "set %s if the text is under another name", self.text_field,
+                                self.stats.n_missing_text, setting("text_field"))
                 continue
             self.stats.n_documents += 1
             pending.append((index, text))

@@ -17,6 +17,7 @@ from typing import Sequence
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from dsa_train.data.naming import leave_unset, setting
 from dsa_train.errors import DSATrainError
 
 
@@ -108,14 +109,14 @@ def resolve_tokenizer_json(path_or_dir: str | Path | None) -> Path:
         candidate = path / "tokenizer.json"
         if not candidate.is_file():
             raise TokenizerNotFound(
-                f"No tokenizer.json in directory {path}. Point data.tokenizer at a Hugging Face "
-                f"checkpoint folder that has a tokenizer.json, at a tokenizer.json file, or leave "
-                f"it null to use the bundled demo tokenizer.")
+                f"No tokenizer.json in directory {path}. Point {setting('tokenizer')} at a Hugging Face "
+                f"checkpoint folder that has a tokenizer.json, at a tokenizer.json file, or "
+                f"{leave_unset('tokenizer')} to use the bundled demo tokenizer.")
         return candidate
     if not path.is_file():
         raise TokenizerNotFound(
             f"Tokenizer not found: {path} does not exist. Pass a checkpoint directory holding "
-            f"tokenizer.json, a tokenizer.json file, or null for the bundled demo tokenizer.")
+            f"tokenizer.json, a tokenizer.json file, or {leave_unset('tokenizer')} for the bundled demo tokenizer.")
     return path
 
 

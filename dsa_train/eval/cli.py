@@ -15,12 +15,17 @@ from pathlib import Path
 
 import torch
 
+from dsa_train.data.naming import flags_named
+from dsa_train.data.sources import needs_hf_datasets
 from dsa_train.runtime import require_train_extra
 
 from .data import DEFAULT_SEED
 from .errors import EvalError
 from .report import print_tables, write_json, write_plots
 from .run import EXTRA_MODES, MODES, EvalOptions, evaluate
+
+# DataConfig field -> the flag that sets it here (dsa_train/data/naming.py)
+DATA_FLAGS = {"sources": "--data", "text_field": "--text-field", "tokenizer": "--tokenizer"}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -37,6 +42,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--data", nargs="+", default=["bundled"], metavar="SOURCE",
                    help="data sources as in data.sources (files, directories, globs, hub datasets); "
                         "default: the bundled corpus")
+    p.add_argument("--text-field", default="text",
+                   help="field holding the text in .jsonl / .json / .parquet sources (default text)")
     p.add_argument("--seq-len", nargs="+", type=int, default=[512], metavar="T", help="sequence lengths (default 512)")
     p.add_argument("--topk", type=int, default=None, help="k of the sparse modes (default: the model's index_topk)")
     p.add_argument("--modes", default=",".join(MODES),
@@ -71,7 +78,7 @@ def options(args: argparse.Namespace) -> EvalOptions:
     return EvalOptions(data=args.data, seq_lens=args.seq_len, topk=args.topk, modes=modes,
                        num_sequences=args.num_sequences, buckets=args.buckets, layer_metrics=not args.no_layer_metrics,
                        fp8_ue8m0=args.ue8m0, passkey=args.passkey, passkey_per_depth=args.passkey_per_depth,
-                       seed=args.seed, tokenizer=args.tokenizer, dtype=DTYPES[args.dtype])
+                       seed=args.seed, tokenizer=args.tokenizer, dtype=DTYPES[args.dtype], text_field=args.text_field)
 
 
 def check_out(out: Path) -> None:
@@ -93,9 +100,11 @@ def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     opts = options(args)
     check_out(args.out)
-    require_train_extra("datasets", purpose="`dsa-train eval`'s data sources")
+    if needs_hf_datasets(args.data, streaming=False):  # local files and the bundled corpus are read without it
+        require_train_extra("datasets", purpose="`dsa-train eval`'s data sources")
     models = [args.model] + ([args.compare] if args.compare else [])
-    doc = evaluate(models, opts, show_progress=None if not args.no_progress else False)
+    with flags_named(DATA_FLAGS):  # a data error names --data / --text-field / --tokenizer, not data.sources ...
+        doc = evaluate(models, opts, show_progress=None if not args.no_progress else False)
     print_tables(doc)
     path = write_json(doc, args.out)
     print(f"wrote {path}")

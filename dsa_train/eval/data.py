@@ -32,10 +32,10 @@ class HeldOut:
 
 
 def heldout_sequences(sources: list[str], tokenizer: Tokenizer, seq_len: int, num_sequences: int,
-                      seed: int = DEFAULT_SEED) -> HeldOut:
+                      seed: int = DEFAULT_SEED, text_field: str = "text") -> HeldOut:
     """`sources` as in `data.sources` ("bundled": the bundled corpus) -> the last `num_sequences` rows
     of the training loader's first-epoch order (fewer if the stream holds fewer rows)."""
-    dataset = PackedDataset.from_sources(sources, tokenizer, seq_len)
+    dataset = PackedDataset.from_sources(sources, tokenizer, seq_len, text_field=text_field)
     order = ShardedEpochSampler(len(dataset), 1, seed).epoch_permutation(0)
     return rows_of(dataset, [int(r) for r in order[::-1][:num_sequences]])
 

@@ -56,9 +56,10 @@ def training_of(model_path: str | Path) -> RunTraining | None:
     return None
 
 
-def _same_framing(data: dict) -> bool:
-    """The evaluation reads with the loader's defaults: text field, BOS/EOS framing, txt sampling."""
-    return (data.get("text_field", "text") == "text" and data.get("add_bos", True) and data.get("add_eos", True)
+def same_framing(data: dict, text_field: str = "text") -> bool:
+    """Whether the run read its data as the evaluation does: the evaluation's `text_field`, and the loader's
+    defaults for BOS/EOS framing and txt sampling."""
+    return (data.get("text_field", "text") == text_field and data.get("add_bos", True) and data.get("add_eos", True)
             and data.get("txt_sample_by", "document") == "document")
 
 
@@ -70,7 +71,8 @@ class TrainedSpans:
 
         data = training.data
         T = int(data["seq_len"])
-        dataset = PackedDataset.from_sources(list(data["sources"]), tokenizer, T, cache_dir=data.get("cache_dir"))
+        dataset = PackedDataset.from_sources(list(data["sources"]), tokenizer, T, cache_dir=data.get("cache_dir"),
+                                             text_field=data.get("text_field", "text"))
         rows_total = len(dataset) - training.held_out
         batch = int(data.get("micro_batch_size") or 1)
         left = training.tokens_seen // T
@@ -100,13 +102,13 @@ class TrainedSpans:
 
 
 def overlapping_rows(training: RunTraining | None, spans: TrainedSpans | None, sources: list[str], rows: list[int],
-                     seq_len: int) -> list[int] | None:
+                     seq_len: int, text_field: str = "text") -> list[int] | None:
     """The rows (of the evaluation's stream at `seq_len`) that the run trained on; None: unknown
     (the model is not a run)."""
     if training is None:
         return None
     if [str(s) for s in sources] != [str(s) for s in training.data.get("sources") or []]:
         return []
-    if not _same_framing(training.data):
+    if not same_framing(training.data, text_field):
         return list(rows)
     return [r for r in rows if spans is not None and spans.overlaps(r * seq_len, r * seq_len + seq_len)]

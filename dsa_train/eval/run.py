@@ -58,6 +58,7 @@ class EvalOptions:
     passkey_per_depth: int = 2
     seed: int = DEFAULT_SEED  # the training loader's data.seed whose last rows are held out
     tokenizer: str | None = None  # None: the model directory's tokenizer.json, else the bundled one
+    text_field: str = "text"  # field of the text in the data's .jsonl / .json / .parquet records
     dtype: torch.dtype = torch.float32
 
 
@@ -113,11 +114,12 @@ def load_model(path: str | Path, opts: EvalOptions) -> LoadedModel:
     tokenizer = model_tokenizer(directory, opts.tokenizer)
     model = dsa_train.from_pretrained(directory, dtype=opts.dtype).eval()
     check_vocab(tokenizer.vocab_size, model.config.vocab_size)
-    from .overlap import TrainedSpans, training_of
+    from .overlap import TrainedSpans, same_framing, training_of
 
     training = training_of(path)
     trained = None
-    if training is not None and [str(s) for s in opts.data] == [str(s) for s in training.data.get("sources") or []]:
+    if (training is not None and [str(s) for s in opts.data] == [str(s) for s in training.data.get("sources") or []]
+            and same_framing(training.data, opts.text_field)):
         trained = TrainedSpans(training, tokenizer)
     return LoadedModel(str(path), directory, model, tokenizer, opts.topk or model.config.index_topk, training, trained)
 
@@ -212,7 +214,7 @@ def evaluate_batches(model: torch.nn.Module, topk: int, batches: list[dict[str, 
 
 
 def evaluate_length(m: LoadedModel, seq_len: int, opts: EvalOptions, progress=None) -> LengthResult:
-    held = heldout_sequences(opts.data, m.tokenizer, seq_len, opts.num_sequences, opts.seed)
+    held = heldout_sequences(opts.data, m.tokenizer, seq_len, opts.num_sequences, opts.seed, opts.text_field)
     results, layers = evaluate_batches(m.model, m.topk, held.batches, seq_len, opts, progress)
     if opts.passkey:
         examples = passkey_examples(m.tokenizer, seq_len, opts.passkey_depths, opts.passkey_per_depth, seed=opts.seed)
@@ -225,7 +227,7 @@ def evaluate_length(m: LoadedModel, seq_len: int, opts: EvalOptions, progress=No
             results[mode].passkey = summarize(scored)
     from .overlap import overlapping_rows
 
-    overlap = overlapping_rows(m.training, m.trained, opts.data, held.rows, seq_len)
+    overlap = overlapping_rows(m.training, m.trained, opts.data, held.rows, seq_len, opts.text_field)
     return LengthResult(seq_len, held.rows, held.available, results, layers, overlap)
 
 

@@ -25,6 +25,7 @@ restart the workers in place (`cluster.max_restarts`); a restart after a preempt
 from __future__ import annotations
 
 from dsa_train.config.overrides import recipe_args
+from dsa_train.data.sources import is_local_source
 import argparse
 import os
 import shlex
@@ -185,7 +186,9 @@ def node_local_paths(cfg, workdir: Path) -> list[str]:
     paths count from `workdir`, where the job starts)."""
     paths = {"model.pretrained": cfg.model.pretrained, "run_dir": cfg.run_dir, "checkpoint.dir": cfg.checkpoint.dir,
              "data.tokenizer": cfg.data.tokenizer, "data.cache_dir": cfg.data.cache_dir}
-    paths.update({f"data.sources[{i}]": src for i, src in enumerate(cfg.data.sources)})
+    # the bundled corpus (in the installed package) and hub datasets are not paths of the job
+    paths.update({f"data.sources[{i}]": src for i, src in enumerate(cfg.data.sources)
+                  if is_local_source(str(src), workdir)})
     tmpdir = os.environ.get("TMPDIR")
     prefixes = NODE_LOCAL_PREFIXES + ((tmpdir,) if tmpdir and tmpdir != "/" else ())
     out = []
@@ -318,8 +321,16 @@ def main(argv: list[str]) -> int:
     if argv[:1] in (["--help"], ["-h"]):  # asked for: the usage on stdout, success
         print(__doc__)
         return 0
-    if not argv or argv[0] not in ("torchrun", "slurm"):
+    if not argv:
         print(__doc__, file=sys.stderr)
+        return 2
+    if argv[0] not in ("torchrun", "slurm"):
+        import difflib
+
+        near = difflib.get_close_matches(argv[0], ["torchrun", "slurm"], n=1, cutoff=0.6)
+        print(f"dsa-train launch: {argv[0]}: no such launcher{f' (did you mean {near[0]}?)' if near else ''} — use "
+              "`dsa-train launch torchrun ...` or `dsa-train launch slurm ...` (`dsa-train launch --help`)",
+              file=sys.stderr)
         return 2
     return (slurm_main if argv[0] == "slurm" else torchrun_main)(argv[1:])
 
