@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import warnings
 import zlib
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
@@ -492,6 +493,15 @@ class SnapshotStager:
         pass
 
 
+def _quiet_single_process() -> None:
+    """DCP warns on every single-process save / load ("torch.distributed is disabled, unavailable or
+    uninitialized, assuming the intent is to ... in a single process") even when told so
+    (`no_dist=True`): one process (the demo, export, eval) is what is meant here. The filter is
+    process-wide (the background save runs in a thread) and covers that message only."""
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                            category=UserWarning)
+
+
 def save_pieces(directory: Path, pieces: dict[str, GlobalPieces], process_group=None,
                 on_write: Callable[[], None] | None = None, async_save: bool = False):
     """Write `pieces` (every rank calls this with its own) into the DCP directory `directory`.
@@ -501,6 +511,8 @@ def save_pieces(directory: Path, pieces: dict[str, GlobalPieces], process_group=
 
     writer = hashing_writer(directory, on_write)
     no_dist = not _distributed()
+    if no_dist:
+        _quiet_single_process()
     if async_save and not no_dist:
         fut = dcp.async_save(pieces, storage_writer=writer, planner=_save_planner(), process_group=process_group,
                              async_stager=SnapshotStager())
@@ -525,6 +537,8 @@ def load_pieces(directory: Path, pieces: dict[str, GlobalPieces], regions: dict 
 
     if not pieces:
         pieces = {}
+    if not _distributed():
+        _quiet_single_process()
     try:
         dcp.load(pieces, storage_reader=verifying_reader(directory, regions, corrupt), planner=_load_planner(),
                  process_group=process_group, no_dist=not _distributed())
@@ -593,6 +607,7 @@ def load_pieces_offline(directory: Path, tensors: dict[str, torch.Tensor], regio
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    _quiet_single_process()
     try:
         dcp.load(tensors, storage_reader=verifying_reader(directory, regions, corrupt, metadata), no_dist=True)
     except CheckpointException as e:
