@@ -205,7 +205,7 @@ def test_bad_input_gets_one_line(tiny_checkpoint, tmp_path, capsys):
     assert "does not exist" in bad_input(["eval", str(tmp_path / "nowhere")], capsys)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    assert "dsa-train export" in bad_input(["eval", str(run_dir)], capsys)  # a run directory without export/
+    assert "checkpoints/step_N" in bad_input(["eval", str(run_dir)], capsys)  # a run directory without export/ or checkpoint
     (run_dir / "export").mkdir()
     (run_dir / "export" / "config.json").write_text("{}")
     assert model_directory(run_dir) == run_dir / "export"

@@ -27,6 +27,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +39,9 @@ from .hf_layout import HFDir, open_hf_dir
 from .match import WeightMatch, match_weights, mtp_layers_stored, raise_if_unloadable
 from .skeleton import assign, empty_model, meta_tensor_names, target_dtype
 from .stored import StoredTensor, TensorReader, stored_tensors
+
+if TYPE_CHECKING:
+    from .training_source import TrainingCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +158,29 @@ def from_pretrained(
         if left:
             raise CheckpointError(f"{plan.path}: {left[:4]} were not loaded (internal error: please report)")
     return model
+
+
+def from_training_checkpoint(
+    path: str | os.PathLike, dtype: torch.dtype = torch.float32, config: str | os.PathLike | None = None
+) -> tuple[DSAForCausalLM, "TrainingCheckpoint"]:
+    """The model of a training checkpoint (`<run_dir>/checkpoints/step_N`; a run or checkpoints
+    directory: its newest step), read in this one process whatever layout wrote it, each file
+    checked against its manifest (`open_training_checkpoint`), one tensor at a time, each converted
+    to its dtype as `from_pretrained` does. Returns the model and the opened checkpoint (its config
+    with the top-k it trained, its tokenizer directory)."""
+    from .training_source import open_training_checkpoint
+
+    ckpt = open_training_checkpoint(path, config)
+    model = empty_model(ckpt.config)
+    for name in ckpt.state:
+        assign(model, name, ckpt.state[name].to(target_dtype(name, dtype)))
+    if ckpt.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    apply_dtype_policy(model, dtype)  # runtime buffers (RoPE, Hadamard) fp32: model/dtypes.py
+    left = meta_tensor_names(model)
+    if left:  # check_state_dict found every parameter: a buffer or a tie the checkpoint does not hold
+        raise CheckpointError(f"{ckpt.step_dir}: {left[:4]} were not loaded (internal error: please report)")
+    return model, ckpt
 
 
 def fresh_indexer_tensor(name: str, shape, std: float, dtype: torch.dtype) -> torch.Tensor:

@@ -493,17 +493,13 @@ class SnapshotStager:
         pass
 
 
-# DCP warns on every save and load without a process group that it is "assuming the intent is to
-# save/load in a single process": here that is the intent (no_dist is passed on purpose), and the
-# line, twice in every one-process run and every export, only worried the reader.
-_ONE_PROCESS_WARNING = r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent"
-
-
-def _one_process_quietly(call: Callable, *args, **kwargs):
-    """`call(*args, **kwargs)` (a DCP save or load with no_dist=True) without DCP's one-process warning."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_ONE_PROCESS_WARNING, category=UserWarning)
-        return call(*args, **kwargs)
+def _quiet_single_process() -> None:
+    """DCP warns on every single-process save / load ("torch.distributed is disabled, unavailable or
+    uninitialized, assuming the intent is to ... in a single process") even when told so
+    (`no_dist=True`): one process (the demo, export, eval) is what is meant here. The filter is
+    process-wide (the background save runs in a thread) and covers that message only."""
+    warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized, "
+                            "assuming the intent", category=UserWarning)
 
 
 def save_pieces(directory: Path, pieces: dict[str, GlobalPieces], process_group=None,
@@ -515,6 +511,8 @@ def save_pieces(directory: Path, pieces: dict[str, GlobalPieces], process_group=
 
     writer = hashing_writer(directory, on_write)
     no_dist = not _distributed()
+    if no_dist:
+        _quiet_single_process()
     if async_save and not no_dist:
         fut = dcp.async_save(pieces, storage_writer=writer, planner=_save_planner(), process_group=process_group,
                              async_stager=SnapshotStager())
@@ -527,13 +525,8 @@ def save_pieces(directory: Path, pieces: dict[str, GlobalPieces], process_group=
         fut = pool.submit(dcp.save, pieces, storage_writer=writer, planner=_save_planner(), no_dist=True)
         pool.shutdown(wait=False)
         return writer, fut
-    (_one_process_quietly if no_dist else _call)(dcp.save, pieces, storage_writer=writer, planner=_save_planner(),
-                                                 process_group=process_group, no_dist=no_dist)
+    dcp.save(pieces, storage_writer=writer, planner=_save_planner(), process_group=process_group, no_dist=no_dist)
     return writer, None
-
-
-def _call(call: Callable, *args, **kwargs):
-    return call(*args, **kwargs)
 
 
 def load_pieces(directory: Path, pieces: dict[str, GlobalPieces], regions: dict | None,
@@ -544,11 +537,11 @@ def load_pieces(directory: Path, pieces: dict[str, GlobalPieces], regions: dict 
 
     if not pieces:
         pieces = {}
+    if not _distributed():
+        _quiet_single_process()
     try:
-        no_dist = not _distributed()
-        (_one_process_quietly if no_dist else _call)(
-            dcp.load, pieces, storage_reader=verifying_reader(directory, regions, corrupt), planner=_load_planner(),
-            process_group=process_group, no_dist=no_dist)
+        dcp.load(pieces, storage_reader=verifying_reader(directory, regions, corrupt), planner=_load_planner(),
+                 process_group=process_group, no_dist=not _distributed())
     except CheckpointException as e:
         _raise_first_failure(e, corrupt)
 
@@ -614,9 +607,9 @@ def load_pieces_offline(directory: Path, tensors: dict[str, torch.Tensor], regio
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    _quiet_single_process()
     try:
-        _one_process_quietly(dcp.load, tensors, storage_reader=verifying_reader(directory, regions, corrupt, metadata),
-                             no_dist=True)
+        dcp.load(tensors, storage_reader=verifying_reader(directory, regions, corrupt, metadata), no_dist=True)
     except CheckpointException as e:
         _raise_first_failure(e, corrupt)
 

@@ -36,8 +36,9 @@ def parser() -> argparse.ArgumentParser:
         description="Held-out LM loss by query position (dense, sparse with the learned indexer, sparse with the "
                     "oracle top-k), per-layer indexer recall / KL-captured / oracle and FP8 overlap, "
                     "passkey retrieval.")
-    p.add_argument("model", help="Hugging Face directory (V3, V3.1, V3.2 layout, FP8 included) or a run directory "
-                                 "(its export/)")
+    p.add_argument("model", help="Hugging Face directory (V3, V3.1, V3.2 layout, FP8 included), a run directory "
+                                 "(its export/, else its newest checkpoint) or a training checkpoint "
+                                 "(RUN/checkpoints/step_N)")
     p.add_argument("--compare", metavar="MODEL2", help="a second model evaluated the same way (same tokenizer)")
     p.add_argument("--data", nargs="+", default=["bundled"], metavar="SOURCE",
                    help="data sources as in data.sources (files, directories, globs, hub datasets); "

@@ -36,12 +36,16 @@ class RunTraining:
 
 
 def training_of(model_path: str | Path) -> RunTraining | None:
-    """The training the model at `model_path` (a run directory or its export/) went through."""
+    """The training the model at `model_path` (a run directory, its export/, or one of its training
+    checkpoints) went through."""
     from dsa_train.checkpoint.training import list_checkpoints
 
     p = Path(model_path).expanduser()
-    for run_dir in (p, p.parent):
-        steps = list_checkpoints(run_dir / "checkpoints")
+    if (p / "trainer_state.json").is_file():  # a training checkpoint: what it had trained then
+        steps_of = [[p]]
+    else:
+        steps_of = [list_checkpoints(run_dir / "checkpoints") for run_dir in (p, p.parent)]
+    for steps in steps_of:
         for step in reversed(steps):
             try:
                 state = json.loads((step / "trainer_state.json").read_text())

@@ -78,18 +78,33 @@ def check_options(opts: EvalOptions) -> EvalOptions:
     return opts
 
 
-def model_directory(path: str | Path) -> Path:
-    """A Hugging Face directory, or a run directory's `export/`."""
+def model_source(path: str | Path) -> tuple[str, Path]:
+    """("hf", a Hugging Face directory) -- PATH itself or a run directory's `export/` -- or
+    ("training", a training checkpoint): a step directory `checkpoints/step_N`, or the newest step of
+    a run (or checkpoints) directory that has no export yet."""
+    from dsa_train.checkpoint.training_source import find_step_dir
+
     p = Path(path).expanduser()
     if not p.exists():
         raise EvalError(f"model {p} does not exist",
-                        "pass a Hugging Face directory (config.json + *.safetensors) or a run directory with export/")
+                        "pass a Hugging Face directory (config.json + *.safetensors), a run directory or a "
+                        "training checkpoint (<run>/checkpoints/step_N)")
+    step = find_step_dir(p)
+    if step == p:  # a step directory (its config.json is the model's config, not a Hugging Face model)
+        return "training", step
     if (p / "config.json").is_file():
-        return p
+        return "hf", p
     if (p / "export" / "config.json").is_file():
-        return p / "export"
-    raise EvalError(f"{p} holds no config.json and no export/config.json",
-                    f"pass a Hugging Face directory, or export the run first: dsa-train export {p} {p}/export")
+        return "hf", p / "export"
+    if step is not None:
+        return "training", step
+    raise EvalError(f"{p} holds no config.json, no export/config.json and no training checkpoint",
+                    "pass a Hugging Face directory, a run directory or a training checkpoint (<run>/checkpoints/step_N)")
+
+
+def model_directory(path: str | Path) -> Path:
+    """The directory the model at PATH is read from (`model_source`)."""
+    return model_source(path)[1]
 
 
 def model_tokenizer(model_dir: Path, tokenizer: str | None) -> Tokenizer:
@@ -110,13 +125,23 @@ class LoadedModel:
 
 
 def load_model(path: str | Path, opts: EvalOptions) -> LoadedModel:
-    directory = model_directory(path)
-    tokenizer = model_tokenizer(directory, opts.tokenizer)
-    model = dsa_train.from_pretrained(directory, dtype=opts.dtype).eval()
+    kind, directory = model_source(path)
+    if kind == "hf":
+        tokenizer = model_tokenizer(directory, opts.tokenizer)
+        model = dsa_train.from_pretrained(directory, dtype=opts.dtype)
+    else:  # a training checkpoint: the run's tokenizer, the top-k of the last sparse stage it trained
+        from dsa_train.checkpoint import CheckpointError, from_training_checkpoint
+
+        try:
+            model, ckpt = from_training_checkpoint(directory, dtype=opts.dtype)
+        except CheckpointError as e:
+            raise EvalError(f"{directory}: {e}", "pass another step (checkpoints/step_N) or the run's export/") from e
+        tokenizer = load_tokenizer(opts.tokenizer if opts.tokenizer is not None else ckpt.tokenizer_dir)
+    model.eval()
     check_vocab(tokenizer.vocab_size, model.config.vocab_size)
     from .overlap import TrainedSpans, same_framing, training_of
 
-    training = training_of(path)
+    training = training_of(directory if kind == "training" else path)
     trained = None
     if (training is not None and [str(s) for s in opts.data] == [str(s) for s in training.data.get("sources") or []]
             and same_framing(training.data, opts.text_field)):
