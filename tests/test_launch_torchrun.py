@@ -129,3 +129,31 @@ def test_sbatch_rejects_layout_that_does_not_fit():
 def test_split_recipe_args():
     assert split_recipe_args(["--config-name", "demo", "a=1"]) == ("demo", ["a=1"])
     assert split_recipe_args(["recipe=v3.2_sparse", "b=2"]) == ("v3.2_sparse", ["b=2"])
+
+
+@pytest.mark.parametrize("log_all", [None, "1"])
+def test_ranks_other_than_0_log_errors_only_unless_asked(monkeypatch, log_all):
+    """A warning every rank would give is logged once per job (rank 0), not once per rank;
+    DSA_LOG_ALL_RANKS=1 keeps the other ranks' warnings (dsa_train/launch/rank.py)."""
+    import warnings
+
+    from dsa_train import cli
+    from dsa_train.launch import rank
+
+    seen = {}
+    monkeypatch.setattr(cli, "run_hydra", lambda argv, fn: seen.setdefault("argv", argv) and 0)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR", "cpu"))  # main() sets it: restored after
+    if log_all is None:
+        monkeypatch.delenv("DSA_LOG_ALL_RANKS", raising=False)
+    else:
+        monkeypatch.setenv("DSA_LOG_ALL_RANKS", log_all)
+    with warnings.catch_warnings():  # rank 3 silences Python warnings process-wide
+        rank.main(["--config-name", "demo"])
+    level = "WARNING" if log_all else "ERROR"
+    assert f"hydra.job_logging.root.level={level}" in seen["argv"]
+    monkeypatch.setenv("RANK", "0")
+    seen.clear()
+    with warnings.catch_warnings():
+        rank.main(["--config-name", "demo"])
+    assert not any(a.startswith("hydra.job_logging.root.level") for a in seen["argv"])  # rank 0: the recipe's

@@ -35,10 +35,18 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop("WANDB_SERVICE", None)
     argv = sys.argv[1:] if argv is None else list(argv)
     # only rank 0 lets Hydra write its .hydra/ files and log file into the shared run directory
-    # (and logs once per job: other ranks log warnings and errors only)
     if rank != 0:
-        argv = [*argv, "hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.job_logging.root.level=WARNING"]
+        argv = [*argv, "hydra.output_subdir=null", "hydra/job_logging=stdout",
+                f"hydra.job_logging.root.level={other_ranks_log_level()}"]
     return run_hydra(argv, _train)
+
+
+def other_ranks_log_level() -> str:
+    """The log level of every rank but 0. Rank 0 logs the job once; a warning every rank would
+    give (a doubtful recipe value, a top-k that covers the sequence, ...) would otherwise appear
+    once per rank, 1024 times at 671B. Errors are logged by every rank (what failed where).
+    `DSA_LOG_ALL_RANKS=1`: every rank logs its warnings too (a rank-local problem being chased)."""
+    return "WARNING" if os.environ.get("DSA_LOG_ALL_RANKS", "0") not in ("", "0") else "ERROR"
 
 
 def _train(cfg) -> None:
