@@ -21,7 +21,9 @@ Per rank and per stage (the largest stage decides whether it fits):
                tensors saved by the model's ops (only those on a path to a trainable parameter:
                the dense warm-up keeps the indexer's only), minus what `parallel.recompute`
                recomputes (plus one block's worth while it is recomputed: with `full`, a whole
-               layer, attention and MLP), or, if larger, the LM head's logits (the chunked
+               layer, attention and MLP; with `attention` / `moe`, that block; each mode's terms
+               checked against `--trace`: docs/distributed.md "The plan's activations in every
+               recompute mode"), or, if larger, the LM head's logits (the chunked
                cross-entropy keeps no fp32 copy of them) with the head's backward (the logits'
                gradient and the loss backward's fp32 row chunk, at most 2^22 logits: a fixed
                size per micro-batch once the rows exceed it; in the loss's forward two such
