@@ -21,7 +21,9 @@ Per rank and per stage (the largest stage decides whether it fits):
                tensors saved by the model's ops (only those on a path to a trainable parameter:
                the dense warm-up keeps the indexer's only), minus what `parallel.recompute`
                recomputes (plus one block's worth while it is recomputed: with `full`, a whole
-               layer, attention and MLP), or, if larger, the LM head's logits (the chunked
+               layer, attention and MLP; with `attention` / `moe`, that block; each mode's terms
+               checked against `--trace`: docs/distributed.md "The plan's activations in every
+               recompute mode"), or, if larger, the LM head's logits (the chunked
                cross-entropy keeps no fp32 copy of them) with the head's backward (the logits'
                gradient and the loss backward's fp32 row chunk, at most 2^22 logits: a fixed
                size per micro-batch once the rows exceed it; in the loss's forward two such
@@ -188,56 +190,117 @@ def activation_bytes_per_token(c, sizes, stage: Stage, recompute: str, dtype_byt
     b = dtype_bytes
     # indexer (detached input): inputs of wq_b / wk / weights_proj for their weight gradients, the
     # k LayerNorm input, and the KL op's inputs q_I, k_I (fp32 weights); score chunks are recomputed
-    indexer = b * ((ql or h) + h + HI * dI + 2 * dI) + 4 * HI
+    cp = sizes.context
+    k = c.num_experts_per_tok or 0
+    E, I_moe = c.n_routed_experts or 0, c.moe_intermediate_size or 0
+    # indexer (detached input): inputs of wq_b / wk / weights_proj for their weight gradients, the
+    # k LayerNorm input, and the KL op's inputs q_I, k_I (fp32 weights); score chunks are recomputed;
+    # under CP the gathered keys of the whole sequence (`context.gather`, [T, dI]: cp rows a local token)
+    indexer = b * ((ql or h) + h + HI * dI + 2 * dI) + 4 * HI + (b * cp * dI if cp > 1 else 0)
     if sparse:  # the sparse KL keeps its target, Sigma_h P per selected slot (fp32), for its backward
         indexer += 4 * topk
+    # live all step: the rotary tables (`rotary_emb`: cos, sin [T_loc, rope / 2] fp32) and the
+    # micro-batch's input ids, labels and positions (int64)
+    rotary = 4 * rope + 3 * 8
     if main_trains:
-        attn = b * (2 * h + 2 * ql + H * qk + (r + rope) + r + rope + H * rope)  # norms, q_a, q_b, kv_a, rope
-        if sparse or sizes.context > 1:  # absorbed (MQA) form
-            attn += b * (H * r + H * (r + rope) + (r + rope) + H * r + 2 * H * v) + 4 * H  # q_lat, q_abs, kv, out, lse
+        # what an attention layer's backward keeps (its tensors saved by autograd), by what the
+        # trace finds live (`plan --trace`, docs/distributed.md "recompute modes"):
+        # the layer input (input_layernorm's, `recomputed` keeps its input) and its output x (read
+        # by q_a / kv_a / the indexer: their weight gradients) ...
+        attn_in = b * 2 * h
+        if sparse or cp > 1:  # ... the absorbed (MQA) form: q_a's output and its norm's (ql each),
+            # q_b's output (H x qk), kv_a's output (r + rope, its norm's input), the absorbed
+            # queries q_abs (H x (r + rope)), the latent keys [kv | k_rope] (this rank's, or under
+            # CP the gathered sequence's: cp rows a local token), the latent output (H x r) and its
+            # lse (fp32), the up-projected output read by o_proj (H x v)
+            attn_body = (b * (2 * ql + H * qk + (r + rope) + H * (r + rope) + cp * (r + rope) + H * r + H * v)
+                         + 4 * H)
         else:  # MHA form: per-head k, v and the attention output
-            attn += b * (H * (nope + v) + 2 * H * qk + H * v + 2 * H * v) + 4 * H
-        dense_mlp = b * (2 * h + 3 * c.intermediate_size // sizes.tensor + h)
-        k = c.num_experts_per_tok or 0
-        moe = b * (2 * h + k * h * 3 + k * 3 * (c.moe_intermediate_size or 0)) + 4 * 3 * (c.n_routed_experts or 0)
-        moe += b * (3 * (c.moe_intermediate_size or 0) * (c.n_shared_experts or 0) // sizes.tensor + h)
+            attn_body = (b * (2 * ql + H * qk + (r + rope) + r + rope + H * rope)
+                         + b * (H * (nope + v) + 2 * H * qk + H * v + 2 * H * v) + 4 * H)
+        attn = attn_in + attn_body
+        # the MLP's: post_attention_layernorm's input and output (the MLP's input); the row-chunked
+        # MLP (`_RowChunkedMLP`: dense MLPs, shared experts) keeps only its input and recomputes
+        # its blocks in the backward
+        mlp_in = b * 2 * h
+        dense_mlp = mlp_in
+        # a MoE layer adds: the router's fp32 copy of x and its sigmoid scores (fp32, E), the expert
+        # ids (int64) and weights (fp32) and the dispatch's index tensors (~6 x 8 bytes a pair);
+        # the k dispatched copies, the experts' outputs and the weighted product (3 x k x hidden);
+        # the experts' gate, up, silu(gate) and their product (4 x k x moe_intermediate)
+        moe = mlp_in + 4 * h + 4 * E + 48 * k + b * (3 * k * h + 4 * k * I_moe) if E else mlp_in
     else:
-        attn, dense_mlp, moe = 0.0, 0.0, 0.0
+        attn_in, attn_body, attn, dense_mlp, moe = 0.0, 0.0, 0.0, 0.0, 0.0
+    # the frozen warm-up (the main model runs without autograd): the KL (eq. 3) keeps its main-model
+    # inputs (`MLA._forward_frozen`'s `held`: every head's q and k in the MHA form; under CP the
+    # absorbed q and the gathered latent keys) and the attention's lse (fp32, every head), unless
+    # the recompute covers the attention (`recompute_indexer`: then x and the lse alone)
+    H_all = c.num_attention_heads
+    if main_trains:
+        frozen_kl = 0.0
+    elif recompute in ("full", "attention"):
+        frozen_kl = b * h + 4 * H_all
+    elif cp > 1:
+        frozen_kl = b * (H_all * (r + rope) + cp * (r + rope)) + 4 * H_all
+    else:
+        frozen_kl = b * 2 * H_all * qk + 4 * H_all
     per_layer = []
     for i in range(c.num_hidden_layers):
         mlp = moe if c.is_moe_layer(i) else dense_mlp
         a, m = attn + indexer, mlp
-        if recompute == "full":
+        if not main_trains:  # the indexer and the KL's inputs, or the checkpoint's inputs
+            a, m = (frozen_kl if recompute in ("full", "attention") else indexer + frozen_kl), 0.0
+        elif recompute == "full":
             a, m = b * h, 0.0  # the layer input only
-        elif recompute == "attention":
-            a = b * h
-        elif recompute == "moe" and c.is_moe_layer(i) and main_trains:
-            m = b * h
+        elif recompute == "attention":  # the layer input (input_layernorm's) and x, the checkpoint's input
+            a = attn_in
+        elif recompute == "moe" and c.is_moe_layer(i):  # the residual (post_attention_layernorm's
+            m = mlp_in  # input) and its output, the checkpoint's input
         per_layer.append(a + m)
-    if recompute == "full":  # a whole layer runs again: its attention's tensors stay live while its MLP runs
-        mlps = [moe if c.is_moe_layer(i) else dense_mlp for i in range(c.num_hidden_layers)]
+    # a MoE layer's backward adds the gradients of three [k x T_loc, hidden] tensors (the weighted
+    # product, the experts' output, the dispatched copies) beside what the MoE keeps
+    moe_backward = moe + b * 3 * k * h
+    if not main_trains:  # the recompute of the indexer and the KL's inputs, beside x and the lse
+        largest_block = indexer + (b * 2 * H_all * qk if cp == 1 else b * (H_all * (r + rope) + cp * (r + rope))) \
+            if recompute in ("full", "attention") else 0.0
+        layer_saved = {"dense": 0.0, "shared": 0.0}
+    elif recompute == "full":  # a whole layer runs again: its attention's tensors stay live while its MLP runs
+        mlps = [moe_backward if c.is_moe_layer(i) else dense_mlp for i in range(c.num_hidden_layers)]
         largest_block = attn + indexer + max(mlps, default=0.0)
         # what a recomputed dense / MoE layer keeps while its row-chunked MLP (dense MLP, shared
         # experts) runs its backward: the layer's saved tensors (the MoE's routed part is done or
         # not yet started: its gradients are not live then)
         layer_saved = {"dense": attn + indexer + dense_mlp, "shared": attn + indexer + moe}
+    elif recompute == "attention":
+        # the attention run again (its tensors beyond x, which the checkpoint keeps) while its
+        # backward runs: the MLP's of that layer are freed by then (its backward came first)
+        largest_block = attn_body + b * h + indexer
+        layer_saved = {"dense": 0.0, "shared": 0.0}  # every layer's MLP tensors are in `layers`
+    elif recompute == "moe":  # the MoE run again and its backward (its input kept by the checkpoint)
+        largest_block = moe_backward if any(c.is_moe_layer(i) for i in range(c.num_hidden_layers)) else 0.0
+        layer_saved = {"dense": 0.0, "shared": moe}
     else:
-        largest_block = max(attn + indexer, moe, dense_mlp) if recompute != "none" else 0.0
-        layer_saved = {"dense": largest_block, "shared": largest_block}
+        largest_block = 0.0
+        layer_saved = {"dense": 0.0, "shared": 0.0}
     # a MoE block's forward working set (expert parallel, measured by the trace at its combine):
     # the k dispatched copies of each token sorted by expert, the experts' output, its copy in the
     # received order, the all-to-all's return buffer and the weighted product (5 x k x hidden),
-    # plus the combined output. It exists in every forward; when layers are recomputed or frozen
-    # (nothing of it kept for the backward) it can exceed what a recomputed block keeps.
-    if c.n_routed_experts and (recompute != "none" or not main_trains):
-        moe_ws = b * (5 * (c.num_experts_per_tok or 0) * h + h)
+    # plus the combined output. It exists in every forward; when the MoE's tensors are not kept for
+    # the backward (recomputed or frozen) it can exceed what a recomputed block keeps.
+    if E and (recompute in ("full", "moe") or not main_trains):
+        moe_ws = b * (5 * k * h + h)
+        if not main_trains:  # the frozen layer in flight (no autograd: nothing of it kept): its input,
+            # the attention's output, the residual and its norm (4 x hidden) beside the MoE's k
+            # dispatched copies, the experts' output and the weighted sum's two [k x T, hidden]
+            # tensors, and the routing (the demo's maximum; at 671B the combine's 5 x k x hidden is larger)
+            moe_ws = max(moe_ws, b * (4 * k * h + 4 * h) + 48 * k + 4 * E)
         if recompute == "full" and main_trains:  # beside the recomputed layer's attention
-            # and in its backward, the gradients of three [k x T_loc, hidden] tensors (the weighted
-            # product, the experts' output, the dispatched copies) beside what the MoE keeps
-            moe_backward = moe + b * 3 * (c.num_experts_per_tok or 0) * h
-            largest_block = max(largest_block, attn + indexer + max(moe_ws, moe_backward))
+            largest_block = max(largest_block, attn + indexer + moe_ws)
         else:
             largest_block = max(largest_block, moe_ws)
+    elif E and recompute == "attention":  # the MoE's tensors are kept: beyond them, in its forward,
+        # the experts' output in the received order and the all-to-all's return buffer, the combined output
+        largest_block = max(largest_block, b * (2 * k * h + h))
     # the LM head (not vocabulary-parallel: every rank holds the whole [T_loc, V] logits). The loss
     # (`dsa_train.loss.cross_entropy_sum`) works in fp32 row chunks and saves only the logits and an
     # fp32 log-sum-exp per row; the logits live until the head's backward has read them (the step
@@ -252,7 +315,9 @@ def activation_bytes_per_token(c, sizes, stage: Stage, recompute: str, dtype_byt
     # or, if larger, the fp32 copy of the no-label micro-batch's zero loss (`trainer/step.py`, 4 x
     # vocab a token; its logits are freed without a loss backward)
     lm = stage.uses_lm and main_trains
-    head = (1 + stage.uses_mtp) * (b * c.vocab_size + 4) if lm else 0.0
+    # + a row's vectors in the loss (lse fp32, the valid mask, int64 targets, the nll) and, once, the
+    # final norm's input (kept by its `recomputed`) and output (the LM head's input, for its weight gradient)
+    head = (1 + stage.uses_mtp) * (b * c.vocab_size + 24) + 2 * b * h if lm else 0.0
     head_backward = b * c.vocab_size if lm else 0.0
     head_chunk_row = 4 * c.vocab_size if lm else 0.0
     head_no_label = 4 * c.vocab_size if lm else 0.0
@@ -260,11 +325,15 @@ def activation_bytes_per_token(c, sizes, stage: Stage, recompute: str, dtype_byt
     dsa_layer_tokens = 4 * topk if sparse else 0.0
     cp_gather_full = b * ((r + rope) + dI) if sizes.context > 1 else 0.0  # per *full-sequence* token
     return {
-        "layers": sum(per_layer), "recompute_block": largest_block, "head": head, "head_backward": head_backward,
+        "layers": sum(per_layer) + rotary, "recompute_block": largest_block, "head": head, "head_backward": head_backward,
         "head_chunk_row": head_chunk_row, "head_chunk_rows": cross_entropy_chunk_rows(c.vocab_size),
         "head_no_label": head_no_label,
         "layer_saved": layer_saved,
         "dsa_indices": dsa_layer_tokens * c.num_hidden_layers if recompute != "full" else dsa_layer_tokens,
+        # per MoE layer whose tensors the backward keeps: the router's fp32 copy of its weight
+        # (`Router.forward`: F.linear(x.float(), weight.float()) saves both), bytes a layer
+        "router_weight_copies": 4 * E * c.hidden_size * sum(
+            1 for i in range(c.num_hidden_layers) if c.is_moe_layer(i)) if main_trains and recompute in ("none", "attention") else 0.0,
         "cp_gather": cp_gather_full * (c.num_hidden_layers if recompute != "full" else 1),
     }
 
@@ -356,7 +425,7 @@ def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
     topk = stage.topk_for(c)
     act = activation_bytes_per_token(c, sizes, stage, cfg.parallel.recompute, pb, cfg.data.seq_len, topk)
     # the head's backward and a layer's recompute come one after the other (the head's first)
-    g["activations"] = (T_loc * act["layers"] + max(T_loc * act["recompute_block"],
+    g["activations"] = (T_loc * act["layers"] + act["router_weight_copies"] + max(T_loc * act["recompute_block"],
                                                     T_loc * act["head"] + head_working_set_bytes(act, T_loc))) / GiB
     # the kernels' transient working set at this rank's shapes, on the path the recipe's device runs
     ws = kernel_working_set(cfg, c, stage, sizes, getattr(opts, "rank", 0))
@@ -378,7 +447,8 @@ def plan_stage(cfg, model_cfg, stage: Stage, sizes, opts) -> StagePlan:
     # layer inputs, the block being recomputed, the DSA buffers and that MLP's working set
     # (the logits are gone by then: freed after the head's backward; the block is the layer whose MLP it is)
     mlp_ws = mlp_backward_working_set(c, sizes, int(T_loc), pb, main_trains) / GiB
-    mlp_phase = (g["parameters"] + g["gradients"] + g["optimizer"] + g["dsa_buffers"] + T_loc * act["layers"] / GiB
+    mlp_phase = (g["parameters"] + g["gradients"] + g["optimizer"] + g["dsa_buffers"]
+                 + (T_loc * act["layers"] + act["router_weight_copies"]) / GiB
                  + max(T_loc * act["layer_saved"][kind] / GiB
                        + mlp_backward_working_set(c, sizes, int(T_loc), pb, main_trains, (kind,)) / GiB
                        for kind in ("dense", "shared")))

@@ -572,6 +572,31 @@ def grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
 
 
+def pack_fake_expert_weights(model) -> None:
+    """A layer's local experts' weights as one [E, ...] storage per projection, as training holds
+    them (DeepSpeed's flat ZeRO buffers lay a layer's experts one after the other; the single
+    process packs them, `grouped_experts.pack_expert_weights`), so that the grouped GEMMs take views
+    of them (`grouped_experts._Stacked`). `pack_expert_weights` leaves fake weights alone; the traced
+    model's are separate storages, and its grouped GEMMs then stacked a copy of every layer's
+    experts in each forward and kept it for the backward (the demo at EP 2: 4 local experts x 3 x
+    [64, 128] bf16, 196,608 B a layer, counted as activations)."""
+    from dsa_train.model.grouped_experts import PROJECTIONS
+    from dsa_train.model.moe import MoE
+
+    for module in model.modules():
+        if not (isinstance(module, MoE) and module.grouped_gemm and len(module.experts) > 1):
+            continue
+        experts = list(module.experts.values())
+        for name in PROJECTIONS:
+            weights = [getattr(e, name).weight for e in experts]
+            if any(w.shape != weights[0].shape or w.dtype != weights[0].dtype for w in weights):
+                continue
+            with torch.no_grad():
+                stack = torch.stack([w.detach() for w in weights])
+            for w, view in zip(weights, stack.unbind(0)):
+                w.data = view  # the same Parameter object
+
+
 def trace_step(cfg, model_cfg, rank: int = 0, world: int | None = None, stage_name: str | None = None,
                kernels: str | None = None):
     """Trace one step of `stage_name` (default: the recipe's last stage) on rank `rank` of the model
@@ -615,6 +640,7 @@ def trace_step(cfg, model_cfg, rank: int = 0, world: int | None = None, stage_na
         with fake, trace, workspace_listener(trace.chunk_workspace), recorder, on_cuda:
             materialize(model, torch.device("cpu"), dtype)
             apply_dtype_policy(model, dtype)  # as the loader: model/dtypes.py
+            pack_fake_expert_weights(model)
             for t in list(model.parameters()) + list(model.buffers()):
                 trace.retag(t, "parameters")
             model.train()
