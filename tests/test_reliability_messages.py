@@ -88,12 +88,13 @@ def test_eval_out_naming_a_file_is_refused_before_the_evaluation(tmp_path, capsy
     assert tree_hash(tmp_path) == before
 
 
-def test_eval_suggests_an_export_command_that_exists(tmp_path, capsys):
+def test_eval_of_a_directory_without_a_model_names_what_it_takes(tmp_path, capsys):
+    # a run directory with neither export/ nor a checkpoint: eval reads training checkpoints itself,
+    # so the fix is what to pass (no export command: there is nothing to export either)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    line = one_line(run(capsys, "eval", str(run_dir), "--out", str(tmp_path / "e")), "dsa-train export")
-    command = line[line.index("dsa-train export"):].split()
-    assert command[:3] == ["dsa-train", "export", str(run_dir)] and "--out" not in command
+    line = one_line(run(capsys, "eval", str(run_dir), "--out", str(tmp_path / "e")), "checkpoints/step_N")
+    assert str(run_dir) in line and "Hugging Face directory" in line and "dsa-train export" not in line
 
 
 @pytest.mark.integration
