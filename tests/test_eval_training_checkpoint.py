@@ -78,3 +78,6 @@ def test_a_damaged_checkpoint_is_one_line(run, tmp_path, capsys):
     assert main(["eval", str(copy), "--seq-len", "32", "--out", str(tmp_path / "e")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("dsa-train: ") and "\n" not in err and "Traceback" not in err
+    # eval's fix only (not export's "export an earlier step_* directory"), the step named once
+    assert err.count(" — ") == 1 and err.endswith("pass another step (checkpoints/step_N) or the run's export/"), err
+    assert "export an earlier" not in err and err.count("step_00000002") == 1, err
