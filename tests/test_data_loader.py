@@ -180,3 +180,18 @@ def test_build_dataloader_streaming(tmp_path):
     batch = next(loader)
     assert batch["labels"].shape == (2, 128)
     assert loader.state_dict()["kind"] == "streaming"
+
+
+def test_a_prepared_directory_streamed_is_refused_with_a_fix_that_works(tmp_path):
+    """A prepare-data output is opened only by the map-style loader: as the only source of a
+    streaming run it was refused with the fix "train on it as the only source", which it was."""
+    from dsa_train.data.sources import DataSourceError
+
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    (prepared / "index.json").write_text('{"format": "dsa_train.pretokenized"}')
+    cfg = DataConfig(sources=[str(prepared)], seq_len=16, micro_batch_size=1, streaming=True,
+                     cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(DataSourceError, match="is a prepare-data output") as err:
+        next(build_dataloader(cfg))
+    assert "data.streaming=false" in str(err.value)

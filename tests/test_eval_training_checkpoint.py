@@ -78,3 +78,28 @@ def test_a_damaged_checkpoint_is_one_line(run, tmp_path, capsys):
     assert main(["eval", str(copy), "--seq-len", "32", "--out", str(tmp_path / "e")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("dsa-train: ") and "\n" not in err and "Traceback" not in err
+    # eval's fix only (not export's "export an earlier step_* directory"), the step named once
+    assert err.count(" — ") == 1 and err.endswith("pass another step (checkpoints/step_N) or the run's export/"), err
+    assert "export an earlier" not in err and err.count("step_00000002") == 1, err
+
+
+def test_a_run_whose_tokenizer_moved_is_read_with_the_tokenizer_given(tmp_path):
+    """A run trained with a tokenizer directory that is gone (moved, another machine): the error says
+    "pass --tokenizer DIR", so `eval --tokenizer` and `export --tokenizer` must then work (before: the
+    run's tokenizer was looked up when the checkpoint was opened, so the error came whatever was
+    passed; `inspect`, which needs no tokenizer, failed the same way)."""
+    from dsa_train.checkpoint import CheckpointError
+    from dsa_train.checkpoint.training_source import open_training_checkpoint
+    from dsa_train.data import BUNDLED_TOKENIZER_DIR
+
+    torch.manual_seed(0)
+    model = DSAForCausalLM(tiny_config(num_hidden_layers=1, index_topk=8))
+    recipe = {"run_dir": str(tmp_path / "run"), "checkpoint": {"dir": str(tmp_path / "run" / "checkpoints")},
+              "data": {"tokenizer": str(tmp_path / "gone")}}
+    save_checkpoint(tmp_path / "run" / "checkpoints", TrainerState(global_step=1, recipe=recipe), model_pieces(model),
+                    {}, {}, keep_last=1, config_json=model.config.to_hf_dict())
+    ckpt = open_training_checkpoint(tmp_path / "run")  # opened: its tokenizer is not needed to read it
+    with pytest.raises(CheckpointError, match="pass --tokenizer DIR"):
+        ckpt.tokenizer_dir
+    m = load_model(tmp_path / "run", EvalOptions(tokenizer=str(BUNDLED_TOKENIZER_DIR)))
+    assert m.tokenizer.path.parent == BUNDLED_TOKENIZER_DIR and m.model.config.vocab_size == model.config.vocab_size

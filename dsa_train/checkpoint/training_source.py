@@ -91,7 +91,13 @@ class TrainingCheckpoint:
     config: DSAConfig
     state: dict[str, torch.Tensor]  # memory-mapped
     files: dict[str, Path]  # tensor name -> file it came from
-    tokenizer_dir: Path | None
+    run: RunConfig | None = None  # the recipe it was trained under (None: not recorded)
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        """The run's tokenizer, looked up when asked for: a caller given another one (`--tokenizer`)
+        or needing none (inspect) reads a run whose tokenizer has moved."""
+        return _run_tokenizer(self.run, self.step_dir)
 
 
 def find_step_dir(path: str | os.PathLike) -> Path | None:
@@ -431,7 +437,7 @@ def open_training_checkpoint(path: str | os.PathLike, config: str | os.PathLike 
         cfg.num_nextn_predict_layers = 0  # trained without the MTP module (as loaded)
     check_state_dict(state, files, cfg, step_dir)
     cfg.index_topk = _trained_topk(hydra, step_dir, cfg.index_topk)
-    return TrainingCheckpoint(step_dir, cfg, state, files, _run_tokenizer(hydra, step_dir))
+    return TrainingCheckpoint(step_dir, cfg, state, files, hydra)
 
 
 def is_training_checkpoint(path: str | os.PathLike) -> bool:

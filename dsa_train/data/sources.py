@@ -162,9 +162,9 @@ def resolve_source(spec: str) -> list[ResolvedSource]:
     if path.is_dir() and _is_prepared_output(path):
         raise DataSourceError(
             f"Data source {path} is a prepare-data output (already tokenized): it is read on its own, not "
-            f"as documents among other sources",
-            fix=f"train on it as the only source, data.sources=[{spec}], or list the documents it was made "
-                f"from instead")
+            f"as documents among other sources or streamed",
+            fix=f"train on it as the only source, not streamed: data.sources=[{spec}] data.streaming=false; or "
+                f"list the documents it was made from instead")
     if path.is_dir():
         files = sorted(str(p) for p in path.rglob("*") if p.is_file())
         resolved = _group_files(spec, files)

@@ -135,7 +135,9 @@ def load_model(path: str | Path, opts: EvalOptions) -> LoadedModel:
         try:
             model, ckpt = from_training_checkpoint(directory, dtype=opts.dtype)
         except CheckpointError as e:
-            raise EvalError(f"{directory}: {e}", "pass another step (checkpoints/step_N) or the run's export/") from e
+            # the problem only: the checkpoint layer's fix is export's ("export an earlier step_* directory")
+            problem = e.problem if str(directory) in e.problem else f"{directory}: {e.problem}"
+            raise EvalError(problem, "pass another step (checkpoints/step_N) or the run's export/") from e
         tokenizer = load_tokenizer(opts.tokenizer if opts.tokenizer is not None else ckpt.tokenizer_dir)
     model.eval()
     check_vocab(tokenizer.vocab_size, model.config.vocab_size)
