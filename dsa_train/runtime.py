@@ -29,15 +29,23 @@ def limit_heap_fragmentation(threshold_bytes: int = 1 << 20) -> bool:
 
 def quiet_third_party(rank: int = 0) -> None:
     """Silence warnings a user cannot act on, and on ranks other than 0 all warnings (rank 0 prints
-    each once per job): megatron-core's import-time "Transformer Engine and Apex are not installed"
+    each once per job; `DSA_LOG_ALL_RANKS=1` keeps them): megatron-core's import-time "Transformer Engine and Apex are not installed"
     (it falls back to torch implementations, which dsa_train does not use for its optimizer anyway)."""
     import warnings
 
     warnings.filterwarnings("ignore", message=r".*Transformer Engine and Apex are not installed.*")
     warnings.filterwarnings("ignore", category=UserWarning, module=r"(megatron|transformer_engine|apex)(\..*)?$")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron|transformer_engine|apex|deepspeed)(\..*)?$")
-    if rank != 0:
+    if rank != 0 and not log_all_ranks():
         warnings.simplefilter("ignore")
+
+
+def log_all_ranks() -> bool:
+    """`DSA_LOG_ALL_RANKS=1`: every rank shows its warnings (logged and Python warnings), not rank 0
+    only (dsa_train/launch/rank.py)."""
+    import os
+
+    return os.environ.get("DSA_LOG_ALL_RANKS", "0") not in ("", "0")
 
 
 def require_train_extra(*packages: str, purpose: str = "training") -> None:

@@ -148,10 +148,14 @@ def test_ranks_other_than_0_log_errors_only_unless_asked(monkeypatch, log_all):
         monkeypatch.delenv("DSA_LOG_ALL_RANKS", raising=False)
     else:
         monkeypatch.setenv("DSA_LOG_ALL_RANKS", log_all)
-    with warnings.catch_warnings():  # rank 3 silences Python warnings process-wide
+    monkeypatch.setenv("WANDB_SERVICE", os.environ.get("WANDB_SERVICE", ""))  # main() pops it: restored after
+    with warnings.catch_warnings():  # rank 3 silences Python warnings process-wide (unless asked not to)
         rank.main(["--config-name", "demo"])
+        shown = not any(action == "ignore" and message is None and category is Warning and module is None
+                        for action, message, category, module, _ in warnings.filters)  # no catch-all ignore
     level = "WARNING" if log_all else "ERROR"
     assert f"hydra.job_logging.root.level={level}" in seen["argv"]
+    assert shown == bool(log_all)  # Python warnings follow the same switch
     monkeypatch.setenv("RANK", "0")
     seen.clear()
     with warnings.catch_warnings():

@@ -46,7 +46,9 @@ def other_ranks_log_level() -> str:
     give (a doubtful recipe value, a top-k that covers the sequence, ...) would otherwise appear
     once per rank, 1024 times at 671B. Errors are logged by every rank (what failed where).
     `DSA_LOG_ALL_RANKS=1`: every rank logs its warnings too (a rank-local problem being chased)."""
-    return "WARNING" if os.environ.get("DSA_LOG_ALL_RANKS", "0") not in ("", "0") else "ERROR"
+    from dsa_train.runtime import log_all_ranks
+
+    return "WARNING" if log_all_ranks() else "ERROR"
 
 
 def _train(cfg) -> None:
