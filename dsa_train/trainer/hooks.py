@@ -105,7 +105,11 @@ class NonFiniteGuard(StepHooks):
                     f"keeps the recipe of the stage in progress), export it (`dsa-train export {saved} {exported}`) "
                     f"and start a new run_dir with model.pretrained={exported} and the lower lr; or check the data "
                     "at this position")
-        log.warning("non-finite %s at global step %d: update skipped (%d in a row)", what, step, consecutive)
+        # the rank that holds the non-finite values says which at ERROR, which every rank of a job logs
+        # (ranks other than 0 log errors only: dsa_train/launch/rank.py); the others at WARNING
+        seen_here = bad != ["values on another rank"]
+        log.log(logging.ERROR if seen_here else logging.WARNING,
+                "non-finite %s at global step %d: update skipped (%d in a row)", what, step, consecutive)
         state.nonfinite_consecutive = consecutive
         state.nonfinite_skipped += 1
 
