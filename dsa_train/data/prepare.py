@@ -189,7 +189,7 @@ def check_out_dir(out_dir: Path, sources: Sequence[str], overwrite: bool) -> Non
     entries = sorted(p.name for p in out.iterdir())
     if not entries:
         return
-    ours = (out / INDEX_FILE).is_file() and _is_our_index(out / INDEX_FILE) and set(entries) <= set(OUR_FILES)
+    ours = (out / INDEX_FILE).is_file() and is_prepared_index(out / INDEX_FILE) and set(entries) <= set(OUR_FILES)
     if not ours:
         shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
         raise OutNotOurs(f"prepare-data: --out {out_dir} is a folder that prepare-data did not write ({len(entries)} "
@@ -207,10 +207,6 @@ def _beside(path: Path) -> Path:
         n += 1
         candidate = path.parent / f"{path.stem}-prepared{n}"
     return candidate
-
-
-def _is_our_index(path: Path) -> bool:
-    return is_prepared_index(path)
 
 
 def _remove_prepared(out_dir: Path) -> None:
