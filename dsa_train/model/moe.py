@@ -289,6 +289,25 @@ class LocalDispatcher:
         return state.weighted_sum(y)
 
 
+@runtime_checkable
+class TokenSplit(Protocol):
+    """How an MoE layer splits its tokens over a group of ranks that all hold them (tensor
+    parallelism: `dsa_train.parallel.tensor.TensorParallelTokens`): the router and the routed
+    experts run on this rank's share only."""
+
+    def scatter(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [N, h] (the same on every rank) -> this rank's share [N_r, h]."""
+        ...
+
+    def gather(self, out: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        """This rank's share's routed output [N_r, h] -> all N tokens' [N, h], the same on every rank."""
+        ...
+
+    def sum_load(self, load: torch.Tensor) -> torch.Tensor:
+        """Tokens per expert of this rank's share [E] -> of all N tokens (a new tensor)."""
+        ...
+
+
 class SideStream:
     """`module(x)` on a CUDA side stream, started now and joined by `result()`: the shared experts
     overlap the dispatch all-to-all (their backward runs on the same side stream, overlapping the
@@ -319,7 +338,9 @@ class SideStream:
 class MoE(nn.Module):
     """route -> dispatch -> experts -> combine (+ shared experts), as Megatron's MoELayer. One
     process: every expert local (`LocalDispatcher`), a loop over experts, loads not summed. A
-    parallel layout changes that through one method, `set_layout` (dsa_train.parallel.expert)."""
+    parallel layout changes that through one method, `set_layout` (dsa_train.parallel.expert),
+    and under tensor parallelism `token_split` (dsa_train.parallel.tensor: router and routed
+    experts on this TP rank's share of the tokens, their output gathered)."""
 
     def __init__(self, config: DSAConfig):
         super().__init__()
@@ -342,6 +363,9 @@ class MoE(nn.Module):
         self.register_buffer("load_since_update", torch.zeros(config.n_routed_experts), persistent=False)
         # sums the loads over the router's replicas before a bias update; None: one process
         self.sum_loads = None
+        # under tensor parallelism (`dsa_train.parallel.tensor.TensorParallelTokens`): the router
+        # and routed experts run on this TP rank's share of the tokens; None: on all of them
+        self.token_split: TokenSplit | None = None
 
     def set_layout(self, grouped_gemm: bool, sum_loads=None, dispatcher: TokenDispatcher | None = None) -> None:
         """How this layer runs under a parallel layout (`dsa_train.parallel.expert.shard_experts`):
@@ -362,9 +386,12 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])  # [N, hidden]
-        expert_ids, weights = self.gate(tokens)
-        load = tokens_per_expert(expert_ids, self.n_experts)  # [E] on the device
-        self.last_expert_load = load.detach().float()
+        split = self.token_split
+        routed = tokens if split is None else split.scatter(tokens)  # this TP rank's share of the tokens
+        expert_ids, weights = self.gate(routed)
+        load = tokens_per_expert(expert_ids, self.n_experts)  # [E] on the device (of `routed`)
+        # the layer's loads over all N tokens (metrics, the bias update): summed over the TP shares
+        self.last_expert_load = (load if split is None else split.sum_load(load)).detach().float()
         if self.training:
             self.load_since_update += self.last_expert_load
         # on CUDA the shared experts run on a side stream beside the dispatch all-to-all; on the
@@ -372,11 +399,13 @@ class MoE(nn.Module):
         shared = SideStream.start(self.shared_experts, tokens) if self.shared_experts is not None else None
         if self.grouped_gemm and isinstance(self.dispatcher, LocalDispatcher):
             # grouped GEMMs on one process's experts: sizes stay on the device, no host read
-            x_sorted, counts, state = self.dispatcher.dispatch_on_device(tokens, expert_ids, weights, load)
+            x_sorted, counts, state = self.dispatcher.dispatch_on_device(routed, expert_ids, weights, load)
         else:
-            x_sorted, counts, state = self.dispatcher.dispatch(tokens, expert_ids, weights, load)
+            x_sorted, counts, state = self.dispatcher.dispatch(routed, expert_ids, weights, load)
         y_sorted = self.run_experts(x_sorted, counts)
         out = self.dispatcher.combine(y_sorted, state)
+        if split is not None:  # every TP rank continues with all N tokens' routed output
+            out = split.gather(out, tokens.shape[0])
         if shared is not None:
             out = out + shared.result()
         return out.view(shape)

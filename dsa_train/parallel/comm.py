@@ -66,3 +66,62 @@ class _CopyToGroup(torch.autograd.Function):
 
 def copy_to_group(x: torch.Tensor, group) -> torch.Tensor:
     return _CopyToGroup.apply(x, group)
+
+
+def row_share(n_rows: int, group) -> tuple[int, int]:
+    """This rank's contiguous share [start, stop) of `n_rows` rows split over `group`: ceil(n / size)
+    rows a rank in rank order, the last ranks fewer (or none) when the size does not divide n."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    per = -(-n_rows // size)
+    return min(rank * per, n_rows), min((rank + 1) * per, n_rows)
+
+
+def _gather_rows(x: torch.Tensor, n_rows: int, group) -> torch.Tensor:
+    """Every rank's share (`row_share`) of `n_rows` rows, gathered in rank order: each share padded
+    to ceil(n / size) rows for the all-gather (the padding travels, then is dropped)."""
+    size = dist.get_world_size(group)
+    per = -(-n_rows // size)
+    padded = x if x.shape[0] == per else torch.cat([x, x.new_zeros((per - x.shape[0], *x.shape[1:]))])
+    parts = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    return torch.cat(parts)[:n_rows]
+
+
+class _ScatterRows(torch.autograd.Function):
+    """This rank's share of the rows of x, which every rank of the group holds whole (`row_share`);
+    backward: every rank's share of the gradient all-gathered (x is replicated: each rank needs
+    its full gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group):
+        ctx.group, ctx.n_rows = group, x.shape[0]
+        start, stop = row_share(x.shape[0], group)
+        return x[start:stop].clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_rows(grad, ctx.n_rows, ctx.group), None
+
+
+class _GatherRows(torch.autograd.Function):
+    """The whole [n_rows, ...] tensor from each rank's share (`row_share`); backward: this rank's
+    share of the gradient (every rank continues with the same gathered tensor and computes the same
+    gradient of it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, n_rows: int, group):
+        ctx.group, ctx.n_rows = group, n_rows
+        return _gather_rows(x, n_rows, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        start, stop = row_share(ctx.n_rows, ctx.group)
+        return grad[start:stop].contiguous(), None, None
+
+
+def scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
+    return _ScatterRows.apply(x, group)
+
+
+def gather_rows(x: torch.Tensor, n_rows: int, group) -> torch.Tensor:
+    return _GatherRows.apply(x, n_rows, group)

@@ -9,8 +9,20 @@ the indexer sees the same detached inputs on every TP rank, its KL target covers
 gradient): in the sparse stage on the Triton path the local heads' Sigma_h P from the attention's
 forward, all-reduced over TP (`sum_heads`); otherwise (the dense KL, the CPU path) every head's
 queries and log-sum-exps gathered over TP (`gather`); its gradients are averaged over TP. Dense MLPs and shared experts: gate/up
-column-parallel, down row-parallel. Routed experts stay whole (replicated over TP; use expert
-parallelism to spread them). Embeddings, norms, router and LM head are replicated.
+column-parallel, down row-parallel. Embeddings, norms and LM head are replicated.
+
+MoE layers (sequence-parallel routed experts, `TensorParallelTokens`): the router and the routed
+experts are replicated over TP (use expert parallelism to spread them), but each TP rank routes and
+runs them on its contiguous share of the layer's N flattened tokens (`comm.row_share`: ceil(N / TP)
+rows a rank, the last ranks fewer when TP does not divide N; the all-gather pads each share to
+ceil(N / TP) rows and drops the padding). The routed output is all-gathered over TP, so every rank
+continues with the same [N, hidden] tensor; the split's backward all-gathers the input gradient,
+the gather's takes this rank's share. The router's and routed experts' gradients then come from
+different tokens on each TP rank: a hook sums them over TP (`sum_over_group`), after which every TP
+rank holds the same full gradient, as before (DeepSpeed reduces them over DP x CP, or the experts
+over expert-DP, and its gradient norm counts them on TP rank 0 only). The tokens per expert are
+summed over TP in the forward (the bias update and the load metrics see all N tokens, as TP 1). With
+expert parallelism each TP rank's EP group dispatches that rank's share.
 """
 
 from __future__ import annotations
@@ -19,7 +31,7 @@ import torch
 from torch import nn
 
 from dsa_train.model.moe import MLP, MoE
-from dsa_train.parallel.comm import all_gather_nograd, all_reduce_nograd, copy_to_group
+from dsa_train.parallel.comm import all_gather_nograd, all_reduce_nograd, copy_to_group, gather_rows, scatter_rows
 from dsa_train.parallel.groups import ParallelState
 from dsa_train.sharding import Sharding, set_sharding
 
@@ -136,6 +148,36 @@ def average_over_group(param: torch.Tensor, group, size: int) -> None:
     param.register_hook(hook)
 
 
+def sum_over_group(param: torch.Tensor, group) -> None:
+    """Sum this replicated parameter's gradient contributions over `group` (its ranks ran it on
+    different tokens)."""
+    import torch.distributed as dist
+
+    def hook(grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    param.register_hook(hook)
+
+
+class TensorParallelTokens:
+    """The `TokenSplit` of an MoE layer under tensor parallelism (module doc): this TP rank's share
+    of the tokens for the router and routed experts, their output gathered over TP."""
+
+    def __init__(self, state: ParallelState):
+        self.group = state.tp_group
+
+    def scatter(self, tokens: torch.Tensor) -> torch.Tensor:
+        return scatter_rows(tokens, self.group)
+
+    def gather(self, out: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        return gather_rows(out, n_tokens, self.group)
+
+    def sum_load(self, load: torch.Tensor) -> torch.Tensor:
+        return all_reduce_nograd(load.clone(), self.group)
+
+
 class TensorParallelHeads:
     """Head placement of an MLA layer whose heads are split over the TP group (`MLA.heads`)."""
 
@@ -182,5 +224,14 @@ def shard_tensor_parallel(model: nn.Module, state: ParallelState) -> None:
         if isinstance(layer.mlp, MoE):
             if layer.mlp.shared_experts is not None:
                 shard_mlp(layer.mlp.shared_experts, state)
+            split_moe_tokens(layer.mlp, state)
         else:
             shard_mlp(layer.mlp, state)
+
+
+def split_moe_tokens(moe: MoE, state: ParallelState) -> None:
+    """The layer's router and routed experts on this TP rank's share of its tokens (module doc),
+    their gradients summed over TP."""
+    moe.token_split = TensorParallelTokens(state)
+    for p in [*moe.gate.parameters(), *moe.experts.parameters()]:
+        sum_over_group(p, state.tp_group)
