@@ -179,7 +179,8 @@ def test_trace_of_671b_recipe_agrees_with_plan(recipe, tmp_path):
 def test_trace_of_a_tp2_rank_communication_matches_the_plan(device):
     """Tensor parallel 2 (the 671B recipes run TP 1), sparse stage: the plan's TP collectives --
     row-parallel outputs, the indexer KL's target, the column-parallel and shared-latent gradients,
-    the indexer's averaged gradients -- are the traced step's, call for call. The target: on the
+    the indexer's averaged gradients, the MoE's gathered routed output and input gradient, its
+    loads and its router / expert gradients summed -- are the traced step's, call for call. The target: on the
     CPU path every head's q and lse gathered; on the CUDA path (the kernels' custom ops) the local
     heads' Sigma_h P from the attention's forward all-reduced, [T, k] fp32, and nothing gathered."""
     cmd = [sys.executable, "-m", "dsa_train.cli", "plan", "--trace", "--json", "--world", "2", "--config-name", "demo",
@@ -194,11 +195,34 @@ def test_trace_of_a_tp2_rank_communication_matches_the_plan(device):
     for r in t["communication"]:
         assert r["traced_calls"] == r["planned_calls"], r
     forward = next(r for r in t["communication"] if r["key"] == "all_reduce tp forward")
+    gathers = next(r for r in t["communication"] if r["key"] == "all_gather tp forward")
+    # the MoE's routed output and its input gradient gathered, its loads and weight gradients summed
+    assert "all_gather tp backward" in keys, keys
     if device == "cpu":
-        assert "all_gather tp forward" in keys and forward["kinds"] == ["tp_forward"], t["communication"]
-    else:
-        assert "all_gather tp forward" not in keys, keys
-        assert forward["kinds"] == ["tp_forward", "tp_kl_target_forward"], forward
+        assert gathers["kinds"] == ["tp_gather_forward", "tp_moe_gather_forward"], gathers
+        assert forward["kinds"] == ["tp_forward", "tp_moe_loads_forward"], t["communication"]
+    else:  # no head's q or lse gathered
+        assert gathers["kinds"] == ["tp_moe_gather_forward"], gathers
+        assert forward["kinds"] == ["tp_forward", "tp_kl_target_forward", "tp_moe_loads_forward"], forward
+
+
+def test_trace_of_a_tp2_ep2_rank_with_moe_recompute_communication_matches_the_plan():
+    """TP 2 x EP 2 (world 4), MoE recompute: each TP rank routes its half of the tokens and its EP
+    group dispatches only that half (the all-to-alls' rows), the routed output is gathered over TP
+    in the forward and again in the recompute, and the input gradient in the backward -- the plan's
+    calls and bytes are the traced step's, per (op, group, phase)."""
+    cmd = [sys.executable, "-m", "dsa_train.cli", "plan", "--trace", "--json", "--world", "4", "--config-name", "demo",
+           "parallel=zero2", "parallel.tensor_parallel=2", "parallel.expert_parallel=2", "parallel.recompute=moe",
+           "data.seq_len=64", "model.dtype=bfloat16", "device=cuda", "~stages.pretrain"]
+    out = subprocess.run(cmd, env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    t = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (t["layout"]["tp"], t["layout"]["ep"], t["stage"]) == (2, 2, "sparse"), t["layout"]
+    keys = assert_communication_agrees(t)
+    assert {"all_gather tp forward", "all_gather tp recompute", "all_gather tp backward",
+            "all_to_all ep forward", "all_to_all ep recompute"} <= keys, keys
+    for r in t["communication"]:
+        assert r["traced_calls"] == r["planned_calls"] and r["traced_bytes"] == pytest.approx(r["planned_bytes"]), r
 
 
 @pytest.mark.slow

@@ -2,8 +2,9 @@
 FlopCounterMode over the traced step, aten's FLOP formulas plus the grouped expert GEMMs'). The
 parts the plan times by FLOPs alone (projections, MLPs and experts, LM head, absorption, the
 indexer's projections and Hadamard rotation) must be what the CUDA path issues on that rank for one
-micro-batch -- under tensor parallelism (split heads, dense MLPs and shared experts; the indexer,
-routed experts and LM head whole on every TP rank), context parallelism and full recompute, and
+micro-batch -- under tensor parallelism (split heads, dense MLPs and shared experts, the router and
+routed experts on each TP rank's share of the tokens; the indexer and LM head whole on every TP
+rank), context parallelism and full recompute, and
 with the row-chunked MLP's backward recompute (TP 1). Custom ops (the Triton kernels, library
 attention) count no aten FLOPs: the warm-up's library attention is the one difference (its keys'
 up-projections under context parallelism are counted: the op declares them)."""

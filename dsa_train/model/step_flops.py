@@ -88,9 +88,10 @@ class StepPart:
     hbm_bytes: float = 0.0  # bytes a kernel part moves (0: a matmul part, timed by its FLOPs)
     recomputed: float = 0.0  # of `issued`, the FLOPs the activation recompute runs again
     # of `issued` (and `hbm_bytes`), the share tensor parallelism splits over its group (the heads'
-    # projections and attention, dense MLPs, shared experts); the rest every TP rank runs whole for
-    # the group's tokens (the indexer, its scores / select / KL, the routed experts and router, the
-    # LM head, q_a / kv_a): `dsa_train.plan.compute.compute_seconds(..., tensor=TP)`
+    # projections and attention, dense MLPs, shared experts, and the routed experts and router, which
+    # run on each TP rank's share of the tokens); the rest every TP rank runs whole for the group's
+    # tokens (the indexer, its scores / select / KL, the LM head, q_a / kv_a):
+    # `dsa_train.plan.compute.compute_seconds(..., tensor=TP)`
     tp_split: float = 1.0
 
 
@@ -150,8 +151,10 @@ def _keys(seq_len: int, k: int) -> float:
 def _layer_split(cfg: DSAConfig, i: int) -> dict[str, float]:
     """2 x the matmul parameters of layer i: attention projections, MLP (dense or MoE), indexer; and
     of those, the ones tensor parallelism splits over its group (`parallel/tensor.py`: q_b (or q),
-    kv_b and o_proj of the attention, a dense MLP, the shared experts; not q_a / kv_a, the routed
-    experts, the router or the indexer): `attention_tp`, `mlp_tp`."""
+    kv_b and o_proj of the attention, the whole MLP -- a dense MLP, the shared experts by their
+    weights, the router and routed experts by the tokens (each TP rank runs them on its share);
+    not q_a / kv_a or the indexer): `attention_tp`, `mlp_tp`; and `mlp_row_chunked`, the MLPs that
+    run row-chunked at TP 1 (`model.moe._RowChunkedMLP`: a dense MLP, the shared experts)."""
     h, H = cfg.hidden_size, cfg.num_attention_heads
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     q = h * cfg.q_lora_rank + cfg.q_lora_rank * H * qk if cfg.q_lora_rank else h * H * qk
@@ -161,12 +164,12 @@ def _layer_split(cfg: DSAConfig, i: int) -> dict[str, float]:
     p = layer_linear_params(cfg, i)
     mlp = p["main"] - attn
     if cfg.is_moe_layer(i):
-        mlp_tp = 3 * h * cfg.moe_intermediate_size * cfg.n_shared_experts  # the shared experts only
+        row_chunked = 3 * h * cfg.moe_intermediate_size * cfg.n_shared_experts  # the shared experts only
     else:
-        mlp_tp = mlp
+        row_chunked = mlp
     return {"attention": 2.0 * attn, "mlp": 2.0 * mlp, "indexer": 2.0 * p["indexer"],
-            "attention_tp": 2.0 * (attn - h * (cfg.q_lora_rank or 0) - kv_a), "mlp_tp": 2.0 * mlp_tp,
-            "kv_b": 2.0 * (kv - kv_a)}
+            "attention_tp": 2.0 * (attn - h * (cfg.q_lora_rank or 0) - kv_a), "mlp_tp": 2.0 * mlp,
+            "mlp_row_chunked": 2.0 * row_chunked, "kv_b": 2.0 * (kv - kv_a)}
 
 
 def _hadamard(cfg: DSAConfig) -> float:
@@ -207,7 +210,7 @@ def _sparse_parts(c: DSAConfig, T: int, k: int, indexer_loss: bool, recompute: s
         rec["attention"] += r_attn * (s["attention"] - s["kv_b"])
         rec[kind] += s["mlp"] * (recompute == "full" or (recompute == "moe" and kind == "moe"))
         if row_chunked:  # its backward forms gate and up again: 2 of the MLP's 3 forward GEMMs
-            again[kind] += 2.0 / 3.0 * s["mlp_tp"]  # a dense MLP whole, of a MoE layer the shared experts
+            again[kind] += 2.0 / 3.0 * s["mlp_row_chunked"]  # a dense MLP whole, of a MoE layer the shared experts
     issued_attn = proj["attention"] - kv_b
     tp = {name: _share(proj[name], split[name]) for name in split}
     tp["attention"] = _share(issued_attn, split["attention"])
@@ -359,8 +362,9 @@ def _warmup_parts(c: DSAConfig, T: int, context: int, recompute: str, issued: bo
             rec_split += q_split + (absorb if cp else up)
     cp_up = L * ((2 * context + 1) / 2 - 1) * up + L * absorb if cp else 0.0
     scores = L * attn["indexer"]
-    # TP splits the heads' work (projections, attention, up-projections) and dense MLPs / shared
-    # experts; the indexer and the dense KL (every head gathered on each TP rank) run whole
+    # TP splits the heads' work (projections, attention, up-projections) and the MLPs (dense MLPs /
+    # shared experts by weights, router and routed experts by tokens); the indexer and the dense KL
+    # (every head gathered on each TP rank) run whole
     parts = {
         "main_forward": StepPart(main_fwd, main_fwd, tp_split=_share(main_fwd, main_split)),
         "attention": StepPart(L * attn["main"], L * attn["main"]),

@@ -22,7 +22,9 @@ parameters keep their global names (`mlp.experts.{e}.gate_proj.weight`) and carr
 record naming their expert group: DeepSpeed reduces their gradients over the expert-data-parallel
 group (`dsa_train.parallel.deepspeed_compat` tells DeepSpeed). Expert loads are summed over the
 router's replicas (DP x CP) at the aux-loss-free bias update (`MoE.sum_loads`), so every replica's
-bias takes the single-process step.
+bias takes the single-process step. Under tensor parallelism each TP rank routes and dispatches its
+share of the tokens (`dsa_train.parallel.tensor.TensorParallelTokens`, which sums the loads over TP
+in the forward), within its own EP group.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ The step itself is `dsa_train.trainer.step` for one process and for N ranks.
 * metric sums over DP x CP: each rank's sums cover the tokens it holds (CP) of its sequences (DP);
 * the engine (DeepSpeed) averages gradients over DP x CP, the ranks holding replicas of a dense
   parameter; the loss is multiplied by their number so that the average is the sum.
-Tensor-parallel ranks see the same tokens and compute the same losses: nothing to combine.
+Tensor-parallel ranks see the same tokens and compute the same losses: nothing to combine (the
+MoE's router and routed experts run on each TP rank's share of them; their gradients are summed
+over TP by hooks, `dsa_train.parallel.tensor.sum_over_group`, before the engine sees them).
 """
 
 from __future__ import annotations

@@ -177,13 +177,13 @@ def moe_all_to_all(c, sizes, s: StepShape) -> list[Collective]:
     671B layouts a token's 8 experts sit on ~8 ranks, `benchmarks/moe_dispatch_bytes.py`), their
     routing weights (fp32 [pairs, L]) and the combine (the summed rows back); backward: the reverse
     all-to-all of the rows, the weights and the combine. Recomputed layers run their forward's
-    again."""
+    again. Under TP each rank dispatches its share of the tokens, ceil(T_loc / TP) (`tp_moe_collectives`)."""
     if sizes.expert <= 1 or not c.n_routed_experts:
         return []
     main_moe = sum(1 for i in range(c.num_hidden_layers) if c.is_moe_layer(i))
     mtp = range(c.num_hidden_layers, c.num_hidden_layers + (c.num_nextn_predict_layers or 0)) if s.uses_mtp else ()
     moe = main_moe + sum(1 for i in mtp if c.is_moe_layer(i))
-    slots = s.tokens_local * c.num_experts_per_tok
+    slots = -(-s.tokens_local // sizes.tensor) * c.num_experts_per_tok
     tokens = slots * c.hidden_size * s.dtype_bytes  # [slots, hidden] in the model dtype
     local_experts = c.n_routed_experts // sizes.expert
     weights = slots * local_experts * 4  # [slots, L] fp32 routing weights
@@ -227,7 +227,8 @@ def tp_collectives(c, sizes, s: StepShape) -> list[Collective]:
     [T_loc, k] fp32, from the attention's forward) is all-reduced instead (`sum_heads`). Backward (main
     model trains): the column-parallel inputs' gradients (q_b_proj, kv_b_proj in the MHA form,
     gate and up projections) and the shared latent and k_rope (`heads.shared`) all-reduced; the replicated
-    indexer's parameter gradients averaged (five tensors a layer). The 671B recipes run TP 1:
+    indexer's parameter gradients averaged (five tensors a layer). MoE layers (`TensorParallelTokens`,
+    each TP rank routing its ceil(T_loc / TP)-row share): `tp_moe_*`. The 671B recipes run TP 1:
     checked on a small TP 2 trace only (docs/distributed.md)."""
     if sizes.tensor <= 1:
         return []
@@ -264,13 +265,44 @@ def tp_collectives(c, sizes, s: StepShape) -> list[Collective]:
                (c.index_head_dim, 4), (c.index_head_dim, 4), (h * c.index_n_heads, 4)]
         bwd += [(n * b, main) for n, b in idx]
     mb = s.micro_batches
-    return (_rows("tp_forward", "all_reduce", "tp", "forward", [(T * h * pb, outputs)], mb)
+    return (tp_moe_collectives(c, sizes, s)
+            + _rows("tp_forward", "all_reduce", "tp", "forward", [(T * h * pb, outputs)], mb)
             + _rows("tp_gather_forward", "all_gather", "tp", "forward", gathers, mb)
             + _rows("tp_kl_target_forward", "all_reduce", "tp", "forward", targets, mb)
             + _rows("tp_recompute", "all_reduce", "tp", "recompute", rec_reduce, mb)
             + _rows("tp_gather_recompute", "all_gather", "tp", "recompute", gathers if recomputed else [], mb)
             + _rows("tp_kl_target_recompute", "all_reduce", "tp", "recompute", targets if recomputed else [], mb)
             + _rows("tp_backward", "all_reduce", "tp", "backward", bwd, mb))
+
+
+def tp_moe_collectives(c, sizes, s: StepShape) -> list[Collective]:
+    """The MoE layers under TP (`parallel/tensor.py` TensorParallelTokens), per layer and micro-batch:
+    forward (again in a recomputed layer) the routed output all-gathered over TP (each rank's share
+    padded to ceil(T_loc / TP) rows: TP x that x hidden, model dtype) and the tokens per expert
+    all-reduced (int64 [experts]); backward (main model trains): the input gradient all-gathered
+    (the same size), and the router's and this rank's routed experts' weight gradients summed over
+    TP (one all-reduce per tensor: the router [E, hidden], 3 per local expert [I, hidden])."""
+    if sizes.tensor <= 1 or not c.n_routed_experts:
+        return []
+    main_moe = sum(1 for i in range(c.num_hidden_layers) if c.is_moe_layer(i))
+    mtp = range(c.num_hidden_layers, c.num_hidden_layers + (c.num_nextn_predict_layers or 0)) if s.uses_mtp else ()
+    moe = main_moe + sum(1 for i in mtp if c.is_moe_layer(i))
+    gathered = sizes.tensor * -(-s.tokens_local // sizes.tensor) * c.hidden_size * s.dtype_bytes
+    loads = c.n_routed_experts * 8
+    recomputed = main_moe if (s.main_trains and s.recompute in ("full", "moe")) else 0
+    weights = []
+    if s.main_trains:
+        local_experts = c.n_routed_experts // sizes.expert
+        weights = [(c.n_routed_experts * c.hidden_size * s.dtype_bytes, moe),
+                   (c.moe_intermediate_size * c.hidden_size * s.dtype_bytes, 3 * local_experts * moe)]
+    mb = s.micro_batches
+    return (_rows("tp_moe_gather_forward", "all_gather", "tp", "forward", [(gathered, moe)], mb)
+            + _rows("tp_moe_loads_forward", "all_reduce", "tp", "forward", [(loads, moe)], mb)
+            + _rows("tp_moe_gather_recompute", "all_gather", "tp", "recompute", [(gathered, recomputed)], mb)
+            + _rows("tp_moe_loads_recompute", "all_reduce", "tp", "recompute", [(loads, recomputed)], mb)
+            + _rows("tp_moe_gather_backward", "all_gather", "tp", "backward",
+                    [(gathered, moe)] if s.main_trains else [], mb)
+            + _rows("tp_moe_grads_backward", "all_reduce", "tp", "backward", weights, mb))
 
 
 def _rows(kind, op, group, phase, parts, micro_batches) -> list[Collective]:

@@ -5,7 +5,8 @@
 
 Per rank and per stage (the largest stage decides whether it fits):
   parameters   dense ones replicated over DP x CP (or sharded by ZeRO-3), MLA heads / MLPs / shared
-               experts split over TP, routed experts split over EP (experts are not TP-split);
+               experts split over TP, routed experts split over EP (not TP-split: each TP rank
+               runs them on its 1/TP share of the tokens, as it does the router);
   gradients    trainable parameters only, fp32 accumulation; partitioned by ZeRO-2/3 (dense over
                DP x CP, experts over expert-DP) plus one reduce bucket;
   optimizer    AdamW m and v (fp32) and the fp32 master (DeepSpeed keeps one with ZeRO >= 1 or
@@ -190,7 +191,7 @@ def activation_bytes_per_token(c, sizes, stage: Stage, recompute: str, dtype_byt
     b = dtype_bytes
     # indexer (detached input): inputs of wq_b / wk / weights_proj for their weight gradients, the
     # k LayerNorm input, and the KL op's inputs q_I, k_I (fp32 weights); score chunks are recomputed
-    cp = sizes.context
+    cp, tp = sizes.context, sizes.tensor
     k = c.num_experts_per_tok or 0
     E, I_moe = c.n_routed_experts or 0, c.moe_intermediate_size or 0
     # indexer (detached input): inputs of wq_b / wk / weights_proj for their weight gradients, the
@@ -227,8 +228,9 @@ def activation_bytes_per_token(c, sizes, stage: Stage, recompute: str, dtype_byt
         # a MoE layer adds: the router's fp32 copy of x and its sigmoid scores (fp32, E), the expert
         # ids (int64) and weights (fp32) and the dispatch's index tensors (~6 x 8 bytes a pair);
         # the k dispatched copies, the experts' outputs and the weighted product (3 x k x hidden);
-        # the experts' gate, up, silu(gate) and their product (4 x k x moe_intermediate)
-        moe = mlp_in + 4 * h + 4 * E + 48 * k + b * (3 * k * h + 4 * k * I_moe) if E else mlp_in
+        # the experts' gate, up, silu(gate) and their product (4 x k x moe_intermediate) -- for
+        # this TP rank's share of the tokens (`TensorParallelTokens`: 1 / TP of them)
+        moe = mlp_in + (4 * h + 4 * E + 48 * k + b * (3 * k * h + 4 * k * I_moe)) / tp if E else mlp_in
     else:
         attn_in, attn_body, attn, dense_mlp, moe = 0.0, 0.0, 0.0, 0.0, 0.0
     # the frozen warm-up (the main model runs without autograd): the KL (eq. 3) keeps its main-model
@@ -257,9 +259,9 @@ def activation_bytes_per_token(c, sizes, stage: Stage, recompute: str, dtype_byt
         elif recompute == "moe" and c.is_moe_layer(i):  # the residual (post_attention_layernorm's
             m = mlp_in  # input) and its output, the checkpoint's input
         per_layer.append(a + m)
-    # a MoE layer's backward adds the gradients of three [k x T_loc, hidden] tensors (the weighted
+    # a MoE layer's backward adds the gradients of three [k x T_loc / TP, hidden] tensors (the weighted
     # product, the experts' output, the dispatched copies) beside what the MoE keeps
-    moe_backward = moe + b * 3 * k * h
+    moe_backward = moe + b * 3 * k * h / tp
     if not main_trains:  # the recompute of the indexer and the KL's inputs, beside x and the lse
         largest_block = indexer + (b * 2 * H_all * qk if cp == 1 else b * (H_all * (r + rope) + cp * (r + rope))) \
             if recompute in ("full", "attention") else 0.0
@@ -288,19 +290,19 @@ def activation_bytes_per_token(c, sizes, stage: Stage, recompute: str, dtype_byt
     # plus the combined output. It exists in every forward; when the MoE's tensors are not kept for
     # the backward (recomputed or frozen) it can exceed what a recomputed block keeps.
     if E and (recompute in ("full", "moe") or not main_trains):
-        moe_ws = b * (5 * k * h + h)
+        moe_ws = b * (5 * k * h / tp + h)
         if not main_trains:  # the frozen layer in flight (no autograd: nothing of it kept): its input,
             # the attention's output, the residual and its norm (4 x hidden) beside the MoE's k
             # dispatched copies, the experts' output and the weighted sum's two [k x T, hidden]
             # tensors, and the routing (the demo's maximum; at 671B the combine's 5 x k x hidden is larger)
-            moe_ws = max(moe_ws, b * (4 * k * h + 4 * h) + 48 * k + 4 * E)
+            moe_ws = max(moe_ws, b * (4 * k * h / tp + 4 * h) + (48 * k + 4 * E) / tp)
         if recompute == "full" and main_trains:  # beside the recomputed layer's attention
             largest_block = max(largest_block, attn + indexer + moe_ws)
         else:
             largest_block = max(largest_block, moe_ws)
     elif E and recompute == "attention":  # the MoE's tensors are kept: beyond them, in its forward,
         # the experts' output in the received order and the all-to-all's return buffer, the combined output
-        largest_block = max(largest_block, b * (2 * k * h + h))
+        largest_block = max(largest_block, b * (2 * k * h / tp + h))
     # the LM head (not vocabulary-parallel: every rank holds the whole [T_loc, V] logits). The loss
     # (`dsa_train.loss.cross_entropy_sum`) works in fp32 row chunks and saves only the logits and an
     # fp32 log-sum-exp per row; the logits live until the head's backward has read them (the step
