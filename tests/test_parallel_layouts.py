@@ -38,6 +38,16 @@ def test_tensor_parallel_2_with_attention_recompute(tmp_path):
 
 @pytest.mark.integration
 @pytest.mark.slow
+def test_tensor_parallel_2_with_moe_recompute_under_zero2(tmp_path):
+    # each TP rank's MoE share gathered again in the recompute; ZeRO-2 reduces in its backward hooks,
+    # after the router's and experts' gradients are summed over TP
+    rc, results, log = launch_selftest(2, ["--tp", "2", "--zero", "2", "--recompute", "moe"], str(tmp_path / "r.jsonl"))
+    assert rc == 0, log
+    _check(results, 1, {"tp": 2, "dp": 1, "recompute": "moe"})
+
+
+@pytest.mark.integration
+@pytest.mark.slow
 def test_context_parallel_2_sparse_selection_crosses_ranks(tmp_path):
     # 64 tokens = 4 chunks of 16, top-16: late queries select keys held by the other rank
     rc, results, log = launch_selftest(2, ["--cp", "2", "--zero", "2", "--seq-len", "64", "--topk", "16"], str(tmp_path / "r.jsonl"))

@@ -1,10 +1,11 @@
 """The MoE's router and routed experts under tensor parallelism on a contiguous share of the tokens
 (`dsa_train.parallel.tensor.TensorParallelTokens`), on spawned gloo ranks (one session for all
 checks):
-  * TP 2 (2 ranks): an MoE layer gives every TP rank the output, input gradient, router and
-    routed-expert gradients (after their sum over TP) and expert loads of one process over the
-    same tokens -- for token counts TP divides, does not divide (shares 13 and 12) and one token
-    (the second rank's share empty); each rank's experts run only its share's (token, expert) slots;
+  * TP 2 (2 ranks; experts as grouped GEMMs and as the loop): an MoE layer gives every TP rank the
+    output, input gradient, router and routed-expert gradients (after their sum over TP) and expert
+    loads of one process over the same tokens -- for token counts TP divides, does not divide
+    (shares 13 and 12) and one token (the second rank's share empty); each rank's experts run only
+    its share's (token, expert) slots;
   * TP 2 x EP 2 (4 ranks, two data-parallel TP groups with their own tokens, each TP rank's EP
     group dispatching that rank's share): the same against one process over both groups' tokens
     (router gradients then also summed over the DP replicas, as DeepSpeed's reduction does)."""
@@ -28,7 +29,7 @@ HIDDEN, TOP_K = 16, 4
 TOKEN_COUNTS = {"even": 24, "uneven": 25, "one": 1}
 
 
-def _layers():
+def _layers(grouped: bool = True):
     from dsa_train.model import MoE, tiny_config
 
     cfg = tiny_config(vocab_size=64, hidden_size=HIDDEN, moe_intermediate_size=8, n_routed_experts=8,
@@ -36,7 +37,7 @@ def _layers():
     torch.manual_seed(0)
     reference = MoE(cfg)
     torch.nn.init.normal_(reference.gate.weight, std=0.5)
-    reference.set_layout(grouped_gemm=True)
+    reference.set_layout(grouped_gemm=grouped)
     return cfg, reference, copy.deepcopy(reference)
 
 
@@ -62,11 +63,11 @@ def _diffs(moe, reference, y, y_ref, x, x_ref, grads: dict) -> dict:
     }
 
 
-def _tp_checks(n_tokens: int) -> dict:
+def _tp_checks(n_tokens: int, grouped: bool) -> dict:
     from dsa_train.parallel.comm import row_share
     from dsa_train.parallel.tensor import split_moe_tokens
 
-    _, reference, moe = _layers()
+    _, reference, moe = _layers(grouped)
     split_moe_tokens(moe, SimpleNamespace(tp_group=dist.group.WORLD))
     rows = _counting_expert_rows(moe)
     g = torch.Generator().manual_seed(1)
@@ -124,7 +125,8 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         if world == 2:
-            result = {name: _tp_checks(n) for name, n in TOKEN_COUNTS.items()}
+            result = {name: _tp_checks(n, grouped=True) for name, n in TOKEN_COUNTS.items()}
+            result.update({f"{name}_loop": _tp_checks(n, grouped=False) for name, n in TOKEN_COUNTS.items()})
         else:
             result = {"tp_ep": _tp_ep_checks(rank)}
     finally:
@@ -158,10 +160,11 @@ def _assert_matches_one_process(m: dict) -> None:
     assert m["load_equal"], m
 
 
+@pytest.mark.parametrize("experts", ["grouped", "loop"])
 @pytest.mark.parametrize("tokens", list(TOKEN_COUNTS))
-def test_tp2_moe_equals_one_process(tp2, tokens):
+def test_tp2_moe_equals_one_process(tp2, tokens, experts):
     for r in tp2:
-        _assert_matches_one_process(r[tokens])
+        _assert_matches_one_process(r[tokens if experts == "grouped" else f"{tokens}_loop"])
 
 
 @pytest.mark.parametrize("tokens", list(TOKEN_COUNTS))
