@@ -1,8 +1,8 @@
 """The typed seams and the fault seam (issue 33, items 4 and 5), without starting a process.
 
 - `TrainingEngine` (dsa_train/trainer/trainer.py) is what `Engine` and `DeepSpeedEngine` share,
-  `TokenDispatcher` (dsa_train/model/moe.py) what the two MoE dispatchers share: both
-  `runtime_checkable` Protocols. Each class has every member (a method or property of the class,
+  `TokenDispatcher` (dsa_train/model/moe.py) what the two MoE dispatchers share, `TokenSplit` what
+  the MoE's TP token split (`TensorParallelTokens`) offers: `runtime_checkable` Protocols. Each class has every member (a method or property of the class,
   or an attribute its `__init__` sets) with the Protocol's parameters; the classes that build
   cheaply here (`Engine`, `LocalDispatcher`) pass `isinstance`. A DeepSpeed engine and the
   all-to-all dispatcher need process groups: their members are read from the class and the
@@ -25,13 +25,15 @@ from dsa_train import faults
 from dsa_train.trainer.engine import Engine
 from dsa_train.training_engine import TrainingEngine
 from dsa_train.trainer.hooks import InjectedFaults, fault_hooks
-from dsa_train.model.moe import LocalDispatcher, TokenDispatcher
+from dsa_train.model.moe import LocalDispatcher, TokenDispatcher, TokenSplit
 from dsa_train.trainer.deepspeed_engine import DeepSpeedEngine
 from dsa_train.parallel.expert import AllToAllDispatcher
+from dsa_train.parallel.tensor import TensorParallelTokens
 
 ENGINE_MEMBERS = {"model", "trainable", "optimizer", "scheduler", "lr", "forward", "backward", "gradient_tensors",
                   "step", "zero_grad", "close", "fragments"}
 DISPATCHER_MEMBERS = {"local_experts", "dispatch", "combine"}
+TOKEN_SPLIT_MEMBERS = {"scatter", "gather", "sum_load"}
 
 
 def protocol_members(protocol: type) -> set[str]:
@@ -74,11 +76,13 @@ def missing_members(cls: type, protocol: type) -> list[str]:
 def test_the_protocols_list_the_shared_members():
     assert protocol_members(TrainingEngine) == ENGINE_MEMBERS
     assert protocol_members(TokenDispatcher) == DISPATCHER_MEMBERS
+    assert protocol_members(TokenSplit) == TOKEN_SPLIT_MEMBERS
 
 
 @pytest.mark.parametrize("cls,protocol", [(Engine, TrainingEngine), (DeepSpeedEngine, TrainingEngine),
-                                          (LocalDispatcher, TokenDispatcher), (AllToAllDispatcher, TokenDispatcher)],
-                         ids=["Engine", "DeepSpeedEngine", "LocalDispatcher", "AllToAllDispatcher"])
+                                          (LocalDispatcher, TokenDispatcher), (AllToAllDispatcher, TokenDispatcher),
+                                          (TensorParallelTokens, TokenSplit)],
+                         ids=["Engine", "DeepSpeedEngine", "LocalDispatcher", "AllToAllDispatcher", "TensorParallelTokens"])
 def test_both_implementations_satisfy_their_protocol(cls, protocol):
     assert missing_members(cls, protocol) == []
 
