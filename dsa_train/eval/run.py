@@ -102,11 +102,6 @@ def model_source(path: str | Path) -> tuple[str, Path]:
                     "pass a Hugging Face directory, a run directory or a training checkpoint (<run>/checkpoints/step_N)")
 
 
-def model_directory(path: str | Path) -> Path:
-    """The directory the model at PATH is read from (`model_source`)."""
-    return model_source(path)[1]
-
-
 def model_tokenizer(model_dir: Path, tokenizer: str | None) -> Tokenizer:
     if tokenizer is not None:
         return load_tokenizer(tokenizer)
