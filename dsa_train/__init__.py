@@ -13,8 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dsa_train.lazy import lazy_exports
-
-__version__ = "0.1.0"
+from dsa_train.version import __version__
 
 # public name -> the module that defines it
 _EXPORTS = {

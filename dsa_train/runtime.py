@@ -1,9 +1,12 @@
-"""Process-level settings for running on the CPU."""
+"""Process-level settings: the heap on the CPU, which warnings a process shows, and what ranks
+other than 0 log."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
+import os
 import sys
 
 _M_MMAP_THRESHOLD = -3
@@ -43,9 +46,36 @@ def quiet_third_party(rank: int = 0) -> None:
 def log_all_ranks() -> bool:
     """`DSA_LOG_ALL_RANKS=1`: every rank shows its warnings (logged and Python warnings), not rank 0
     only (dsa_train/launch/rank.py)."""
-    import os
-
     return os.environ.get("DSA_LOG_ALL_RANKS", "0") not in ("", "0")
+
+
+RANK_LOCAL = "rank_local"  # a log record's attribute (logging's `extra`): a warning only its rank can give
+
+
+def warn_rank_local(log: logging.Logger, message: str, *args) -> None:
+    """Log a warning that only this rank can give (its own I/O, values only it holds): ranks other
+    than 0 show it too (`OtherRanksLogFilter`), where a warning every rank gives is rank 0's to
+    show. Prefixed with the rank when the job has more than one (torchrun's RANK, WORLD_SIZE)."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        message, args = "rank %s: " + message, (os.environ.get("RANK", "?"), *args)
+    log.warning(message, *args, extra={RANK_LOCAL: True})
+
+
+class OtherRanksLogFilter(logging.Filter):
+    """What a rank other than 0 shows: errors (what failed where) and the warnings only it can give
+    (`warn_rank_local`). A warning every rank gives (a doubtful recipe value, a top-k that covers the
+    sequence, ...) is shown once per job by rank 0, not 1024 times at 671B; INFO is rank 0's."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or bool(getattr(record, RANK_LOCAL, False))
+
+
+def filter_other_rank_logs(logger: logging.Logger | None = None) -> None:
+    """Put `OtherRanksLogFilter` on every handler of `logger` (the root logger: where Hydra's job
+    logging writes), once; the handlers are Hydra's, so call it after Hydra configured logging."""
+    for handler in (logger or logging.getLogger()).handlers:
+        if not any(isinstance(f, OtherRanksLogFilter) for f in handler.filters):
+            handler.addFilter(OtherRanksLogFilter())
 
 
 def require_train_extra(*packages: str, purpose: str = "training") -> None:

@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 
 from dsa_train.errors import SignalOutsideTraining
+from dsa_train.runtime import warn_rank_local
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ def mark_preempted(run_dir) -> None:
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
         except OSError as err:  # the checkpoint is written already; the marker only saves restarts
-            log.warning("could not write the preemption marker %s: %s", marker, err)
+            warn_rank_local(log, "could not write the preemption marker %s: %s", marker, err)  # this rank's I/O
 
 
 def exit_if_preempted_earlier(run_dir) -> None:

@@ -61,6 +61,12 @@ def _files(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
 
 
+def _pop_marker(files: dict[str, bytes]) -> dict:
+    """The marker (written_by_dsa_train.json), taken out: it names who wrote the directory, so it
+    differs between two writers of the same model."""
+    return json.loads(files.pop("written_by_dsa_train.json"))
+
+
 TINY = ["data.seq_len=64", "data.micro_batch_size=1", "logging.wandb_mode=disabled", "logging.progress_bar=false",
         "probe_batches=0", "stages.sparse.topk=16",
         *[f"stages.{s}.{k}={v}" for s in ("pretrain", "warmup", "sparse")
@@ -78,6 +84,10 @@ def test_end_of_run_export_is_save_pretrained_of_the_trained_model(tmp_path):
     save_pretrained(trainer.model, tmp_path / "today", tokenizer_dir=trainer.tokenizer_dir())
     ours, today = _files(result.export_dir), _files(tmp_path / "today")
     assert set(ours) == set(today) and any(n.endswith(".safetensors") for n in ours)
+    marker = _pop_marker(ours)
+    assert marker["kind"] == _pop_marker(today)["kind"] == "export"
+    assert "end-of-run" in marker["written_by"], marker
+    assert Path(marker["made_from"]).parent == (result.run_dir / "checkpoints").resolve(), marker
     assert json.loads(ours.pop("config.json")) == json.loads(today.pop("config.json"))
     assert all(ours[n] == today[n] for n in today), [n for n in today if ours[n] != today[n]]
 
@@ -104,6 +114,7 @@ def test_two_rank_expert_parallel_export_equals_the_offline_export(tmp_path):
     assert offline.returncode == 0, offline.stderr[-3000:]
     ours, theirs = _files(run / "export"), _files(tmp_path / "offline")
     assert set(ours) == set(theirs)
+    assert _pop_marker(ours)["kind"] == _pop_marker(theirs)["kind"] == "export"
     assert json.loads(ours.pop("config.json")) == json.loads(theirs.pop("config.json"))
     assert all(ours[n] == theirs[n] for n in theirs), [n for n in theirs if ours[n] != theirs[n]]
     # every expert of every MoE layer, with the values of the checkpoint the run committed last

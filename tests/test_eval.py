@@ -17,7 +17,7 @@ from dsa_train.eval.attention import LayerTensors, fp8_topk_overlap, layer_hooks
 from dsa_train.eval.passkey import passkey_examples, score_example, summarize
 from dsa_train.eval.positions import LossByPosition, token_losses
 from dsa_train.eval.errors import EvalError
-from dsa_train.eval.run import LoadedModel, check_same_tokenizer, mode_logits, model_directory
+from dsa_train.eval.run import LoadedModel, check_same_tokenizer, mode_logits, model_source
 from dsa_kernels.masking import chunk_valid_mask
 
 T = 48
@@ -208,7 +208,7 @@ def test_bad_input_gets_one_line(tiny_checkpoint, tmp_path, capsys):
     assert "checkpoints/step_N" in bad_input(["eval", str(run_dir)], capsys)  # a run directory without export/ or checkpoint
     (run_dir / "export").mkdir()
     (run_dir / "export" / "config.json").write_text("{}")
-    assert model_directory(run_dir) == run_dir / "export"
+    assert model_source(run_dir) == ("hf", run_dir / "export")
     err = bad_input(["eval", str(tiny_checkpoint), "--modes", "dense,bogus"], capsys)
     assert "bogus" in err and "dense,sparse,oracle" in err
     err = bad_input(["eval", str(tiny_checkpoint), "--seq-len", "32", "--topk", "64"], capsys)

@@ -132,17 +132,24 @@ def test_split_recipe_args():
 
 
 @pytest.mark.parametrize("log_all", [None, "1"])
-def test_ranks_other_than_0_log_errors_only_unless_asked(monkeypatch, log_all):
-    """A warning every rank would give is logged once per job (rank 0), not once per rank;
-    DSA_LOG_ALL_RANKS=1 keeps the other ranks' warnings (dsa_train/launch/rank.py)."""
+def test_ranks_other_than_0_log_errors_and_rank_local_warnings_only_unless_asked(monkeypatch, tmp_path, log_all):
+    """A warning every rank would give is logged once per job (rank 0), not once per rank; a warning
+    only one rank can give (its own I/O: the preemption marker it could not write) was hidden on the
+    other ranks with it, and is now shown, prefixed with the rank. DSA_LOG_ALL_RANKS=1 keeps every
+    warning of every rank (dsa_train/launch/rank.py, dsa_train/runtime.py)."""
+    import io
+    import logging
     import warnings
 
     from dsa_train import cli
     from dsa_train.launch import rank
+    from dsa_train.signals import mark_preempted
+    import dsa_train.trainer.trainer as trainer_module
 
     seen = {}
-    monkeypatch.setattr(cli, "run_hydra", lambda argv, fn: seen.setdefault("argv", argv) and 0)
+    monkeypatch.setattr(cli, "run_hydra", lambda argv, fn: seen.update(argv=argv, fn=fn) or 0)
     monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR", "cpu"))  # main() sets it: restored after
     if log_all is None:
         monkeypatch.delenv("DSA_LOG_ALL_RANKS", raising=False)
@@ -153,11 +160,69 @@ def test_ranks_other_than_0_log_errors_only_unless_asked(monkeypatch, log_all):
         rank.main(["--config-name", "demo"])
         shown = not any(action == "ignore" and message is None and category is Warning and module is None
                         for action, message, category, module, _ in warnings.filters)  # no catch-all ignore
-    level = "WARNING" if log_all else "ERROR"
-    assert f"hydra.job_logging.root.level={level}" in seen["argv"]
+    assert "hydra.job_logging.root.level=WARNING" in seen["argv"]
     assert shown == bool(log_all)  # Python warnings follow the same switch
+
+    # the rank's task, in the logging Hydra configured (a root handler at WARNING), training replaced
+    # by a shared warning, a rank-local one (the real code path: the marker's folder is a file) and an error
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    not_a_folder = tmp_path / "run"
+    not_a_folder.write_text("a file where the run directory should be")
+
+    def train(cfg, distributed):
+        logging.getLogger("dsa_train.trainer.trainer").warning("a warning every rank gives")
+        mark_preempted(not_a_folder)
+        logging.getLogger("dsa_train.trainer.trainer").error("an error")
+
+    monkeypatch.setattr(trainer_module, "train", train)
+    root, stream = logging.getLogger(), io.StringIO()
+    handler = logging.StreamHandler(stream)
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    try:
+        seen["fn"](type("Cfg", (), {"run_dir": str(tmp_path / "elsewhere")})())
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        for h in root.handlers:  # pytest's own capture handlers got the filter too
+            h.filters = [f for f in h.filters if type(f).__name__ != "OtherRanksLogFilter"]
+    lines = stream.getvalue().splitlines()
+    assert f"rank 3: could not write the preemption marker {not_a_folder}/.preempted-77.0" in lines[-2 if log_all else 0]
+    assert lines[-1] == "an error"
+    assert ("a warning every rank gives" in lines) == bool(log_all) and len(lines) == (3 if log_all else 2), lines
+
     monkeypatch.setenv("RANK", "0")
     seen.clear()
     with warnings.catch_warnings():
         rank.main(["--config-name", "demo"])
     assert not any(a.startswith("hydra.job_logging.root.level") for a in seen["argv"])  # rank 0: the recipe's
+
+
+def test_the_other_ranks_filter_passes_errors_and_rank_local_warnings_only(monkeypatch):
+    """The filter alone, and the rank prefix: none in a one-process run (no WORLD_SIZE above 1)."""
+    import io
+    import logging
+
+    from dsa_train.runtime import OtherRanksLogFilter, warn_rank_local
+
+    log = logging.getLogger("test_the_other_ranks_filter")
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(OtherRanksLogFilter())
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+        log.info("info")
+        log.warning("shared %s", "warning")
+        warn_rank_local(log, "local %d%%", 5)
+        monkeypatch.setenv("WORLD_SIZE", "8")
+        monkeypatch.setenv("RANK", "5")
+        warn_rank_local(log, "local %s", "again")
+        log.critical("critical")
+    finally:
+        log.removeHandler(handler)
+        log.propagate = True
+    assert stream.getvalue().splitlines() == ["local 5%", "rank 5: local again", "critical"]

@@ -622,7 +622,7 @@ PACKAGE_ORDER = [
     "model",       # the plain model
     "loss",        # the LM and indexer losses
     "dsa_kernels", # Triton / Gluon kernels and their references
-    "faults", "signals", "sharding", "runtime", "tempdirs", "lazy", "errors",  # the ground floor
+    "faults", "signals", "sharding", "runtime", "tempdirs", "lazy", "errors", "version",  # the ground floor
 ]
 
 

@@ -7,6 +7,9 @@ the plan) and took any --world / --rank / --mfu / --peak-tflops (--peak-tflops 0
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from dsa_train.cli import main
@@ -133,29 +136,75 @@ def test_prepare_data_errors_name_its_flags(capsys, monkeypatch, tmp_path, case,
     assert not (tmp_path / "out").exists()
 
 
+def _real_checkpoint(directory, model_type: str, hidden: int, layers: int):
+    """A downloaded checkpoint's directory, shrunk: its config.json, an index and one shard."""
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(
+        {"model_type": model_type, "hidden_size": hidden, "num_hidden_layers": layers}))
+    (directory / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    (directory / "model-00001-of-00163.safetensors").write_bytes(b"weights")
+    return directory
+
+
+def _contents(directory) -> list[tuple[str, bytes]]:
+    return sorted((p.name, p.read_bytes()) for p in directory.iterdir())
+
+
 def test_export_and_make_tiny_checkpoint_never_replace_a_model_they_did_not_write(capsys, tmp_path):
     """OUT given as a real checkpoint (swapped arguments, a typo): `export` replaced the shards of any
-    model directory and `make-tiny-checkpoint` wrote a tiny random model over it. Now only an earlier
-    export (model_type deepseek_v32) or an earlier tiny checkpoint is replaced."""
+    model directory and `make-tiny-checkpoint` wrote a tiny random model over it; then a config saying
+    `deepseek_v32` was taken for an earlier export, so a downloaded DeepSeek-V3.2-Exp given as OUT was
+    still replaced. Now only a directory holding the command's own marker (written_by_dsa_train.json)
+    is replaced, whatever its config.json says."""
     from dsa_train.checkpoint.tiny import make_tiny_checkpoint
 
-    real = tmp_path / "DeepSeek-V3.1-Terminus"
-    real.mkdir()
-    (real / "config.json").write_text('{"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61}')
-    (real / "model-00001-of-00163.safetensors").write_bytes(b"weights")
-    before = sorted((p.name, p.read_bytes()) for p in real.iterdir())
     tiny = tmp_path / "tiny"
     make_tiny_checkpoint(tiny)
-    line = _one_line(capsys, ["export", str(tiny), str(real)])
-    assert "holds a model this command did not write (deepseek_v3, hidden 7168, 61 layers)" in line
-    assert "nothing was written — pass a new folder" in line
-    assert "holds a model this command did not write" in _one_line(capsys, ["make-tiny-checkpoint", str(real)])
-    assert sorted((p.name, p.read_bytes()) for p in real.iterdir()) == before
-    # what each command wrote itself is replaced, as before
+    terminus = _real_checkpoint(tmp_path / "DeepSeek-V3.1-Terminus", "deepseek_v3", 7168, 61)
+    v32 = _real_checkpoint(tmp_path / "DeepSeek-V3.2-Exp", "deepseek_v32", 7168, 61)
+    for real, model_type in ((terminus, "deepseek_v3"), (v32, "deepseek_v32")):
+        before = _contents(real)
+        line = _one_line(capsys, ["export", str(tiny), str(real)])
+        assert f"OUT {real} holds a model this command did not write ({model_type}, hidden 7168, 61 layers; " \
+               "no written_by_dsa_train.json); it is never replaced; nothing was written — pass a new folder" in line
+        line = _one_line(capsys, ["make-tiny-checkpoint", str(real)])
+        assert f"holds a model this command did not write ({model_type}, hidden 7168, 61 layers" in line
+        assert _contents(real) == before  # byte-identical, nothing added
+        assert not list(tmp_path.glob(f".{real.name}.partial*"))
+    # what each command wrote itself is replaced; the other command's output is not
     assert main(["make-tiny-checkpoint", str(tiny)]) == 0
     exported = tmp_path / "exported"
     assert main(["export", str(tiny), str(exported)]) == 0 and main(["export", str(tiny), str(exported)]) == 0
-    assert "holds a model this command did not write" in _one_line(capsys, ["make-tiny-checkpoint", str(exported)])
+    line = _one_line(capsys, ["make-tiny-checkpoint", str(exported)])
+    assert "holds a model this command did not write (a dsa_train export, says its written_by_dsa_train.json)" in line
+    line = _one_line(capsys, ["export", str(exported), str(tiny)])
+    assert "holds a model this command did not write (a dsa_train tiny-checkpoint" in line
+
+
+def test_export_writes_its_marker_and_an_output_without_one_is_refused_with_a_fix_that_works(capsys, tmp_path):
+    """The marker names the tool, its version, the command and the source; an output of a dsa_train
+    from before the marker (the same directory without it) is refused, and the fix given works."""
+    import dsa_train
+    from dsa_train.checkpoint.tiny import make_tiny_checkpoint
+
+    tiny, exported = tmp_path / "tiny", tmp_path / "exported"
+    make_tiny_checkpoint(tiny, seed=3)
+    marker = json.loads((tiny / "written_by_dsa_train.json").read_text())
+    assert marker == {"tool": "dsa_train", "version": dsa_train.__version__, "kind": "tiny-checkpoint",
+                      "written_by": "dsa-train make-tiny-checkpoint", "made_from": "random weights, seed 3"}
+    assert main(["export", str(tiny), str(exported)]) == 0
+    marker = json.loads((exported / "written_by_dsa_train.json").read_text())
+    assert (marker["kind"], marker["written_by"], marker["made_from"]) == ("export", "dsa-train export", str(tiny.resolve()))
+
+    (exported / "written_by_dsa_train.json").unlink()  # as an older dsa_train left it
+    before = _contents(exported)
+    line = _one_line(capsys, ["export", str(tiny), str(exported)])
+    assert "an output of an older dsa_train has no written_by_dsa_train.json either" in line
+    assert _contents(exported) == before
+    fix = line.split("`")[1]
+    assert fix == f"rm -r {exported}"
+    shutil.rmtree(exported)  # what `rm -r` does
+    assert main(["export", str(tiny), str(exported)]) == 0 and (exported / "written_by_dsa_train.json").is_file()
 
 
 def test_slurm_warns_of_node_local_paths_but_not_of_the_bundled_corpus_or_a_hub_dataset(tmp_path):

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
         from .export import check_out
 
-        check_out(args.out, args.src)  # before any work: never into a folder of the user's
+        check_out(args.out, args.src)  # before any work: only a new or empty folder or an earlier export
         training_source.VERIFY_CHECKSUMS = not args.no_verify_checksums
         options = ExportOptions(dtype=getattr(torch, args.dtype), fp8=args.fp8, ue8m0=args.ue8m0,
                                 max_shard_bytes=args.max_shard_size)
@@ -89,10 +89,10 @@ def run(args: argparse.Namespace) -> int:
         print(report.text())
         return 1 if report.error or report.bad_values else 0
     if args.command == "make-tiny-checkpoint":
-        from .export import check_out
-        from .tiny import is_tiny_config, make_tiny_checkpoint
+        from .export import TINY_KIND, check_out
+        from .tiny import make_tiny_checkpoint
 
-        check_out(args.out, ours=is_tiny_config)  # a new or empty folder, or an earlier tiny checkpoint (replaced)
+        check_out(args.out, kind=TINY_KIND)  # a new or empty folder, or an earlier tiny checkpoint (replaced)
         r = make_tiny_checkpoint(args.out, seed=args.seed, dense_mlp=args.dense)
         print(f"wrote {r.path}: DeepSeek-V3.1-Terminus layout, {r.tensors} tensors ({r.fp8_tensors} FP8), "
               f"{len(r.files)} shards, {r.total_bytes / 1e6:.1f} MB")

@@ -57,7 +57,8 @@ def export_checkpoint(
             tokenizer_dir = src
     else:  # planned from the checkpoint's metadata, one tensor at a time (streamed_export.py)
         return export_training_checkpoint(src, out, options, tokenizer_dir, config)
-    return write_hf_dir(out, v32_config_json(model_config, options), tensors, options, tokenizer_dir)
+    return write_hf_dir(out, v32_config_json(model_config, options), tensors, options, tokenizer_dir,
+                        written_by="dsa-train export", made_from=str(src.resolve()))
 
 
 def _chain(*iterators):

@@ -10,7 +10,9 @@ re-quantized to e4m3 with 128x128 block scales (powers of two with `ue8m0`); the
 `k_norm` and the router's `e_score_correction_bias` stay fp32; everything else, `weights_proj`
 included, is written in `dtype` (bf16 by default) and never quantized.
 
-The directory is assembled beside OUT and moved into place when complete.
+The directory is assembled beside OUT and moved into place when complete, with
+`written_by_dsa_train.json` (WRITTEN_BY_FILE: the tool, its version, the command and what the
+model was made from): the one sign that lets a later export replace it (`check_out`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +34,12 @@ from .fp8 import SCALE_SUFFIX, is_quantized_in_reference, quantize_fp8_blocks, s
 from .hf_layout import CONFIG_FILE, INDEX_FILE
 from .shard_writer import ShardWriter, Spec
 from ..tempdirs import remove_dead_temporaries
+from ..version import __version__
 
+# the marker of a directory dsa_train wrote; `kind` says which command may replace it
+WRITTEN_BY_FILE = "written_by_dsa_train.json"
+EXPORT_KIND = "export"  # the V3.2 layout: `dsa-train export`, a run's end-of-run export, save_pretrained
+TINY_KIND = "tiny-checkpoint"  # `dsa-train make-tiny-checkpoint`
 KEEP_FP32 = STORED_FP32  # the dtype policy (dsa_train/model/dtypes.py): as V3.2-Exp stores them
 # the demo tokenizer (dsa_train.data.tokenizer uses the same files; importing it would pull `datasets`)
 BUNDLED_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
@@ -138,14 +145,36 @@ def copy_tokenizer(src: str | os.PathLike, dst: Path) -> list[str]:
     return [p.name for p in src_files]
 
 
+def write_written_by(directory: Path, written_by: str, made_from: str, kind: str = EXPORT_KIND) -> None:
+    """The marker of a directory dsa_train wrote (WRITTEN_BY_FILE), read back by `written_kind`."""
+    marker = {"tool": "dsa_train", "version": __version__, "kind": kind, "written_by": written_by, "made_from": made_from}
+    (directory / WRITTEN_BY_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def written_kind(directory: Path) -> str | None:
+    """The `kind` of the dsa_train output `directory` holds; None when it has no readable marker."""
+    try:
+        marker = json.loads((directory / WRITTEN_BY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(marker, dict) or marker.get("tool") != "dsa_train":
+        return None
+    return marker.get("kind") if isinstance(marker.get("kind"), str) else None
+
+
 def write_hf_dir(
     out: str | os.PathLike,
     config_json: dict,
     tensors: Iterable[tuple[str, torch.Tensor]],
     options: ExportOptions,
     tokenizer_dir: str | os.PathLike | None = None,
+    *,
+    written_by: str = "dsa_train.checkpoint.write_hf_dir",
+    made_from: str = "tensors in memory",
+    kind: str = EXPORT_KIND,
 ) -> ExportResult:
-    """Write config.json, the shards (+ index) and the tokenizer into OUT, atomically."""
+    """Write config.json, the shards (+ index), the tokenizer and the marker (WRITTEN_BY_FILE:
+    `written_by`, `made_from`, `kind`) into OUT, atomically."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
@@ -165,6 +194,7 @@ def write_hf_dir(
         (tmp / CONFIG_FILE).write_text(json.dumps(config_json, indent=2) + "\n")
         if tokenizer_dir is not None:
             result.tokenizer_files = copy_tokenizer(tokenizer_dir, tmp)
+        write_written_by(tmp, written_by, made_from, kind)
         result.files = [out / f.name for f in files]
         place(tmp, out)
     except BaseException:
@@ -173,48 +203,54 @@ def write_hf_dir(
     return result
 
 
-def _looks_like_export(out: Path) -> bool:
-    """A Hugging Face model directory (an earlier export): config.json and safetensors shards."""
-    return (out / CONFIG_FILE).is_file() and ((out / INDEX_FILE).is_file() or any(out.glob("model*.safetensors")))
+def _looks_like_model_dir(out: Path) -> bool:
+    """A Hugging Face model directory: config.json and safetensors shards."""
+    return (out / CONFIG_FILE).is_file() and ((out / INDEX_FILE).is_file() or any(out.glob("*.safetensors")))
 
 
-def is_export_config(config: dict) -> bool:
-    """Whether a model directory's config.json is one an export writes (the V3.2 layout)."""
-    return config.get("model_type") == "deepseek_v32"
+def _model_summary(out: Path) -> str:
+    try:
+        config = json.loads((out / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        config = {}
+    config = config if isinstance(config, dict) else {}
+    return (f"{config.get('model_type', 'no model_type')}, hidden {config.get('hidden_size', '?')}, "
+            f"{config.get('num_hidden_layers', '?')} layers")
 
 
-def check_out(out: str | os.PathLike, src: str | os.PathLike | None = None,
-              ours: Callable[[dict], bool] = is_export_config) -> None:
-    """`dsa-train export SRC OUT`, before any work: OUT is new, empty, or an earlier export (its
-    shards are replaced); never a file, a folder of the user's, the source itself, or a model
-    directory this command did not write (`ours(config)` is False: a V3.1 checkpoint given as OUT)."""
+def check_out(out: str | os.PathLike, src: str | os.PathLike | None = None, kind: str = EXPORT_KIND) -> None:
+    """`dsa-train export SRC OUT` / `make-tiny-checkpoint OUT`, before any work: OUT is new, empty,
+    or an earlier output of the same command (its marker WRITTEN_BY_FILE has this `kind`; its
+    shards are replaced); never a file, the source itself, a folder of the user's, or a model
+    directory without the marker: a downloaded checkpoint given as OUT, whatever its config says
+    (an output of a dsa_train from before the marker is refused too: it cannot be told apart)."""
     out_p, shown = Path(out).expanduser().resolve(), Path(out)
     if src is not None:
         src_p = Path(src).expanduser().resolve()
         if out_p == src_p or out_p in src_p.parents:
             raise CheckpointError(f"OUT {shown} {'is' if out_p == src_p else 'holds'} the source {src}; nothing "
                                   "was written", fix=f"export into a new folder, e.g. {src_p / 'export'}")
+    new_folder = out_p.parent / (out_p.name + ("-export" if kind == EXPORT_KIND else "-tiny"))
     if out_p.exists() and not out_p.is_dir():
-        raise CheckpointError(f"OUT {shown} is a file; nothing was written",
-                              fix=f"pass a new folder, e.g. {out_p.parent / (out_p.name + '-export')}")
-    if out_p.is_dir() and any(out_p.iterdir()) and not _looks_like_export(out_p):
-        entries = sorted(p.name for p in out_p.iterdir())
-        raise CheckpointError(
-            f"OUT {shown} is a folder that is not a model directory ({len(entries)} entries: "
-            f"{', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}); it is never written into; nothing was written",
-            fix=f"pass a new or empty folder, e.g. {out_p.parent / (out_p.name + '-export')}")
-    if out_p.is_dir() and _looks_like_export(out_p):
-        try:
-            config = json.loads((out_p / CONFIG_FILE).read_text())
-        except (OSError, ValueError):
-            config = {}
-        if not isinstance(config, dict) or not ours(config):
-            config = config if isinstance(config, dict) else {}
+        raise CheckpointError(f"OUT {shown} is a file; nothing was written", fix=f"pass a new folder, e.g. {new_folder}")
+    if out_p.is_dir() and any(out_p.iterdir()):
+        found = written_kind(out_p)
+        if found is not None and found != kind:
             raise CheckpointError(
-                f"OUT {shown} holds a model this command did not write ({config.get('model_type', 'no model_type')}, "
-                f"hidden {config.get('hidden_size', '?')}, {config.get('num_hidden_layers', '?')} layers); "
+                f"OUT {shown} holds a model this command did not write (a dsa_train {found}, says its {WRITTEN_BY_FILE}); "
+                "it is never replaced; nothing was written", fix=f"pass a new folder, e.g. {new_folder}")
+        if found is None and _looks_like_model_dir(out_p):
+            raise CheckpointError(
+                f"OUT {shown} holds a model this command did not write ({_model_summary(out_p)}; no {WRITTEN_BY_FILE}); "
                 "it is never replaced; nothing was written",
-                fix=f"pass a new folder, e.g. {out_p.parent / (out_p.name + '-export')}")
+                fix=f"pass a new folder, e.g. {new_folder} (an output of an older dsa_train has no {WRITTEN_BY_FILE} "
+                    f"either: to replace it, delete it yourself first, `rm -r {shown}`)")
+        if found is None:
+            entries = sorted(p.name for p in out_p.iterdir())
+            raise CheckpointError(
+                f"OUT {shown} is a folder that is not a model directory ({len(entries)} entries: "
+                f"{', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}); it is never written into; "
+                "nothing was written", fix=f"pass a new or empty folder, e.g. {new_folder}")
     remove_dead_temporaries(out_p.parent, f".{out_p.name}.partial-")  # of an export that was killed
 
 
@@ -245,7 +281,8 @@ def save_pretrained(
     param_dtype = next(model.parameters()).dtype
     names = sorted(state, key=natural_key)
     return write_hf_dir(
-        path, v32_config_json(model.config, options, param_dtype), ((n, state[n]) for n in names), options, tokenizer_dir
+        path, v32_config_json(model.config, options, param_dtype), ((n, state[n]) for n in names), options, tokenizer_dir,
+        written_by="dsa_train.save_pretrained", made_from=f"a {type(model).__name__} in memory",
     )
 
 

@@ -9,10 +9,10 @@ The shard boundaries are planned from the checkpoint's metadata alone (names, sh
 tensor is read and writes its own shards straight into the shared directory: a shard's header
 first, then each tensor as it is read from the checkpoint (`write_safetensors`). A rank holds one
 tensor at a time: the tensor read (DCP's read of its chunks) and, when its dtype changes, the
-encoded copy. Rank 0 then writes config.json, the index and the tokenizer and moves the
-directory into place. No tensor is gathered or sent between ranks; ranks meet only at `agree`,
-which also makes a problem on any rank (a corrupt byte range, a full disk) fail the export on
-every rank with the first rank's message.
+encoded copy. Rank 0 then writes config.json, the index, the tokenizer and the marker
+(export.WRITTEN_BY_FILE) and moves the directory into place. No tensor is gathered or sent
+between ranks; ranks meet only at `agree`, which also makes a problem on any rank (a corrupt
+byte range, a full disk) fail the export on every rank with the first rank's message.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import torch
 
 from ..model.config import DSAConfig
 from .errors import CheckpointError
-from .export import ExportOptions, ExportResult, copy_tokenizer, encode, encoded_specs, natural_key, place, v32_config_json
+from .export import (ExportOptions, ExportResult, copy_tokenizer, encode, encoded_specs, natural_key, place,
+                     v32_config_json, write_written_by)
 from .hf_layout import CONFIG_FILE
 from .shard_writer import plan_shards, shard_names, spec_bytes, write_index, write_safetensors
 from .training_source import open_training_checkpoint
@@ -50,12 +51,14 @@ def export_training_checkpoint(
     rank: int = 0,
     world_size: int = 1,
     agree: Callable[[str | None], str | None] = _one_process,
+    written_by: str = "dsa-train export",
 ) -> ExportResult:
     """Export the training checkpoint `src` to OUT (see the module docstring). Every rank calls
     it with its `rank` of `world_size` and `agree`: a collective returning the first rank's
     problem (None: none had one) on every rank. `model_config` replaces the checkpoint's config
     (the trainer's, with the top-k it trained), `torch_dtype` the config's `torch_dtype` when
-    `options.dtype` is None (every tensor keeps its dtype). `tokenizer_dir` None: the run's."""
+    `options.dtype` is None (every tensor keeps its dtype). `tokenizer_dir` None: the run's.
+    `written_by` goes into the directory's marker (export.WRITTEN_BY_FILE)."""
     out = Path(out)
     ckpt = open_training_checkpoint(src, config, checksums)
     cfg = model_config if model_config is not None else ckpt.config
@@ -101,6 +104,7 @@ def export_training_checkpoint(
             (tmp / CONFIG_FILE).write_text(json.dumps(config_json, indent=2) + "\n")
             if tokenizer_dir is not None:
                 result.tokenizer_files = copy_tokenizer(tokenizer_dir, tmp)
+            write_written_by(tmp, written_by, str(Path(src).resolve()))
 
     def finish() -> None:
         if rank == 0:

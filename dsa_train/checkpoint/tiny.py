@@ -20,7 +20,8 @@ import torch
 
 from ..model.config import DSAConfig
 from ..model.transformer import DSAForCausalLM
-from .export import BUNDLED_TOKENIZER_DIR, ExportOptions, ExportResult, natural_key, quantization_config, write_hf_dir
+from .export import (BUNDLED_TOKENIZER_DIR, TINY_KIND, ExportOptions, ExportResult, natural_key, quantization_config,
+                     write_hf_dir)
 from .match import is_indexer_tensor
 
 TINY_SHARD_BYTES = 3 * 10**6
@@ -106,16 +107,12 @@ def random_weights(config: DSAConfig, seed: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def is_tiny_config(config: dict) -> bool:
-    """Whether a model directory's config.json is a tiny checkpoint's (which make-tiny-checkpoint may
-    replace; a real checkpoint given as OUT by mistake is not)."""
-    return all(config.get(k) == TINY_TERMINUS[k] for k in ("model_type", "hidden_size", "num_hidden_layers"))
-
-
 def make_tiny_checkpoint(out: str | os.PathLike, seed: int = 0, dense_mlp: bool = False, **overrides) -> ExportResult:
     """Write the checkpoint; `overrides` replace config.json fields (sizes) for tests."""
     config_json = tiny_terminus_config_json(dense_mlp, **overrides)
     state = random_weights(DSAConfig.from_hf_dict(config_json), seed)
     names = sorted((n for n in state if not is_indexer_tensor(n)), key=natural_key)
     options = ExportOptions(dtype=torch.bfloat16, ue8m0=True, max_shard_bytes=TINY_SHARD_BYTES)
-    return write_hf_dir(out, config_json, ((n, state[n]) for n in names), options, BUNDLED_TOKENIZER_DIR)
+    made_from = f"random weights, seed {seed}" + (", dense MLPs" if dense_mlp else "")
+    return write_hf_dir(out, config_json, ((n, state[n]) for n in names), options, BUNDLED_TOKENIZER_DIR,
+                        written_by="dsa-train make-tiny-checkpoint", made_from=made_from, kind=TINY_KIND)

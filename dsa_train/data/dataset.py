@@ -27,7 +27,7 @@ import torch
 from dsa_train.data.packing import doc_start_mask, num_rows, pack_row
 from dsa_train.data.prepare import (DOC_OFFSETS_FILE, FORMAT_NAME, FORMAT_VERSION, INDEX_FILE,
                                     prepare_data, remove_stale_temporaries)
-from dsa_train.data.sources import DataSourceError, DataSourceNotFound, sources_fingerprint
+from dsa_train.data.sources import DataSourceError, DataSourceNotFound, is_prepared_dir, sources_fingerprint
 from dsa_train.data.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -36,10 +36,6 @@ log = logging.getLogger(__name__)
 def default_cache_dir() -> Path:
     """``$DSA_TRAIN_CACHE`` or ``~/.cache/dsa_train``."""
     return Path(os.environ.get("DSA_TRAIN_CACHE", Path.home() / ".cache" / "dsa_train"))
-
-
-def is_prepared_dir(path: str | Path) -> bool:
-    return (Path(path).expanduser() / INDEX_FILE).is_file()
 
 
 @contextmanager

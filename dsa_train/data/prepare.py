@@ -30,7 +30,7 @@ import numpy as np
 
 from dsa_train.data.packing import frame_document, num_rows
 from dsa_train.data.naming import flags_named
-from dsa_train.data.sources import (FORMAT_NAME, INDEX_FILE, DataSourceError, DocumentStats, is_prepared_index,
+from dsa_train.data.sources import (FORMAT_NAME, INDEX_FILE, DataSourceError, DocumentStats, is_prepared_dir,
                                     iter_texts, load_documents)
 from dsa_train.data.tokenizer import Tokenizer, load_tokenizer
 from dsa_train.tempdirs import remove_dead_temporaries
@@ -189,7 +189,7 @@ def check_out_dir(out_dir: Path, sources: Sequence[str], overwrite: bool) -> Non
     entries = sorted(p.name for p in out.iterdir())
     if not entries:
         return
-    ours = (out / INDEX_FILE).is_file() and is_prepared_index(out / INDEX_FILE) and set(entries) <= set(OUR_FILES)
+    ours = is_prepared_dir(out) and set(entries) <= set(OUR_FILES)
     if not ours:
         shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
         raise OutNotOurs(f"prepare-data: --out {out_dir} is a folder that prepare-data did not write ({len(entries)} "

@@ -125,16 +125,14 @@ FORMAT_NAME = "dsa_train.pretokenized"
 INDEX_FILE = "index.json"
 
 
-def is_prepared_index(path: Path) -> bool:
-    """Whether `path` is the index.json of a prepare-data output."""
+def is_prepared_dir(path: str | os.PathLike) -> bool:
+    """Whether `path` is a prepare-data output: a folder whose index.json names FORMAT_NAME (the one
+    check, for a source, the data cache and prepare-data's --out; a folder of documents that
+    happens to hold an index.json of something else is not one)."""
     try:
-        return json.loads(path.read_text()).get("format") == FORMAT_NAME
+        return json.loads((Path(path).expanduser() / INDEX_FILE).read_text()).get("format") == FORMAT_NAME
     except (OSError, ValueError, AttributeError):
         return False
-
-
-def _is_prepared_output(path: Path) -> bool:
-    return is_prepared_index(path / INDEX_FILE)
 
 
 def is_local_source(spec: str, workdir: str | os.PathLike = ".") -> bool:
@@ -159,7 +157,7 @@ def resolve_source(spec: str) -> list[ResolvedSource]:
                 f"the pattern (use '**' for sub-directories) or list the files explicitly.")
         return resolved
     path = Path(expanded)
-    if path.is_dir() and _is_prepared_output(path):
+    if is_prepared_dir(path):
         raise DataSourceError(
             f"Data source {path} is a prepare-data output (already tokenized): it is read on its own, not "
             f"as documents among other sources or streamed",

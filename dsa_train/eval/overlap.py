@@ -60,11 +60,18 @@ def training_of(model_path: str | Path) -> RunTraining | None:
     return None
 
 
-def same_framing(data: dict, text_field: str = "text") -> bool:
-    """Whether the run read its data as the evaluation does: the evaluation's `text_field`, and the loader's
-    defaults for BOS/EOS framing and txt sampling."""
-    return (data.get("text_field", "text") == text_field and data.get("add_bos", True) and data.get("add_eos", True)
-            and data.get("txt_sample_by", "document") == "document")
+def same_sources(training: RunTraining, sources: list[str]) -> bool:
+    """Whether the evaluation reads the run's sources (else: other texts, no overlap claimed)."""
+    return [str(s) for s in sources] == [str(s) for s in training.data.get("sources") or []]
+
+
+def same_stream(training: RunTraining, sources: list[str], text_field: str = "text") -> bool:
+    """Whether the evaluation's token stream is the run's: its sources, read as the evaluation reads
+    them (the evaluation's `text_field`, the loader's defaults for BOS/EOS framing and txt sampling);
+    only then do the token positions line up (TrainedSpans is built for that case only)."""
+    data = training.data
+    return (same_sources(training, sources) and data.get("text_field", "text") == text_field
+            and data.get("add_bos", True) and data.get("add_eos", True) and data.get("txt_sample_by", "document") == "document")
 
 
 class TrainedSpans:
@@ -111,8 +118,8 @@ def overlapping_rows(training: RunTraining | None, spans: TrainedSpans | None, s
     (the model is not a run)."""
     if training is None:
         return None
-    if [str(s) for s in sources] != [str(s) for s in training.data.get("sources") or []]:
+    if not same_sources(training, sources):
         return []
-    if not same_framing(training.data, text_field):
+    if not same_stream(training, sources, text_field):  # the same texts framed otherwise: positions do not line up
         return list(rows)
     return [r for r in rows if spans is not None and spans.overlaps(r * seq_len, r * seq_len + seq_len)]

@@ -102,11 +102,6 @@ def model_source(path: str | Path) -> tuple[str, Path]:
                     "pass a Hugging Face directory, a run directory or a training checkpoint (<run>/checkpoints/step_N)")
 
 
-def model_directory(path: str | Path) -> Path:
-    """The directory the model at PATH is read from (`model_source`)."""
-    return model_source(path)[1]
-
-
 def model_tokenizer(model_dir: Path, tokenizer: str | None) -> Tokenizer:
     if tokenizer is not None:
         return load_tokenizer(tokenizer)
@@ -141,12 +136,11 @@ def load_model(path: str | Path, opts: EvalOptions) -> LoadedModel:
         tokenizer = load_tokenizer(opts.tokenizer if opts.tokenizer is not None else ckpt.tokenizer_dir)
     model.eval()
     check_vocab(tokenizer.vocab_size, model.config.vocab_size)
-    from .overlap import TrainedSpans, same_framing, training_of
+    from .overlap import TrainedSpans, same_stream, training_of
 
     training = training_of(directory if kind == "training" else path)
     trained = None
-    if (training is not None and [str(s) for s in opts.data] == [str(s) for s in training.data.get("sources") or []]
-            and same_framing(training.data, opts.text_field)):
+    if training is not None and same_stream(training, opts.data, opts.text_field):
         trained = TrainedSpans(training, tokenizer)
     return LoadedModel(str(path), directory, model, tokenizer, opts.topk or model.config.index_topk, training, trained)
 

@@ -34,28 +34,23 @@ def main(argv: list[str] | None = None) -> int:
     # fails with "run ID ... is in use". Each rank 0 starts its own service, which ends with it.
     os.environ.pop("WANDB_SERVICE", None)
     argv = sys.argv[1:] if argv is None else list(argv)
-    # only rank 0 lets Hydra write its .hydra/ files and log file into the shared run directory
+    # only rank 0 lets Hydra write its .hydra/ files and log file into the shared run directory;
+    # the other ranks log warnings and errors to stdout, filtered in `_train`
     if rank != 0:
-        argv = [*argv, "hydra.output_subdir=null", "hydra/job_logging=stdout",
-                f"hydra.job_logging.root.level={other_ranks_log_level()}"]
+        argv = [*argv, "hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.job_logging.root.level=WARNING"]
     return run_hydra(argv, _train)
 
 
-def other_ranks_log_level() -> str:
-    """The log level of every rank but 0. Rank 0 logs the job once; a warning every rank would
-    give (a doubtful recipe value, a top-k that covers the sequence, ...) would otherwise appear
-    once per rank, 1024 times at 671B. Errors are logged by every rank (what failed where).
-    `DSA_LOG_ALL_RANKS=1`: every rank logs its warnings too (a rank-local problem being chased)."""
-    from dsa_train.runtime import log_all_ranks
-
-    return "WARNING" if log_all_ranks() else "ERROR"
-
-
 def _train(cfg) -> None:
+    from dsa_train.runtime import filter_other_rank_logs, log_all_ranks
     from dsa_train.signals import exit_if_preempted_earlier
     from dsa_train.parallel.groups import destroy_parallel
     from dsa_train.trainer.trainer import train
 
+    # Ranks other than 0 show errors and the warnings only they can give (runtime.warn_rank_local);
+    # a warning every rank gives is rank 0's. DSA_LOG_ALL_RANKS=1: every warning of every rank.
+    if int(os.environ.get("RANK", "0")) != 0 and not log_all_ranks():
+        filter_other_rank_logs()  # on Hydra's handlers, configured by now
     exit_if_preempted_earlier(cfg.run_dir)
     try:
         train(cfg, distributed=True)

@@ -262,5 +262,6 @@ class CheckpointManager:
         export_training_checkpoint(
             step_dir, path, ExportOptions(dtype=None), tokenizer_dir, model_config=self.model.config,
             torch_dtype=next(self.model.parameters()).dtype, checksums=self.cfg.verify_checksums,
-            rank=self.layout.rank, world_size=self.layout.world_size, agree=self.first_problem)
+            rank=self.layout.rank, world_size=self.layout.world_size, agree=self.first_problem,
+            written_by="dsa-train (the end-of-run export of a training run)")
         log.info("exported %s (from %s)", path, step_dir)

@@ -23,6 +23,7 @@ import torch
 from dsa_train.config.schema import FaultToleranceConfig, NonFinitePolicy
 import dsa_train.faults as faults
 from dsa_train.checkpoint.training import TrainerState
+from dsa_train.runtime import warn_rank_local
 from dsa_train.training_engine import TrainingEngine
 from dsa_train.trainer.nonfinite import NonFiniteError, gradient_flag, nonfinite_losses, poison, poison_gradient
 from dsa_train.trainer.step import StepHooks
@@ -105,11 +106,12 @@ class NonFiniteGuard(StepHooks):
                     f"keeps the recipe of the stage in progress), export it (`dsa-train export {saved} {exported}`) "
                     f"and start a new run_dir with model.pretrained={exported} and the lower lr; or check the data "
                     "at this position")
-        # the rank that holds the non-finite values says which at ERROR, which every rank of a job logs
-        # (ranks other than 0 log errors only: dsa_train/launch/rank.py); the others at WARNING
-        seen_here = bad != ["values on another rank"]
-        log.log(logging.ERROR if seen_here else logging.WARNING,
-                "non-finite %s at global step %d: update skipped (%d in a row)", what, step, consecutive)
+        # which values were not finite only the rank that holds them knows: a rank-local warning, shown
+        # by ranks other than 0 too (dsa_train/runtime.py); "values on another rank" is every other rank's
+        if bad != ["values on another rank"]:
+            warn_rank_local(log, "non-finite %s at global step %d: update skipped (%d in a row)", what, step, consecutive)
+        else:
+            log.warning("non-finite %s at global step %d: update skipped (%d in a row)", what, step, consecutive)
         state.nonfinite_consecutive = consecutive
         state.nonfinite_skipped += 1
 
