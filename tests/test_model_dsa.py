@@ -277,3 +277,21 @@ def test_bf16_keeps_indexer_weights_proj_in_fp32():
     assert model.main_moe_modules()[0].gate.e_score_correction_bias.dtype == torch.float32
     out = model(ids(T=12), attention="sparse", indexer_loss=True)
     assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.indexer_loss)
+
+
+@pytest.mark.parametrize("recompute", ["full", "moe"])
+def test_router_loads_are_counted_once_when_the_backward_recomputes_the_layer(recompute):
+    """A recomputed layer routes the same tokens again in the backward; its loads (the bias update's
+    and the metrics') are the forward's, counted once, as without recompute."""
+    counted = {}
+    for mode in ("none", recompute):
+        torch.manual_seed(0)
+        model = tiny().train()
+        for layer in model.model.layers:
+            layer.recompute = mode
+        out = model(ids(T=32, seed=1), labels=ids(T=32, seed=1))
+        out.lm_loss_sum.backward()
+        counted[mode] = [moe.load_since_update.clone() for moe in model.main_moe_modules()]
+    assert all(float(load.sum()) > 0 for load in counted["none"])
+    for plain, recomputed in zip(counted["none"], counted[recompute]):
+        torch.testing.assert_close(recomputed, plain, rtol=0, atol=0)

@@ -22,6 +22,7 @@ from torch.nn import functional as F
 
 from .config import DSAConfig
 from .grouped_experts import grouped_experts, pack_expert_weights, per_expert
+from .recompute import recomputing
 
 
 class _RowChunkedMLP(torch.autograd.Function):
@@ -390,10 +391,11 @@ class MoE(nn.Module):
         routed = tokens if split is None else split.scatter(tokens)  # this TP rank's share of the tokens
         expert_ids, weights = self.gate(routed)
         load = tokens_per_expert(expert_ids, self.n_experts)  # [E] on the device (of `routed`)
-        # the layer's loads over all N tokens (metrics, the bias update): summed over the TP shares
-        self.last_expert_load = (load if split is None else split.sum_load(load)).detach().float()
-        if self.training:
-            self.load_since_update += self.last_expert_load
+        if not recomputing():  # a recompute in the backward routes the same tokens again: counted once
+            # the layer's loads over all N tokens (metrics, the bias update): summed over the TP shares
+            self.last_expert_load = (load if split is None else split.sum_load(load)).detach().float()
+            if self.training:
+                self.load_since_update += self.last_expert_load
         # on CUDA the shared experts run on a side stream beside the dispatch all-to-all; on the
         # CPU after the combine (the same math; the order keeps gradient sums as they were)
         shared = SideStream.start(self.shared_experts, tokens) if self.shared_experts is not None else None

@@ -8,14 +8,38 @@ A lighter `torch.utils.checkpoint` for one-output functions of tensors.
 
 `topk_reuse_contexts` is the `context_fn` the checkpointed layers (`transformer._checkpointed`) pass
 to `torch.utils.checkpoint`: the recompute reuses the forward's top-k indices instead of running the
-indexer scores and the select again.
+indexer scores and the select again, and `recomputing()` tells the layer's code that it runs again
+(what a forward records once, e.g. the MoE's expert loads, is not recorded twice).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
+
+_recompute = threading.local()  # the autograd engine's thread runs the recompute (CUDA: its device thread)
+
+
+def recomputing() -> bool:
+    """True while a checkpointed layer's forward runs again in the backward (`topk_reuse_contexts`)."""
+    return getattr(_recompute, "depth", 0) > 0
+
+
+class _Recomputing:
+    """`inner` (a context manager) entered, and `recomputing()` true, for a checkpointed layer's recompute."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __enter__(self):
+        _recompute.depth = getattr(_recompute, "depth", 0) + 1
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        _recompute.depth -= 1
+        return self.inner.__exit__(*exc)
 
 
 class _Recomputed(torch.autograd.Function):
@@ -53,4 +77,4 @@ def topk_reuse_contexts():
     from dsa_kernels.ops.indexer_topk import TopkMemo
 
     memo = TopkMemo()
-    return memo.recording(), memo.replaying()
+    return memo.recording(), _Recomputing(memo.replaying())

@@ -277,9 +277,9 @@ def tp_collectives(c, sizes, s: StepShape) -> list[Collective]:
 
 def tp_moe_collectives(c, sizes, s: StepShape) -> list[Collective]:
     """The MoE layers under TP (`parallel/tensor.py` TensorParallelTokens), per layer and micro-batch:
-    forward (again in a recomputed layer) the routed output all-gathered over TP (each rank's share
-    padded to ceil(T_loc / TP) rows: TP x that x hidden, model dtype) and the tokens per expert
-    all-reduced (int64 [experts]); backward (main model trains): the input gradient all-gathered
+    forward the routed output all-gathered over TP (each rank's share padded to ceil(T_loc / TP)
+    rows: TP x that x hidden, model dtype; again in a recomputed layer) and the tokens per expert
+    all-reduced (int64 [experts]; not in the recompute, which counts no loads); backward (main model trains): the input gradient all-gathered
     (the same size), and the router's and this rank's routed experts' weight gradients summed over
     TP (one all-reduce per tensor: the router [E, hidden], 3 per local expert [I, hidden])."""
     if sizes.tensor <= 1 or not c.n_routed_experts:
@@ -299,7 +299,6 @@ def tp_moe_collectives(c, sizes, s: StepShape) -> list[Collective]:
     return (_rows("tp_moe_gather_forward", "all_gather", "tp", "forward", [(gathered, moe)], mb)
             + _rows("tp_moe_loads_forward", "all_reduce", "tp", "forward", [(loads, moe)], mb)
             + _rows("tp_moe_gather_recompute", "all_gather", "tp", "recompute", [(gathered, recomputed)], mb)
-            + _rows("tp_moe_loads_recompute", "all_reduce", "tp", "recompute", [(loads, recomputed)], mb)
             + _rows("tp_moe_gather_backward", "all_gather", "tp", "backward",
                     [(gathered, moe)] if s.main_trains else [], mb)
             + _rows("tp_moe_grads_backward", "all_reduce", "tp", "backward", weights, mb))
