@@ -207,6 +207,24 @@ def test_export_writes_its_marker_and_an_output_without_one_is_refused_with_a_fi
     assert main(["export", str(tiny), str(exported)]) == 0 and (exported / "written_by_dsa_train.json").is_file()
 
 
+def test_an_export_replacing_an_earlier_one_leaves_none_of_its_tokenizer_files(tmp_path):
+    """An export over an earlier export of another model: the earlier shards went, but its tokenizer
+    files stayed beside the new weights when the new source had none (a model with the wrong tokenizer)."""
+    from dsa_train.checkpoint.export import TOKENIZER_FILES
+    from dsa_train.checkpoint.tiny import make_tiny_checkpoint
+
+    with_tokenizer, without = tmp_path / "with_tokenizer", tmp_path / "without"
+    make_tiny_checkpoint(with_tokenizer, seed=1)
+    make_tiny_checkpoint(without, seed=2)
+    for name in TOKENIZER_FILES:
+        (without / name).unlink(missing_ok=True)
+    out = tmp_path / "exported"
+    assert main(["export", str(with_tokenizer), str(out)]) == 0 and (out / "tokenizer.json").is_file()
+    assert main(["export", str(without), str(out)]) == 0
+    assert not [name for name in TOKENIZER_FILES if (out / name).exists()]
+    assert json.loads((out / "written_by_dsa_train.json").read_text())["made_from"] == str(without.resolve())
+
+
 def test_slurm_warns_of_node_local_paths_but_not_of_the_bundled_corpus_or_a_hub_dataset(tmp_path):
     """`data.sources=[bundled]` (the demo's) and a hub name were warned of as node-local paths when the
     job started under /tmp: neither is a path of the job (the corpus is in the installed package)."""

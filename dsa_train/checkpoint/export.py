@@ -255,11 +255,16 @@ def check_out(out: str | os.PathLike, src: str | os.PathLike | None = None, kind
 
 
 def place(tmp: Path, out: Path) -> None:
-    """Move the assembled directory `tmp` to `out` (replacing an earlier export's shards)."""
+    """Move the assembled directory `tmp` to `out`, replacing an earlier export's shards, and, when
+    `out` is an earlier output of dsa_train (its WRITTEN_BY_FILE), its tokenizer files too: a new
+    export without a tokenizer must not leave the old model's tokenizer beside the new weights."""
     if not out.exists():
         os.replace(tmp, out)
         return
-    for old in list(out.glob("model*.safetensors")) + [out / INDEX_FILE]:
+    stale = list(out.glob("model*.safetensors")) + [out / INDEX_FILE]
+    if written_kind(out) is not None:
+        stale += [out / name for name in TOKENIZER_FILES]
+    for old in stale:
         old.unlink(missing_ok=True)
     for f in tmp.iterdir():
         os.replace(f, out / f.name)
