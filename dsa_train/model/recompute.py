@@ -34,8 +34,9 @@ class _Recomputing:
         self.inner = inner
 
     def __enter__(self):
+        entered = self.inner.__enter__()
         _recompute.depth = getattr(_recompute, "depth", 0) + 1
-        return self.inner.__enter__()
+        return entered
 
     def __exit__(self, *exc):
         _recompute.depth -= 1
