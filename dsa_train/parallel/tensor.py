@@ -136,29 +136,22 @@ def shard_mlp(mlp: MLP, state: ParallelState) -> None:
     mlp.row_chunked = False
 
 
+def sum_over_group(param: torch.Tensor, group, divide_by: int = 1) -> None:
+    """Sum this replicated parameter's gradient contributions over `group` (its ranks ran it on
+    different tokens), divided by `divide_by` (`average_over_group`)."""
+    import torch.distributed as dist
+
+    def hook(grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad / divide_by if divide_by != 1 else grad
+
+    param.register_hook(hook)
+
+
 def average_over_group(param: torch.Tensor, group, size: int) -> None:
     """Average this replicated parameter's gradient contributions over `group`."""
-    import torch.distributed as dist
-
-    def hook(grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=group)
-        return grad / size
-
-    param.register_hook(hook)
-
-
-def sum_over_group(param: torch.Tensor, group) -> None:
-    """Sum this replicated parameter's gradient contributions over `group` (its ranks ran it on
-    different tokens)."""
-    import torch.distributed as dist
-
-    def hook(grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=group)
-        return grad
-
-    param.register_hook(hook)
+    sum_over_group(param, group, divide_by=size)
 
 
 class TensorParallelTokens:
