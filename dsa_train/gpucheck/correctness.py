@@ -467,6 +467,10 @@ def topk_check(T: int, cp: bool = False):
         no_sync = _repair_without_host_sync(dev) if opts.device == "cuda" else None
         if no_sync is not None:  # reported, not gating: the repair path's design (no host sync), checked
             metrics["repair_path_host_sync_free"] = no_sync
+            # a later layer's call: the same doc_start (and positions) tensors, read in the calls above
+            # (`dsa_kernels.host_values`), the radix select: no host sync at all
+            metrics["later_layer_host_sync_free"] = _without_host_sync(
+                lambda: _run_topk(q, k, w, ds, d.K, pos, cp, "radix"))
         ok = paths_equal and overlap_ok and all(
             g["rows_index_mismatch"] == 0 and g["rows_score_mismatch"] == 0 and g["all_tie_rows_wrong"] == 0
             and r["rows_set_mismatch"] == 0 and r["scores"]["ok"] for g, r in zip(grid_res.values(), rand_res.values()))
@@ -485,10 +489,24 @@ def topk_check(T: int, cp: bool = False):
         summary += ("; overlap on = off bit for bit" if overlap_ok else
                     f"; OVERLAP ON != OFF: {[p for p, same in overlap_same.items() if not same]}")
         if no_sync is not None:
-            summary += f"; repair path {'without' if no_sync else 'WITH'} a host sync"
+            summary += (f"; repair path {'without' if no_sync else 'WITH'} a host sync; a later layer's radix call "
+                        f"{'without' if metrics['later_layer_host_sync_free'] else 'WITH'} one")
         return Outcome("pass" if ok else "fail", summary, metrics)
 
     return _budget(T, 5.0, 0.6)(fn)
+
+
+def _without_host_sync(fn) -> bool:
+    """Whether `fn()` runs under CUDA's sync debug mode "error" (a host sync raises)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return True
+    except RuntimeError:
+        return False
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def _repair_without_host_sync(dev) -> bool:
@@ -502,16 +520,7 @@ def _repair_without_host_sync(dev) -> bool:
     s[0, 9, 5] = float("nan")
     for count in (False, True):
         topk_repair(s, 2048, 0, count=count)  # compiled before the check
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for count in (False, True):
-            topk_repair(s, 2048, 0, count=count)
-        return True
-    except RuntimeError:
-        return False
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    return _without_host_sync(lambda: [topk_repair(s, 2048, 0, count=count) for count in (False, True)])
 
 
 # ----------------------------------------------------------------------------- indexer KL
@@ -769,7 +778,13 @@ def warmup_attention_check(T: int, cp: bool = False):
             ref_out, ref_lse = ref_out[:, pos], ref_lse[:, pos]
         res = {"out": compare(out, ref_out, TOL["out"]), "lse": compare(lse, ref_lse, TOL["lse"])}
         ran = library.LAST_BACKEND[0] if not cp else library.backend_for(q)
-        return _outcome(res, {"documents": lengths, "backend": ran}, note=f"; backend {ran}")
+        extra, note = {"documents": lengths, "backend": ran}, f"; backend {ran}"
+        if dev == "cuda" and ran == "efficient":  # reported, not gating: a later layer's call (same doc_start)
+            later = (lambda: dense_attention_lse(q, k, v, scale, ds)) if not cp else (
+                lambda: [mla_attention_rows(q[:, a:a + n], latent, k_rope, w_kv, scale, ds, a, nope) for _, a, n in runs])
+            extra["later_layer_host_sync_free"] = free = _without_host_sync(later)
+            note += f"; a later layer's call {'without' if free else 'WITH'} a host sync"
+        return _outcome(res, extra, note=note)
 
     return _budget(T, 3.0, 0.3)(fn)
 

@@ -29,9 +29,11 @@ from __future__ import annotations
 import os
 import warnings
 
+import numpy as np
 import torch
 
 from ...chunk_ops import chunk_loop_op
+from ...host_values import derived, segment_starts
 from ...op_registry import f32_empty, kernel_op
 from ..._triton_common import cuda_path_traced, kernel_mode
 from .reference import dense_attention_fwd_ref
@@ -68,14 +70,49 @@ def merge(out_a, lse_a, out_b, lse_b):
 
 
 # ----------------------------------------------------------------------------- CUDA: memory-efficient attention
-def doc_segments(doc_start: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """[B, T] document starts -> cu_seqlens int32 [n + 1] of the documents of the flattened B * T
-    rows, and the longest document's length (one host read)."""
+def doc_segments(doc_start: torch.Tensor, q_offset: int = 0, length: int | None = None) -> tuple[torch.Tensor, int]:
+    """[B, T] document starts -> cu_seqlens int32 [n + 1] (on doc_start's device) of the documents
+    of the flattened B * C rows of positions [a, a + C) (a = q_offset; C = length, default T - a;
+    documents clipped at a), and the longest one's length. Planned from doc_start's host copy
+    (`host_values`: one read per doc_start tensor, so per forward rather than per layer); cu is made
+    on the device by `nonzero_static` at the size the host copy gives (no host read) and is kept
+    with the copy, so the later layers of the forward reuse it."""
     B, T = doc_start.shape
-    pos = torch.arange(T, device=doc_start.device)
-    starts = (doc_start == pos).flatten().nonzero().flatten()  # position 0 of every row starts a document
-    cu = torch.cat([starts, starts.new_full((1,), B * T)]).to(torch.int32)
-    return cu, int((cu[1:] - cu[:-1]).max()) if B * T > 0 else 0
+    a = int(q_offset)
+    C = T - a if length is None else int(length)
+
+    def count(ds_host):  # -> (documents, the longest one's length)
+        ds = np.maximum(ds_host[:, a:a + C] - a, 0)
+        cu = np.append(segment_starts(ds), B * C)
+        return cu.shape[0] - 1, int(np.diff(cu).max()) if B * C > 0 else 0
+
+    n, max_len = derived(doc_start, ("segments", a, C), count)
+
+    def device_cu(_):
+        ds = (doc_start[:, a:a + C] - a).clamp_min(0)
+        pos = torch.arange(C, device=doc_start.device)
+        starts = torch.nonzero_static((ds == pos).flatten(), size=n).flatten()
+        return torch.cat([starts, starts.new_full((1,), B * C)]).to(torch.int32)
+
+    return derived(doc_start, ("segments_cu", a, C), device_cu), max_len
+
+
+def first_document_rows(doc_start: torch.Tensor, q_offset: int, length: int) -> list[tuple[int, int]]:
+    """Per batch row: (where the document holding position a = q_offset starts, how many of the
+    queries [a, a + length) belong to it: a prefix), from doc_start's host copy (`host_values`)."""
+    a = int(q_offset)
+
+    def rows(ds_host):
+        first = ds_host[:, a]
+        n_rows = (ds_host[:, a:a + int(length)] == first[:, None]).sum(1)
+        return [(int(s0), int(n)) for s0, n in zip(first, n_rows)]
+
+    return derived(doc_start, ("first_document_rows", a, int(length)), rows)
+
+
+def _pair(n: int, device) -> torch.Tensor:
+    """int32 [0, n] on `device`, without a host-to-device copy (which waits for the stream)."""
+    return torch.arange(2, dtype=torch.int32, device=device) * n
 
 
 def _lse_rows(lse: torch.Tensor, cu: torch.Tensor, total: int) -> torch.Tensor:
@@ -200,26 +237,23 @@ def _rows_efficient(q, latent, k_rope, w_kv, scale, doc_start, q_offset, nope, k
     see all of them: no mask), one key block at a time."""
     B, C, H, _ = q.shape
     a, b = q_offset, q_offset + C
-    ds = (doc_start[:, a:b] - a).clamp_min(0)
     k, v = _up_project(latent[:, a:b], k_rope[:, a:b], w_kv, H, nope)
-    cu, max_len = doc_segments(ds)
+    cu, max_len = doc_segments(doc_start, a, C)
     flat = [x.reshape(1, B * C, H, x.shape[-1]).contiguous() for x in (q, k, v)]
     out, lse = _efficient(*flat, scale, cu, cu, max_len, max_len, True)
     out, lse = out.view(B, C, H, -1).float(), lse.view(B, C, H)
     del k, v, flat
     if a == 0:
         return out, lse
-    first = doc_start[:, a]  # [B]: where the document holding position a starts
-    n_rows = (doc_start[:, a:b] == first[:, None]).sum(1)  # its queries in this run: a prefix
-    for row, (s0, n) in enumerate(zip(first.tolist(), n_rows.tolist())):
+    for row, (s0, n) in enumerate(first_document_rows(doc_start, a, C)):
         if s0 >= a or n == 0:
             continue
         qr = q[row:row + 1, :n].contiguous()
         for k0 in range(s0, a, key_block):
             k1 = min(a, k0 + key_block)
             kb, vb = (x.contiguous() for x in _up_project(latent[row:row + 1, k0:k1], k_rope[row:row + 1, k0:k1], w_kv, H, nope))
-            cu_q = torch.tensor([0, n], dtype=torch.int32, device=q.device)
-            cu_k = torch.tensor([0, k1 - k0], dtype=torch.int32, device=q.device)
+            cu_q = _pair(n, q.device)  # [0, n]: made on the device (torch.tensor would copy from the host)
+            cu_k = _pair(k1 - k0, q.device)
             o_blk, l_blk = _efficient(qr, kb, vb, scale, cu_q, cu_k, n, k1 - k0, False)
             out[row, :n], lse[row, :n] = merge(out[row, :n], lse[row, :n], o_blk.float(), l_blk)
     return out, lse

@@ -47,12 +47,14 @@ from __future__ import annotations
 import os
 import types
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from ... import autotune
 from ...analysis import Work
+from ...host_values import host_values, window_starts
 from ..._triton_common import Launch, compute_dtype, interpreted, kernel_input, pow2, target_capability
 from .quant import quantize_rows_triton
 from .pipeline import chunk_windows, overlap_enabled, run_chunks
@@ -750,19 +752,22 @@ def _select_chunk(scores: torch.Tensor, k0: int, topk: int, block: int | None = 
     return dest
 
 
-def _query_positions(query_positions, Tq: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (positions on the device as int32 [Tq], the same on the CPU as int64)."""
+def _query_positions(query_positions, Tq: int, T: int, device) -> tuple[torch.Tensor, np.ndarray]:
+    """-> (positions on the device as int32 [Tq], the same on the host as int64). The host copy is
+    read once per positions tensor (`host_values`: every layer of a forward gets the same one)."""
     if query_positions is None:
-        pos = torch.arange(Tq)
+        pos = np.arange(Tq, dtype=np.int64)
+        pos_dev = torch.arange(Tq, device=device, dtype=torch.int32)
     else:
-        pos = query_positions.detach().to("cpu", torch.int64)
-        if pos.shape != (Tq,):
+        if tuple(query_positions.shape) != (Tq,):
             raise ValueError(f"query_positions must be [Tq] = [{Tq}] (one global position per query row); "
-                             f"got shape {tuple(pos.shape)}")
-    if Tq and (int(pos.min()) < 0 or int(pos.max()) >= T):
+                             f"got shape {tuple(query_positions.shape)}")
+        pos = host_values(query_positions)
+        pos_dev = query_positions.detach().to(device=device, dtype=torch.int32)
+    if Tq and (pos.min() < 0 or pos.max() >= T):
         raise ValueError(f"query_positions must lie in [0, {T}) (the key sequence length); "
                          f"got [{int(pos.min())}, {int(pos.max())}]")
-    return pos.to(device=device, dtype=torch.int32), pos
+    return pos_dev, pos
 
 
 def _score_inputs(op: str, q: torch.Tensor, k: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -810,15 +815,16 @@ def indexer_topk_triton(
     T = k.shape[1]
     q, k = _score_inputs("indexer_topk", q, k, fp8)
     w = w.float().contiguous()
+    starts_at = window_starts(doc_start)  # before .contiguous(): the memo is the caller's tensor's
     doc_start = doc_start.contiguous()
     pos_dev, pos = _query_positions(query_positions, Tq, T, q.device)
     qs = ks = None
     if fp8:  # one pass each (`quant.py`: read q_I / k_I once, write e4m3 and the scales)
         (q, qs), (k, ks) = quantize_rows_triton(q, ue8m0), quantize_rows_triton(k, ue8m0)
     chunk = chunk_size or max(1, min(Tq, score_budget_elems // max(B * T, 1)))
-    # key window start per position (min over the batch): the call's one read of the device, before the loop
-    ds_cpu = doc_start.min(dim=0).values.cpu()
-    windows = chunk_windows(pos, ds_cpu[pos], chunk)  # [(r0, r1, k0, k_end)], planned on the host
+    # key window start per position (min over the batch), from doc_start's host copy: read once per
+    # doc_start tensor (`host_values`), so once per forward, not per layer
+    windows = chunk_windows(pos, starts_at[pos], chunk)  # [(r0, r1, k0, k_end)], planned on the host
     out_idx = torch.empty((B, Tq, topk), dtype=torch.int32, device=q.device)
     out_val = torch.empty((B, Tq, topk), dtype=torch.float32, device=q.device)
 

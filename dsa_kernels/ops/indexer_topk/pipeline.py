@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
 import torch
 
 from ..._triton_common import env_flag
@@ -61,22 +62,21 @@ def live_score_blocks(n_chunks: int, overlap: bool | None = None) -> int:
     return min(LIVE_SCORE_BLOCKS, max(n_chunks, 1)) if overlap_enabled(overlap) else 1
 
 
-def chunk_windows(pos: torch.Tensor, ds_at: torch.Tensor, chunk: int) -> list[tuple[int, int, int, int]]:
-    """Host-side plan of the query chunks: pos [Tq] int64 global query positions and ds_at [Tq] the
-    key window start of each (the first document position, min over the batch), both on the CPU
-    -> [(r0, r1, k0, k_end)]: local rows [r0, r1) over keys [k0, k_end). One pass, one read of the
-    values (nothing is read inside the chunk loop)."""
+def chunk_windows(pos: np.ndarray, ds_at: np.ndarray, chunk: int) -> list[tuple[int, int, int, int]]:
+    """Host-side plan of the query chunks: pos [Tq] the global query positions and ds_at [Tq] the
+    key window start of each (the first document position, min over the batch), both host arrays
+    (`host_values`) -> [(r0, r1, k0, k_end)]: local rows [r0, r1) over keys [k0, k_end). Reads
+    no tensor (nothing is read inside the chunk loop)."""
+    pos, ds_at = np.asarray(pos, dtype=np.int64), np.asarray(ds_at, dtype=np.int64)
     Tq = pos.shape[0]
-    pos, ds_at = pos.to(torch.int64), ds_at.to(torch.int64)
     if Tq == 0:
         return []
     n = -(-Tq // chunk)
-    hi = pos.new_full((n * chunk,), -1)  # padded to whole chunks with values that lose the max / min
-    lo = pos.new_full((n * chunk,), torch.iinfo(torch.int64).max)
+    hi = np.full(n * chunk, -1, dtype=np.int64)  # padded to whole chunks with values that lose the max / min
+    lo = np.full(n * chunk, np.iinfo(np.int64).max, dtype=np.int64)
     hi[:Tq], lo[:Tq] = pos, ds_at
-    hi, lo = hi.view(n, chunk).amax(1) + 1, lo.view(n, chunk).amin(1)
-    return [(i * chunk, min(Tq, (i + 1) * chunk), k0, k1)
-            for i, (k0, k1) in enumerate(zip(lo.tolist(), hi.tolist()))]
+    hi, lo = hi.reshape(n, chunk).max(1) + 1, lo.reshape(n, chunk).min(1)
+    return [(i * chunk, min(Tq, (i + 1) * chunk), int(k0), int(k1)) for i, (k0, k1) in enumerate(zip(lo, hi))]
 
 
 class ChunkPipeline:
