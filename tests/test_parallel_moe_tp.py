@@ -12,6 +12,7 @@ checks):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import json
@@ -74,13 +75,32 @@ def _tp_checks(n_tokens: int, grouped: bool) -> dict:
     x_all, dy = torch.randn(n_tokens, HIDDEN, generator=g), torch.randn(n_tokens, HIDDEN, generator=g)
     x = x_all.clone().requires_grad_(True)  # every TP rank holds all the tokens
     y = moe(x)
-    (y * dy).sum().backward()
+    with _counted_all_reduces() as reduced:
+        (y * dy).sum().backward()
     x_ref = x_all.clone().requires_grad_(True)
     y_ref = reference(x_ref)
     (y_ref * dy).sum().backward()
     start, stop = row_share(n_tokens, dist.group.WORLD)
     out = _diffs(moe, reference, y, y_ref, x, x_ref, {n: p.grad for n, p in moe.named_parameters()})
-    return {**out, "expert_rows": rows, "share": stop - start}
+    return {**out, "expert_rows": rows, "share": stop - start, "backward_all_reduces": reduced,
+            "router_params": len(list(moe.gate.parameters()))}
+
+
+@contextlib.contextmanager
+def _counted_all_reduces():
+    """The shapes of the tensors all-reduced inside (torch.distributed.all_reduce, as the hooks and
+    `copy_to_group` call it)."""
+    shapes, real = [], dist.all_reduce
+
+    def counted(tensor, *args, **kwargs):
+        shapes.append(list(tensor.shape))
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        yield shapes
+    finally:
+        dist.all_reduce = real
 
 
 def _tp_ep_checks(rank: int) -> dict:
@@ -158,6 +178,19 @@ def _assert_matches_one_process(m: dict) -> None:
     assert m["input_grad_diff"] <= 1e-5, m
     assert m["param_grad_diff"] and max(m["param_grad_diff"].values()) <= 1e-5, m
     assert m["load_equal"], m
+
+
+@pytest.mark.parametrize("tokens", list(TOKEN_COUNTS))
+def test_tp2_grouped_experts_sum_their_gradients_in_one_all_reduce_per_projection(tp2, tokens):
+    """Grouped GEMMs: the routed experts' gradients summed over TP on the stacked [E, I, h] /
+    [E, h, I] weights, 3 all-reduces a layer whatever the number of experts; as a loop one per
+    expert weight (3 x 8). The router's by its hooks in both."""
+    for r in tp2:
+        grouped, loop = r[tokens]["backward_all_reduces"], r[f"{tokens}_loop"]["backward_all_reduces"]
+        router = r[tokens]["router_params"]
+        assert len(grouped) == router + 3 and len(loop) == router + 3 * 8, (grouped, loop)
+        stacked = sorted(x for x in grouped if len(x) == 3)  # gate / up [E, I, h], down [E, h, I]
+        assert stacked == sorted([[8, 8, HIDDEN], [8, 8, HIDDEN], [8, HIDDEN, 8]]), grouped
 
 
 @pytest.mark.parametrize("experts", ["grouped", "loop"])

@@ -18,7 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 
-def _grouped_mm_available() -> bool:
+def grouped_mm_available() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
@@ -163,14 +163,23 @@ def expert_offsets(counts: list[int] | torch.Tensor, device: torch.device) -> to
     return offs.to(device)
 
 
-def grouped_experts(experts: list, x_sorted: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
+def grouped_experts(experts: list, x_sorted: torch.Tensor, counts: list[int] | torch.Tensor,
+                    weight_grad: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """The local experts on their tokens (sorted by expert) with grouped GEMMs instead of a loop.
     `counts` (tokens per expert) on the host or, read nowhere, on the device. The expert weights
     keep their per-expert (Hugging Face) parameters; `stacked_weights` groups them without a copy
-    where they share one evenly strided storage (`pack_expert_weights`)."""
-    if not _grouped_mm_available():
+    where they share one evenly strided storage (`pack_expert_weights`). `weight_grad`: applied to
+    each projection's stacked [E, ...] weight (an identity whose backward, e.g., sums the gradient
+    over tensor-parallel ranks: one collective per projection instead of one per expert weight)."""
+    if not grouped_mm_available():
+        if weight_grad is not None:
+            raise RuntimeError("grouped_experts: weight_grad needs torch._grouped_mm (this torch has none)")
         return per_expert(experts, x_sorted, counts.tolist() if isinstance(counts, torch.Tensor) else counts)
-    stack = lambda name: stacked_weights([getattr(e, name).weight for e in experts])  # noqa: E731
+    grad_of = weight_grad or (lambda w: w)
+
+    def stack(name):
+        return grad_of(stacked_weights([getattr(e, name).weight for e in experts]))
+
     w_gate, w_up, w_down = stack("gate_proj"), stack("up_proj"), stack("down_proj")
     path = expert_gemm_path(x_sorted.dtype, x_sorted.device.type, x_sorted.shape[-1], w_gate.shape[1])
     if path == "loop" and not isinstance(counts, torch.Tensor):

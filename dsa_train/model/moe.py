@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.nn import functional as F
 
 from .config import DSAConfig
-from .grouped_experts import grouped_experts, pack_expert_weights, per_expert
+from .grouped_experts import grouped_experts, grouped_mm_available, pack_expert_weights, per_expert
 from .recompute import recomputing
 
 
@@ -308,6 +308,11 @@ class TokenSplit(Protocol):
         """Tokens per expert of this rank's share [E] -> of all N tokens (a new tensor)."""
         ...
 
+    def sum_gradient(self, weight: torch.Tensor) -> torch.Tensor:
+        """Identity; the gradient is summed over the split's ranks (each ran its share's tokens
+        through `weight`): applied to the routed experts' stacked weights (`grouped_experts`)."""
+        ...
+
 
 class SideStream:
     """`module(x)` on a CUDA side stream, started now and joined by `result()`: the shared experts
@@ -419,8 +424,17 @@ class MoE(nn.Module):
         same parameter gathers) on every rank."""
         experts = [self.experts[str(e)] for e in self.dispatcher.local_experts]
         if self.grouped_gemm:
-            return grouped_experts(experts, x_sorted, counts)
+            # under a token split the experts' gradients are summed over its ranks on the stacked
+            # weights: one collective per projection (else per expert weight, `expert_grads_summed_on_stack`)
+            weight_grad = self.token_split.sum_gradient if self.expert_grads_summed_on_stack() else None
+            return grouped_experts(experts, x_sorted, counts, weight_grad=weight_grad)
         return per_expert(experts, x_sorted, counts)
+
+    def expert_grads_summed_on_stack(self) -> bool:
+        """Whether the forward sums the routed experts' gradients over the token split's ranks itself,
+        on each projection's stacked weight (grouped GEMMs under a `token_split`); otherwise the
+        split's owner sums each expert weight's gradient (`dsa_train.parallel.tensor.split_moe_tokens`)."""
+        return self.token_split is not None and self.grouped_gemm and grouped_mm_available()
 
     @torch.no_grad()
     def update_bias(self, rate: float) -> None:

@@ -18,8 +18,10 @@ rows a rank, the last ranks fewer when TP does not divide N; the all-gather pads
 ceil(N / TP) rows and drops the padding). The routed output is all-gathered over TP, so every rank
 continues with the same [N, hidden] tensor; the split's backward all-gathers the input gradient,
 the gather's takes this rank's share. The router's and routed experts' gradients then come from
-different tokens on each TP rank: a hook sums them over TP (`sum_over_group`), after which every TP
-rank holds the same full gradient, as before (DeepSpeed reduces them over DP x CP, or the experts
+different tokens on each TP rank and are summed over TP -- the router's by a hook (`sum_over_group`),
+the routed experts' (grouped GEMMs) in one all-reduce per projection of the stacked [E, ...] weight
+(`TensorParallelTokens.sum_gradient`; as a loop, a hook per weight) -- after which every TP rank
+holds the same full gradient, as before (DeepSpeed reduces them over DP x CP, or the experts
 over expert-DP, and its gradient norm counts them on TP rank 0 only). The tokens per expert are
 summed over TP in the forward (the bias update and the load metrics see all N tokens, as TP 1). With
 expert parallelism each TP rank's EP group dispatches that rank's share.
@@ -136,12 +138,15 @@ def shard_mlp(mlp: MLP, state: ParallelState) -> None:
     mlp.row_chunked = False
 
 
-def sum_over_group(param: torch.Tensor, group, divide_by: int = 1) -> None:
+def sum_over_group(param: torch.Tensor, group, divide_by: int = 1, unless=None) -> None:
     """Sum this replicated parameter's gradient contributions over `group` (its ranks ran it on
-    different tokens), divided by `divide_by` (`average_over_group`)."""
+    different tokens), divided by `divide_by` (`average_over_group`). `unless`: a callable; when it
+    returns True at the backward, the gradient is left as it is (summed elsewhere)."""
     import torch.distributed as dist
 
     def hook(grad):
+        if unless is not None and unless():
+            return grad
         grad = grad.clone()
         dist.all_reduce(grad, group=group)
         return grad / divide_by if divide_by != 1 else grad
@@ -169,6 +174,9 @@ class TensorParallelTokens:
 
     def sum_load(self, load: torch.Tensor) -> torch.Tensor:
         return all_reduce_nograd(load.clone(), self.group)
+
+    def sum_gradient(self, weight: torch.Tensor) -> torch.Tensor:
+        return copy_to_group(weight, self.group)
 
 
 class TensorParallelHeads:
@@ -224,7 +232,11 @@ def shard_tensor_parallel(model: nn.Module, state: ParallelState) -> None:
 
 def split_moe_tokens(moe: MoE, state: ParallelState) -> None:
     """The layer's router and routed experts on this TP rank's share of its tokens (module doc),
-    their gradients summed over TP."""
+    their gradients summed over TP: the router's by a hook per parameter; the routed experts' as
+    grouped GEMMs on each projection's stacked weight in the forward (`MoE.run_experts`: 3
+    all-reduces a layer, whatever the number of experts), as a loop by a hook per expert weight."""
     moe.token_split = TensorParallelTokens(state)
-    for p in [*moe.gate.parameters(), *moe.experts.parameters()]:
+    for p in moe.gate.parameters():
         sum_over_group(p, state.tp_group)
+    for p in moe.experts.parameters():  # checked at the backward: set_layout may come after this
+        sum_over_group(p, state.tp_group, unless=moe.expert_grads_summed_on_stack)

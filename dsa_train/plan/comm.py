@@ -137,6 +137,7 @@ class StepShape:
     dense_reduced: float  # of dense_trainable: those that get a gradient (the stage runs them)
     expert_reduced: float
     router_bias_update: bool
+    grouped_experts: bool = True  # parallel.grouped_experts: routed experts as grouped GEMMs (else a loop)
 
 
 def step_shape(cfg, stage, sizes, trainable: tuple[float, float], reduced: tuple[float, float],
@@ -157,6 +158,7 @@ def step_shape(cfg, stage, sizes, trainable: tuple[float, float], reduced: tuple
         dense_trainable=trainable[0], expert_trainable=trainable[1], dense_reduced=reduced[0],
         expert_reduced=reduced[1],
         router_bias_update=stage.config.router_bias_update_rate != 0,
+        grouped_experts=cfg.parallel.grouped_experts,
     )
 
 
@@ -281,7 +283,9 @@ def tp_moe_collectives(c, sizes, s: StepShape) -> list[Collective]:
     rows: TP x that x hidden, model dtype; again in a recomputed layer) and the tokens per expert
     all-reduced (int64 [experts]; not in the recompute, which counts no loads); backward (main model trains): the input gradient all-gathered
     (the same size), and the router's and this rank's routed experts' weight gradients summed over
-    TP (one all-reduce per tensor: the router [E, hidden], 3 per local expert [I, hidden])."""
+    TP: the router's [E, hidden] by a hook, the experts' as grouped GEMMs once per projection, the
+    stacked [E_local, I, hidden] (`TensorParallelTokens.sum_gradient`), as a loop (`parallel.grouped_experts:
+    false`) by a hook per expert weight [I, hidden] (3 per local expert)."""
     if sizes.tensor <= 1 or not c.n_routed_experts:
         return []
     main_moe = sum(1 for i in range(c.num_hidden_layers) if c.is_moe_layer(i))
@@ -293,8 +297,10 @@ def tp_moe_collectives(c, sizes, s: StepShape) -> list[Collective]:
     weights = []
     if s.main_trains:
         local_experts = c.n_routed_experts // sizes.expert
-        weights = [(c.n_routed_experts * c.hidden_size * s.dtype_bytes, moe),
-                   (c.moe_intermediate_size * c.hidden_size * s.dtype_bytes, 3 * local_experts * moe)]
+        expert_weight = c.moe_intermediate_size * c.hidden_size * s.dtype_bytes
+        experts = ([(local_experts * expert_weight, 3 * moe)] if s.grouped_experts
+                   else [(expert_weight, 3 * local_experts * moe)])
+        weights = [(c.n_routed_experts * c.hidden_size * s.dtype_bytes, moe), *experts]
     mb = s.micro_batches
     return (_rows("tp_moe_gather_forward", "all_gather", "tp", "forward", [(gathered, moe)], mb)
             + _rows("tp_moe_loads_forward", "all_reduce", "tp", "forward", [(loads, moe)], mb)
