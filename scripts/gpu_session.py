@@ -33,6 +33,9 @@ On the GPU machine (offline; the image's python3, which is itself a venv):
        correctness dsa-train gpu-check --only correctness
        check:P1,P2[=S]  dsa-train gpu-check --only P1 P2 (any check prefixes), S seconds
        bench:SCRIPT[=S] python benchmarks/SCRIPT <out>.json (a kernel candidate's script)
+       pytest:T1,T2[=S] the tests marked `gpu` in tests/T1, tests/T2 (python -P -m pytest -m gpu,
+                        --import-mode=importlib, from outside the tree: the installed package under
+                        test, not the source tree); its JUnit XML among the reports
        env:NAME=VALUE   set NAME for the steps after it (e.g. env:DSA_KERNELS_GLUON=1 before the
                         steps that may run an opt-in kernel, after the steps that must not)
   Outputs ($OUT, at most 8 files): session.md (one row per step: status, seconds, command), session.log
@@ -76,7 +79,9 @@ class SessionError(Exception):
     """A problem with the inputs, told in one line."""
 
 
-STEP_KINDS = ("e2e", "variants", "speed", "correctness", "check", "bench")
+STEP_KINDS = ("e2e", "variants", "speed", "correctness", "check", "bench", "pytest")
+STEP_USAGE = ("use e2e, variants, speed, correctness, check:PREFIX[,PREFIX][=S], bench:SCRIPT[=S], "
+              "pytest:TEST_FILE[,TEST_FILE][=S] or env:NAME=VALUE")
 
 
 def check_step(spec: str) -> None:
@@ -89,12 +94,15 @@ def check_step(spec: str) -> None:
     name, eq, secs = spec.partition("=")
     kind, colon, arg = name.partition(":")
     if kind not in STEP_KINDS:
-        raise SessionError(f"step {spec!r}: unknown step; use e2e, variants, speed, correctness, "
-                           "check:PREFIX[,PREFIX][=S], bench:SCRIPT[=S] or env:NAME=VALUE")
-    if kind in ("check", "bench") and not arg:
+        raise SessionError(f"step {spec!r}: unknown step; {STEP_USAGE}")
+    if kind in ("check", "bench", "pytest") and not arg:
         raise SessionError(f"step {spec!r}: {kind}: needs its argument ({kind}:...)")
     if kind == "bench" and not (REPO / "benchmarks" / arg).is_file():
         raise SessionError(f"step {spec!r}: no benchmarks/{arg}; pick a script in benchmarks/")
+    if kind == "pytest":
+        missing = [t for t in arg.split(",") if not t or not (REPO / "tests" / t).is_file()]
+        if missing:
+            raise SessionError(f"step {spec!r}: no tests/{missing[0]}; name test files in tests/, comma-separated")
     if eq:
         try:
             ok = float(secs) > 0
@@ -300,6 +308,18 @@ class Session:
         self.run(name, [self.python, str(path), str(out), *extra], seconds, cwd=self.work, env=env)
         self.reports.append((name, out))
 
+    def gpu_tests(self, name: str, files: list[str], seconds: float) -> None:
+        """The `gpu`-marked tests of tests/FILE...: run from outside the tree with `python -P` (no
+        working directory on sys.path) and `--import-mode=importlib` (no rootdir inserted), so they
+        import the installed dsa_train / dsa_kernels; the tree gives only the tests and the config."""
+        xml = self.work / ("pytest-" + "-".join(Path(f).stem for f in files) + ".xml")
+        env = dict(self.env, TRITON_INTERPRET="1") if self.device == "cpu" else self.env
+        cmd = [self.python, "-P", "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "--import-mode=importlib",
+               "--rootdir", str(REPO), "-c", str(REPO / "pyproject.toml"), f"--junitxml={xml}",
+               *(str(REPO / "tests" / f) for f in files)]
+        self.run(name, cmd, seconds, cwd=self.work, env=env)
+        self.reports.append((name, xml))
+
     def step(self, spec: str) -> None:
         if spec.startswith("env:"):
             key, sep, value = spec[4:].partition("=")
@@ -327,9 +347,10 @@ class Session:
             self.gpu_check(name, [p for p in arg.split(",") if p], seconds)
         elif kind == "bench":
             self.bench(name, arg, seconds)
+        elif kind == "pytest":
+            self.gpu_tests(name, arg.split(","), seconds)
         else:
-            raise SessionError(f"--step {spec!r}: unknown step; use e2e, variants, speed, correctness, "
-                               "check:PREFIX[,PREFIX][=S], bench:SCRIPT[=S] or env:NAME=VALUE")
+            raise SessionError(f"--step {spec!r}: unknown step; {STEP_USAGE}")
 
     # -- the outputs
     def finish(self) -> None:

@@ -42,6 +42,8 @@ def test_the_next_sessions_plan_names_real_checks_and_benchmarks():
     ("bench:no_such_benchmark.py=30\n", "no benchmarks/no_such_benchmark.py"),
     ("speed=soon\n", "seconds > 0"),
     ("env:DSA_X\n", "env:NAME=VALUE"),
+    ("pytest:\n", "needs its argument"),
+    ("pytest:test_host_values.py,no_such_test.py=60\n", "no tests/no_such_test.py"),
     ("# only a comment\n\n", "no steps"),
 ])
 def test_a_bad_plan_is_one_line_before_anything_runs(tmp_path, capsys, text, problem):
@@ -62,3 +64,24 @@ def test_plan_and_step_together_are_refused(tmp_path):
     gs = _script()
     with pytest.raises(SystemExit):
         gs.main(["run", "--out", str(tmp_path), "--plan", "x", "--step", "speed"])
+
+
+@pytest.mark.integration
+def test_a_pytest_step_runs_the_gpu_tests_of_its_files_from_outside_the_tree(tmp_path):
+    """`pytest:FILES`: the files' `gpu` tests only (here, without CUDA, collected and skipped), run
+    from the session's work folder with `python -P` and importlib imports (the installed package
+    under test), JUnit XML kept among the reports."""
+    import sys
+    import xml.etree.ElementTree as ET
+
+    gs = _script()
+    session = gs.Session(tmp_path / "out", 300, sys.executable, True, "cpu")
+    session.step("pytest:test_host_values.py,test_kernels_topk_repair.py=120")
+    row = session.rows[-1]
+    assert row["status"] == "ok", (row, (tmp_path / "out" / "session.log").read_text()[-2000:])
+    assert " -P -m pytest -m gpu " in row["command"] and "--import-mode=importlib" in row["command"]
+    name, xml = session.reports[-1]
+    cases = {c.get("name"): [x.tag for x in c] for c in ET.parse(xml).getroot().iter("testcase")}
+    assert cases == {"test_on_cuda_the_next_layer_makes_no_host_sync": ["skipped"],
+                     "test_repair_path_has_no_host_sync": ["skipped"]}, cases
+    session.log.close()
