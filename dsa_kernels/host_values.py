@@ -10,7 +10,8 @@ L layers -- and the recompute forward after it -- would read the same values L t
 `host_values(t)` reads `t` once and keeps the copy for as long as `t` lives (a weak key: the
 memo goes with the tensor) and is not changed in place (its version counter is checked);
 `derived(t, key, fn)` memoizes what the host code computes from it (`fn(host_copy)`), device
-tensors included, under the same rule. Copies are numpy arrays (int64): what the host code does
+tensors included, under the same rule. A tensor made under `torch.inference_mode()` has no version
+counter: it is read at every call, as before. Copies are numpy arrays (int64): what the host code does
 with them dispatches no tensor operator and reads nothing more. A fake or meta tensor (the
 plan's traces) has no values: it raises, as reading it would.
 """
@@ -27,11 +28,17 @@ from torch.utils.weak import WeakTensorKeyDictionary
 _MEMO = WeakTensorKeyDictionary()
 
 
+def _read(t: torch.Tensor) -> np.ndarray:
+    # the one read of t's values (on a GPU: a device-to-host copy that waits for t)
+    return t.detach().cpu().numpy().astype(np.int64, copy=True)
+
+
 def _entry(t: torch.Tensor) -> tuple[int, np.ndarray, dict]:
+    if t.is_inference():  # no version counter to see an in-place change by: read at every call
+        return (-1, _read(t), {})
     entry = _MEMO.get(t)
     if entry is None or entry[0] != t._version:
-        # the one read of t's values (on a GPU: a device-to-host copy that waits for t)
-        entry = (t._version, t.detach().cpu().numpy().astype(np.int64, copy=True), {})
+        entry = (t._version, _read(t), {})
         _MEMO[t] = entry
     return entry
 

@@ -113,6 +113,18 @@ def test_a_tensor_changed_in_place_is_read_again_and_the_memo_goes_with_it():
     assert len(HV._MEMO) == n - 1
 
 
+def test_an_inference_mode_tensor_is_read_at_every_call():
+    """No version counter under inference mode: no memo (an in-place change there is still seen)."""
+    with torch.inference_mode():
+        ds = _docs([[8, 8]])
+        with StepCounts() as c:
+            assert library.doc_segments(ds)[1] == 8
+            ds.copy_(_docs([[3, 13]]))
+            assert library.doc_segments(ds)[1] == 13
+    assert _kernel_reads(c) == {"host_values.py": 8}  # 2 copies a call (the count, then cu_seqlens), each .cpu + .numpy
+    assert ds not in HV._MEMO
+
+
 def test_host_values_refuse_a_tensor_without_values():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
