@@ -33,7 +33,7 @@ from dsa_train.parallel.tensor import TensorParallelTokens
 ENGINE_MEMBERS = {"model", "trainable", "optimizer", "scheduler", "lr", "forward", "backward", "gradient_tensors",
                   "step", "zero_grad", "close", "fragments"}
 DISPATCHER_MEMBERS = {"local_experts", "dispatch", "combine"}
-TOKEN_SPLIT_MEMBERS = {"scatter", "gather", "sum_load"}
+TOKEN_SPLIT_MEMBERS = {"scatter", "gather", "sum_load", "sum_gradient"}
 
 
 def protocol_members(protocol: type) -> set[str]:
