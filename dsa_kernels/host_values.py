@@ -67,5 +67,4 @@ def window_starts(doc_start: torch.Tensor) -> np.ndarray:
 def segment_starts(doc_start: np.ndarray) -> np.ndarray:
     """[B, T] document starts (host) -> the flat indices (over B * T rows) where a document starts:
     position 0 of every row and every position whose start is itself."""
-    B, T = doc_start.shape
-    return np.flatnonzero(doc_start == np.arange(T)[None, :])
+    return np.flatnonzero(doc_start == np.arange(doc_start.shape[1])[None, :])

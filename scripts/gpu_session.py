@@ -300,7 +300,7 @@ class Session:
             return
         out = self.work / f"{Path(script).stem}.json"
         extra = ["--small"] if self.small else []
-        env = dict(self.env, TRITON_INTERPRET="1") if self.device == "cpu" else self.env
+        env = self.kernel_env()
         # every benchmark's child measures under --budget: the step's time box less 20 s for the start and the write
         extra += ["--budget", str(int(max(seconds - 20, 10)))]
         if script == "kernel_variants.py" and self.small:
@@ -308,12 +308,16 @@ class Session:
         self.run(name, [self.python, str(path), str(out), *extra], seconds, cwd=self.work, env=env)
         self.reports.append((name, out))
 
+    def kernel_env(self) -> dict:
+        """The steps' environment; on the CPU (the rehearsal) with the Triton interpreter."""
+        return dict(self.env, TRITON_INTERPRET="1") if self.device == "cpu" else self.env
+
     def gpu_tests(self, name: str, files: list[str], seconds: float) -> None:
         """The `gpu`-marked tests of tests/FILE...: run from outside the tree with `python -P` (no
         working directory on sys.path) and `--import-mode=importlib` (no rootdir inserted), so they
         import the installed dsa_train / dsa_kernels; the tree gives only the tests and the config."""
         xml = self.work / ("pytest-" + "-".join(Path(f).stem for f in files) + ".xml")
-        env = dict(self.env, TRITON_INTERPRET="1") if self.device == "cpu" else self.env
+        env = self.kernel_env()
         cmd = [self.python, "-P", "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "--import-mode=importlib",
                "--rootdir", str(REPO), "-c", str(REPO / "pyproject.toml"), f"--junitxml={xml}",
                *(str(REPO / "tests" / f) for f in files)]
